@@ -1,0 +1,39 @@
+# Entry points: `make run` (install if needed, then the demo pipeline locally), `make test`, `make lint`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEMO_RAW := build/demo_raw
+
+.PHONY: install run test lint bench clean
+
+# torch goes in first, pinned to the CPU build on this disk: anything that pulled torch
+# before it would drag in a multi-GB CUDA build. The project's ranges (pyproject.toml) then
+# accept the torch that is there and install nothing more for it.
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The demo: BBC News articles and a labels file staged as a user's raw data (once), then the
+# whole pipeline on the local backend. Each call is a new run_num; nothing is overwritten.
+run: install
+	@test -d $(DEMO_RAW) || $(PY) -m user_functions.demo_data $(DEMO_RAW)
+	$(PY) -m pipeline.stage settings.ini $(DEMO_RAW) --if-empty
+	$(PY) run_pipeline.py settings.ini
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
+
+bench: install
+	$(PY) bench/checkpoint_cost.py
+
+clean:
+	rm -rf build artifacts

@@ -1,0 +1,486 @@
+"""settings.ini -> a typed, validated `Settings`, once, at the boundary.
+
+Everything after `load_settings` sees types, never raw strings. Every problem in a file
+is collected and raised together in one `ConfigError`, each line naming its section, key
+and what is allowed, so a user fixes the whole file in one go.
+
+Environment variables override keys: `SMPIPE__<SECTION>__<KEY>`, e.g.
+`SMPIPE__TRAINING__EPOCHS=1`, `SMPIPE__TRAINING_BOW__LEARNING_RATE=1e-2` or
+`SMPIPE__TUNING_HYPERPARAMETERS__LEARNING_RATE=1e-5->1e-3` (dots in a section name become underscores).
+"""
+
+from __future__ import annotations
+
+import configparser
+import io
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from steps.hyperparameters import HYPERPARAMETERS, TUNABLE
+
+ENV_PREFIX = "SMPIPE__"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+NAME_RULE = "letters, digits, '_' or '-', starting with a letter or digit, at most 63 characters"
+SECRET_KEY_RE = re.compile(r"(key|secret|token|password)", re.IGNORECASE)
+
+
+class ConfigError(ValueError):
+    """Every problem of one settings file, each on its own line."""
+
+    def __init__(self, problems: list[str], source: str = "settings"):
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{source}: {len(problems)} problem(s):\n{lines}")
+
+
+def check_name(value: str) -> str:
+    """A name that becomes part of a path: no '..', no slashes, not empty."""
+    if not NAME_RE.match(value or ""):
+        raise ValueError(f"{value!r} is not a valid name ({NAME_RULE})")
+    return value
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=True)
+
+
+class Experiment(Section):
+    name: str
+    store: str  # a local directory, or s3://bucket[/prefix]
+    backend: Literal["local", "sagemaker"] = "local"
+    job: Literal["train", "tune"] = "train"
+    region: str = "us-east-1"
+    role_arn: str = ""
+    image_uri: str = ""
+    user_functions: str = "user_functions"
+
+    _name = field_validator("name")(check_name)
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, value: str) -> str:
+        if not value:
+            raise ValueError("must be a local directory or s3://bucket[/prefix]")
+        if value.startswith("s3://") and not value[5:].split("/")[0]:
+            raise ValueError(f"{value!r} names no bucket")
+        return value
+
+
+class Data(Section):
+    raw_data: str = ""  # empty: the experiment's raw/ folder in the store
+    train_fraction: float = Field(0.8, gt=0, lt=1)
+    validation_fraction: float = Field(0.1, gt=0, lt=1)
+    test_fraction: float = Field(0.1, gt=0, lt=1)
+    seed: int = 42
+    instance_type: str = "ml.m5.xlarge"
+
+
+class Models(Section):
+    model_names: list[str]
+
+    @field_validator("model_names", mode="before")
+    @classmethod
+    def _split(cls, value):
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not value:
+            raise ValueError("name at least one model")
+        return value
+
+    @field_validator("model_names")
+    @classmethod
+    def _names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            check_name(name)
+        if len(set(value)) != len(value):
+            raise ValueError(f"model names repeat: {value}")
+        return value
+
+
+class Training(Section):
+    epochs: int = Field(3, ge=1)
+    learning_rate: float = Field(5e-5, gt=0)
+    batch_size: int = Field(32, ge=1)
+    max_per_device_batch_size: int = Field(16, ge=1)
+    max_sequence_length: int = Field(128, ge=8)
+    warmup_ratio: float = Field(0.1, ge=0, lt=1)
+    weight_decay: float = Field(0.01, ge=0)
+    max_steps: int = Field(0, ge=0)
+    use_distributed: bool = False
+    processes_per_host: int = Field(1, ge=1)
+    instance_type: str = "ml.g5.xlarge"
+    instance_count: int = Field(1, ge=1)
+    use_spot: bool = False
+    max_run_seconds: int = Field(86400, ge=60)
+    max_wait_seconds: int = Field(172800, ge=60)
+    checkpoint_every_steps: int = Field(50, ge=0)
+    keep_checkpoints: int = Field(2, ge=1)
+    max_restarts: int = Field(3, ge=0)
+
+
+@dataclass(frozen=True)
+class Interval:
+    low: float
+    high: float
+    integer: bool
+    log: bool
+
+    def render(self) -> str:
+        return f"{self.low}->{self.high}{' log' if self.log else ''}"
+
+
+@dataclass(frozen=True)
+class Categorical:
+    options: tuple[str, ...]
+
+
+Tunable = Interval | Categorical
+
+
+class Tuning(Section):
+    objective_metric: str = "validation:f1"
+    objective_type: Literal["Maximize", "Minimize"] = "Maximize"
+    strategy: Literal["Bayesian", "Random", "Grid", "Hyperband"] = "Bayesian"
+    max_jobs: int = Field(4, ge=1)
+    max_parallel_jobs: int = Field(1, ge=1)
+
+
+class Inference(Section):
+    instance_type: str = "ml.m5.xlarge"
+    batch_size: int = Field(64, ge=1)
+
+
+class Tracking(Section):
+    wandb_project: str = "smpipe"
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+
+
+class Settings(BaseModel):
+    """The whole validated settings file."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    experiment: Experiment
+    data: Data
+    models: Models
+    training: Training
+    tuning: Tuning
+    inference: Inference
+    tracking: Tracking
+    # [training.<model>]: what one model trains with, [training] with its overrides applied.
+    model_training: dict[str, Training] = {}
+    # [tuning.hyperparameters]: constants override [training]; tunables are searched.
+    tuning_constants: dict[str, str] = {}
+    tunables: dict[str, Tunable] = {}
+    # [tuning.metric_definitions]: name -> regex read off the training log.
+    metric_definitions: dict[str, str] = {}
+    source: str = ""  # the file it came from
+    applied_ini: str = ""  # the file as applied (environment overrides in), secrets redacted
+    base_dir: str = ""  # relative local paths resolve against the settings file's folder
+
+    def store_uri(self) -> str:
+        store = self.experiment.store
+        if store.startswith("s3://") or os.path.isabs(store):
+            return store
+        return str(Path(self.base_dir, store).resolve())
+
+    def raw_data_uri(self) -> str:
+        """[data] RAW_DATA as a URI or absolute folder; empty when the store's raw/ is used."""
+        raw = self.data.raw_data
+        if not raw or "://" in raw or os.path.isabs(raw):
+            return raw
+        return str(Path(self.base_dir, raw).resolve())
+
+    def training_hyperparameters(self, model_name: str, job_kind: str) -> dict[str, str]:
+        """What a training job receives: strings, as SageMaker passes them."""
+        t = self.model_training.get(model_name, self.training)
+        hps = {
+            "model_name": model_name,
+            "model_names": ",".join(self.models.model_names),
+            "job_kind": job_kind,
+            "epochs": t.epochs,
+            "learning_rate": t.learning_rate,
+            "batch_size": t.batch_size,
+            "max_per_device_batch_size": t.max_per_device_batch_size,
+            "max_sequence_length": t.max_sequence_length,
+            "warmup_ratio": t.warmup_ratio,
+            "weight_decay": t.weight_decay,
+            "max_steps": t.max_steps,
+            "seed": self.data.seed,
+            "checkpoint_every_steps": t.checkpoint_every_steps,
+            "keep_checkpoints": t.keep_checkpoints,
+            "wandb_project": self.tracking.wandb_project,
+            "wandb_mode": self.tracking.wandb_mode,
+        }
+        if job_kind == "tuning":
+            hps.update(self.tuning_constants)
+        return {k: str(v) for k, v in hps.items()}
+
+
+SECTIONS: dict[str, type[Section]] = {
+    "experiment": Experiment,
+    "data": Data,
+    "models": Models,
+    "training": Training,
+    "tuning": Tuning,
+    "inference": Inference,
+    "tracking": Tracking,
+}
+FREE_SECTIONS = ("tuning.hyperparameters", "tuning.metric_definitions")
+# [training.<model>] may change how one model learns; the rest is shared by every model
+# (one encoding for all, one job shape).
+PER_MODEL = (
+    "epochs",
+    "learning_rate",
+    "batch_size",
+    "max_per_device_batch_size",
+    "warmup_ratio",
+    "weight_decay",
+    "max_steps",
+)
+INT_RE = re.compile(r"^[+-]?\d+$")
+
+
+def parse_tunable(text: str) -> Tunable | str:
+    """`a->b` (optionally `a->b log`) is an interval, `x,y,z` categorical, else a constant."""
+    text = text.strip()
+    if "->" in text:
+        body, _, scale = text.partition(" ")
+        if scale.strip() not in ("", "log"):
+            raise ValueError(f"{text!r}: after an interval only 'log' may follow")
+        low_s, _, high_s = body.partition("->")
+        low_s, high_s = low_s.strip(), high_s.strip()
+        if not low_s or not high_s:
+            raise ValueError(f"{text!r}: an interval needs both bounds, as in 1e-5->1e-3")
+        try:
+            low, high = float(low_s), float(high_s)
+        except ValueError:
+            raise ValueError(f"{text!r}: bounds must be numbers") from None
+        if not (math.isfinite(low) and math.isfinite(high)):
+            raise ValueError(f"{text!r}: bounds must be finite")
+        if low >= high:
+            raise ValueError(f"{text!r}: empty interval, the low bound must be below the high one")
+        log = scale.strip() == "log"
+        if log and low <= 0:
+            raise ValueError(f"{text!r}: a log scale needs a low bound above 0")
+        integer = bool(INT_RE.match(low_s) and INT_RE.match(high_s))
+        return Interval(low, high, integer, log)
+    if "," in text:
+        options = tuple(o.strip() for o in text.split(","))
+        if any(not o for o in options):
+            raise ValueError(f"{text!r}: an empty categorical option")
+        if len(set(options)) != len(options):
+            raise ValueError(f"{text!r}: categorical options repeat")
+        return Categorical(options)
+    if not text:
+        raise ValueError("empty value")
+    return text
+
+
+def _read_ini(path: Path) -> dict[str, dict[str, str]]:
+    parser = configparser.ConfigParser(
+        interpolation=None, delimiters=("=",), inline_comment_prefixes=(";",)
+    )
+    parser.optionxform = str.lower  # keys are case-insensitive; the file writes them in capitals
+    try:
+        with open(path, encoding="utf-8") as f:
+            parser.read_file(f)
+    except FileNotFoundError:
+        raise ConfigError([f"settings file not found: {path}"], str(path)) from None
+    except configparser.Error as e:
+        raise ConfigError([f"not a valid ini file: {e}"], str(path)) from None
+    return {s.lower(): dict(parser.items(s)) for s in parser.sections()}
+
+
+def _apply_env(raw: dict[str, dict[str, str]], env: dict[str, str]) -> None:
+    names = {s.replace(".", "_"): s for s in list(SECTIONS) + list(FREE_SECTIONS)}
+    for var, value in env.items():
+        if not var.startswith(ENV_PREFIX):
+            continue
+        section_key = var[len(ENV_PREFIX) :].lower()
+        section, sep, key = section_key.partition("__")
+        if not sep or not key:
+            continue
+        if section in names:
+            raw.setdefault(names[section], {})[key] = value
+        elif section.startswith("training_"):  # SMPIPE__TRAINING_<MODEL>__<KEY>
+            raw.setdefault("training." + section.removeprefix("training_"), {})[key] = value
+
+
+def _pydantic_problems(section: str, error: ValidationError) -> list[str]:
+    problems = []
+    for e in error.errors():
+        key = str(e["loc"][0]).upper() if e["loc"] else "?"
+        if e["type"] == "missing":
+            problems.append(f"[{section}] {key}: required key is missing")
+        elif e["type"] == "extra_forbidden":
+            allowed = ", ".join(k.upper() for k in SECTIONS[section].model_fields)
+            problems.append(f"[{section}] {key}: unknown key (allowed: {allowed})")
+        else:
+            msg = e["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
+            problems.append(f"[{section}] {key}: {msg} (got {e.get('input')!r})")
+    return problems
+
+
+def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) -> Settings:
+    """Read, override from the environment, validate; raise one ConfigError listing everything."""
+    path = Path(path)
+    raw = _read_ini(path)
+    _apply_env(raw, dict(os.environ) if env is None else env)
+    problems: list[str] = []
+
+    for section in raw:
+        if (
+            section not in SECTIONS
+            and section not in FREE_SECTIONS
+            and not section.startswith("training.")
+        ):
+            allowed = ", ".join(list(SECTIONS) + list(FREE_SECTIONS) + ["training.<model>"])
+            problems.append(f"[{section}]: unknown section (allowed: {allowed})")
+
+    parsed: dict[str, Section] = {}
+    for section, model in SECTIONS.items():
+        try:
+            parsed[section] = model(**raw.get(section, {}))
+        except ValidationError as e:
+            problems.extend(_pydantic_problems(section, e))
+
+    model_training: dict[str, Training] = {}
+    for section in [s for s in raw if s.startswith("training.")]:
+        model = section.removeprefix("training.")
+        if "models" in parsed and model not in parsed["models"].model_names:
+            problems.append(
+                f"[{section}]: {model!r} is not in [models] MODEL_NAMES ({', '.join(parsed['models'].model_names)})"
+            )
+            continue
+        for key in raw[section]:
+            if key not in PER_MODEL:
+                problems.append(
+                    f"[{section}] {key.upper()}: not a per-model key (allowed: {', '.join(k.upper() for k in PER_MODEL)})"
+                )
+        if "training" not in parsed:
+            continue
+        try:
+            model_training[model] = Training(
+                **{
+                    **raw.get("training", {}),
+                    **{k: v for k, v in raw[section].items() if k in PER_MODEL},
+                }
+            )
+        except ValidationError as e:
+            problems.extend(
+                p.replace("[training]", f"[{section}]") for p in _pydantic_problems("training", e)
+            )
+
+    constants: dict[str, str] = {}
+    tunables: dict[str, Tunable] = {}
+    for key, text in raw.get("tuning.hyperparameters", {}).items():
+        where = f"[tuning.hyperparameters] {key.upper()}"
+        if key not in TUNABLE:
+            problems.append(
+                f"{where}: not a tunable hyperparameter (allowed: {', '.join(TUNABLE)})"
+            )
+            continue
+        try:
+            value = parse_tunable(text)
+        except ValueError as e:
+            problems.append(f"{where}: {e}")
+            continue
+        kind = HYPERPARAMETERS[key][0]
+        if isinstance(value, Interval) and kind is int and not value.integer:
+            problems.append(f"{where}: {text!r} must have whole-number bounds for an integer")
+        elif isinstance(value, str | Categorical):
+            for option in value.options if isinstance(value, Categorical) else (value,):
+                try:
+                    kind(option)
+                except ValueError:
+                    problems.append(f"{where}: {option!r} is not a {kind.__name__}")
+        if isinstance(value, str):
+            constants[key] = value
+        else:
+            tunables[key] = value
+
+    metrics: dict[str, str] = {}
+    for key, regex in raw.get("tuning.metric_definitions", {}).items():
+        where = f"[tuning.metric_definitions] {key.upper()}"
+        try:
+            compiled = re.compile(regex)
+        except re.error as e:
+            problems.append(f"{where}: {regex!r} is not a valid regex ({e})")
+            continue
+        if compiled.groups < 1:
+            problems.append(
+                f"{where}: {regex!r} must capture the value in a group, as in f1=([0-9.]+)"
+            )
+            continue
+        metrics[key] = regex
+
+    if "data" in parsed:
+        d = parsed["data"]
+        total = d.train_fraction + d.validation_fraction + d.test_fraction
+        if abs(total - 1.0) > 1e-6:
+            problems.append(
+                f"[data] TRAIN_FRACTION + VALIDATION_FRACTION + TEST_FRACTION must sum to 1 (got {total:g})"
+            )
+    if "experiment" in parsed and parsed["experiment"].backend == "sagemaker":
+        e = parsed["experiment"]
+        if not e.store.startswith("s3://"):
+            problems.append("[experiment] STORE: the sagemaker backend needs an s3:// store")
+        if not e.role_arn.startswith("arn:"):
+            problems.append("[experiment] ROLE_ARN: the sagemaker backend needs an IAM role ARN")
+        if not e.image_uri:
+            problems.append(
+                "[experiment] IMAGE_URI: the sagemaker backend needs the image built from docker/"
+            )
+    if "experiment" in parsed and parsed["experiment"].job == "tune":
+        if not tunables:
+            problems.append(
+                "[tuning.hyperparameters]: JOB = tune needs at least one tunable (a->b or x,y,z)"
+            )
+        if "tuning" in parsed and parsed["tuning"].strategy == "Grid":
+            for key, value in tunables.items():
+                if isinstance(value, Interval):
+                    problems.append(
+                        f"[tuning.hyperparameters] {key.upper()}: STRATEGY = Grid takes categorical options only (x,y,z), not {value.render()}"
+                    )
+        if "tuning" in parsed and parsed["tuning"].objective_metric not in metrics:
+            problems.append(
+                f"[tuning] OBJECTIVE_METRIC: {parsed['tuning'].objective_metric!r} has no regex in "
+                f"[tuning.metric_definitions] (defined: {', '.join(metrics) or 'none'})"
+            )
+    if "training" in parsed:
+        t = parsed["training"]
+        if t.instance_count > 1 and not t.use_distributed:
+            problems.append("[training] INSTANCE_COUNT > 1 needs USE_DISTRIBUTED = true")
+
+    if problems:
+        raise ConfigError(problems, str(path))
+    return Settings(
+        **parsed,
+        model_training=model_training,
+        tuning_constants=constants,
+        tunables=tunables,
+        metric_definitions=metrics,
+        source=str(path),
+        base_dir=str(path.resolve().parent),
+        applied_ini=_render_redacted(raw),
+    )
+
+
+def _render_redacted(raw: dict[str, dict[str, str]]) -> str:
+    """The settings as they were applied (file + environment overrides), secrets blanked."""
+    out = configparser.ConfigParser(interpolation=None, delimiters=("=",))
+    out.optionxform = str.upper
+    for section, values in raw.items():
+        out.add_section(section)
+        for key, value in values.items():
+            out.set(section, key, "<redacted>" if SECRET_KEY_RE.search(key) else value)
+    buf = io.StringIO()
+    out.write(buf)
+    return buf.getvalue()

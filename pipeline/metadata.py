@@ -1,0 +1,144 @@
+"""The run's Metadata record.
+
+Each step owns one section and writes it to its own object (`metadata/<step>.json`), so two
+steps never overwrite each other; `merge` folds every section into one `metadata.json`.
+A field that was not computed stays None: nothing here is ever filled with a guess.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import time
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline.paths import RunTree
+from pipeline.store import NotFound, Store
+
+STEP_ORDER = ("reconcile", "prepare", "train", "tune", "inference")
+PACKAGES = (
+    "torch",
+    "transformers",
+    "accelerate",
+    "datasets",
+    "scikit-learn",
+    "boto3",
+    "sagemaker-train",
+    "wandb",
+)
+
+
+def iso(ts: float | None) -> str | None:
+    return None if ts is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+class StepSection(BaseModel):
+    """One step: its jobs, how they ended, what they cost and what the step reported."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: str
+    status: str = "pending"  # pending | running | completed | failed | reused
+    job_names: list[str] = Field(default_factory=list)
+    failure_reason: str | None = None
+    start_time: str | None = None
+    end_time: str | None = None
+    time_taken: float | None = None  # seconds
+    memory_usage: float | None = None  # peak resident MB of the job's processes
+    gpu_usage: dict | None = None  # reported by the job when it ran on GPUs
+    restarts: int = 0
+    details: dict = Field(default_factory=dict)  # what the step script itself reported
+
+
+class Metadata(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str
+    model_version: int  # = run_num
+    experiment_name: str
+    artifact_uri: str
+    backend: str
+    status: str = "running"
+    failure_reason: str | None = None
+    start_time: str | None = None
+    end_time: str | None = None
+    time_taken: float | None = None
+    memory_usage: float | None = None  # the largest peak of any job, MB
+    gpu_usage: dict | None = None
+    raw_file_size: int | None = None
+    raw_format: str | None = None
+    raw_path: str | None = None
+    data_version: int | None = None
+    data_snapshot_hash: str | None = None
+    model_artifacts: dict[str, str] = Field(default_factory=dict)
+    holdout_performance: dict[str, dict] = Field(default_factory=dict)
+    git_sha: str | None = None
+    package_versions: dict[str, str] = Field(default_factory=dict)
+    python_version: str = Field(default_factory=platform.python_version)
+    settings: str | None = None  # the ini as applied, secrets redacted
+    steps: dict[str, StepSection] = Field(default_factory=dict)
+
+
+def git_sha(directory: Path) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def package_versions() -> dict[str, str]:
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib_metadata.version(name)
+        except importlib_metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def write_section(store: Store, run: RunTree, section: StepSection) -> None:
+    store.put_bytes(run.step_metadata(section.step), section.model_dump_json(indent=2).encode())
+
+
+def read_sections(store: Store, run: RunTree) -> dict[str, StepSection]:
+    sections = {}
+    for step in STEP_ORDER:
+        try:
+            sections[step] = StepSection.model_validate_json(
+                store.get_bytes(run.step_metadata(step))
+            )
+        except NotFound:
+            continue
+    return sections
+
+
+def merge(store: Store, run: RunTree, base: Metadata) -> Metadata:
+    """Fold every step's section into the run record and write metadata.json."""
+    sections = read_sections(store, run)
+    record = base.model_copy(update={"steps": sections})
+    reconcile = sections.get("reconcile")
+    if reconcile:
+        d = reconcile.details
+        record.raw_file_size = d.get("raw_file_size")
+        record.raw_format = d.get("raw_format")
+        record.raw_path = d.get("raw_path")
+        record.data_snapshot_hash = d.get("snapshot_hash")
+    for name in ("train", "tune"):
+        if name in sections:
+            for model, uri in sections[name].details.get("model_artifacts", {}).items():
+                record.model_artifacts[model] = uri
+    if "inference" in sections:
+        record.holdout_performance = sections["inference"].details.get("holdout_performance", {})
+    peaks = [s.memory_usage for s in sections.values() if s.memory_usage is not None]
+    record.memory_usage = max(peaks) if peaks else None
+    gpus = {k: s.gpu_usage for k, s in sections.items() if s.gpu_usage}
+    record.gpu_usage = gpus or None
+    store.put_bytes(run.metadata, json.dumps(record.model_dump(), indent=2).encode())
+    return record

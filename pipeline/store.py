@@ -1,0 +1,346 @@
+"""The object store: a local directory (the embedded default) or S3, behind one small interface.
+
+Keys are '/'-separated and relative to the store's root. Directories are uploaded file by
+file and a manifest (files, sizes, sha256) is written last, with a conditional create:
+readers trust only manifested directories, so a half-written upload is never mistaken for
+a whole one, and a second upload to the same versioned prefix is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Protocol
+
+MANIFEST = "_MANIFEST.json"
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+class NotFound(StoreError):
+    pass
+
+
+class AlreadyExists(StoreError):
+    pass
+
+
+class Incomplete(StoreError):
+    pass
+
+
+class Store(Protocol):
+    uri: str
+
+    def put_bytes(self, key: str, data: bytes) -> None: ...
+    def create(self, key: str, data: bytes) -> bool: ...
+    def get_bytes(self, key: str) -> bytes: ...
+    def exists(self, key: str) -> bool: ...
+    def list_keys(self, prefix: str) -> list[str]: ...
+    def list_children(self, prefix: str) -> list[str]: ...
+    def upload_file(self, path: str | os.PathLike, key: str) -> None: ...
+    def download_file(self, key: str, path: str | os.PathLike) -> None: ...
+    def uri_of(self, key: str) -> str: ...
+
+
+def _check_key(key: str) -> str:
+    parts = key.split("/")
+    if key.startswith("/") or any(p in ("..", ".") for p in parts):
+        raise StoreError(f"refusing key {key!r}: no absolute keys, '.' or '..'")
+    return key
+
+
+class LocalStore:
+    """A directory tree. Writes go to a temporary file and are renamed into place."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.uri = str(self.root)
+
+    def _path(self, key: str) -> Path:
+        return self.root / _check_key(key)
+
+    def uri_of(self, key: str) -> str:
+        return str(self._path(key))
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def create(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Write the body aside, then link it in: O_EXCL semantics without a window in which
+        # the key exists but is empty.
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise NotFound(self.uri_of(key)) from None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list_keys(self, prefix: str) -> list[str]:
+        base = self._path(prefix.rstrip("/")) if prefix else self.root
+        if not base.is_dir():
+            return []
+        keys = []
+        for dirpath, _, files in os.walk(base):
+            for name in files:
+                if name.startswith("."):  # temporaries of writes in progress
+                    continue
+                keys.append(Path(dirpath, name).relative_to(self.root).as_posix())
+        return sorted(keys)
+
+    def list_children(self, prefix: str) -> list[str]:
+        base = self._path(prefix.rstrip("/")) if prefix else self.root
+        if not base.is_dir():
+            return []
+        return sorted(p.name for p in base.iterdir() if p.is_dir())
+
+    def upload_file(self, path: str | os.PathLike, key: str) -> None:
+        dest = self._path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
+        os.close(fd)
+        with open(path, "rb") as src, open(tmp, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+        os.replace(tmp, dest)
+
+    def download_file(self, key: str, path: str | os.PathLike) -> None:
+        src = self._path(key)
+        if not src.is_file():
+            raise NotFound(self.uri_of(key))
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(src, "rb") as s, open(path, "wb") as d:
+            while chunk := s.read(1 << 20):
+                d.write(chunk)
+
+
+class S3Store:
+    """S3 or any S3 endpoint (AWS_ENDPOINT_URL, e.g. moto's server). Large files go through
+    boto3's transfer manager (multipart, concurrent parts)."""
+
+    def __init__(self, uri: str, region: str | None = None, client=None):
+        if not uri.startswith("s3://"):
+            raise StoreError(f"not an s3 uri: {uri}")
+        bucket, _, prefix = uri[5:].partition("/")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.uri = f"s3://{bucket}/{self.prefix}".rstrip("/")
+        if client is None:
+            import boto3
+            from botocore.config import Config
+
+            # Directories move with 8 threads, each file with up to 8 parts: room for all of them.
+            config = Config(
+                max_pool_connections=64, retries={"max_attempts": 8, "mode": "adaptive"}
+            )
+            client = boto3.client(
+                "s3", region_name=region or os.environ.get("AWS_DEFAULT_REGION"), config=config
+            )
+        self.client = client
+        from boto3.s3.transfer import TransferConfig
+
+        self.transfer = TransferConfig(multipart_threshold=64 << 20, max_concurrency=8)
+
+    def _key(self, key: str) -> str:
+        return self.prefix + _check_key(key)
+
+    def uri_of(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self._key(key)}"
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+
+    def create(self, key: str, data: bytes) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.put_object(
+                Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*"
+            )
+            return True
+        except ClientError as e:
+            code = e.response.get("Error", {}).get("Code", "")
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            # 412: the key exists. 409: another conditional write to it is in flight.
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+                return False
+            raise
+
+    def get_bytes(self, key: str) -> bytes:
+        from botocore.exceptions import ClientError
+
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                raise NotFound(self.uri_of(key)) from None
+            raise
+
+    def exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+            return True
+        except ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                return False
+            raise
+
+    def list_keys(self, prefix: str) -> list[str]:
+        keys = []
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
+            for obj in page.get("Contents", []):
+                keys.append(obj["Key"][len(self.prefix) :])
+        return sorted(keys)
+
+    def list_children(self, prefix: str) -> list[str]:
+        prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
+        names = []
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(
+            Bucket=self.bucket, Prefix=self.prefix + prefix, Delimiter="/"
+        ):
+            for p in page.get("CommonPrefixes", []):
+                names.append(p["Prefix"][len(self.prefix + prefix) :].rstrip("/"))
+        return sorted(names)
+
+    def upload_file(self, path: str | os.PathLike, key: str) -> None:
+        self.client.upload_file(str(path), self.bucket, self._key(key), Config=self.transfer)
+
+    def download_file(self, key: str, path: str | os.PathLike) -> None:
+        from botocore.exceptions import ClientError
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.client.download_file(self.bucket, self._key(key), str(path), Config=self.transfer)
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                raise NotFound(self.uri_of(key)) from None
+            raise
+
+
+def key_of(store: Store, uri: str) -> str | None:
+    """The key a URI of this store names (the inverse of uri_of); None for a URI elsewhere."""
+    base = store.uri_of("x")[:-1]
+    return uri[len(base) :] if uri.startswith(base) else None
+
+
+def open_store(uri: str, region: str | None = None) -> Store:
+    return S3Store(uri, region) if uri.startswith("s3://") else LocalStore(uri)
+
+
+# -- directories with manifests -------------------------------------------------------------
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _prefix(prefix: str) -> str:
+    return prefix if not prefix or prefix.endswith("/") else prefix + "/"
+
+
+def upload_dir(
+    store: Store, local_dir: str | os.PathLike, prefix: str, extra: dict | None = None
+) -> dict:
+    """Upload every file under local_dir, then the manifest, last. Refuses an existing one."""
+    prefix = _prefix(prefix)
+    if store.exists(prefix + MANIFEST):
+        raise AlreadyExists(
+            f"{store.uri_of(prefix)} is complete already; versioned data is never overwritten"
+        )
+    local_dir = Path(local_dir)
+    files = sorted(p for p in local_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries: dict[str, dict] = {}
+
+    def send(path: Path) -> None:
+        rel = path.relative_to(local_dir).as_posix()
+        entries[rel] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+        store.upload_file(path, prefix + rel)
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(send, files))
+    manifest = {
+        "files": dict(sorted(entries.items())),
+        "total_bytes": sum(e["size"] for e in entries.values()),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **(extra or {}),
+    }
+    if not store.create(prefix + MANIFEST, json.dumps(manifest, indent=2).encode()):
+        raise AlreadyExists(f"{store.uri_of(prefix)} was completed by another writer meanwhile")
+    return manifest
+
+
+def read_manifest(store: Store, prefix: str) -> dict:
+    prefix = _prefix(prefix)
+    try:
+        return json.loads(store.get_bytes(prefix + MANIFEST))
+    except NotFound:
+        raise Incomplete(
+            f"{store.uri_of(prefix)} has no {MANIFEST}: it is missing or its upload never finished"
+        ) from None
+
+
+def is_complete(store: Store, prefix: str) -> bool:
+    return store.exists(_prefix(prefix) + MANIFEST)
+
+
+def download_dir(
+    store: Store, prefix: str, local_dir: str | os.PathLike, verify: bool = True
+) -> dict:
+    """Download a manifested directory; every file is checked against the manifest."""
+    prefix = _prefix(prefix)
+    manifest = read_manifest(store, prefix)
+    local_dir = Path(local_dir)
+    local_dir.mkdir(parents=True, exist_ok=True)
+
+    def fetch(item: tuple[str, dict]) -> None:
+        rel, entry = item
+        dest = local_dir / rel
+        store.download_file(prefix + rel, dest)
+        if dest.stat().st_size != entry["size"] or (
+            verify and file_sha256(dest) != entry["sha256"]
+        ):
+            raise StoreError(f"{store.uri_of(prefix + rel)} does not match its manifest")
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(fetch, manifest["files"].items()))
+    return manifest

@@ -1,0 +1,122 @@
+"""Hyperparameter tuning on the local backend: SageMaker's tuning job, run here.
+
+Trials are training jobs like any other, with the sampled values in their hyperparameters;
+the objective is read off each job's log with the metric definition's regex, as SageMaker
+reads it (the last value the job printed). `Random` samples uniformly (log-uniformly on a
+`log` interval); `Grid` runs every combination of categorical options. `Bayesian` and
+`Hyperband` need SageMaker's service: locally they are run as `Random`, and the Metadata says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from pipeline.config import Categorical, Settings
+from pipeline.jobs import JobResult, TrainingJob, job_name
+from pipeline.paths import RunTree, run_label
+from pipeline.store import Store
+
+
+@dataclass
+class TuningOutcome:
+    results: list[JobResult]
+    details: dict
+    best: dict | None = None
+    best_model_prefix: str | None = None
+    trials: list[dict] = field(default_factory=list)
+
+
+def sample(tunables: dict, rng: random.Random) -> dict[str, str]:
+    values = {}
+    for name, t in sorted(tunables.items()):
+        if isinstance(t, Categorical):
+            values[name] = rng.choice(t.options)
+        elif t.log:
+            x = math.exp(rng.uniform(math.log(t.low), math.log(t.high)))
+            values[name] = str(round(x)) if t.integer else f"{x:.6g}"
+        else:
+            x = rng.uniform(t.low, t.high)
+            values[name] = str(round(x)) if t.integer else f"{x:.6g}"
+    return values
+
+
+def grid(tunables: dict) -> list[dict[str, str]]:
+    names = sorted(tunables)
+    return [
+        dict(zip(names, combo, strict=True))
+        for combo in itertools.product(*(tunables[n].options for n in names))
+    ]
+
+
+def run_tuning(
+    settings: Settings,
+    store: Store,
+    run: RunTree,
+    backend,
+    model_name: str,
+    channels: dict,
+    env: dict,
+) -> TuningOutcome:
+    tuning, t = settings.tuning, settings.training
+    strategy = tuning.strategy
+    if strategy == "Grid":
+        candidates = grid(settings.tunables)[: tuning.max_jobs]
+    else:
+        rng = random.Random(settings.data.seed)
+        candidates = [sample(settings.tunables, rng) for _ in range(tuning.max_jobs)]
+    ran_as = strategy if strategy in ("Grid", "Random") else "Random"
+
+    def trial(index_values):
+        index, values = index_values
+        hps = settings.training_hyperparameters(model_name, "tuning")
+        hps.update(values)
+        prefix = run.trial(model_name, index)
+        job = TrainingJob(
+            name=job_name(
+                settings.experiment.name, run_label(run.run_num), "tune", model_name, f"{index:03d}"
+            ),
+            step="train",
+            channels=channels,
+            hyperparameters=hps,
+            model_prefix=prefix + "model/",
+            output_prefix=prefix + "output/",
+            checkpoint_prefix=run.checkpoints(f"{model_name}-trial-{index:03d}"),
+            env=env,
+            instance_type=t.instance_type,
+            max_restarts=t.max_restarts,
+            metric_definitions=settings.metric_definitions,
+        )
+        return job, backend.run_training(job)
+
+    with ThreadPoolExecutor(max_workers=tuning.max_parallel_jobs) as pool:
+        finished = list(pool.map(trial, enumerate(candidates, 1)))
+
+    trials, results = [], []
+    for (job, result), values in zip(finished, candidates, strict=True):
+        results.append(result)
+        objective = result.metrics.get(tuning.objective_metric)
+        trials.append({"job_name": job.name, "status": result.status, "hyperparameters": values,
+                       "objective": objective, "model": store.uri_of(job.model_prefix)})  # fmt: skip
+    scored = [
+        (tr, job)
+        for tr, (job, _) in zip(trials, finished, strict=True)
+        if tr["status"] == "Completed" and tr["objective"] is not None
+    ]
+    sign = 1 if tuning.objective_type == "Maximize" else -1
+    outcome = TuningOutcome(results=results, details={}, trials=trials)
+    if scored:
+        best, best_job = max(scored, key=lambda pair: sign * pair[0]["objective"])
+        outcome.best, outcome.best_model_prefix = best, best_job.model_prefix
+    outcome.details = {
+        "strategy": strategy, "ran_as": ran_as, "objective_metric": tuning.objective_metric,
+        "objective_type": tuning.objective_type, "trials": trials, "best": outcome.best,
+    }  # fmt: skip
+    store.put_bytes(
+        run.tuning(model_name) + "tuning.json", json.dumps(outcome.details, indent=2).encode()
+    )
+    return outcome

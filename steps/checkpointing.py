@@ -1,0 +1,274 @@
+"""Training State, a resumable sampler and atomic checkpoints.
+
+A checkpoint is written to a fresh directory `ckpt-<step>.tmp`, every file flushed, then the
+directory is renamed to `ckpt-<step>` and the pointer file `CURRENT` is replaced (write aside,
+fsync, rename). A crash at any moment leaves the previous checkpoint whole and current: a
+`.tmp` directory is never read, and `CURRENT` only ever names a renamed, complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+CURRENT = "CURRENT"
+STATE_FILE = "state.pt"
+BEST_FILE = "best_model.pt"
+
+# Everything a State serializes, in one place.
+STATE_FIELDS = (
+    "model",
+    "optimizer",
+    "scheduler",
+    "scaler",
+    "epoch",
+    "batch_in_epoch",
+    "step",
+    "history",
+    "epoch_loss",
+    "best_metric",
+    "best_epoch",
+    "sampler",
+    "seed",
+    "run_name",
+)
+
+
+class ResumableBatchSampler:
+    """Shuffled batches of indices for one rank, resumable mid-epoch.
+
+    Each epoch draws a permutation from (seed, epoch) and pads it by wrapping around, so every
+    epoch has exactly `steps_per_epoch * accumulation` micro-batches per rank: accumulation
+    groups line up with epochs and a resumed job sees exactly the batches it had not seen.
+    """
+
+    def __init__(
+        self,
+        num_examples: int,
+        per_device: int,
+        accumulation: int,
+        world: int,
+        rank: int,
+        seed: int,
+    ):
+        self.n, self.per_device, self.accumulation = num_examples, per_device, accumulation
+        self.world, self.rank, self.seed = world, rank, seed
+        per_step = per_device * world * accumulation
+        self.steps_per_epoch = max(1, math.ceil(num_examples / per_step))
+        self.batches_per_epoch = self.steps_per_epoch * accumulation
+        self.epoch = 0
+        self.start = 0  # micro-batches of this epoch already consumed
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "start": self.start,
+            "seed": self.seed,
+            "n": self.n,
+            "world": self.world,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state["n"], state["world"], state["seed"]) != (self.n, self.world, self.seed):
+            raise ValueError(f"sampler state is for another run: {state}")
+        self.epoch, self.start = state["epoch"], state["start"]
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch - self.start
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
+        order = torch.randperm(self.n, generator=g).tolist()
+        needed = self.batches_per_epoch * self.per_device * self.world
+        order = (order * math.ceil(needed / self.n))[:needed]
+        global_batch = self.per_device * self.world
+        for b in range(self.start, self.batches_per_epoch):
+            chunk = order[b * global_batch : (b + 1) * global_batch]
+            yield chunk[self.rank * self.per_device : (self.rank + 1) * self.per_device]
+
+
+@dataclass
+class State:
+    """The whole training state, after Composer's State."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    sampler: ResumableBatchSampler
+    seed: int
+    run_name: str
+    scaler: object | None = None
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    step: int = 0
+    history: list[dict] = field(default_factory=list)
+    epoch_loss: list[float] = field(
+        default_factory=lambda: [0.0, 0.0]
+    )  # this epoch's loss sum, batches
+    best_metric: float | None = None
+    best_epoch: int | None = None
+
+    def state_dict(self) -> dict:
+        return {
+            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "step": self.step,
+            "history": self.history,
+            "epoch_loss": list(self.epoch_loss),
+            "best_metric": self.best_metric,
+            "best_epoch": self.best_epoch,
+            "sampler": self.sampler.state_dict(),
+            "seed": self.seed,
+            "run_name": self.run_name,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = [k for k in STATE_FIELDS if k not in state]
+        if missing:
+            raise KeyError(f"checkpoint lacks {missing}")
+        self.model.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self.sampler.load_state_dict(state["sampler"])
+        for key in (
+            "epoch",
+            "batch_in_epoch",
+            "step",
+            "history",
+            "epoch_loss",
+            "best_metric",
+            "best_epoch",
+            "seed",
+            "run_name",
+        ):
+            setattr(self, key, state[key])
+
+
+def rng_state() -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save(obj, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def checkpoint_names(directory: Path) -> list[str]:
+    """Complete checkpoints, oldest first (by step)."""
+    names = [p.name for p in directory.glob("ckpt-*") if p.is_dir() and not p.name.endswith(".tmp")]
+    return sorted(names, key=lambda n: int(n.split("-")[1]))
+
+
+def begin_checkpoint(directory: Path, step: int) -> Path:
+    """Main process: a fresh, empty directory for the checkpoint of `step`."""
+    tmp = directory / f"ckpt-{step:08d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def write_rank_rng(tmp: Path, rank: int) -> None:
+    """Every process writes its own RNG state: dropout and shuffling differ per rank."""
+    _save(rng_state(), tmp / f"rng-rank{rank}.pt")
+
+
+def finish_checkpoint(
+    directory: Path, tmp: Path, state: State, best_weights: dict | None, keep: int
+) -> Path:
+    """Main process: write the State, then make it current atomically; prune old ones."""
+    _save(state.state_dict(), tmp / STATE_FILE)
+    previous = current_checkpoint(directory)
+    if best_weights is not None:
+        _save(best_weights, tmp / BEST_FILE)
+    elif previous is not None and (previous / BEST_FILE).exists():
+        os.link(previous / BEST_FILE, tmp / BEST_FILE)  # unchanged best: share the file
+    (tmp / "meta.json").write_text(
+        json.dumps(
+            {"step": state.step, "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch}
+        )
+    )
+    _fsync_dir(tmp)
+    final = directory / tmp.name.removesuffix(".tmp")
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    pointer = directory / f".{CURRENT}.tmp"
+    with open(pointer, "w") as f:
+        f.write(final.name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer, directory / CURRENT)
+    _fsync_dir(directory)
+    for name in checkpoint_names(directory)[:-keep]:
+        shutil.rmtree(directory / name, ignore_errors=True)
+    return final
+
+
+def current_checkpoint(directory: Path) -> Path | None:
+    pointer = directory / CURRENT
+    if not pointer.exists():
+        return None
+    path = directory / pointer.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def resume_candidates(directory: Path) -> list[Path]:
+    """The current checkpoint first, then older complete ones, newest first."""
+    current = current_checkpoint(directory)
+    others = [directory / n for n in reversed(checkpoint_names(directory))]
+    ordered = ([current] if current else []) + [p for p in others if p != current]
+    return ordered
+
+
+def load_checkpoint(path: Path, state: State, rank: int) -> dict | None:
+    """Load a checkpoint into `state` and this rank's RNG; return the best weights, if any."""
+    saved = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    rng_file = path / f"rng-rank{rank}.pt"
+    if not rng_file.exists():
+        raise FileNotFoundError(
+            f"{rng_file} is missing (was the checkpoint written by another world size?)"
+        )
+    rng = torch.load(rng_file, map_location="cpu", weights_only=False)
+    state.load_state_dict(saved)
+    set_rng_state(rng)
+    best = path / BEST_FILE
+    return torch.load(best, map_location="cpu", weights_only=False) if best.exists() else None

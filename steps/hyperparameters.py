@@ -1,0 +1,64 @@
+"""The hyperparameters `steps/train.py` accepts, in one place.
+
+SageMaker hands hyperparameters to a container as strings (hyperparameters.json). This
+table says what each one means and what type it becomes, so the driver can refuse a
+tunable with an unknown name before a job starts and `train.py` can cast once, at the top.
+The driver imports this module; this module imports nothing of the driver.
+"""
+
+from __future__ import annotations
+
+import json
+
+# name -> (type, meaning)
+HYPERPARAMETERS: dict[str, tuple[type, str]] = {
+    "model_name": (str, "which model of MODEL_NAMES this job trains"),
+    "model_names": (str, "every model of the run, comma separated (a comparison job has several)"),
+    "job_kind": (str, "training | tuning: what launched this job"),
+    "epochs": (int, "passes over the training split"),
+    "learning_rate": (float, "peak AdamW learning rate"),
+    "batch_size": (int, "examples per optimizer step, across all processes"),
+    "max_per_device_batch_size": (int, "examples one process can hold; the rest is accumulation"),
+    "max_sequence_length": (int, "tokens per example after truncation"),
+    "warmup_ratio": (float, "share of optimizer steps spent warming the learning rate up"),
+    "weight_decay": (float, "AdamW weight decay"),
+    "seed": (int, "seed of the run: weights, shuffling, dropout"),
+    "checkpoint_every_steps": (int, "optimizer steps between checkpoints; 0 means epoch ends only"),
+    "keep_checkpoints": (int, "how many checkpoints to keep"),
+    "wandb_project": (str, "wandb project name"),
+    "wandb_mode": (str, "offline | online | disabled"),
+    "max_steps": (int, "stop after this many optimizer steps; 0 means no limit"),
+}
+
+# The names a tuning job may search over: the ones that change how a model learns.
+TUNABLE = (
+    "epochs",
+    "learning_rate",
+    "batch_size",
+    "warmup_ratio",
+    "weight_decay",
+    "max_sequence_length",
+)
+
+
+def parse_hyperparameters(raw: dict[str, object]) -> dict[str, object]:
+    """Cast the strings SageMaker hands over into their types; refuse unknown names."""
+    problems = []
+    values: dict[str, object] = {}
+    for name, value in raw.items():
+        if name not in HYPERPARAMETERS:
+            problems.append(f"unknown hyperparameter {name!r}")
+            continue
+        kind = HYPERPARAMETERS[name][0]
+        # SageMaker's tuner and some launchers JSON-quote strings ('"0.1"'): unwrap them.
+        if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] == '"':
+            value = json.loads(value)
+        try:
+            values[name] = (
+                kind(float(value)) if kind is int and str(value).endswith(".0") else kind(value)
+            )
+        except (TypeError, ValueError):
+            problems.append(f"hyperparameter {name}={value!r} is not a {kind.__name__}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return values

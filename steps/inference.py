@@ -1,0 +1,204 @@
+"""Inference (processing job, CPU): the exported TorchScript models on the held-out test split.
+
+Inputs:  test, labels, and model_<name> for every model of the run (the training job's output)
+Outputs: results  per model: per_label.csv (sorted by F1, descending), overall.json,
+                  confusion_matrix.csv/.png, predictions.csv; with several models also
+                  comparison.csv and comparison.json (agreement and McNemar's exact test)
+         report   step_metadata.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import tarfile
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pandas as pd
+import torch
+from scipy.stats import binomtest
+from sklearn.metrics import (
+    accuracy_score,
+    confusion_matrix,
+    f1_score,
+    precision_recall_fscore_support,
+)
+
+from steps.contract import processing_input, processing_output, run_step, write_step_metadata
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-names", required=True)
+    parser.add_argument("--batch-size", type=int, required=True)
+    return parser.parse_args()
+
+
+def model_dir(name: str) -> Path:
+    path = processing_input(f"model_{name}")
+    archive = path / "model.tar.gz"  # SageMaker's training output is a tarball
+    if archive.exists() and not (path / "model.torchscript.pt").exists():
+        with tarfile.open(archive) as tar:
+            tar.extractall(path, filter="data")
+    return path
+
+
+def predict(name: str, test: datasets.Dataset, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    directory = model_dir(name)
+    info = json.loads((directory / "smpipe.json").read_text())
+    keys = info["ordered_input_keys"]
+    model = torch.jit.load(str(directory / "model.torchscript.pt"), map_location="cpu").eval()
+    columns = [f"{name}_{k}" for k in keys]
+    data = test.select_columns(columns).with_format("torch")
+    logits = []
+    with torch.inference_mode():
+        for start in range(0, len(data), batch_size):
+            batch = data[start : start + batch_size]
+            logits.append(model(*(batch[c] for c in columns)))
+    logits = torch.cat(logits)
+    return logits.argmax(-1).numpy(), torch.softmax(logits, -1).max(-1).values.numpy()
+
+
+def statistics(
+    y_true: np.ndarray, y_pred: np.ndarray, id2label: dict[int, str]
+) -> tuple[pd.DataFrame, dict]:
+    labels = sorted(id2label)
+    precision, recall, f1, support = precision_recall_fscore_support(
+        y_true, y_pred, labels=labels, zero_division=0
+    )
+    cm = confusion_matrix(y_true, y_pred, labels=labels)
+    per_label = pd.DataFrame({
+        "label": [id2label[i] for i in labels],
+        "precision": precision, "recall": recall, "f1": f1,
+        # per-label accuracy: of this label's rows, the share predicted right (= recall); kept
+        # under its own name because that is what people look for in the table
+        "accuracy": [cm[i, i] / cm[i].sum() if cm[i].sum() else 0.0 for i in range(len(labels))],
+        "support": support.astype(int),
+    }).sort_values("f1", ascending=False, kind="stable")  # fmt: skip
+    overall = {
+        "rows": int(len(y_true)),
+        "accuracy": float(accuracy_score(y_true, y_pred)),
+        "macro_f1": float(
+            f1_score(y_true, y_pred, average="macro", labels=labels, zero_division=0)
+        ),
+        "weighted_f1": float(
+            f1_score(y_true, y_pred, average="weighted", labels=labels, zero_division=0)
+        ),
+    }
+    return per_label, overall
+
+
+def plot_confusion(cm: np.ndarray, names: list[str], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.2 * len(names) + 2, 1.2 * len(names) + 1.5))
+    ax.imshow(cm, cmap="Blues")
+    ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
+    ax.set_yticks(range(len(names)), names)
+    ax.set(xlabel="predicted", ylabel="true", title=title)
+    for i, j in itertools.product(range(len(names)), repeat=2):
+        ax.text(
+            j,
+            i,
+            int(cm[i, j]),
+            ha="center",
+            va="center",
+            color="white" if cm[i, j] > cm.max() / 2 else "black",
+        )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def mcnemar(correct_a: np.ndarray, correct_b: np.ndarray) -> dict:
+    """McNemar's exact test on the rows where exactly one of the two models is right."""
+    only_a = int((correct_a & ~correct_b).sum())
+    only_b = int((~correct_a & correct_b).sum())
+    p = binomtest(min(only_a, only_b), only_a + only_b, 0.5).pvalue if only_a + only_b else 1.0
+    return {
+        "only_first_right": only_a,
+        "only_second_right": only_b,
+        "p_value": float(p),
+        "significant_at_0.05": bool(p < 0.05),
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    names = [n for n in args.model_names.split(",") if n]
+    test = datasets.load_from_disk(str(processing_input("test")))
+    id2label = {
+        int(k): v
+        for k, v in json.loads((processing_input("labels") / "id2label.json").read_text()).items()
+    }
+    out = processing_output("results")
+    y_true = np.asarray(test["label_id"])
+    ids = test["id"] if "id" in test.column_names else list(range(len(test)))
+
+    performance, predictions = {}, {}
+    for name in names:
+        y_pred, confidence = predict(name, test, args.batch_size)
+        predictions[name] = y_pred
+        per_label, overall = statistics(y_true, y_pred, id2label)
+        performance[name] = overall
+        folder = out / name
+        folder.mkdir(parents=True, exist_ok=True)
+        per_label.to_csv(folder / "per_label.csv", index=False, float_format="%.4f")
+        (folder / "overall.json").write_text(json.dumps(overall, indent=2))
+        label_names = [id2label[i] for i in sorted(id2label)]
+        cm = confusion_matrix(y_true, y_pred, labels=sorted(id2label))
+        pd.DataFrame(cm, index=label_names, columns=label_names).to_csv(
+            folder / "confusion_matrix.csv"
+        )
+        plot_confusion(
+            cm, label_names, folder / "confusion_matrix.png", f"{name}: test confusion matrix"
+        )
+        pd.DataFrame({
+            "id": ids, "label": [id2label[i] for i in y_true], "predicted": [id2label[i] for i in y_pred],
+            "confidence": confidence, "correct": y_true == y_pred,
+        }).to_csv(folder / "predictions.csv", index=False)  # fmt: skip
+        print(
+            f"{name}: accuracy={overall['accuracy']:.4f} macro_f1={overall['macro_f1']:.4f} weighted_f1={overall['weighted_f1']:.4f}"
+        )
+        print(per_label.to_string(index=False, float_format=lambda x: f"{x:.4f}"))
+
+    comparison = None
+    if len(names) > 1:
+        table = (
+            pd.DataFrame(performance)
+            .T.rename_axis("model")
+            .sort_values("macro_f1", ascending=False)
+        )
+        table.to_csv(out / "comparison.csv", float_format="%.4f")
+        pairs = []
+        for a, b in itertools.combinations(names, 2):
+            agree = predictions[a] == predictions[b]
+            pairs.append({
+                "models": [a, b], "agree": int(agree.sum()), "disagree": int((~agree).sum()),
+                "agree_and_right": int((agree & (predictions[a] == y_true)).sum()),
+                "accuracy_difference": performance[a]["accuracy"] - performance[b]["accuracy"],
+                "mcnemar": mcnemar(predictions[a] == y_true, predictions[b] == y_true),
+            })  # fmt: skip
+        comparison = {
+            "test": "McNemar's exact test (two-sided binomial on discordant rows)",
+            "pairs": pairs,
+        }
+        (out / "comparison.json").write_text(json.dumps(comparison, indent=2))
+        print(table.to_string(float_format=lambda x: f"{x:.4f}"))
+        for pair in pairs:
+            m = pair["mcnemar"]
+            print(f"{pair['models'][0]} vs {pair['models'][1]}: agree on {pair['agree']}/{len(y_true)} rows; "
+                  f"McNemar p={m['p_value']:.4g} ({'significant' if m['significant_at_0.05'] else 'not significant'} at 0.05)")  # fmt: skip
+    write_step_metadata(
+        processing_output("report"), {"holdout_performance": performance, "comparison": comparison}
+    )
+
+
+if __name__ == "__main__":
+    run_step("inference", main)

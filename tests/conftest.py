@@ -1,0 +1,95 @@
+"""Shared fixtures: a moto server that subprocesses reach through AWS_ENDPOINT_URL, small
+settings files, and a small slice of the demo data."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+from pathlib import Path
+
+import boto3
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def aws_env(moto_endpoint, monkeypatch):
+    """Credentials and endpoint for moto, in this process and every job it starts."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("SAGEMAKER_VALIDATE_ROLE", "false")
+    return moto_endpoint
+
+
+@pytest.fixture
+def bucket(aws_env, request):
+    """A fresh bucket per test."""
+    import re
+    import uuid
+
+    name = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower())[:40].strip("-")
+    name = f"smpipe-{name}-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3").create_bucket(Bucket=name)
+    return name
+
+
+def write_settings(path: Path, store: str, **overrides: dict[str, str]) -> Path:
+    """A small, fast settings file: the shipped one with sections overridden."""
+    import configparser
+
+    parser = configparser.ConfigParser(interpolation=None, delimiters=("=",))
+    parser.optionxform = str.upper
+    parser.read(ROOT / "settings.ini")
+    small = {
+        "experiment": {"STORE": store, "NAME": "test-exp"},
+        "training": {"EPOCHS": "1", "MAX_SEQUENCE_LENGTH": "32", "BATCH_SIZE": "8", "MAX_PER_DEVICE_BATCH_SIZE": "4",
+                     "CHECKPOINT_EVERY_STEPS": "2", "MAX_RESTARTS": "0"},
+        "tracking": {"WANDB_MODE": "disabled"},
+    }  # fmt: skip
+    for section, values in list(small.items()) + list(overrides.items()):
+        if not parser.has_section(section):
+            parser.add_section(section)
+        for key, value in values.items():
+            if value is None:
+                parser.remove_option(section, key)
+            else:
+                parser.set(section, key, value)
+    for section in parser.sections():  # the demo's per-model settings are not for small tests
+        if section.startswith("training.") and section not in overrides:
+            parser.remove_section(section)
+    with open(path, "w") as f:
+        parser.write(f)
+    return path
+
+
+@pytest.fixture(scope="session")
+def demo_raw(tmp_path_factory) -> Path:
+    """Twelve articles per topic, staged like the demo's raw data (with its defects)."""
+    from user_functions.demo_data import write_demo
+
+    out = tmp_path_factory.mktemp("demo_raw")
+    write_demo(out, per_label=12)
+    return out

@@ -1,0 +1,32 @@
+"""A processing job that reports what it saw of the contract."""
+
+import json
+import os
+import sys
+
+from steps.contract import processing_input, processing_output, run_step
+
+
+def main():
+    src = processing_input("things")
+    out = processing_output("seen")
+    files = sorted(p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file())
+    (out / "seen.json").write_text(
+        json.dumps(
+            {
+                "argv": sys.argv[1:],
+                "files": files,
+                "content": (src / "a.txt").read_text(),
+                "env": {
+                    k: v for k, v in os.environ.items() if k.startswith(("SM_", "PROCESSING_"))
+                },
+            }
+        )
+    )
+    print("secret check:", os.environ.get("WANDB_API_KEY"), os.environ.get("AWS_SECRET_ACCESS_KEY"))
+    if "--fail" in sys.argv:
+        raise ValueError("asked to fail")
+
+
+if __name__ == "__main__":
+    run_step("probe", main)

@@ -1,0 +1,134 @@
+"""settings.ini -> Settings: the shipped file validates; broken files list every problem."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import Categorical, ConfigError, Interval, load_settings, parse_tunable
+from tests.conftest import ROOT, write_settings
+
+
+def test_shipped_settings_validate():
+    settings = load_settings(ROOT / "settings.ini", env={})
+    assert settings.experiment.backend == "local"
+    assert settings.models.model_names == ["minilm", "bow"]
+    assert settings.tunables["learning_rate"] == Interval(2e-5, 2e-4, integer=False, log=True)
+    assert settings.tunables["batch_size"] == Categorical(("16", "32"))
+    assert settings.metric_definitions["validation:f1"] == "validation:f1=([0-9.]+)"
+
+
+def test_tunable_syntax():
+    assert parse_tunable("1->5") == Interval(1, 5, integer=True, log=False)
+    assert parse_tunable("0.1->0.5") == Interval(0.1, 0.5, integer=False, log=False)
+    assert parse_tunable("1e-5->1e-3 log").log
+    assert parse_tunable("a, b ,c") == Categorical(("a", "b", "c"))
+    assert parse_tunable("7") == "7"
+    for bad, why in [("5->1", "empty interval"), ("1->", "both bounds"), ("->3", "both bounds"),
+                     ("a->b", "numbers"), ("0->1 log", "log scale"), ("1->2 linear", "only 'log'"), ("a,,b", "empty")]:  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            parse_tunable(bad)
+
+
+BROKEN = {
+    "unknown key": ({"training": {"EPOCS": "3"}}, ["[training] EPOCS: unknown key"]),
+    "missing key": ({"experiment": {"NAME": None}}, ["[experiment] NAME: required key is missing"]),
+    "bad number": ({"training": {"LEARNING_RATE": "fast"}}, ["[training] LEARNING_RATE"]),
+    "reversed interval": (
+        {"tuning.hyperparameters": {"LEARNING_RATE": "5->1"}},
+        ["LEARNING_RATE: '5->1': empty interval"],
+    ),
+    "open interval": ({"tuning.hyperparameters": {"WARMUP_RATIO": "1->"}}, ["WARMUP_RATIO: '1->'"]),
+    "bad regex": (
+        {"tuning.metric_definitions": {"validation:f1": "f1=([0-9"}},
+        ["VALIDATION:F1", "not a valid regex"],
+    ),
+    "path in a model name": (
+        {"models": {"MODEL_NAMES": "../x"}},
+        ["[models] MODEL_NAMES", "'../x' is not a valid name"],
+    ),
+    "empty model names": (
+        {"models": {"MODEL_NAMES": " , "}},
+        ["[models] MODEL_NAMES: name at least one model"],
+    ),
+    "unknown section": ({"trainer": {"EPOCHS": "1"}}, ["[trainer]: unknown section"]),
+    "fractions": ({"data": {"TEST_FRACTION": "0.3"}}, ["must sum to 1"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_broken_file_names_its_problem(tmp_path, case):
+    overrides, expected = BROKEN[case]
+    path = write_settings(tmp_path / "settings.ini", str(tmp_path / "store"), **overrides)
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, env={})
+    for text in expected:
+        assert text in str(info.value)
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    path = write_settings(
+        tmp_path / "settings.ini",
+        str(tmp_path / "store"),
+        experiment={"NAME": "a/b", "BACKEND": "cloud"},
+        training={"EPOCHS": "0", "BATCH_SIZE": "x", "COLOUR": "red"},
+        models={"MODEL_NAMES": ""},
+        **{
+            "tuning.hyperparameters": {"LEARNING_RATE": "5->1", "DROPOUT": "0.1->0.2"},
+            "tuning.metric_definitions": {"f1": "f1=("},
+        },  # fmt: skip
+    )
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, env={})
+    message = str(info.value)
+    for text in ["[experiment] NAME", "[experiment] BACKEND", "[training] EPOCHS", "[training] BATCH_SIZE",
+                 "[training] COLOUR: unknown key", "[models] MODEL_NAMES", "LEARNING_RATE: '5->1': empty interval",
+                 "DROPOUT: not a tunable hyperparameter", "[tuning.metric_definitions] F1"]:  # fmt: skip
+        assert text in message, text
+    assert len(info.value.problems) == 9
+    assert (
+        "[experiment] BACKEND: must be 'local' or 'sagemaker' (got 'cloud')" in message
+    )  # the allowed values are named
+
+
+def test_environment_overrides_keys(tmp_path):
+    path = write_settings(tmp_path / "settings.ini", str(tmp_path / "store"))
+    settings = load_settings(
+        path,
+        env={
+            "SMPIPE__TRAINING__EPOCHS": "4",
+            "SMPIPE__TUNING_HYPERPARAMETERS__WARMUP_RATIO": "0->0.2",
+        },
+    )
+    assert settings.training.epochs == 4
+    assert settings.tunables["warmup_ratio"] == Interval(0, 0.2, integer=False, log=False)
+    with pytest.raises(ConfigError, match=r"\[training\] EPOCHS"):
+        load_settings(path, env={"SMPIPE__TRAINING__EPOCHS": "zero"})
+
+
+def test_sagemaker_backend_needs_its_keys(tmp_path):
+    path = write_settings(
+        tmp_path / "settings.ini", str(tmp_path / "store"), experiment={"BACKEND": "sagemaker"}
+    )
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, env={})
+    assert {"[experiment] STORE", "[experiment] ROLE_ARN", "[experiment] IMAGE_URI"} <= {
+        p.split(":")[0] for p in info.value.problems
+    }
+
+
+def test_invalid_settings_write_nothing(tmp_path):
+    store = tmp_path / "store"
+    path = write_settings(tmp_path / "settings.ini", str(store), training={"EPOCHS": "-1"})
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "run_pipeline.py"), str(path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2
+    assert "[training] EPOCHS" in done.stderr and "Traceback" not in done.stderr
+    assert not Path(store).exists()

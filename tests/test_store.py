@@ -1,0 +1,136 @@
+"""The object store: S3 (moto's server) and a local directory behind one interface."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.store import (
+    MANIFEST,
+    AlreadyExists,
+    Incomplete,
+    LocalStore,
+    NotFound,
+    S3Store,
+    StoreError,
+    download_dir,
+    is_complete,
+    read_manifest,
+    upload_dir,
+)
+from tests.conftest import ROOT
+
+
+@pytest.fixture(params=["s3", "local"])
+def store(request, tmp_path):
+    if request.param == "s3":
+        bucket = request.getfixturevalue("bucket")
+        return S3Store(f"s3://{bucket}/prefix")
+    return LocalStore(tmp_path / "store")
+
+
+def make_tree(root: Path, files: int = 5, size: int = 1000) -> dict[str, bytes]:
+    content = {}
+    for i in range(files):
+        rel = f"sub{i % 2}/file-{i}.bin"
+        data = os.urandom(size + i)
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+        content[rel] = data
+    return content
+
+
+def test_bytes_round_trip_and_conditional_create(store):
+    store.put_bytes("a/b.txt", b"one")
+    assert store.get_bytes("a/b.txt") == b"one"
+    assert store.exists("a/b.txt") and not store.exists("a/c.txt")
+    assert store.create("a/new.txt", b"first") is True
+    assert store.create("a/new.txt", b"second") is False
+    assert store.get_bytes("a/new.txt") == b"first"
+    with pytest.raises(NotFound):
+        store.get_bytes("a/missing.txt")
+    assert store.list_keys("a/") == ["a/b.txt", "a/new.txt"]
+    assert store.list_children("") == ["a"]
+
+
+def test_directory_round_trip_with_manifest(store, tmp_path):
+    content = make_tree(tmp_path / "src")
+    manifest = upload_dir(store, tmp_path / "src", "data/v1/", {"rows": 5})
+    assert manifest["rows"] == 5 and set(manifest["files"]) == set(content)
+    assert is_complete(store, "data/v1/")
+    download_dir(store, "data/v1/", tmp_path / "dst")
+    for rel, data in content.items():
+        assert (tmp_path / "dst" / rel).read_bytes() == data
+    assert read_manifest(store, "data/v1")["files"]["sub0/file-0.bin"]["size"] == 1000
+
+
+def test_versioned_directory_is_never_overwritten(store, tmp_path):
+    make_tree(tmp_path / "src")
+    upload_dir(store, tmp_path / "src", "data/v1/")
+    before = store.get_bytes("data/v1/sub0/file-0.bin")
+    (tmp_path / "src/sub0/file-0.bin").write_bytes(b"changed")
+    with pytest.raises(AlreadyExists, match="never overwritten"):
+        upload_dir(store, tmp_path / "src", "data/v1/")
+    assert store.get_bytes("data/v1/sub0/file-0.bin") == before
+
+
+def test_a_directory_without_manifest_is_not_read(store, tmp_path):
+    make_tree(tmp_path / "src", files=2)
+    store.upload_file(tmp_path / "src/sub0/file-0.bin", "half/sub0/file-0.bin")
+    assert not is_complete(store, "half/")
+    with pytest.raises(Incomplete, match="upload never finished"):
+        download_dir(store, "half/", tmp_path / "dst")
+
+
+def test_a_file_that_does_not_match_its_manifest_is_refused(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    make_tree(tmp_path / "src", files=2)
+    upload_dir(store, tmp_path / "src", "v/")
+    (tmp_path / "store/v/sub0/file-0.bin").write_bytes(b"tampered")
+    with pytest.raises(StoreError, match="does not match its manifest"):
+        download_dir(store, "v/", tmp_path / "dst")
+
+
+def test_keys_cannot_escape_the_store(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    for key in ("../x", "a/../../x", "/etc/passwd"):
+        with pytest.raises(StoreError):
+            store.put_bytes(key, b"x")
+
+
+UPLOADER = """
+import sys, time
+from pipeline.store import S3Store, upload_dir
+
+class SlowStore(S3Store):  # a slow network: every file takes a while
+    def upload_file(self, path, key):
+        time.sleep(0.05)
+        super().upload_file(path, key)
+
+upload_dir(SlowStore(sys.argv[1]), sys.argv[2], "big/")
+print("finished")
+"""
+
+
+def test_killed_upload_leaves_no_manifest(bucket, tmp_path):
+    store = S3Store(f"s3://{bucket}")
+    make_tree(tmp_path / "src", files=300, size=2000)
+    proc = subprocess.Popen([sys.executable, "-c", UPLOADER, f"s3://{bucket}", str(tmp_path / "src")], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    deadline = time.time() + 60
+    while len(store.list_keys("big/")) < 20 and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    out, err = proc.communicate()
+    uploaded = store.list_keys("big/")
+    assert b"finished" not in out, "the upload finished before it could be killed"
+    assert 20 <= len(uploaded) < 300
+    assert f"big/{MANIFEST}" not in uploaded
+    with pytest.raises(Incomplete):
+        download_dir(store, "big/", tmp_path / "dst")

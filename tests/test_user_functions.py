@@ -1,0 +1,147 @@
+"""The five user functions: checked by name before any job starts, and nothing outside
+user_functions/ knows about the demo's data."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import textwrap
+
+import pytest
+
+from pipeline.config import load_settings
+from pipeline.driver import PipelineError, parse_steps, run_pipeline
+from pipeline.store import LocalStore
+from steps.user_code import UserFunctionError, load_user_functions
+from tests.conftest import write_settings
+
+# Another task entirely: reviews in one JSON-lines file, a 'review' text field, three labels,
+# a hashing tokenizer, and a model whose inputs are called token_ids and mask.
+REVIEWS = textwrap.dedent("""
+    import json
+    import zlib
+    from pathlib import Path
+
+    import datasets
+    import torch
+    from torch import nn
+
+    def reconcile(raw_dir):
+        rows = [json.loads(line) for line in (Path(raw_dir) / "reviews.jsonl").read_text().splitlines() if line.strip()]
+        kept = [r for r in rows if r.get("stars") is not None]
+        label = lambda s: "negative" if s <= 2 else "neutral" if s == 3 else "positive"
+        data = datasets.Dataset.from_dict({"id": [r["id"] for r in kept], "review": [r["review"] for r in kept],
+                                           "label": [label(r["stars"]) for r in kept]})
+        return data, {"no_stars": [r["id"] for r in rows if r.get("stars") is None]}
+
+    def load_tokenizer(model_name):
+        return lambda text: [1 + zlib.crc32(w.encode()) % 4095 for w in text.lower().split()]
+
+    def encode(batch, tokenizer, model_name, max_length):
+        ids = [tokenizer(t)[:max_length] for t in batch["review"]]
+        return {"token_ids": [x + [0] * (max_length - len(x)) for x in ids],
+                "mask": [[1] * len(x) + [0] * (max_length - len(x)) for x in ids]}
+
+    class Tiny(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.emb = nn.EmbeddingBag(4096, 16, mode="sum")
+            self.out = nn.Linear(16, n)
+
+        def forward(self, token_ids, mask):
+            return self.out(self.emb(token_ids, per_sample_weights=mask.float()))
+
+    def load_model(model_name, id2label, label2id):
+        return Tiny(len(id2label))
+
+    def ordered_input_keys(model_name):
+        return ["token_ids", "mask"]
+""")
+
+
+def write_module(folder, name, source):
+    (folder / f"{name}.py").write_text(source)
+    sys.modules.pop(name, None)
+    return name
+
+
+def test_missing_and_misshapen_functions_are_named(tmp_path):
+    broken = REVIEWS.replace("def ordered_input_keys(model_name):", "def input_keys(model_name):")
+    broken = broken.replace(
+        "def encode(batch, tokenizer, model_name, max_length):", "def encode(batch, tokenizer):"
+    )
+    name = write_module(tmp_path, "broken_functions", broken)
+    with pytest.raises(UserFunctionError) as info:
+        load_user_functions(name, str(tmp_path))
+    message = str(info.value)
+    assert (
+        "'broken_functions.encode' has the wrong signature encode(batch, tokenizer): expected encode(batch, tokenizer, model_name, max_length)"
+        in message
+    )
+    assert "Module 'broken_functions' has no attribute 'ordered_input_keys'" in message
+    with pytest.raises(UserFunctionError, match="Could not import module 'no_such_module'"):
+        load_user_functions("no_such_module", str(tmp_path))
+
+
+def write_reviews(raw, n=90, seed=3):
+    rng = random.Random(seed)
+    words = {
+        1: ["awful", "broken", "refund"],
+        3: ["okay", "average", "fine"],
+        5: ["great", "love", "excellent"],
+    }
+    filler = ["the", "product", "arrived", "it", "is", "was", "and", "box"]
+    raw.mkdir(parents=True)
+    with open(raw / "reviews.jsonl", "w") as f:
+        for i in range(n):
+            stars = [1, 3, 5][i % 3]
+            text = " ".join(rng.sample(filler, 4) + rng.sample(words[stars], 2))
+            f.write(json.dumps({"id": f"r{i}", "review": text, "stars": stars}) + "\n")
+        f.write(json.dumps({"id": "r-bad", "review": "no rating", "stars": None}) + "\n")
+
+
+def test_another_task_runs_through_the_same_pipeline(tmp_path):
+    write_module(tmp_path, "reviews_functions", REVIEWS)
+    write_reviews(tmp_path / "raw")
+    path = write_settings(
+        tmp_path / "settings.ini", str(tmp_path / "store"),
+        experiment={"USER_FUNCTIONS": "reviews_functions", "NAME": "reviews"},
+        data={"RAW_DATA": str(tmp_path / "raw")}, models={"MODEL_NAMES": "tiny"},
+        training={"EPOCHS": "3", "LEARNING_RATE": "0.05", "MAX_SEQUENCE_LENGTH": "12"},
+    )  # fmt: skip
+    settings = load_settings(path, env={})
+    record = run_pipeline(
+        settings, LocalStore(settings.store_uri()), parse_steps(None), echo=sys.stdout
+    )
+    assert record["status"] == "completed"
+    assert record["steps"]["reconcile"]["details"]["dropped"] == {"no_stars": 1}
+    assert record["steps"]["prepare"]["details"]["id2label"] == {
+        "0": "negative",
+        "1": "neutral",
+        "2": "positive",
+    }
+    assert record["holdout_performance"]["tiny"]["rows"] == 9
+    assert record["holdout_performance"]["tiny"]["accuracy"] > 0.5  # the words give the label away
+
+
+def test_a_user_function_that_raises_fails_its_step_by_name(tmp_path):
+    write_module(tmp_path, "raising_functions", REVIEWS.replace(
+        "    ids = [tokenizer(t)[:max_length]", "    raise KeyError('review_text')\n    ids = [tokenizer(t)[:max_length]"))  # fmt: skip
+    write_reviews(tmp_path / "raw")
+    path = write_settings(
+        tmp_path / "settings.ini", str(tmp_path / "store"),
+        experiment={"USER_FUNCTIONS": "raising_functions", "NAME": "reviews"},
+        data={"RAW_DATA": str(tmp_path / "raw")}, models={"MODEL_NAMES": "tiny"},
+    )  # fmt: skip
+    settings = load_settings(path, env={})
+    store = LocalStore(settings.store_uri())
+    with pytest.raises(PipelineError) as info:
+        run_pipeline(settings, store, parse_steps(None), echo=sys.stdout)
+    message = str(info.value)
+    assert "step 'prepare' failed" in message
+    assert "user function raising_functions.encode raised KeyError: 'review_text'" in message
+    record = json.loads(store.get_bytes("reviews/runs/0001/metadata.json"))
+    assert record["status"] == "failed" and record["steps"]["prepare"]["status"] == "failed"
+    assert "train" not in record["steps"] and record["model_artifacts"] == {}
+    assert not store.list_keys("reviews/data/0001/prepared/")  # nothing promoted
