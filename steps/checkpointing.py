@@ -23,7 +23,8 @@ CURRENT = "CURRENT"
 STATE_FILE = "state.pt"
 BEST_FILE = "best_model.pt"
 
-# Everything a State serializes, in one place.
+# Everything a State serializes, in one place. The main process writes these to state.pt;
+# each process writes its RNG and its `epoch_loss` to rank<N>.pt.
 STATE_FIELDS = (
     "model",
     "optimizer",
@@ -207,9 +208,10 @@ def begin_checkpoint(directory: Path, step: int) -> Path:
     return tmp
 
 
-def write_rank_rng(tmp: Path, rank: int) -> None:
-    """Every process writes its own RNG state: dropout and shuffling differ per rank."""
-    _save(rng_state(), tmp / f"rng-rank{rank}.pt")
+def write_rank_state(tmp: Path, rank: int, state: State) -> None:
+    """Every process writes what is its own: its RNG (dropout differs per rank) and its share
+    of the running epoch loss."""
+    _save({"rng": rng_state(), "epoch_loss": list(state.epoch_loss)}, tmp / f"rank{rank}.pt")
 
 
 def finish_checkpoint(
@@ -262,13 +264,14 @@ def resume_candidates(directory: Path) -> list[Path]:
 def load_checkpoint(path: Path, state: State, rank: int) -> dict | None:
     """Load a checkpoint into `state` and this rank's RNG; return the best weights, if any."""
     saved = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-    rng_file = path / f"rng-rank{rank}.pt"
-    if not rng_file.exists():
+    rank_file = path / f"rank{rank}.pt"
+    if not rank_file.exists():
         raise FileNotFoundError(
-            f"{rng_file} is missing (was the checkpoint written by another world size?)"
+            f"{rank_file} is missing (was the checkpoint written by another world size?)"
         )
-    rng = torch.load(rng_file, map_location="cpu", weights_only=False)
+    own = torch.load(rank_file, map_location="cpu", weights_only=False)
     state.load_state_dict(saved)
-    set_rng_state(rng)
+    state.epoch_loss = own["epoch_loss"]
+    set_rng_state(own["rng"])
     best = path / BEST_FILE
     return torch.load(best, map_location="cpu", weights_only=False) if best.exists() else None

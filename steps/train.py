@@ -234,8 +234,10 @@ def training_function(hp: dict, env: TrainingEnv) -> None:
         accelerator.process_index,
         hp["seed"],
     )
-    train_loader = DataLoader(train_data, batch_sampler=sampler)
-    val_loader = DataLoader(val_data, batch_size=per_device)
+    # Loaders get generators of their own: creating an iterator must not draw from the global
+    # RNG, or a job resumed mid-epoch would see different dropout than the one it replaces.
+    train_loader = DataLoader(train_data, batch_sampler=sampler, generator=torch.Generator())
+    val_loader = DataLoader(val_data, batch_size=per_device, generator=torch.Generator())
     total_steps = sampler.steps_per_epoch * hp["epochs"]
     if hp["max_steps"]:
         total_steps = min(total_steps, hp["max_steps"])
@@ -309,7 +311,7 @@ def training_function(hp: dict, env: TrainingEnv) -> None:
         )
         accelerator.wait_for_everyone()
         tmp = checkpoint_dir / f"ckpt-{state.step:08d}.tmp"
-        ckpt.write_rank_rng(tmp, accelerator.process_index)
+        ckpt.write_rank_state(tmp, accelerator.process_index, state)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             ckpt.finish_checkpoint(checkpoint_dir, tmp, state, new_best, hp["keep_checkpoints"])
@@ -324,12 +326,16 @@ def training_function(hp: dict, env: TrainingEnv) -> None:
 
     checkpoint_seconds: list[float] = []
     model.train()
-    done = state.step >= total_steps
-    while state.epoch < hp["epochs"] and not done:
+    log_every = max(1, sampler.steps_per_epoch // 20)
+    while state.epoch < hp["epochs"]:
+        if state.step >= total_steps and state.batch_in_epoch == 0:
+            break  # MAX_STEPS reached, and that epoch already validated
         epoch_start = time.time()
         sampler.set_epoch(state.epoch, state.batch_in_epoch)
         accelerator.step = state.batch_in_epoch % accumulation
         for batch in train_loader:
+            if state.step >= total_steps:
+                break
             with accelerator.accumulate(model):
                 logits = logits_of(model(**{k: batch[k] for k in keys}))
                 loss = torch.nn.functional.cross_entropy(logits, batch["label_id"])
@@ -345,9 +351,10 @@ def training_function(hp: dict, env: TrainingEnv) -> None:
             if not accelerator.sync_gradients:
                 continue
             state.step += 1
-            at_epoch_end = state.batch_in_epoch == sampler.batches_per_epoch
-            if state.step >= total_steps:
-                done = True
+            if state.step % log_every == 0:
+                accelerator.print(
+                    f"step={state.step}/{total_steps} epoch={state.epoch + 1} loss={loss.item():.4f}"
+                )
             if interrupted():
                 save_checkpoint(None)
                 accelerator.print(
@@ -359,8 +366,8 @@ def training_function(hp: dict, env: TrainingEnv) -> None:
                     )
                 accelerator.end_training()
                 sys.exit(EXIT_INTERRUPTED)
-            if at_epoch_end or done:
-                break
+            if state.batch_in_epoch == sampler.batches_per_epoch or state.step >= total_steps:
+                break  # the epoch-end checkpoint follows validation
             if hp["checkpoint_every_steps"] and state.step % hp["checkpoint_every_steps"] == 0:
                 save_checkpoint(None)
 

@@ -1,0 +1,322 @@
+"""Training survives interruption: killed at random steps and resumed, it ends bitwise equal to
+a run that was never interrupted; checkpoints are atomic; a corrupt one is skipped by path."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline.jobs import TrainingJob
+from pipeline.local_backend import JOB_ENV, LocalBackend, training_env
+from pipeline.store import LocalStore, upload_dir
+from steps import checkpointing as ckpt
+from tests.conftest import ROOT
+
+HPS = {
+    "model_name": "bow", "model_names": "bow", "job_kind": "training", "epochs": "3", "learning_rate": "0.01",
+    "batch_size": "8", "max_per_device_batch_size": "4", "max_sequence_length": "16", "warmup_ratio": "0.1",
+    "weight_decay": "0.01", "seed": "5", "checkpoint_every_steps": "3", "keep_checkpoints": "2",
+    "wandb_project": "t", "wandb_mode": "disabled", "max_steps": "0",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def channels(tmp_path_factory) -> dict[str, Path]:
+    """Small prepared splits: the label is given away by which marker token a row holds."""
+    root = tmp_path_factory.mktemp("prepared")
+    rng = random.Random(0)
+
+    def rows(n):
+        labels = [i % 3 for i in range(n)]
+        ids = [
+            [101] + [rng.randrange(1000, 20000) for _ in range(13)] + [2000 + 7 * y, 102]
+            for y in labels
+        ]
+        return {"bow_input_ids": ids, "bow_attention_mask": [[1] * 16] * n, "label_id": labels}
+
+    datasets.Dataset.from_dict(rows(64)).save_to_disk(str(root / "train"))
+    datasets.Dataset.from_dict(rows(18)).save_to_disk(str(root / "validation"))
+    (root / "labels").mkdir()
+    (root / "labels/id2label.json").write_text(json.dumps({"0": "a", "1": "b", "2": "c"}))
+    return {c: root / c for c in ("train", "validation", "labels")}
+
+
+def job_root(tmp: Path, channels: dict[str, Path]) -> tuple[Path, dict[str, str]]:
+    """An /opt/ml-shaped job root and the SM_* environment, as the local backend makes them."""
+    for sub in ("model", "output/data", "checkpoints", "input/config", "input/data"):
+        (tmp / sub).mkdir(parents=True, exist_ok=True)
+    for name, src in channels.items():
+        dest = tmp / "input/data" / name
+        if not dest.exists():
+            dest.symlink_to(src, target_is_directory=True)
+    job = TrainingJob(name="resume-test", step="train", channels=dict.fromkeys(channels, ""), hyperparameters=HPS,
+                      model_prefix="", output_prefix="", checkpoint_prefix="")  # fmt: skip
+    resource = {
+        "current_host": "algo-1",
+        "current_instance_type": "local",
+        "hosts": ["algo-1"],
+        "network_interface_name": "lo",
+    }
+    env = training_env(tmp, job, resource, {})
+    return tmp, {
+        **os.environ,
+        **JOB_ENV,
+        **env,
+        "SMPIPE_USER_FUNCTIONS": "user_functions",
+        "PYTHONPATH": str(ROOT),
+    }
+
+
+def start(env: dict, processes: int) -> subprocess.Popen:
+    if processes > 1:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={processes}",
+            "-m",
+            "steps.train",
+        ]
+    else:
+        cmd = [sys.executable, "-m", "steps.train"]
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def run_to_end(env: dict, processes: int = 1) -> str:
+    proc = start(env, processes)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def kill_at(env: dict, step: int, sig: int, processes: int = 1) -> str:
+    """Start (or resume) the job and kill its whole process group once it reports `step`."""
+    proc = start(env, processes)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith(f"step={step}/"):
+            os.killpg(proc.pid, sig)
+            break
+    else:
+        tail = "".join(seen[-30:])
+        raise AssertionError(f"the job ended before step {step}:\n{tail}")
+    proc.wait(timeout=120)
+    return "".join(seen)
+
+
+def result(root: Path) -> tuple[dict, list]:
+    weights = load_file(str(root / "model/model.safetensors"))
+    history = [
+        {k: v for k, v in h.items() if k != "seconds"}
+        for h in json.loads((root / "model/history.json").read_text())
+    ]
+    return weights, history
+
+
+def assert_same(a, b):
+    (wa, ha), (wb, hb) = a, b
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), f"{k} differs"
+    assert ha == hb
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, channels):
+    root, env = job_root(tmp_path_factory.mktemp("baseline"), channels)
+    run_to_end(env)
+    return result(root)
+
+
+def test_sigkill_at_random_steps_resumes_bitwise_equal(tmp_path, channels, baseline):
+    root, env = job_root(tmp_path, channels)
+    kill_steps = sorted(random.Random(11).sample(range(2, 23), 3))
+    for step in kill_steps:
+        kill_at(env, step, signal.SIGKILL)
+    out = run_to_end(env)
+    assert "resumed from" in out
+    assert_same(result(root), baseline)
+    report = json.loads((root / "output/data/step_metadata.json").read_text())
+    assert report["resumed_from"]["step"] <= kill_steps[-1]
+
+
+def test_corrupt_current_checkpoint_is_named_and_the_previous_one_used(
+    tmp_path, channels, baseline
+):
+    root, env = job_root(tmp_path, channels)
+    kill_at(env, 11, signal.SIGKILL)  # checkpoints at steps 6 and 9 (every 3; epoch end 8 too)
+    current = ckpt.current_checkpoint(root / "checkpoints")
+    previous = ckpt.resume_candidates(root / "checkpoints")[1]
+    state_file = current / ckpt.STATE_FILE
+    state_file.write_bytes(state_file.read_bytes()[: state_file.stat().st_size // 2])  # truncated
+    out = run_to_end(env)
+    assert f"checkpoint {current} could not be loaded" in out
+    assert f"resumed from {previous}" in out
+    report = json.loads((root / "output/data/step_metadata.json").read_text())
+    assert report["resumed_from"]["checkpoint"] == str(previous)
+    assert_same(result(root), baseline)
+
+
+def test_sigkill_with_two_processes(tmp_path, channels, tmp_path_factory):
+    base_root, base_env = job_root(tmp_path_factory.mktemp("baseline2"), channels)
+    run_to_end(base_env, processes=2)
+    root, env = job_root(tmp_path, channels)
+    for step in (4, 13):
+        kill_at(env, step, signal.SIGKILL, processes=2)
+    out = run_to_end(env, processes=2)
+    assert "resumed from" in out and "processes=2" in out
+    ckpt_files = {p.name for p in ckpt.current_checkpoint(root / "checkpoints").iterdir()}
+    assert {"rank0.pt", "rank1.pt", "state.pt"} <= ckpt_files
+    assert_same(result(root), result(base_root))
+
+
+class SigtermAt(io.StringIO):
+    """The backend's echo stream: sends SIGTERM to the running job once it reports `step`."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.step, self.sent = step, False
+
+    def write(self, text):
+        if not self.sent and f"] step={self.step}/" in text:
+            import psutil
+
+            for child in psutil.Process().children(recursive=True):
+                if "steps.train" in " ".join(child.cmdline()):
+                    child.send_signal(signal.SIGTERM)
+            self.sent = True
+        return super().write(text)
+
+
+def test_sigterm_checkpoints_exits_and_the_backend_restarts(tmp_path, channels, baseline):
+    store = LocalStore(tmp_path / "store")
+    for name, path in channels.items():
+        upload_dir(store, path, f"data/{name}/")
+    echo = SigtermAt(step=7)
+    backend = LocalBackend(store, "logs/", work_root=str(tmp_path / "work"), echo=echo)
+    job = TrainingJob(name="sigterm-test", step="train", channels={c: f"data/{c}/" for c in channels},
+                      hyperparameters=HPS, model_prefix="out/model/", output_prefix="out/output/",
+                      checkpoint_prefix="out/checkpoints/", env={"SMPIPE_USER_FUNCTIONS": "user_functions"},
+                      max_restarts=2)  # fmt: skip
+    outcome = backend.run_training(job)
+    log = echo.getvalue()
+    assert outcome.status == "Completed", outcome.failure_reason
+    assert outcome.restarts == 1
+    # The signal lands during step 7 or just after: that step or the next is finished first.
+    stopped = re.search(r"SIGTERM: checkpoint written at step (\d+)", log)
+    assert stopped and int(stopped.group(1)) in (7, 8), log
+    assert "interrupted; restart 1 of 2" in log
+    assert re.search(rf"resumed from \S+ckpt-0*{stopped.group(1)} at step {stopped.group(1)} ", log)
+    (tmp_path / "final/model").mkdir(parents=True)
+    for name in ("model.safetensors", "history.json"):
+        store.download_file(f"out/model/{name}", tmp_path / "final/model" / name)
+    assert_same(result(tmp_path / "final"), baseline)
+
+
+WRITER = textwrap.dedent("""
+    import os, sys, torch
+    from pathlib import Path
+    from steps import checkpointing as ckpt
+
+    directory, crash = Path(sys.argv[1]), sys.argv[2]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    sampler = ckpt.ResumableBatchSampler(100, 4, 1, 1, 0, seed=1)
+    state = ckpt.State(model=model, optimizer=opt, scheduler=sched, sampler=sampler, seed=1, run_name="w")
+
+    def save(step, crash_here=None):
+        state.step = step
+        with torch.no_grad():
+            model.weight.fill_(step)
+        real_save, real_rename, real_replace = ckpt._save, os.rename, os.replace
+        if crash_here == "mid_state":
+            def partial(obj, path):
+                if path.name == ckpt.STATE_FILE:
+                    data = __import__("io").BytesIO(); torch.save(obj, data)
+                    path.write_bytes(data.getvalue()[: len(data.getvalue()) // 2]); os._exit(9)
+                real_save(obj, path)
+            ckpt._save = partial
+        if crash_here == "before_rename":
+            ckpt.os.rename = lambda *a: os._exit(9)
+        if crash_here == "before_pointer":
+            ckpt.os.replace = lambda *a: os._exit(9)
+        tmp = ckpt.begin_checkpoint(directory, step)
+        if crash_here == "after_begin":
+            os._exit(9)
+        ckpt.write_rank_state(tmp, 0, state)
+        ckpt.finish_checkpoint(directory, tmp, state, None, keep=2)
+        if crash_here == "after_pointer":
+            os._exit(9)
+
+    for step in (1, 2, 3):
+        save(step)
+    save(4, crash)
+""")
+
+
+@pytest.mark.parametrize(
+    "crash", ["after_begin", "mid_state", "before_rename", "before_pointer", "after_pointer"]
+)
+def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_current(tmp_path, crash):
+    done = subprocess.run(
+        [sys.executable, "-c", WRITER, str(tmp_path), crash],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 9, done.stderr
+    current = ckpt.current_checkpoint(tmp_path)
+    expected = 4 if crash == "after_pointer" else 3
+    assert current.name == f"ckpt-{expected:08d}"
+    # Nothing half-written is ever a candidate, and the current one loads whole.
+    assert all(not p.name.endswith(".tmp") for p in ckpt.resume_candidates(tmp_path))
+    saved = torch.load(current / ckpt.STATE_FILE, weights_only=False)
+    assert saved["step"] == expected and torch.all(saved["model"]["weight"] == expected)
+    # The next save after the crash works and becomes current.
+    subprocess.run([sys.executable, "-c", WRITER.replace("for step in (1, 2, 3):", "for step in ():")
+                    .replace("save(4, crash)", "save(5)"), str(tmp_path), "none"], cwd=ROOT, check=True)  # fmt: skip
+    assert ckpt.current_checkpoint(tmp_path).name == "ckpt-00000005"
+    assert len(ckpt.checkpoint_names(tmp_path)) == 2  # keep=2
+
+
+def test_sampler_resumes_mid_epoch_with_the_unseen_batches():
+    full = ckpt.ResumableBatchSampler(50, per_device=4, accumulation=2, world=2, rank=1, seed=3)
+    full.set_epoch(2)
+    batches = list(full)
+    assert len(batches) == full.batches_per_epoch == 8  # ceil(50 / 16) steps * 2 micro-batches
+    resumed = ckpt.ResumableBatchSampler(50, per_device=4, accumulation=2, world=2, rank=1, seed=3)
+    resumed.load_state_dict({**full.state_dict(), "epoch": 2, "start": 5})
+    assert list(resumed) == batches[5:]
+    other_rank = ckpt.ResumableBatchSampler(
+        50, per_device=4, accumulation=2, world=2, rank=0, seed=3
+    )
+    other_rank.set_epoch(2)
+    seen = [i for b in batches + list(other_rank) for i in b]
+    assert set(seen) == set(range(50))  # every example, the padding wraps around
+    with pytest.raises(ValueError, match="another run"):
+        resumed.load_state_dict({**full.state_dict(), "world": 4})
