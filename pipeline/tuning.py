@@ -62,6 +62,8 @@ def run_tuning(
     channels: dict,
     env: dict,
 ) -> TuningOutcome:
+    if getattr(backend, "name", "") == "sagemaker":
+        return run_service_tuning(settings, store, run, backend, model_name, channels, env)
     tuning, t = settings.tuning, settings.training
     strategy = tuning.strategy
     if strategy == "Grid":
@@ -119,4 +121,41 @@ def run_tuning(
     store.put_bytes(
         run.tuning(model_name) + "tuning.json", json.dumps(outcome.details, indent=2).encode()
     )
+    return outcome
+
+
+def run_service_tuning(
+    settings: Settings,
+    store: Store,
+    run: RunTree,
+    backend,
+    model_name: str,
+    channels: dict,
+    env: dict,
+) -> TuningOutcome:
+    """SageMaker runs the trials and picks the best; the best model lands under tuning/<model>/best/."""
+    t = settings.training
+    prefix = run.tuning(model_name) + "best/"
+    job = TrainingJob(
+        name=job_name(settings.experiment.name, run_label(run.run_num), "tune", model_name),
+        step="train",
+        channels=channels,
+        hyperparameters=settings.training_hyperparameters(model_name, "tuning"),
+        model_prefix=prefix + "model/",
+        output_prefix=prefix + "output/",
+        checkpoint_prefix=run.checkpoints(model_name),
+        env=env,
+        instance_type=t.instance_type,
+        instance_count=t.instance_count,
+        processes_per_host=t.processes_per_host if t.use_distributed else 1,
+        use_spot=t.use_spot,
+        max_run_seconds=t.max_run_seconds,
+        max_wait_seconds=t.max_wait_seconds,
+        metric_definitions=settings.metric_definitions,
+    )
+    result, details = backend.run_tuning(job)
+    outcome = TuningOutcome(results=[result], details=details)
+    if result.status == "Completed":
+        outcome.best, outcome.best_model_prefix = details["best"], job.model_prefix
+    store.put_bytes(run.tuning(model_name) + "tuning.json", json.dumps(details, indent=2).encode())
     return outcome

@@ -142,6 +142,18 @@ class State:
         missing = [k for k in STATE_FIELDS if k not in state]
         if missing:
             raise KeyError(f"checkpoint lacks {missing}")
+        # Check every key and shape before touching the model: a foreign checkpoint must fail
+        # without leaving a half-loaded model behind (the previous checkpoint is tried next).
+        own = self.model.state_dict()
+        missing, unexpected = (
+            sorted(set(own) - set(state["model"])),
+            sorted(set(state["model"]) - set(own)),
+        )
+        wrong = [k for k in own if k in state["model"] and own[k].shape != state["model"][k].shape]
+        if missing or unexpected or wrong:
+            raise KeyError(
+                f"checkpoint is for another model: missing {missing[:5]}, unexpected {unexpected[:5]}, other shapes {wrong[:5]}"
+            )
         self.model.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

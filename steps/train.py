@@ -269,6 +269,7 @@ def training_function(hp: dict, env: TrainingEnv) -> None:
                        sampler=sampler, seed=hp["seed"], run_name=env.job_name)  # fmt: skip
     best_weights, resumed_from = None, None
     checkpoint_dir = env.checkpoint_dir
+    resume_start = time.time()
     for candidate in ckpt.resume_candidates(checkpoint_dir):
         try:
             best_weights = ckpt.load_checkpoint(candidate, state, accelerator.process_index)
@@ -277,6 +278,7 @@ def training_function(hp: dict, env: TrainingEnv) -> None:
                 "step": state.step,
                 "epoch": state.epoch,
                 "batch_in_epoch": state.batch_in_epoch,
+                "seconds": round(time.time() - resume_start, 3),
             }
             accelerator.print(
                 f"resumed from {candidate} at step {state.step} (epoch {state.epoch}, batch {state.batch_in_epoch})"
