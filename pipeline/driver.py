@@ -252,7 +252,7 @@ def run_pipeline(
         artifact_uri=store.uri_of(run.prefix),
         backend=settings.experiment.backend,
         start_time=md.iso(started),
-        git_sha=md.git_sha(Path(settings.base_dir)),
+        git_sha=md.git_sha(Path(__file__).resolve().parent.parent),  # the code that ran
         package_versions=md.package_versions(),
         settings=settings.applied_ini,
         raw_path=sources.raw if settings.raw_data_uri() else store.uri_of(sources.raw),
