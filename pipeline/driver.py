@@ -203,6 +203,11 @@ def _section(
 ) -> md.StepSection:
     failed = [r for r in results if r.status != "Completed"]
     peaks = [r.peak_memory_mb for r in results if r.peak_memory_mb is not None]
+    # GPU figures come only from jobs that ran on GPUs and measured them.
+    models = details.get("models", {})
+    gpus = {
+        m: d["gpu_usage"] for m, d in models.items() if isinstance(d, dict) and d.get("gpu_usage")
+    }
     return md.StepSection(
         step=step,
         status=status or ("failed" if failed else "completed"),
@@ -212,6 +217,7 @@ def _section(
         end_time=md.iso(max(r.end_time for r in results)) if results else None,
         time_taken=round(sum(r.seconds for r in results), 3) if results else None,
         memory_usage=max(peaks) if peaks else None,
+        gpu_usage=gpus or None,
         restarts=sum(r.restarts for r in results),
         details=details,
     )
