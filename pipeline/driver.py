@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pipeline import metadata as md
 from pipeline.config import Settings
-from pipeline.jobs import JobFailed, JobResult, ProcessingJob, TrainingJob, job_name
+from pipeline.jobs import JobFailed, JobResult, ProcessingJob, job_name, make_training_job
 from pipeline.paths import ExperimentTree, RunTree, run_label
 from pipeline.runs import claim_run_num, existing_run_nums
 from pipeline.store import NotFound, Store, is_complete, key_of
@@ -379,7 +379,6 @@ def _train(
     settings: Settings, store: Store, run: RunTree, backend, sources: Sources, env: dict, step: str
 ) -> dict[str, str]:
     """One training job per model, or one tuning job per model; returns model -> model dir."""
-    t = settings.training
     results, details, models = [], {"models": {}, "model_artifacts": {}}, {}
     channels = {c: f"{sources.prepared}{c}/" for c in ("train", "validation", "labels")}
     for model_name in settings.models.model_names:
@@ -394,26 +393,8 @@ def _train(
             details["models"][model_name] = outcome.details
             models[model_name] = outcome.best_model_prefix
         else:
-            job = TrainingJob(
-                name=job_name(
-                    settings.experiment.name, run_label(run.run_num), "train", model_name
-                ),
-                step="train",
-                channels=channels,
-                hyperparameters=settings.training_hyperparameters(model_name, "training"),
-                model_prefix=run.model(model_name) + "model/",
-                output_prefix=run.model(model_name) + "output/",
-                checkpoint_prefix=run.checkpoints(model_name),
-                env=env,
-                instance_type=t.instance_type,
-                instance_count=t.instance_count,
-                processes_per_host=t.processes_per_host if t.use_distributed else 1,
-                use_spot=t.use_spot,
-                max_run_seconds=t.max_run_seconds,
-                max_wait_seconds=t.max_wait_seconds,
-                max_restarts=t.max_restarts,
-                metric_definitions=settings.metric_definitions,
-            )
+            job = make_training_job(settings, run, model_name, kind="training", prefix=run.model(model_name),
+                                    checkpoint_prefix=run.checkpoints(model_name), channels=channels, env=env)  # fmt: skip
             result = backend.run_training(job)
             results.append(result)
             if result.status != "Completed":

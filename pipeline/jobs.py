@@ -75,3 +75,37 @@ class JobFailed(RuntimeError):
         self.result = result
         self.step = step
         super().__init__(f"step '{step}': job {result.name} failed: {result.failure_reason}")
+
+
+def make_training_job(settings, run, model_name: str, *, kind: str, prefix: str, checkpoint_prefix: str,
+                      channels: dict[str, str], env: dict[str, str], extra_hyperparameters: dict | None = None,
+                      name_parts: tuple[str, ...] = ()) -> TrainingJob:  # fmt: skip
+    """A training job of `model_name` shaped by [training] (and [training.<model>]): used by a
+    plain training run, by every local tuning trial, and by a SageMaker tuning job."""
+    from pipeline.paths import run_label
+
+    t = settings.model_training.get(model_name, settings.training)
+    step_name = "train" if kind == "training" else "tune"
+    return TrainingJob(
+        name=job_name(
+            settings.experiment.name, run_label(run.run_num), step_name, model_name, *name_parts
+        ),
+        step="train",
+        channels=channels,
+        hyperparameters={
+            **settings.training_hyperparameters(model_name, kind),
+            **(extra_hyperparameters or {}),
+        },
+        model_prefix=prefix + "model/",
+        output_prefix=prefix + "output/",
+        checkpoint_prefix=checkpoint_prefix,
+        env=env,
+        instance_type=t.instance_type,
+        instance_count=t.instance_count,
+        processes_per_host=t.processes_per_host if t.use_distributed else 1,
+        use_spot=t.use_spot,
+        max_run_seconds=t.max_run_seconds,
+        max_wait_seconds=t.max_wait_seconds,
+        max_restarts=t.max_restarts,
+        metric_definitions=settings.metric_definitions,
+    )

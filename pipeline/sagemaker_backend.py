@@ -233,13 +233,8 @@ class SageMakerBackend:
         return trainer
 
     def run_training(self, job: TrainingJob) -> JobResult:
-        from sagemaker.core.training.configs import InputData
-
         trainer = self.model_trainer(job)
-        channels = [
-            InputData(channel_name=c, data_source=self.store.uri_of(p))
-            for c, p in job.channels.items()
-        ]
+        channels = self._channels(job)
         start = time.time()
         self._say(
             job.name,
@@ -280,6 +275,14 @@ class SageMakerBackend:
                         job.output_prefix + "step_metadata.json", tar.extractfile(member).read()
                     )
         manifest_prefix(self.store, job.output_prefix, result.name)
+
+    def _channels(self, job: TrainingJob) -> list:
+        from sagemaker.core.training.configs import InputData
+
+        return [
+            InputData(channel_name=c, data_source=self.store.uri_of(p))
+            for c, p in job.channels.items()
+        ]
 
     def _fetch(self, key: str) -> Path:
         path = Path(tempfile.mkdtemp(prefix="smpipe-fetch-")) / key.rsplit("/", 1)[-1]
@@ -337,13 +340,8 @@ class SageMakerBackend:
 
     def run_tuning(self, job: TrainingJob) -> tuple[JobResult, dict]:
         """One SageMaker tuning job; its best training job's model becomes job.model_prefix."""
-        from sagemaker.core.training.configs import InputData
-
         tuner = self.tuner(job)
-        channels = [
-            InputData(channel_name=c, data_source=self.store.uri_of(p))
-            for c, p in job.channels.items()
-        ]
+        channels = self._channels(job)
         start = time.time()
         self._say(
             job.name,

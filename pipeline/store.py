@@ -71,26 +71,26 @@ class LocalStore:
     def uri_of(self, key: str) -> str:
         return str(self._path(key))
 
+    @staticmethod
+    def _write_aside(path: Path, data: bytes) -> str:
+        """The body in a hidden temporary beside `path`, flushed to disk; readers skip it."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return tmp
+
     def put_bytes(self, key: str, data: bytes) -> None:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(self._write_aside(path, data), path)
 
     def create(self, key: str, data: bytes) -> bool:
-        path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
         # Write the body aside, then link it in: O_EXCL semantics without a window in which
         # the key exists but is empty.
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        path = self._path(key)
+        tmp = self._write_aside(path, data)
         try:
             os.link(tmp, path)
             return True

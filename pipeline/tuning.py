@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pipeline.config import Categorical, Settings
-from pipeline.jobs import JobResult, TrainingJob, job_name
-from pipeline.paths import RunTree, run_label
+from pipeline.jobs import JobResult, make_training_job
+from pipeline.paths import RunTree
 from pipeline.store import Store
 
 
@@ -64,7 +64,7 @@ def run_tuning(
 ) -> TuningOutcome:
     if getattr(backend, "name", "") == "sagemaker":
         return run_service_tuning(settings, store, run, backend, model_name, channels, env)
-    tuning, t = settings.tuning, settings.training
+    tuning = settings.tuning
     strategy = tuning.strategy
     if strategy == "Grid":
         candidates = grid(settings.tunables)[: tuning.max_jobs]
@@ -75,24 +75,11 @@ def run_tuning(
 
     def trial(index_values):
         index, values = index_values
-        hps = settings.training_hyperparameters(model_name, "tuning")
-        hps.update(values)
-        prefix = run.trial(model_name, index)
-        job = TrainingJob(
-            name=job_name(
-                settings.experiment.name, run_label(run.run_num), "tune", model_name, f"{index:03d}"
-            ),
-            step="train",
-            channels=channels,
-            hyperparameters=hps,
-            model_prefix=prefix + "model/",
-            output_prefix=prefix + "output/",
-            checkpoint_prefix=run.checkpoints(f"{model_name}-trial-{index:03d}"),
-            env=env,
-            instance_type=t.instance_type,
-            max_restarts=t.max_restarts,
-            metric_definitions=settings.metric_definitions,
-        )
+        # Trials run one process each: a tuning job's parallelism is across trials.
+        job = make_training_job(settings, run, model_name, kind="tuning", prefix=run.trial(model_name, index),
+                                checkpoint_prefix=run.checkpoints(f"{model_name}-trial-{index:03d}"),
+                                channels=channels, env=env, extra_hyperparameters=values, name_parts=(f"{index:03d}",))  # fmt: skip
+        job.processes_per_host, job.instance_count = 1, 1
         return job, backend.run_training(job)
 
     with ThreadPoolExecutor(max_workers=tuning.max_parallel_jobs) as pool:
@@ -134,25 +121,8 @@ def run_service_tuning(
     env: dict,
 ) -> TuningOutcome:
     """SageMaker runs the trials and picks the best; the best model lands under tuning/<model>/best/."""
-    t = settings.training
-    prefix = run.tuning(model_name) + "best/"
-    job = TrainingJob(
-        name=job_name(settings.experiment.name, run_label(run.run_num), "tune", model_name),
-        step="train",
-        channels=channels,
-        hyperparameters=settings.training_hyperparameters(model_name, "tuning"),
-        model_prefix=prefix + "model/",
-        output_prefix=prefix + "output/",
-        checkpoint_prefix=run.checkpoints(model_name),
-        env=env,
-        instance_type=t.instance_type,
-        instance_count=t.instance_count,
-        processes_per_host=t.processes_per_host if t.use_distributed else 1,
-        use_spot=t.use_spot,
-        max_run_seconds=t.max_run_seconds,
-        max_wait_seconds=t.max_wait_seconds,
-        metric_definitions=settings.metric_definitions,
-    )
+    job = make_training_job(settings, run, model_name, kind="tuning", prefix=run.tuning(model_name) + "best/",
+                            checkpoint_prefix=run.checkpoints(model_name), channels=channels, env=env)  # fmt: skip
     result, details = backend.run_tuning(job)
     outcome = TuningOutcome(results=[result], details=details)
     if result.status == "Completed":

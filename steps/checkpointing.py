@@ -20,11 +20,13 @@ import numpy as np
 import torch
 
 CURRENT = "CURRENT"
+OBJECTS = ("model", "optimizer", "scheduler", "scaler", "sampler")
 STATE_FILE = "state.pt"
 BEST_FILE = "best_model.pt"
 
-# Everything a State serializes, in one place. The main process writes these to state.pt;
-# each process writes its RNG and its `epoch_loss` to rank<N>.pt.
+# Everything a State serializes, in one place (OBJECTS load through their own state dicts).
+# The main process writes these to state.pt; each process writes its RNG and its share of
+# `epoch_loss` to rank<N>.pt.
 STATE_FIELDS = (
     "model",
     "optimizer",
@@ -160,18 +162,9 @@ class State:
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
         self.sampler.load_state_dict(state["sampler"])
-        for key in (
-            "epoch",
-            "batch_in_epoch",
-            "step",
-            "history",
-            "epoch_loss",
-            "best_metric",
-            "best_epoch",
-            "seed",
-            "run_name",
-        ):
-            setattr(self, key, state[key])
+        for key in STATE_FIELDS:
+            if key not in OBJECTS:
+                setattr(self, key, state[key])
 
 
 def rng_state() -> dict:
@@ -255,6 +248,21 @@ def finish_checkpoint(
     for name in checkpoint_names(directory)[:-keep]:
         shutil.rmtree(directory / name, ignore_errors=True)
     return final
+
+
+def finish_rank_files(directory: Path, tmp: Path, keep: int) -> None:
+    """A node other than the main one: put its rank files in place under the same name; the
+    main node's CURRENT pointer is the one that makes the checkpoint current."""
+    _fsync_dir(tmp)
+    final = directory / tmp.name.removesuffix(".tmp")
+    if final.exists():  # a shared file system: the main node already renamed its part
+        for path in tmp.iterdir():
+            os.replace(path, final / path.name)
+        tmp.rmdir()
+    else:
+        os.rename(tmp, final)
+    for name in checkpoint_names(directory)[:-keep]:
+        shutil.rmtree(directory / name, ignore_errors=True)
 
 
 def current_checkpoint(directory: Path) -> Path | None:

@@ -200,8 +200,10 @@ def training_function(hp: dict, env: TrainingEnv) -> None:
             num_steps=accumulation, sync_with_dataloader=False
         ),
     )
+    others = [m for m in hp["model_names"].split(",") if m and m != model_name]
     accelerator.print(
-        f"model={model_name} job_kind={hp['job_kind']} processes={accelerator.num_processes} "
+        f"model={model_name} job_kind={hp['job_kind']}"
+        f"{f' (comparison with {len(others)} other model(s))' if others else ''} processes={accelerator.num_processes} "
         f"per_device_batch={per_device} accumulation={accumulation} "
         f"effective_batch={per_device * accelerator.num_processes * accumulation} (wanted {hp['batch_size']})"
     )
@@ -265,8 +267,9 @@ def training_function(hp: dict, env: TrainingEnv) -> None:
     # The train loader is not prepared: the resumable sampler shards it itself, per rank.
     model, optimizer, val_loader = accelerator.prepare(model, optimizer, val_loader)
 
+    # The gradient scaler exists only under fp16 mixed precision (Accelerate owns it); None on CPU.
     state = ckpt.State(model=accelerator.unwrap_model(model), optimizer=optimizer, scheduler=scheduler,
-                       sampler=sampler, seed=hp["seed"], run_name=env.job_name)  # fmt: skip
+                       sampler=sampler, seed=hp["seed"], run_name=env.job_name, scaler=accelerator.scaler)  # fmt: skip
     best_weights, resumed_from = None, None
     checkpoint_dir = env.checkpoint_dir
     resume_start = time.time()
@@ -305,18 +308,21 @@ def training_function(hp: dict, env: TrainingEnv) -> None:
     Interrupt.install()
 
     def save_checkpoint(new_best: dict | None) -> None:
+        """All processes take part: each node's first process makes the directory, every
+        process writes its own RNG and loss, the main process writes the State and makes it
+        current. On other nodes (multi-node SageMaker) the rank files are renamed into place
+        too; SageMaker syncs every node's checkpoint folder to the same S3 prefix."""
         started = time.time()
-        tmp = (
-            ckpt.begin_checkpoint(checkpoint_dir, state.step)
-            if accelerator.is_main_process
-            else None
-        )
-        accelerator.wait_for_everyone()
         tmp = checkpoint_dir / f"ckpt-{state.step:08d}.tmp"
+        if accelerator.is_local_main_process:
+            ckpt.begin_checkpoint(checkpoint_dir, state.step)
+        accelerator.wait_for_everyone()
         ckpt.write_rank_state(tmp, accelerator.process_index, state)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             ckpt.finish_checkpoint(checkpoint_dir, tmp, state, new_best, hp["keep_checkpoints"])
+        elif accelerator.is_local_main_process:
+            ckpt.finish_rank_files(checkpoint_dir, tmp, hp["keep_checkpoints"])
         accelerator.wait_for_everyone()
         checkpoint_seconds.append(time.time() - started)
 
@@ -328,7 +334,7 @@ def training_function(hp: dict, env: TrainingEnv) -> None:
 
     checkpoint_seconds: list[float] = []
     model.train()
-    log_every = max(1, sampler.steps_per_epoch // 20)
+    log_every = max(1, sampler.steps_per_epoch // 10)  # about ten progress lines an epoch
     while state.epoch < hp["epochs"]:
         if state.step >= total_steps and state.batch_in_epoch == 0:
             break  # MAX_STEPS reached, and that epoch already validated
