@@ -13,6 +13,7 @@ import argparse
 import configparser
 import io
 import json
+import shutil
 import signal
 import sys
 import tempfile
@@ -56,6 +57,9 @@ def main() -> None:
         "--per-label", type=int, default=None, help="articles per topic (default: all)"
     )
     parser.add_argument("--max-length", type=int, default=64)
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the work folder (store, job logs)"
+    )
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="smpipe-bench-"))
@@ -133,7 +137,10 @@ def main() -> None:
         print(
             f"  resume: state loaded in {rf['seconds']:.2f}s (step {rf['step']}, after SIGTERM at step {kill_step})"
         )
-    print(f"  work folder: {work}")
+    if args.keep:
+        print(f"  work folder: {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from pathlib import Path
 from pipeline import metadata as md
 from pipeline.config import Settings
 from pipeline.jobs import JobFailed, JobResult, ProcessingJob, job_name, make_training_job
-from pipeline.paths import ExperimentTree, RunTree, run_label
+from pipeline.paths import DataTree, ExperimentTree, RunTree, run_label
 from pipeline.runs import claim_run_num, existing_run_nums
 from pipeline.store import NotFound, Store, is_complete, key_of
 from steps.user_code import load_user_functions
@@ -35,8 +35,8 @@ class Sources:
     """Where each step reads from: this run's outputs or an earlier run's, named up front."""
 
     raw: str  # store prefix or URI
-    reconciled: str | None = None
-    prepared: str | None = None
+    reconciled: DataTree | None = None  # the data version whose snapshot prepare reads
+    prepared: DataTree | None = None  # the data version whose splits train and inference read
     data_version: int | None = None
     models: dict[str, str] = field(default_factory=dict)  # model -> prefix of its model dir
     reused: dict[str, str] = field(default_factory=dict)  # what was taken from earlier runs
@@ -60,7 +60,7 @@ def newest_data(store: Store, tree: ExperimentTree, kind: str) -> int | None:
         data = tree.data(version)
         if kind == "reconciled" and is_complete(store, data.reconciled):
             return version
-        if kind == "prepared" and all(is_complete(store, data.prepared + s + "/") for s in SPLITS):
+        if kind == "prepared" and all(is_complete(store, data.split(s)) for s in SPLITS):
             return version
     return None
 
@@ -103,8 +103,8 @@ def resolve_sources(
                 f"--steps skips reconcile, but {store.uri_of(tree.data_root)} holds no complete reconciled snapshot"
             )
         else:
-            sources.reconciled = tree.data(version).reconciled
-            sources.reused["reconciled"] = store.uri_of(sources.reconciled)
+            sources.reconciled = tree.data(version)
+            sources.reused["reconciled"] = store.uri_of(sources.reconciled.reconciled)
     if {"train", "inference"} & set(steps) and "prepare" not in steps:
         version = newest_data(store, tree, "prepared")
         if version is None:
@@ -112,9 +112,9 @@ def resolve_sources(
                 f"--steps skips prepare, but {store.uri_of(tree.data_root)} holds no complete prepared data"
             )
         else:
-            sources.prepared = tree.data(version).prepared
+            sources.prepared = tree.data(version)
             sources.data_version = version
-            sources.reused["prepared"] = store.uri_of(sources.prepared)
+            sources.reused["prepared"] = store.uri_of(sources.prepared.prepared)
     if "inference" in steps and "train" not in steps:
         found = newest_models(store, tree, settings.models.model_names)
         if found is None:
@@ -138,8 +138,10 @@ def plan(
     tree: ExperimentTree,
 ) -> list[dict]:
     """The jobs a run would launch, with their inputs and outputs, for --dry-run and the log."""
-    label = run_label(run.run_num) if run else "<next run_num>"
-    data = f"data/{label}/"
+    run = run or tree.run("<next run_num>")
+    data = tree.data(run_label(run.run_num) if run.run_num else "<next run_num>")
+    reconciled = sources.reconciled or data
+    prepared = sources.prepared or data
     rows = []
     if "reconcile" in steps:
         rows.append(
@@ -147,31 +149,22 @@ def plan(
                 "step": "reconcile",
                 "kind": "processing",
                 "inputs": [sources.raw],
-                "outputs": [f"{tree.root}{data}reconciled/"],
+                "outputs": [data.reconciled],
             }
         )
     if "prepare" in steps:
-        rows.append({"step": "prepare", "kind": "processing", "inputs": [sources.reconciled or f"{tree.root}{data}reconciled/"],
-                     "outputs": [f"{tree.root}{data}prepared/{s}/" for s in SPLITS]})  # fmt: skip
-    prepared = sources.prepared or f"{tree.root}{data}prepared/"
-    runs = f"{tree.runs_root}{label}/"
+        rows.append({"step": "prepare", "kind": "processing", "inputs": [reconciled.reconciled],
+                     "outputs": [data.split(s) for s in SPLITS]})  # fmt: skip
     if "train" in steps:
-        kind = "tuning" if settings.experiment.job == "tune" else "training"
+        tuning = settings.experiment.job == "tune"
         for m in settings.models.model_names:
-            rows.append({"step": "train", "kind": kind, "model": m, "inputs": [prepared + s + "/" for s in ("train", "validation", "labels")],
-                         "outputs": [f"{runs}{'tuning' if kind == 'tuning' else 'models'}/{m}/", f"{runs}checkpoints/{m}/"]})  # fmt: skip
+            rows.append({"step": "train", "kind": "tuning" if tuning else "training", "model": m,
+                         "inputs": [prepared.split(s) for s in ("train", "validation", "labels")],
+                         "outputs": [run.tuning(m) if tuning else run.model(m), run.checkpoints(m)]})  # fmt: skip
     if "inference" in steps:
-        models = sources.models or {
-            m: f"{runs}models/{m}/model/" for m in settings.models.model_names
-        }
-        rows.append(
-            {
-                "step": "inference",
-                "kind": "processing",
-                "inputs": [prepared + "test/", *models.values()],
-                "outputs": [f"{runs}inference/"],
-            }
-        )
+        models = sources.models or {m: run.model(m) + "model/" for m in settings.models.model_names}
+        rows.append({"step": "inference", "kind": "processing", "inputs": [prepared.split("test"), *models.values()],
+                     "outputs": [run.inference]})  # fmt: skip
     return rows
 
 
@@ -192,7 +185,7 @@ def make_backend(settings: Settings, store: Store, run: RunTree, echo):
     if settings.experiment.backend == "local":
         from pipeline.local_backend import LocalBackend
 
-        return LocalBackend(store, run.prefix + "logs/", python_path=[settings.base_dir], echo=echo)
+        return LocalBackend(store, run.logs, python_path=[settings.base_dir], echo=echo)
     from pipeline.sagemaker_backend import SageMakerBackend
 
     return SageMakerBackend(settings, store, run, echo=echo)
@@ -276,26 +269,26 @@ def run_pipeline(
                 name=job_name(settings.experiment.name, run_label(run_num), "reconcile"),
                 step="reconcile",
                 inputs={"raw": sources.raw},
-                outputs={"snapshot": data.reconciled, "report": run.job_output + "reconcile/"},
+                outputs={"snapshot": data.reconciled, "report": run.report("reconcile")},
                 env=env,
                 instance_type=settings.data.instance_type,
             )
             _run_step(store, run, "reconcile", [backend.run_processing(job)], lambda: {
-                **_report(store, run.job_output + "reconcile/"), "raw_path": base.raw_path,
+                **_report(store, run.report("reconcile")), "raw_path": base.raw_path,
                 "snapshot": store.uri_of(data.reconciled)})  # fmt: skip
-            sources.reconciled = data.reconciled
+            sources.reconciled = data
         if sources.reconciled:
-            snapshot = json.loads(store.get_bytes(sources.reconciled + "snapshot.json"))
+            snapshot = json.loads(store.get_bytes(sources.reconciled.snapshot_info))
             base.data_snapshot_hash = snapshot["snapshot_hash"]
         if "prepare" in steps:
             t, d = settings.training, settings.data
             job = ProcessingJob(
                 name=job_name(settings.experiment.name, run_label(run_num), "prepare"),
                 step="prepare",
-                inputs={"snapshot": sources.reconciled},
+                inputs={"snapshot": sources.reconciled.reconciled},
                 outputs={
-                    **{s: f"{data.prepared}{s}/" for s in SPLITS},
-                    "report": run.job_output + "prepare/",
+                    **{s: data.split(s) for s in SPLITS},
+                    "report": run.report("prepare"),
                 },
                 arguments=[
                     "--model-names",
@@ -319,9 +312,9 @@ def run_pipeline(
                 run,
                 "prepare",
                 [backend.run_processing(job)],
-                lambda: _report(store, run.job_output + "prepare/"),
+                lambda: _report(store, run.report("prepare")),
             )
-            sources.prepared, sources.data_version = data.prepared, run_num
+            sources.prepared, sources.data_version = data, run_num
         base.data_version = sources.data_version
         md.merge(store, run, base)
 
@@ -334,11 +327,11 @@ def run_pipeline(
                 name=job_name(settings.experiment.name, run_label(run_num), "inference"),
                 step="inference",
                 inputs={
-                    "test": sources.prepared + "test/",
-                    "labels": sources.prepared + "labels/",
+                    "test": sources.prepared.split("test"),
+                    "labels": sources.prepared.split("labels"),
                     **{f"model_{m}": sources.models[m] for m in names},
                 },  # fmt: skip
-                outputs={"results": run.inference, "report": run.job_output + "inference/"},
+                outputs={"results": run.inference, "report": run.report("inference")},
                 arguments=[
                     "--model-names",
                     ",".join(names),
@@ -349,7 +342,7 @@ def run_pipeline(
                 instance_type=settings.inference.instance_type,
             )
             _run_step(store, run, "inference", [backend.run_processing(job)], lambda: {
-                **_report(store, run.job_output + "inference/"), "results": store.uri_of(run.inference),
+                **_report(store, run.report("inference")), "results": store.uri_of(run.inference),
                 "models": {m: store.uri_of(p) for m, p in sources.models.items()}})  # fmt: skip
     except JobFailed as e:
         _finish(store, run, base, started, "failed", str(e))
@@ -380,7 +373,7 @@ def _train(
 ) -> dict[str, str]:
     """One training job per model, or one tuning job per model; returns model -> model dir."""
     results, details, models = [], {"models": {}, "model_artifacts": {}}, {}
-    channels = {c: f"{sources.prepared}{c}/" for c in ("train", "validation", "labels")}
+    channels = {c: sources.prepared.split(c) for c in ("train", "validation", "labels")}
     for model_name in settings.models.model_names:
         if step == "tune":
             from pipeline.tuning import run_tuning

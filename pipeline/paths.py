@@ -15,6 +15,8 @@
             checkpoints/<model>/              synced training State (spot, restarts)
             tuning/<model>/                   trials and the best one
             inference/                        per-model and comparison statistics
+            jobs/<step>/                      what each processing job reported (step_metadata.json)
+            code/  sdk/                       sagemaker backend: the code shipped to the jobs
 
 A data_version is the run_num of the run that produced it (`0003`), so data is versioned
 like runs and never overwritten; a run that skips reconcile/prepare reuses the newest
@@ -52,11 +54,14 @@ class ExperimentTree:
     def runs_root(self) -> str:
         return f"{self.experiment}/runs/"
 
-    def data(self, data_version: int) -> DataTree:
-        return DataTree(f"{self.data_root}{run_label(data_version)}/")
+    def data(self, data_version: int | str) -> DataTree:
+        """A str is a label used as is: the dry run's '<next run_num>'."""
+        label = data_version if isinstance(data_version, str) else run_label(data_version)
+        return DataTree(f"{self.data_root}{label}/")
 
-    def run(self, run_num: int) -> RunTree:
-        return RunTree(f"{self.runs_root}{run_label(run_num)}/", run_num)
+    def run(self, run_num: int | str) -> RunTree:
+        label = run_num if isinstance(run_num, str) else run_label(run_num)
+        return RunTree(f"{self.runs_root}{label}/", run_num if isinstance(run_num, int) else 0)
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,15 @@ class DataTree:
     @property
     def prepared(self) -> str:
         return f"{self.prefix}prepared/"
+
+    @property
+    def snapshot_info(self) -> str:
+        """snapshot.json: content hash, rows, label counts, what reconcile dropped."""
+        return f"{self.prefix}reconciled/snapshot.json"
+
+    def split(self, name: str) -> str:
+        """train/, validation/, test/ or labels/ of the prepared data."""
+        return f"{self.prefix}prepared/{name}/"
 
 
 @dataclass(frozen=True)
@@ -92,8 +106,12 @@ class RunTree:
     def step_metadata(self, step: str) -> str:
         return f"{self.prefix}metadata/{step}.json"
 
+    @property
+    def logs(self) -> str:
+        return f"{self.prefix}logs/"
+
     def log(self, job_name: str) -> str:
-        return f"{self.prefix}logs/{job_name}.log"
+        return f"{self.logs}{job_name}.log"
 
     def model(self, model_name: str) -> str:
         return f"{self.prefix}models/{model_name}/"
@@ -104,6 +122,13 @@ class RunTree:
     def tuning(self, model_name: str) -> str:
         return f"{self.prefix}tuning/{model_name}/"
 
+    def tuning_best(self, model_name: str) -> str:
+        """SageMaker's tuning job: its best training job's output."""
+        return f"{self.prefix}tuning/{model_name}/best/"
+
+    def tuning_record(self, model_name: str) -> str:
+        return f"{self.prefix}tuning/{model_name}/tuning.json"
+
     def trial(self, model_name: str, trial: int) -> str:
         return f"{self.prefix}tuning/{model_name}/trial-{trial:03d}/"
 
@@ -111,9 +136,23 @@ class RunTree:
     def inference(self) -> str:
         return f"{self.prefix}inference/"
 
+    def report(self, step: str) -> str:
+        """Where a processing job's own Metadata section (step_metadata.json) lands."""
+        return f"{self.prefix}jobs/{step}/"
+
     @property
-    def job_output(self) -> str:
-        return f"{self.prefix}jobs/"
+    def training_output(self) -> str:
+        """SageMaker's output_path: <job>/output/model.tar.gz and output.tar.gz."""
+        return f"{self.prefix}jobs/training/"
+
+    @property
+    def code(self) -> str:
+        return f"{self.prefix}code/"
+
+    @property
+    def sdk(self) -> str:
+        """What the SageMaker SDK uploads itself (training code, its drivers)."""
+        return f"{self.prefix}sdk/"
 
 
 def parse_run_label(label: str) -> int | None:

@@ -89,10 +89,10 @@ class SageMakerBackend:
             sagemaker_session = Session(
                 boto_session=boto3.Session(region_name=settings.experiment.region),
                 default_bucket=store.bucket,
-                default_bucket_prefix=(store.prefix + run.prefix + "sdk").strip("/"),
+                default_bucket_prefix=(store.prefix + run.sdk).strip("/"),
             )
         self.session = sagemaker_session
-        self.code_prefix = run.prefix + "code/"
+        self.code_prefix = run.code
         self._code_dir: Path | None = None
 
     def _code(self) -> Path:
@@ -215,7 +215,7 @@ class SageMakerBackend:
                 local_path=f"{CONTAINER}/checkpoints",
             ),
             output_data_config=OutputDataConfig(
-                s3_output_path=self.store.uri_of(self.run.job_output + "training/")
+                s3_output_path=self.store.uri_of(self.run.training_output)
             ),
             hyperparameters=job.hyperparameters,
             environment={
@@ -292,7 +292,7 @@ class SageMakerBackend:
     def _result(self, name: str, status: str, reason: str | None, start: float) -> JobResult:
         self._say(name, f"{status}{': ' + reason if reason else ''}")
         log = io.BytesIO(f"{name}: {status}\n{reason or ''}\n".encode())
-        log_key = f"{self.run.prefix}logs/{name}.log"
+        log_key = self.run.log(name)
         self.store.put_bytes(log_key, log.getvalue())
         return JobResult(
             name=name,

@@ -105,9 +105,7 @@ def run_tuning(
         "strategy": strategy, "ran_as": ran_as, "objective_metric": tuning.objective_metric,
         "objective_type": tuning.objective_type, "trials": trials, "best": outcome.best,
     }  # fmt: skip
-    store.put_bytes(
-        run.tuning(model_name) + "tuning.json", json.dumps(outcome.details, indent=2).encode()
-    )
+    store.put_bytes(run.tuning_record(model_name), json.dumps(outcome.details, indent=2).encode())
     return outcome
 
 
@@ -121,11 +119,11 @@ def run_service_tuning(
     env: dict,
 ) -> TuningOutcome:
     """SageMaker runs the trials and picks the best; the best model lands under tuning/<model>/best/."""
-    job = make_training_job(settings, run, model_name, kind="tuning", prefix=run.tuning(model_name) + "best/",
+    job = make_training_job(settings, run, model_name, kind="tuning", prefix=run.tuning_best(model_name),
                             checkpoint_prefix=run.checkpoints(model_name), channels=channels, env=env)  # fmt: skip
     result, details = backend.run_tuning(job)
     outcome = TuningOutcome(results=[result], details=details)
     if result.status == "Completed":
         outcome.best, outcome.best_model_prefix = details["best"], job.model_prefix
-    store.put_bytes(run.tuning(model_name) + "tuning.json", json.dumps(details, indent=2).encode())
+    store.put_bytes(run.tuning_record(model_name), json.dumps(details, indent=2).encode())
     return outcome

@@ -54,11 +54,19 @@ def parse_hyperparameters(raw: dict[str, object]) -> dict[str, object]:
         if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] == '"':
             value = json.loads(value)
         try:
-            values[name] = (
-                kind(float(value)) if kind is int and str(value).endswith(".0") else kind(value)
-            )
+            values[name] = _cast(kind, value)
         except (TypeError, ValueError):
             problems.append(f"hyperparameter {name}={value!r} is not a {kind.__name__}")
     if problems:
         raise ValueError("; ".join(problems))
     return values
+
+
+def _cast(kind: type, value: object) -> object:
+    # A tuner's IntegerParameter or a JSON round trip may hand over 3.0 or "3.0" for an int.
+    if kind is int and not isinstance(value, bool):
+        number = float(value)
+        if not number.is_integer():
+            raise ValueError(value)
+        return int(number)
+    return kind(value)

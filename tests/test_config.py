@@ -132,3 +132,16 @@ def test_invalid_settings_write_nothing(tmp_path):
     assert done.returncode == 2
     assert "[training] EPOCHS" in done.stderr and "Traceback" not in done.stderr
     assert not Path(store).exists()
+
+
+def test_hyperparameters_are_cast_once_and_unknown_ones_refused():
+    from steps.hyperparameters import parse_hyperparameters
+
+    parsed = parse_hyperparameters(
+        {"epochs": "3.0", "learning_rate": '"0.1"', "batch_size": 16, "model_name": "minilm"}
+    )
+    assert parsed == {"epochs": 3, "learning_rate": 0.1, "batch_size": 16, "model_name": "minilm"}
+    with pytest.raises(ValueError) as info:
+        parse_hyperparameters({"epochs": "2.5", "dropout": "0.1"})
+    assert "hyperparameter epochs='2.5' is not a int" in str(info.value)
+    assert "unknown hyperparameter 'dropout'" in str(info.value)
