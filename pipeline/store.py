@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 MANIFEST = "_MANIFEST.json"
+FILE_MODE = 0o644  # temporaries are created 0600; what lands in the store is readable like any file
 
 
 class StoreError(RuntimeError):
@@ -76,6 +77,7 @@ class LocalStore:
         """The body in a hidden temporary beside `path`, flushed to disk; readers skip it."""
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -130,6 +132,7 @@ class LocalStore:
         dest = self._path(key)
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
+        os.fchmod(fd, FILE_MODE)
         os.close(fd)
         with open(path, "rb") as src, open(tmp, "wb") as dst:
             while chunk := src.read(1 << 20):

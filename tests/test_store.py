@@ -134,3 +134,13 @@ def test_killed_upload_leaves_no_manifest(bucket, tmp_path):
     assert f"big/{MANIFEST}" not in uploaded
     with pytest.raises(Incomplete):
         download_dir(store, "big/", tmp_path / "dst")
+
+
+def test_stored_files_are_not_private_temporaries(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    store.put_bytes("a.txt", b"x")
+    (tmp_path / "f.bin").write_bytes(b"y")
+    store.upload_file(tmp_path / "f.bin", "b/f.bin")
+    assert store.create("c.txt", b"z")
+    for key in ("a.txt", "b/f.bin", "c.txt"):
+        assert (tmp_path / "store" / key).stat().st_mode & 0o777 == 0o644
