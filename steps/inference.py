@@ -175,6 +175,7 @@ def main() -> None:
             .T.rename_axis("model")
             .sort_values("macro_f1", ascending=False)
         )
+        table["rows"] = table["rows"].astype(int)
         table.to_csv(out / "comparison.csv", float_format="%.4f")
         pairs = []
         for a, b in itertools.combinations(names, 2):

@@ -119,6 +119,7 @@ def plot_curves(history: list[dict], path: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     epochs = [h["epoch"] for h in history]
     fig, (ax_loss, ax_score) = plt.subplots(1, 2, figsize=(10, 4))
@@ -129,6 +130,7 @@ def plot_curves(history: list[dict], path: Path, title: str) -> None:
     ax_score.plot(epochs, [h["f1"] for h in history], marker="o", label="macro F1")
     ax_score.set(xlabel="epoch", ylim=(0, 1.02), title="validation")
     for ax in (ax_loss, ax_score):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend()
         ax.grid(alpha=0.3)
     fig.suptitle(title)

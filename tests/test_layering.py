@@ -19,5 +19,7 @@ def test_container_code_never_imports_the_driver():
 
 
 def test_ruff_is_clean():
-    done = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "."], cwd=ROOT, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stdout
