@@ -180,9 +180,15 @@ def test_corrupt_current_checkpoint_is_named_and_the_previous_one_used(
     assert_same(result(root), baseline)
 
 
-def test_sigkill_with_two_processes(tmp_path, channels, tmp_path_factory):
-    base_root, base_env = job_root(tmp_path_factory.mktemp("baseline2"), channels)
-    run_to_end(base_env, processes=2)
+@pytest.fixture(scope="module")
+def baseline2(tmp_path_factory, channels):
+    """Two processes shard every batch differently: their own uninterrupted reference."""
+    root, env = job_root(tmp_path_factory.mktemp("baseline2"), channels)
+    run_to_end(env, processes=2)
+    return result(root)
+
+
+def test_sigkill_with_two_processes(tmp_path, channels, baseline2):
     root, env = job_root(tmp_path, channels)
     for step in (4, 13):
         kill_at(env, step, signal.SIGKILL, processes=2)
@@ -190,7 +196,7 @@ def test_sigkill_with_two_processes(tmp_path, channels, tmp_path_factory):
     assert "resumed from" in out and "processes=2" in out
     ckpt_files = {p.name for p in ckpt.current_checkpoint(root / "checkpoints").iterdir()}
     assert {"rank0.pt", "rank1.pt", "state.pt"} <= ckpt_files
-    assert_same(result(root), result(base_root))
+    assert_same(result(root), baseline2)
 
 
 class SigtermAt(io.StringIO):
@@ -211,7 +217,9 @@ class SigtermAt(io.StringIO):
         return super().write(text)
 
 
-def test_sigterm_checkpoints_exits_and_the_backend_restarts(tmp_path, channels, baseline):
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sigterm_checkpoints_exits_and_the_backend_restarts(tmp_path, channels, processes, request):
+    reference = request.getfixturevalue("baseline" if processes == 1 else "baseline2")
     store = LocalStore(tmp_path / "store")
     for name, path in channels.items():
         upload_dir(store, path, f"data/{name}/")
@@ -220,7 +228,7 @@ def test_sigterm_checkpoints_exits_and_the_backend_restarts(tmp_path, channels, 
     job = TrainingJob(name="sigterm-test", step="train", channels={c: f"data/{c}/" for c in channels},
                       hyperparameters=HPS, model_prefix="out/model/", output_prefix="out/output/",
                       checkpoint_prefix="out/checkpoints/", env={"SMPIPE_USER_FUNCTIONS": "user_functions"},
-                      max_restarts=2)  # fmt: skip
+                      max_restarts=2, processes_per_host=processes)  # fmt: skip
     outcome = backend.run_training(job)
     log = echo.getvalue()
     assert outcome.status == "Completed", outcome.failure_reason
@@ -233,7 +241,7 @@ def test_sigterm_checkpoints_exits_and_the_backend_restarts(tmp_path, channels, 
     (tmp_path / "final/model").mkdir(parents=True)
     for name in ("model.safetensors", "history.json"):
         store.download_file(f"out/model/{name}", tmp_path / "final/model" / name)
-    assert_same(result(tmp_path / "final"), baseline)
+    assert_same(result(tmp_path / "final"), reference)
 
 
 WRITER = textwrap.dedent("""
