@@ -91,8 +91,11 @@ def resolve_sources(
     raw = settings.raw_data_uri() or tree.raw
     sources = Sources(raw=raw)
     if "reconcile" in steps:
-        # RAW_DATA elsewhere is checked by the job itself: another bucket may need other credentials.
-        if not settings.data.raw_data and not store.list_keys(tree.raw):
+        # RAW_DATA in another bucket is checked by the job itself: it may need other credentials.
+        local_raw = settings.raw_data_uri() and "://" not in settings.raw_data_uri()
+        if local_raw and not any(p.is_file() for p in Path(raw).rglob("*")):
+            problems.append(f"[data] RAW_DATA: {raw} is not a folder with files in it")
+        elif not settings.data.raw_data and not store.list_keys(tree.raw):
             problems.append(
                 f"no raw data at {store.uri_of(tree.raw)} ([data] RAW_DATA is empty, so the experiment's raw/ folder is used)"
             )
@@ -224,9 +227,17 @@ def _report(store: Store, prefix: str) -> dict:
 
 
 def run_pipeline(
-    settings: Settings, store: Store, steps: list[str], dry_run: bool = False, echo=None
+    settings: Settings,
+    store: Store,
+    steps: list[str],
+    dry_run: bool = False,
+    echo=None,
+    make_backend=make_backend,
 ) -> dict | None:
-    """Run the pipeline; return the merged Metadata as a dict (None for a dry run)."""
+    """Run the pipeline; return the merged Metadata as a dict (None for a dry run).
+
+    `make_backend(settings, store, run, echo)` builds the backend once the run is claimed;
+    only the outermost caller needs another one (a test's SageMaker session, say)."""
     echo = echo or sys.stdout
     load_user_functions(settings.experiment.user_functions, settings.base_dir)
     tree = ExperimentTree(settings.experiment.name)

@@ -75,11 +75,18 @@ class SageMakerBackend:
     name = "sagemaker"
 
     def __init__(
-        self, settings: Settings, store: Store, run: RunTree, echo=None, sagemaker_session=None
+        self,
+        settings: Settings,
+        store: Store,
+        run: RunTree,
+        echo=None,
+        sagemaker_session=None,
+        stream_logs: bool = True,
     ):
         if not isinstance(store, S3Store):
             raise TypeError("the sagemaker backend needs an s3:// store")
         self.settings, self.store, self.run = settings, store, run
+        self.stream_logs = stream_logs
         self.echo = echo if echo is not None else sys.stdout
         if sagemaker_session is None:
             import boto3
@@ -155,7 +162,7 @@ class SageMakerBackend:
             outputs=outputs,
             arguments=job.arguments or None,
             wait=True,
-            logs=False,
+            logs=self.stream_logs,  # the container's CloudWatch log, streamed while the job runs
             job_name=job.name,
         )
         described = self.session.sagemaker_client.describe_processing_job(
@@ -240,7 +247,7 @@ class SageMakerBackend:
             job.name,
             f"training job on {job.instance_count} x {job.instance_type}{' (spot)' if job.use_spot else ''}",
         )
-        trainer.train(input_data_config=channels, wait=True, logs=False)
+        trainer.train(input_data_config=channels, wait=True, logs=self.stream_logs)
         name = trainer._latest_training_job.training_job_name
         described = self.session.sagemaker_client.describe_training_job(TrainingJobName=name)
         result = self._result(

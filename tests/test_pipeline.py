@@ -190,3 +190,21 @@ def test_dry_run_launches_nothing(staged, bucket, tmp_path):
     )
     assert "test-exp/runs/<next run_num>/models/bow/" in done.stdout
     assert staged.list_keys("") == before
+
+
+def test_a_missing_raw_data_folder_is_named_before_anything_is_written(tmp_path):
+    path = write_settings(
+        tmp_path / "settings.ini", str(tmp_path / "store"), data={"RAW_DATA": "no_such_folder"}
+    )
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "run_pipeline.py"), str(path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert done.returncode == 1
+    assert (
+        f"[data] RAW_DATA: {tmp_path / 'no_such_folder'} is not a folder with files in it"
+        in done.stderr
+    )
+    assert not list((tmp_path / "store").rglob("*.json"))

@@ -35,7 +35,8 @@ def setup(bucket, tmp_path):
     settings = load_settings(path, env={})
     store = S3Store(settings.store_uri())
     run = ExperimentTree("test-exp").run(1)
-    backend = SageMakerBackend(settings, store, run, echo=io.StringIO())
+    # moto's DescribeProcessingJob has no ProcessingResources, which the SDK's log streaming reads.
+    backend = SageMakerBackend(settings, store, run, echo=io.StringIO(), stream_logs=False)
     requests = {}
 
     def capture(params, model, **_):
@@ -223,7 +224,8 @@ def test_pipeline_on_sagemaker_stops_at_the_first_empty_step(setup, demo_raw):
 
     stage(store, ExperimentTree("test-exp"), demo_raw)
     with pytest.raises(PipelineError, match="step 'reconcile' failed .* wrote nothing to"):
-        run_pipeline(settings, store, parse_steps(None), echo=sys.stdout)
+        run_pipeline(settings, store, parse_steps(None), echo=sys.stdout,
+                     make_backend=lambda s, st, r, echo: SageMakerBackend(s, st, r, echo, stream_logs=False))  # fmt: skip
     record = json.loads(store.get_bytes(run.metadata))
     assert record["status"] == "failed" and record["backend"] == "sagemaker"
     assert record["steps"]["reconcile"]["job_names"][0].startswith("test-exp-0001-reconcile")
