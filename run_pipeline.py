@@ -23,6 +23,12 @@ def main(argv: list[str] | None = None) -> int:
         help="print the jobs, inputs, outputs and paths; launch nothing",
     )
     args = parser.parse_args(argv)
+    import logging
+
+    # The driver's own lines (plan, summary) as plain text on the terminal; job output is
+    # streamed by the backend with a [job] prefix.
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    logging.getLogger("smpipe").setLevel(logging.INFO)
 
     from pipeline.config import ConfigError, load_settings
     from pipeline.driver import PipelineError, parse_steps, run_pipeline

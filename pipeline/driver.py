@@ -9,6 +9,7 @@ the settings, the user functions, the raw data, and the earlier outputs a partia
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,10 @@ from pipeline.paths import DataTree, ExperimentTree, RunTree, run_label
 from pipeline.runs import claim_run_num, existing_run_nums
 from pipeline.store import NotFound, Store, is_complete, key_of
 from steps.user_code import load_user_functions
+
+# What the driver tells the user; run_pipeline.py sends it to the terminal. Job output
+# streams separately, through the backend's `echo`.
+log = logging.getLogger("smpipe")
 
 STEPS = ("reconcile", "prepare", "train", "inference")
 SPLITS = ("train", "validation", "test", "labels")
@@ -171,17 +176,16 @@ def plan(
     return rows
 
 
-def print_plan(rows: list[dict], settings: Settings, store_uri: str, echo) -> None:
-    print(
-        f"plan for experiment {settings.experiment.name!r} on the {settings.experiment.backend} backend, store {store_uri}:",
-        file=echo,
+def log_plan(rows: list[dict], settings: Settings, store_uri: str) -> None:
+    log.info(
+        f"plan for experiment {settings.experiment.name!r} on the {settings.experiment.backend} backend, store {store_uri}:"
     )
     for i, row in enumerate(rows, 1):
         model = f" [{row['model']}]" if "model" in row else ""
-        print(f"  {i}. {row['step']}{model} ({row['kind']} job)", file=echo)
+        log.info(f"  {i}. {row['step']}{model} ({row['kind']} job)")
         for key in ("inputs", "outputs"):
             for path in row[key]:
-                print(f"       {key[:-1]:6} {path}", file=echo)
+                log.info(f"       {key[:-1]:6} {path}")
 
 
 def make_backend(settings: Settings, store: Store, run: RunTree, echo):
@@ -243,16 +247,15 @@ def run_pipeline(
     tree = ExperimentTree(settings.experiment.name)
     sources = resolve_sources(settings, store, tree, steps)
     if dry_run:
-        print_plan(plan(settings, steps, None, sources, tree), settings, store.uri, echo)
-        print("dry run: nothing was launched or written", file=echo)
+        log_plan(plan(settings, steps, None, sources, tree), settings, store.uri)
+        log.info("dry run: nothing was launched or written")
         return None
 
     run_num = claim_run_num(store, tree)
     run = tree.run(run_num)
     started = time.time()
-    print(
-        f"run {run_label(run_num)} of {settings.experiment.name!r}: {store.uri_of(run.prefix)}",
-        file=echo,
+    log.info(
+        f"run {run_label(run_num)} of {settings.experiment.name!r}: {store.uri_of(run.prefix)}"
     )
     store.put_bytes(run.settings, settings.applied_ini.encode())
     base = md.Metadata(
@@ -268,9 +271,9 @@ def run_pipeline(
         raw_path=sources.raw if settings.raw_data_uri() else store.uri_of(sources.raw),
     )
     for step in sources.reused:
-        print(f"reusing {step}: {sources.reused[step]}", file=echo)
+        log.info(f"reusing {step}: {sources.reused[step]}")
     md.merge(store, run, base)
-    print_plan(plan(settings, steps, run, sources, tree), settings, store.uri, echo)
+    log_plan(plan(settings, steps, run, sources, tree), settings, store.uri)
     backend = make_backend(settings, store, run, echo)
     env = {"SMPIPE_USER_FUNCTIONS": settings.experiment.user_functions}
     data = tree.data(run_num)
@@ -367,7 +370,7 @@ def run_pipeline(
         raise
     record = _finish(store, run, base, started, "completed", None)
     backend.close(succeeded=True)
-    print_summary(record, store.uri_of(run.prefix), echo)
+    log_summary(record, store.uri_of(run.prefix))
     return record
 
 
@@ -422,28 +425,22 @@ def _finish(
     return record.model_dump()
 
 
-def print_summary(record: dict, run_uri: str, echo) -> None:
+def log_summary(record: dict, run_uri: str) -> None:
     performance = record.get("holdout_performance") or {}
     if performance:
-        print("\ntest-set performance", file=echo)
-        print(
-            f"  {'model':<16}{'accuracy':>10}{'macro F1':>10}{'weighted F1':>13}{'rows':>7}",
-            file=echo,
-        )
+        log.info("\ntest-set performance")
+        log.info(f"  {'model':<16}{'accuracy':>10}{'macro F1':>10}{'weighted F1':>13}{'rows':>7}")
         for name, p in sorted(performance.items(), key=lambda kv: -kv[1]["macro_f1"]):
-            print(
-                f"  {name:<16}{p['accuracy']:>10.4f}{p['macro_f1']:>10.4f}{p['weighted_f1']:>13.4f}{p['rows']:>7}",
-                file=echo,
+            log.info(
+                f"  {name:<16}{p['accuracy']:>10.4f}{p['macro_f1']:>10.4f}{p['weighted_f1']:>13.4f}{p['rows']:>7}"
             )
         comparison = record["steps"].get("inference", {}).get("details", {}).get("comparison")
         for pair in (comparison or {}).get("pairs", []):
             m = pair["mcnemar"]
             verdict = "significant" if m["significant_at_0.05"] else "not significant"
-            print(
-                f"  {pair['models'][0]} vs {pair['models'][1]}: McNemar p={m['p_value']:.3g} ({verdict} at 0.05)",
-                file=echo,
+            log.info(
+                f"  {pair['models'][0]} vs {pair['models'][1]}: McNemar p={m['p_value']:.3g} ({verdict} at 0.05)"
             )
-    print(
-        f"\nrun {run_label(record['model_version'])} {record['status']} in {record['time_taken']:.0f}s: {run_uri}",
-        file=echo,
+    log.info(
+        f"\nrun {run_label(record['model_version'])} {record['status']} in {record['time_taken']:.0f}s: {run_uri}"
     )

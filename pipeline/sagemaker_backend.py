@@ -14,7 +14,6 @@ output prefix gets a manifest, so a partial upload is never read as a whole one.
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
 import sys
@@ -298,9 +297,8 @@ class SageMakerBackend:
 
     def _result(self, name: str, status: str, reason: str | None, start: float) -> JobResult:
         self._say(name, f"{status}{': ' + reason if reason else ''}")
-        log = io.BytesIO(f"{name}: {status}\n{reason or ''}\n".encode())
         log_key = self.run.log(name)
-        self.store.put_bytes(log_key, log.getvalue())
+        self.store.put_bytes(log_key, f"{name}: {status}\n{reason or ''}\n".encode())
         return JobResult(
             name=name,
             status="Completed"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -134,9 +135,7 @@ class LocalStore:
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
         os.fchmod(fd, FILE_MODE)
         os.close(fd)
-        with open(path, "rb") as src, open(tmp, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                dst.write(chunk)
+        shutil.copyfile(path, tmp)
         os.replace(tmp, dest)
 
     def download_file(self, key: str, path: str | os.PathLike) -> None:
@@ -144,9 +143,7 @@ class LocalStore:
         if not src.is_file():
             raise NotFound(self.uri_of(key))
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        with open(src, "rb") as s, open(path, "wb") as d:
-            while chunk := s.read(1 << 20):
-                d.write(chunk)
+        shutil.copyfile(src, path)
 
 
 class S3Store:
