@@ -1,10 +1,16 @@
-"""python run_pipeline.py settings.ini [--backend local|sagemaker] [--steps a,b] [--dry-run]"""
+"""python run_pipeline.py settings.ini [--backend local|sagemaker|emulated] [--steps a,b] [--dry-run]"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+
+
+def _interrupt(signum, _frame):
+    # SIGTERM ends the run the way Ctrl-C does: jobs stopped, the run marked failed.
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,14 +19,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("settings", help="the settings.ini of the experiment")
     parser.add_argument(
-        "--backend", choices=["local", "sagemaker"], help="overrides [experiment] BACKEND"
+        "--backend",
+        choices=["local", "sagemaker", "emulated"],
+        help="overrides [experiment] BACKEND; emulated: SageMaker's requests sent to an "
+        "embedded moto and every job played on this machine",
     )
-    parser.add_argument("--steps", help="comma-separated subset of reconcile,prepare,train,inference; "
-                        "skipped steps reuse the newest complete outputs of the same experiment")  # fmt: skip
+    parser.add_argument(
+        "--steps",
+        help="comma-separated subset of reconcile,prepare,train,inference; "
+        "skipped steps reuse the newest complete outputs of the same experiment",
+    )
     parser.add_argument(
         "--dry-run",
         action="store_true",
         help="print the jobs, inputs, outputs and paths; launch nothing",
+    )
+    parser.add_argument(
+        "--show-requests",
+        action="store_true",
+        help="with --dry-run: also print the SageMaker request each job becomes",
     )
     args = parser.parse_args(argv)
     import logging
@@ -38,11 +55,19 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     if args.backend:
         env["SMPIPE__EXPERIMENT__BACKEND"] = args.backend
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         settings = load_settings(args.settings, env)
         steps = parse_steps(args.steps)
-        store = open_store(settings.store_uri(), settings.experiment.region)
-        run_pipeline(settings, store, steps, dry_run=args.dry_run)
+        if settings.experiment.backend == "emulated" and not args.dry_run:
+            from pipeline.emulated_backend import open_emulated_store
+
+            store = open_emulated_store(settings)
+        else:
+            store = open_store(settings.store_uri(), settings.experiment.region)
+        run_pipeline(
+            settings, store, steps, dry_run=args.dry_run, show_requests=args.show_requests
+        )
     except (ConfigError, UserFunctionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -50,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted: the run is marked failed; its completed outputs stay", file=sys.stderr)
+        print("interrupted: its jobs were stopped; the run is marked failed and its completed outputs stay",
+              file=sys.stderr)  # fmt: skip
         return 130
     return 0
 

@@ -22,6 +22,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from steps.entrypoint import env_key
 from steps.hyperparameters import HYPERPARAMETERS, TUNABLE
 
 ENV_PREFIX = "SMPIPE__"
@@ -53,7 +54,7 @@ class Section(BaseModel):
 class Experiment(Section):
     name: str
     store: str  # a local directory, or s3://bucket[/prefix]
-    backend: Literal["local", "sagemaker"] = "local"
+    backend: Literal["local", "sagemaker", "emulated"] = "local"
     job: Literal["train", "tune"] = "train"
     region: str = "us-east-1"
     role_arn: str = ""
@@ -100,6 +101,14 @@ class Models(Section):
             check_name(name)
         if len(set(value)) != len(value):
             raise ValueError(f"model names repeat: {value}")
+        # A model's name also names environment variables (SM_CHANNEL_..., SM_HP_...), where
+        # '-' and '_' are one character: two names must not meet there.
+        keys = {}
+        for name in value:
+            keys.setdefault(env_key(name), []).append(name)
+        clashes = [names for names in keys.values() if len(names) > 1]
+        if clashes:
+            raise ValueError(f"model names differ only in '-' and '_': {clashes}")
         return value
 
 
@@ -159,6 +168,8 @@ class Inference(Section):
 class Tracking(Section):
     wandb_project: str = "smpipe"
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    # An AWS Secrets Manager secret holding the wandb key, read inside SageMaker jobs.
+    wandb_secret_id: str = ""
 
 
 class Settings(BaseModel):
@@ -458,6 +469,11 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
         t = parsed["training"]
         if t.instance_count > 1 and not t.use_distributed:
             problems.append("[training] INSTANCE_COUNT > 1 needs USE_DISTRIBUTED = true")
+        if t.max_wait_seconds < t.max_run_seconds:
+            problems.append(
+                f"[training] MAX_WAIT_SECONDS ({t.max_wait_seconds}) must be at least MAX_RUN_SECONDS "
+                f"({t.max_run_seconds}): SageMaker's MaxWaitTimeInSeconds includes the run"
+            )
 
     if problems:
         raise ConfigError(problems, str(path))

@@ -1,26 +1,42 @@
-"""The driver: validate, plan, claim a run_num, run the steps on a backend, record Metadata.
+"""The driver: validate, describe every job once, claim a run_num, run the jobs on a backend,
+record Metadata.
 
     reconcile (processing) -> prepare (processing) -> train | tune (training) -> inference (processing)
 
 Everything that can be checked is checked before a run_num is claimed or anything is written:
 the settings, the user functions, the raw data, and the earlier outputs a partial run reuses.
+The jobs are built once (`build_jobs`); `--dry-run` prints those very objects, and the run
+hands the same objects to the backend.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import metadata as md
 from pipeline.config import Settings
-from pipeline.jobs import JobFailed, JobResult, ProcessingJob, job_name, make_training_job
+from pipeline.jobs import (
+    JobFailed,
+    JobResult,
+    ProcessingJob,
+    TrainingJob,
+    TuningJob,
+    job_name,
+    processing_request,
+    training_request,
+    tuning_request,
+)
 from pipeline.paths import DataTree, ExperimentTree, RunTree, run_label
 from pipeline.runs import claim_run_num, existing_run_nums
-from pipeline.store import NotFound, Store, is_complete, key_of
+from pipeline.store import NotFound, Store, is_complete, key_of, source_uri, upload_dir
+from steps.entrypoint import WANDB_SECRET_VARIABLE
 from steps.user_code import load_user_functions
 
 # What the driver tells the user; run_pipeline.py sends it to the terminal. Job output
@@ -29,6 +45,7 @@ log = logging.getLogger("smpipe")
 
 STEPS = ("reconcile", "prepare", "train", "inference")
 SPLITS = ("train", "validation", "test", "labels")
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 class PipelineError(RuntimeError):
@@ -43,7 +60,7 @@ class Sources:
     reconciled: DataTree | None = None  # the data version whose snapshot prepare reads
     prepared: DataTree | None = None  # the data version whose splits train and inference read
     data_version: int | None = None
-    models: dict[str, str] = field(default_factory=dict)  # model -> prefix of its model dir
+    models: str | None = None  # the models/ folder of the run whose models inference tests
     reused: dict[str, str] = field(default_factory=dict)  # what was taken from earlier runs
 
 
@@ -70,9 +87,7 @@ def newest_data(store: Store, tree: ExperimentTree, kind: str) -> int | None:
     return None
 
 
-def newest_models(
-    store: Store, tree: ExperimentTree, model_names: list[str]
-) -> tuple[int, dict[str, str]] | None:
+def newest_models(store: Store, tree: ExperimentTree, model_names: list[str]) -> int | None:
     """The newest run that left a complete model for every name."""
     for run_num in reversed(existing_run_nums(store, tree)):
         run = tree.run(run_num)
@@ -84,8 +99,38 @@ def newest_models(
             m: key_of(store, uri) for m, uri in (record.get("model_artifacts") or {}).items()
         }
         if all(artifacts.get(m) and is_complete(store, artifacts[m]) for m in model_names):
-            return run_num, {m: artifacts[m] for m in model_names}
+            return run_num
     return None
+
+
+def check_raw_data(settings: Settings, store: Store, tree: ExperimentTree) -> list[str]:
+    local_raw = settings.raw_data_uri() and "://" not in settings.raw_data_uri()
+    if local_raw and not any(p.is_file() for p in Path(settings.raw_data_uri()).rglob("*")):
+        return [f"[data] RAW_DATA: {settings.raw_data_uri()} is not a folder with files in it"]
+    if local_raw and settings.experiment.backend != "local":
+        return check_raw_upload(store, tree, Path(settings.raw_data_uri()))
+    if not settings.data.raw_data and not store.list_keys(tree.raw):
+        return [
+            f"no raw data at {store.uri_of(tree.raw)} ([data] RAW_DATA is empty, so the experiment's raw/ folder is used)"
+        ]
+    # RAW_DATA in another bucket is checked by the job itself: it may need other credentials.
+    return []
+
+
+def local_files(folder: Path) -> dict[str, Path]:
+    return {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def check_raw_upload(store: Store, tree: ExperimentTree, folder: Path) -> list[str]:
+    """A SageMaker job cannot read a folder on this machine: its files go to the experiment's
+    raw/ first. That is refused when raw/ already holds other data (nothing is mixed)."""
+    there = {k[len(tree.raw) :] for k in store.list_keys(tree.raw)}
+    if there and there != set(local_files(folder)):
+        return [
+            f"[data] RAW_DATA: {folder} would be uploaded to {store.uri_of(tree.raw)}, which already "
+            "holds other files; leave RAW_DATA empty to use those, or use another experiment NAME"
+        ]
+    return []
 
 
 def resolve_sources(
@@ -93,17 +138,11 @@ def resolve_sources(
 ) -> Sources:
     """Decide where every step reads from, or say what is missing; writes nothing."""
     problems = []
-    raw = settings.raw_data_uri() or tree.raw
+    uploads_raw = settings.experiment.backend != "local" and settings.raw_data_uri()
+    raw = tree.raw if uploads_raw or not settings.raw_data_uri() else settings.raw_data_uri()
     sources = Sources(raw=raw)
     if "reconcile" in steps:
-        # RAW_DATA in another bucket is checked by the job itself: it may need other credentials.
-        local_raw = settings.raw_data_uri() and "://" not in settings.raw_data_uri()
-        if local_raw and not any(p.is_file() for p in Path(raw).rglob("*")):
-            problems.append(f"[data] RAW_DATA: {raw} is not a folder with files in it")
-        elif not settings.data.raw_data and not store.list_keys(tree.raw):
-            problems.append(
-                f"no raw data at {store.uri_of(tree.raw)} ([data] RAW_DATA is empty, so the experiment's raw/ folder is used)"
-            )
+        problems += check_raw_data(settings, store, tree)
     if "prepare" in steps and "reconcile" not in steps:
         version = newest_data(store, tree, "reconciled")
         if version is None:
@@ -131,71 +170,309 @@ def resolve_sources(
                 f"{', '.join(settings.models.model_names)}"
             )
         else:
-            sources.models = found[1]
-            sources.reused["models"] = f"run {run_label(found[0])}"
+            sources.models = tree.run(found).models
+            sources.reused["models"] = f"run {run_label(found)}"
     if problems:
         raise PipelineError("cannot start: " + "; ".join(problems))
     return sources
 
 
-def plan(
-    settings: Settings,
-    steps: list[str],
-    run: RunTree | None,
-    sources: Sources,
-    tree: ExperimentTree,
-) -> list[dict]:
-    """The jobs a run would launch, with their inputs and outputs, for --dry-run and the log."""
-    run = run or tree.run("<next run_num>")
-    data = tree.data(run_label(run.run_num) if run.run_num else "<next run_num>")
-    reconciled = sources.reconciled or data
-    prepared = sources.prepared or data
-    rows = []
-    if "reconcile" in steps:
-        rows.append(
-            {
-                "step": "reconcile",
-                "kind": "processing",
-                "inputs": [sources.raw],
-                "outputs": [data.reconciled],
-            }
-        )
-    if "prepare" in steps:
-        rows.append({"step": "prepare", "kind": "processing", "inputs": [reconciled.reconciled],
-                     "outputs": [data.split(s) for s in SPLITS]})  # fmt: skip
-    if "train" in steps:
-        tuning = settings.experiment.job == "tune"
-        for m in settings.models.model_names:
-            rows.append({"step": "train", "kind": "tuning" if tuning else "training", "model": m,
-                         "inputs": [prepared.split(s) for s in ("train", "validation", "labels")],
-                         "outputs": [run.tuning(m) if tuning else run.model(m), run.checkpoints(m)]})  # fmt: skip
-    if "inference" in steps:
-        models = sources.models or {m: run.model(m) + "model/" for m in settings.models.model_names}
-        rows.append({"step": "inference", "kind": "processing", "inputs": [prepared.split("test"), *models.values()],
-                     "outputs": [run.inference]})  # fmt: skip
-    return rows
+# -- every job of a run, described once ------------------------------------------------------
 
 
-def log_plan(rows: list[dict], settings: Settings, store_uri: str) -> None:
-    log.info(
-        f"plan for experiment {settings.experiment.name!r} on the {settings.experiment.backend} backend, store {store_uri}:"
+def job_env(settings: Settings) -> dict[str, str]:
+    env = {"SMPIPE_USER_FUNCTIONS": settings.experiment.user_functions}
+    if settings.tracking.wandb_secret_id and settings.experiment.backend != "local":
+        env[WANDB_SECRET_VARIABLE] = settings.tracking.wandb_secret_id
+    return env
+
+
+def training_job(settings: Settings, run: RunTree, model_name: str, channels: dict, kind: str):
+    """A training job of `model_name` shaped by [training] (and [training.<model>])."""
+    t = settings.model_training.get(model_name, settings.training)
+    step = "train" if kind == "training" else "tune"
+    return TrainingJob(
+        name=job_name(run.experiment, run.label, step, model_name),
+        step="train",
+        code=run.code,
+        channels=channels,
+        hyperparameters=settings.training_hyperparameters(model_name, kind),
+        model_prefix=run.model(model_name) + "model/",
+        output_prefix=run.model(model_name) + "output/",
+        checkpoint_prefix=run.checkpoints(model_name),
+        sagemaker_output=run.training_output,
+        env=job_env(settings),
+        instance_type=t.instance_type,
+        instance_count=t.instance_count,
+        processes_per_host=t.processes_per_host if t.use_distributed else 1,
+        use_spot=t.use_spot,
+        max_run_seconds=t.max_run_seconds,
+        max_wait_seconds=t.max_wait_seconds,
+        max_restarts=t.max_restarts,
+        metric_definitions=settings.metric_definitions,
     )
-    for i, row in enumerate(rows, 1):
-        model = f" [{row['model']}]" if "model" in row else ""
-        log.info(f"  {i}. {row['step']}{model} ({row['kind']} job)")
-        for key in ("inputs", "outputs"):
-            for path in row[key]:
-                log.info(f"       {key[:-1]:6} {path}")
+
+
+def build_jobs(settings: Settings, steps: list[str], run: RunTree, sources: Sources) -> list:
+    """Every job the run launches, in order, with its inputs, outputs and resources."""
+    name, label = settings.experiment.name, run.label
+    data = ExperimentTree(name).data(run.label if run.run_num == 0 else run.run_num)
+    reconciled = data if "reconcile" in steps else sources.reconciled
+    prepared = data if "prepare" in steps else sources.prepared
+    env, d, t = job_env(settings), settings.data, settings.training
+    jobs: list = []
+    if "reconcile" in steps:
+        jobs.append(ProcessingJob(
+            name=job_name(name, label, "reconcile"), step="reconcile", code=run.code,
+            inputs={"raw": sources.raw}, outputs={"snapshot": data.reconciled, "report": run.report("reconcile")},
+            env=env, instance_type=d.instance_type,
+        ))  # fmt: skip
+    if "prepare" in steps:
+        jobs.append(ProcessingJob(
+            name=job_name(name, label, "prepare"), step="prepare", code=run.code,
+            inputs={"snapshot": reconciled.reconciled},
+            outputs={**{s: data.split(s) for s in SPLITS}, "report": run.report("prepare")},
+            arguments=["--model-names", ",".join(settings.models.model_names),
+                       "--max-length", str(t.max_sequence_length),
+                       "--train-fraction", str(d.train_fraction),
+                       "--validation-fraction", str(d.validation_fraction),
+                       "--test-fraction", str(d.test_fraction), "--seed", str(d.seed)],
+            env=env, instance_type=d.instance_type,
+        ))  # fmt: skip
+    if "train" in steps:
+        channels = {c: prepared.split(c) for c in ("train", "validation", "labels")}
+        for model in settings.models.model_names:
+            if settings.experiment.job == "train":
+                jobs.append(training_job(settings, run, model, channels, "training"))
+                continue
+            tuning = settings.tuning
+            jobs.append(TuningJob(
+                name=job_name(name, label, "tune", model, limit=32),
+                trial=training_job(settings, run, model, channels, "tuning"),
+                ranges=dict(settings.tunables), strategy=tuning.strategy,
+                objective_metric=tuning.objective_metric, objective_type=tuning.objective_type,
+                max_jobs=tuning.max_jobs, max_parallel_jobs=tuning.max_parallel_jobs,
+            ))  # fmt: skip
+    if "inference" in steps:
+        jobs.append(ProcessingJob(
+            name=job_name(name, label, "inference"), step="inference", code=run.code,
+            inputs={"test": prepared.split("test"), "labels": prepared.split("labels"),
+                    "models": run.models if "train" in steps else sources.models},
+            outputs={"results": run.inference, "report": run.report("inference")},
+            arguments=["--model-names", ",".join(settings.models.model_names),
+                       "--batch-size", str(settings.inference.batch_size)],
+            env=env, instance_type=settings.inference.instance_type,
+        ))  # fmt: skip
+    return jobs
+
+
+def job_step(job) -> str:
+    if job.kind == "tuning":
+        return "tune"
+    return job.step if job.kind == "processing" else "train"
+
+
+def describe(job, settings: Settings, store: Store) -> dict:
+    """The request a job becomes on SageMaker (the local backend plays this same request)."""
+    build = {"processing": processing_request, "training": training_request,
+             "tuning": tuning_request}[job.kind]  # fmt: skip
+    return build(job, settings.experiment.image_uri or "<IMAGE_URI>",
+                 settings.experiment.role_arn or "<ROLE_ARN>", store.uri_of)  # fmt: skip
+
+
+def log_plan(jobs: list, settings: Settings, store: Store, show_requests: bool = False) -> None:
+    log.info(
+        f"plan for experiment {settings.experiment.name!r} on the {settings.experiment.backend} backend, store {store.uri}:"
+    )
+    for i, job in enumerate(jobs, 1):
+        trial = job.trial if job.kind == "tuning" else job
+        model = trial.hyperparameters.get("model_name") if job.kind != "processing" else None
+        log.info(f"  {i}. {job_step(job)}{f' [{model}]' if model else ''} ({job.kind} job {job.name})")
+        inputs = job.inputs if job.kind == "processing" else trial.channels
+        outputs = job.outputs if job.kind == "processing" else {
+            "model": trial.model_prefix, "output": trial.output_prefix, "checkpoints": trial.checkpoint_prefix}  # fmt: skip
+        for kind, items in (("input", {"code": job.code if job.kind != "tuning" else trial.code, **inputs}),
+                            ("output", outputs)):  # fmt: skip
+            for channel, where in items.items():
+                uri = source_uri(store, where)
+                log.info(f"       {kind:6} {channel:<12} {uri}")
+        if job.kind == "tuning":
+            ranges = ", ".join(f"{k}={getattr(v, 'options', None) or v.render()}" for k, v in job.ranges.items())
+            log.info(f"       search {job.strategy}, {job.max_jobs} trials ({job.max_parallel_jobs} at once): {ranges}")  # fmt: skip
+        if show_requests:
+            text = json.dumps(describe(job, settings, store), indent=2)
+            log.info("\n".join("       " + line for line in text.splitlines()))
+
+
+# -- running ------------------------------------------------------------------------------------
 
 
 def make_backend(settings: Settings, store: Store, run: RunTree, echo):
-    if settings.experiment.backend == "local":
+    backend = settings.experiment.backend
+    if backend == "local":
         from pipeline.local_backend import LocalBackend
 
-        return LocalBackend(store, run.logs, python_path=[settings.base_dir], echo=echo)
+        return LocalBackend(store, run, echo=echo)
+    if backend == "emulated":
+        from pipeline.emulated_backend import emulated_backend
+
+        return emulated_backend(settings, store, run, echo)
+    import boto3
+
     from pipeline.sagemaker_backend import SageMakerBackend
 
-    return SageMakerBackend(settings, store, run, echo=echo)
+    session = boto3.Session(region_name=settings.experiment.region)
+    return SageMakerBackend(store, run, client=session.client("sagemaker"), logs_client=session.client("logs"),
+                            image_uri=settings.experiment.image_uri, role_arn=settings.experiment.role_arn, echo=echo)  # fmt: skip
+
+
+def ship_code(settings: Settings, store: Store, prefix: str) -> None:
+    """The code every job of the run runs: steps/ and the user functions module, as they are
+    now. Jobs receive it as an input; the image holds none of it."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    module = settings.experiment.user_functions.split(".")[0]
+    with tempfile.TemporaryDirectory(prefix="smpipe-code-") as tmp:
+        shutil.copytree(PROJECT_ROOT / "steps", Path(tmp, "steps"), ignore=ignore)
+        for base in (Path(settings.base_dir), PROJECT_ROOT):
+            if (base / module).is_dir():
+                shutil.copytree(base / module, Path(tmp, module), ignore=ignore)
+                break
+            if (base / f"{module}.py").is_file():
+                shutil.copy2(base / f"{module}.py", Path(tmp, f"{module}.py"))
+                break
+        upload_dir(store, tmp, prefix)
+
+
+def upload_raw(settings: Settings, store: Store, tree: ExperimentTree) -> None:
+    """RAW_DATA on this machine, for a backend whose jobs run elsewhere: into raw/, once."""
+    folder = Path(settings.raw_data_uri())
+    there = set(k[len(tree.raw) :] for k in store.list_keys(tree.raw))
+    files = local_files(folder)
+    if there == set(files):
+        return
+    for rel, path in files.items():
+        store.upload_file(path, tree.raw + rel)
+    log.info(f"uploaded {len(files)} raw files from {folder} to {store.uri_of(tree.raw)}")
+
+
+def run_pipeline(
+    settings: Settings,
+    store: Store,
+    steps: list[str],
+    dry_run: bool = False,
+    echo=None,
+    make_backend=make_backend,
+    show_requests: bool = False,
+) -> dict | None:
+    """Run the pipeline; return the merged Metadata as a dict (None for a dry run).
+
+    `make_backend(settings, store, run, echo)` builds the backend once the run is claimed;
+    only the outermost caller needs another one (a test's SageMaker client, say)."""
+    echo = echo or sys.stdout
+    load_user_functions(settings.experiment.user_functions, settings.base_dir)
+    tree = ExperimentTree(settings.experiment.name)
+    sources = resolve_sources(settings, store, tree, steps)
+    if dry_run:
+        jobs = build_jobs(settings, steps, tree.run("<next run_num>"), sources)
+        log_plan(jobs, settings, store, show_requests)
+        log.info("dry run: nothing was launched or written")
+        return None
+    if "reconcile" in steps and sources.raw == tree.raw and settings.raw_data_uri():
+        upload_raw(settings, store, tree)
+
+    run_num = claim_run_num(store, tree)
+    run = tree.run(run_num)
+    started = time.time()
+    log.info(f"run {run.label} of {settings.experiment.name!r}: {store.uri_of(run.prefix)}")
+    store.put_bytes(run.settings, settings.applied_ini.encode())
+    base = md.Metadata(
+        run_id=f"{settings.experiment.name}/{run.label}",
+        model_version=run_num,
+        experiment_name=settings.experiment.name,
+        artifact_uri=store.uri_of(run.prefix),
+        backend=settings.experiment.backend,
+        start_time=md.iso(started),
+        git_sha=md.git_sha(PROJECT_ROOT),  # the code that ran
+        package_versions=md.package_versions(),
+        settings=settings.applied_ini,
+        raw_path=source_uri(store, sources.raw),
+    )
+    for step in sources.reused:
+        log.info(f"reusing {step}: {sources.reused[step]}")
+    md.merge(store, run, base)
+    jobs = build_jobs(settings, steps, run, sources)
+    log_plan(jobs, settings, store)
+    ship_code(settings, store, run.code)
+    backend = make_backend(settings, store, run, echo)
+    if "reconcile" in steps:
+        sources.reconciled = tree.data(run_num)
+    if "prepare" in steps:
+        sources.prepared, sources.data_version = tree.data(run_num), run_num
+    base.data_version = sources.data_version
+    training = [j for j in jobs if j.kind != "processing"]
+    try:
+        for job in jobs:
+            if job.kind == "processing":
+                result = backend.run_processing(job)
+                _processing_section(store, run, job, result, base, sources)
+            elif job is training[0]:
+                _train(store, run, backend, training)
+    except JobFailed as e:
+        _finish(store, run, base, started, "failed", str(e))
+        backend.close(succeeded=False)
+        raise PipelineError(
+            f"step '{e.step}' failed in job {e.result.name}: {e.result.failure_reason}. "
+            f"The job's log is at {store.uri_of(e.result.log_key) if e.result.log_key else 'the backend'}; "
+            f"run {run.label} is marked failed at {store.uri_of(run.metadata)} and nothing from it is promoted."
+        ) from None
+    except BaseException as e:
+        backend.stop()
+        _finish(store, run, base, started, "failed", f"{type(e).__name__}: {e}")
+        backend.close(succeeded=False)
+        raise
+    record = _finish(store, run, base, started, "completed", None)
+    backend.close(succeeded=True)
+    log_summary(record, store.uri_of(run.prefix))
+    return record
+
+
+def _processing_section(
+    store: Store, run: RunTree, job, result: JobResult, base: md.Metadata, sources: Sources
+) -> None:
+    details = {}
+    if result.status == "Completed":
+        details = _report(store, job.outputs["report"])
+        if job.step == "reconcile":
+            details["raw_path"] = base.raw_path
+            details["snapshot"] = store.uri_of(job.outputs["snapshot"])
+        if job.step == "inference":
+            details["results"] = store.uri_of(job.outputs["results"])
+            details["models_from"] = store.uri_of(job.inputs["models"])
+    md.write_section(store, run, _section(job.step, [result], details))
+    if result.status != "Completed":
+        raise JobFailed(result, job.step)
+    if job.step in ("reconcile", "prepare"):
+        snapshot = json.loads(store.get_bytes(sources.reconciled.snapshot_info))
+        base.data_snapshot_hash = snapshot["snapshot_hash"]
+    md.merge(store, run, base)
+
+
+def _train(store: Store, run: RunTree, backend, jobs: list) -> None:
+    """One training or tuning job per model; every model lands at models/<model>/model/."""
+    step = job_step(jobs[0])
+    results, details = [], {"models": {}, "model_artifacts": {}}
+    for job in jobs:
+        trial = job.trial if job.kind == "tuning" else job
+        model = trial.hyperparameters["model_name"]
+        result = backend.run_tuning(job) if job.kind == "tuning" else backend.run_training(job)
+        results.append(result)
+        if result.status != "Completed":
+            md.write_section(store, run, _section(step, results, details))
+            raise JobFailed(result, step)
+        details["models"][model] = {**_report(store, trial.output_prefix), **result.details}
+        details["model_artifacts"][model] = store.uri_of(trial.model_prefix)
+        md.write_section(store, run, _section(step, results, details, status="running"))
+    md.write_section(store, run, _section(step, results, details))
 
 
 def _section(
@@ -230,191 +507,6 @@ def _report(store: Store, prefix: str) -> dict:
         return {}
 
 
-def run_pipeline(
-    settings: Settings,
-    store: Store,
-    steps: list[str],
-    dry_run: bool = False,
-    echo=None,
-    make_backend=make_backend,
-) -> dict | None:
-    """Run the pipeline; return the merged Metadata as a dict (None for a dry run).
-
-    `make_backend(settings, store, run, echo)` builds the backend once the run is claimed;
-    only the outermost caller needs another one (a test's SageMaker session, say)."""
-    echo = echo or sys.stdout
-    load_user_functions(settings.experiment.user_functions, settings.base_dir)
-    tree = ExperimentTree(settings.experiment.name)
-    sources = resolve_sources(settings, store, tree, steps)
-    if dry_run:
-        log_plan(plan(settings, steps, None, sources, tree), settings, store.uri)
-        log.info("dry run: nothing was launched or written")
-        return None
-
-    run_num = claim_run_num(store, tree)
-    run = tree.run(run_num)
-    started = time.time()
-    log.info(
-        f"run {run_label(run_num)} of {settings.experiment.name!r}: {store.uri_of(run.prefix)}"
-    )
-    store.put_bytes(run.settings, settings.applied_ini.encode())
-    base = md.Metadata(
-        run_id=f"{settings.experiment.name}/{run_label(run_num)}",
-        model_version=run_num,
-        experiment_name=settings.experiment.name,
-        artifact_uri=store.uri_of(run.prefix),
-        backend=settings.experiment.backend,
-        start_time=md.iso(started),
-        git_sha=md.git_sha(Path(__file__).resolve().parent.parent),  # the code that ran
-        package_versions=md.package_versions(),
-        settings=settings.applied_ini,
-        raw_path=sources.raw if settings.raw_data_uri() else store.uri_of(sources.raw),
-    )
-    for step in sources.reused:
-        log.info(f"reusing {step}: {sources.reused[step]}")
-    md.merge(store, run, base)
-    log_plan(plan(settings, steps, run, sources, tree), settings, store.uri)
-    backend = make_backend(settings, store, run, echo)
-    env = {"SMPIPE_USER_FUNCTIONS": settings.experiment.user_functions}
-    data = tree.data(run_num)
-    try:
-        if "reconcile" in steps:
-            job = ProcessingJob(
-                name=job_name(settings.experiment.name, run_label(run_num), "reconcile"),
-                step="reconcile",
-                inputs={"raw": sources.raw},
-                outputs={"snapshot": data.reconciled, "report": run.report("reconcile")},
-                env=env,
-                instance_type=settings.data.instance_type,
-            )
-            _run_step(store, run, "reconcile", [backend.run_processing(job)], lambda: {
-                **_report(store, run.report("reconcile")), "raw_path": base.raw_path,
-                "snapshot": store.uri_of(data.reconciled)})  # fmt: skip
-            sources.reconciled = data
-        if sources.reconciled:
-            snapshot = json.loads(store.get_bytes(sources.reconciled.snapshot_info))
-            base.data_snapshot_hash = snapshot["snapshot_hash"]
-        if "prepare" in steps:
-            t, d = settings.training, settings.data
-            job = ProcessingJob(
-                name=job_name(settings.experiment.name, run_label(run_num), "prepare"),
-                step="prepare",
-                inputs={"snapshot": sources.reconciled.reconciled},
-                outputs={
-                    **{s: data.split(s) for s in SPLITS},
-                    "report": run.report("prepare"),
-                },
-                arguments=[
-                    "--model-names",
-                    ",".join(settings.models.model_names),
-                    "--max-length",
-                    str(t.max_sequence_length),
-                    "--train-fraction",
-                    str(d.train_fraction),
-                    "--validation-fraction",
-                    str(d.validation_fraction),
-                    "--test-fraction",
-                    str(d.test_fraction),
-                    "--seed",
-                    str(d.seed),
-                ],  # fmt: skip
-                env=env,
-                instance_type=settings.data.instance_type,
-            )
-            _run_step(
-                store,
-                run,
-                "prepare",
-                [backend.run_processing(job)],
-                lambda: _report(store, run.report("prepare")),
-            )
-            sources.prepared, sources.data_version = data, run_num
-        base.data_version = sources.data_version
-        md.merge(store, run, base)
-
-        if "train" in steps:
-            step = "tune" if settings.experiment.job == "tune" else "train"
-            sources.models = _train(settings, store, run, backend, sources, env, step)
-        if "inference" in steps:
-            names = settings.models.model_names
-            job = ProcessingJob(
-                name=job_name(settings.experiment.name, run_label(run_num), "inference"),
-                step="inference",
-                inputs={
-                    "test": sources.prepared.split("test"),
-                    "labels": sources.prepared.split("labels"),
-                    **{f"model_{m}": sources.models[m] for m in names},
-                },  # fmt: skip
-                outputs={"results": run.inference, "report": run.report("inference")},
-                arguments=[
-                    "--model-names",
-                    ",".join(names),
-                    "--batch-size",
-                    str(settings.inference.batch_size),
-                ],
-                env=env,
-                instance_type=settings.inference.instance_type,
-            )
-            _run_step(store, run, "inference", [backend.run_processing(job)], lambda: {
-                **_report(store, run.report("inference")), "results": store.uri_of(run.inference),
-                "models": {m: store.uri_of(p) for m, p in sources.models.items()}})  # fmt: skip
-    except JobFailed as e:
-        _finish(store, run, base, started, "failed", str(e))
-        raise PipelineError(
-            f"step '{e.step}' failed in job {e.result.name}: {e.result.failure_reason}. "
-            f"The job's log is at {store.uri_of(e.result.log_key) if e.result.log_key else 'the backend'}; "
-            f"run {run_label(run_num)} is marked failed at {store.uri_of(run.metadata)} and nothing from it is promoted."
-        ) from None
-    except BaseException as e:
-        _finish(store, run, base, started, "failed", f"{type(e).__name__}: {e}")
-        raise
-    record = _finish(store, run, base, started, "completed", None)
-    backend.close(succeeded=True)
-    log_summary(record, store.uri_of(run.prefix))
-    return record
-
-
-def _run_step(store: Store, run: RunTree, step: str, results: list[JobResult], details) -> None:
-    ok = all(r.status == "Completed" for r in results)
-    md.write_section(store, run, _section(step, results, details() if ok else {}))
-    for r in results:
-        if r.status != "Completed":
-            raise JobFailed(r, step)
-
-
-def _train(
-    settings: Settings, store: Store, run: RunTree, backend, sources: Sources, env: dict, step: str
-) -> dict[str, str]:
-    """One training job per model, or one tuning job per model; returns model -> model dir."""
-    results, details, models = [], {"models": {}, "model_artifacts": {}}, {}
-    channels = {c: sources.prepared.split(c) for c in ("train", "validation", "labels")}
-    for model_name in settings.models.model_names:
-        if step == "tune":
-            from pipeline.tuning import run_tuning
-
-            outcome = run_tuning(settings, store, run, backend, model_name, channels, env)
-            results.extend(outcome.results)
-            if outcome.best is None:
-                md.write_section(store, run, _section(step, results, {}))
-                raise JobFailed(outcome.results[-1], step)
-            details["models"][model_name] = outcome.details
-            models[model_name] = outcome.best_model_prefix
-        else:
-            job = make_training_job(settings, run, model_name, kind="training", prefix=run.model(model_name),
-                                    checkpoint_prefix=run.checkpoints(model_name), channels=channels, env=env)  # fmt: skip
-            result = backend.run_training(job)
-            results.append(result)
-            if result.status != "Completed":
-                md.write_section(store, run, _section(step, results, details))
-                raise JobFailed(result, step)
-            details["models"][model_name] = _report(store, job.output_prefix)
-            models[model_name] = job.model_prefix
-        details["model_artifacts"][model_name] = store.uri_of(models[model_name])
-        md.write_section(store, run, _section(step, results, details, status="running"))
-    md.write_section(store, run, _section(step, results, details))
-    return models
-
-
 def _finish(
     store: Store, run: RunTree, base: md.Metadata, started: float, status: str, reason: str | None
 ) -> dict:
@@ -444,3 +536,4 @@ def log_summary(record: dict, run_uri: str) -> None:
     log.info(
         f"\nrun {run_label(record['model_version'])} {record['status']} in {record['time_taken']:.0f}s: {run_uri}"
     )
+

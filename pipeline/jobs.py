@@ -1,46 +1,86 @@
-"""What a job is, independent of where it runs.
+"""What a job is, once, independent of where it runs; and the SageMaker request it becomes.
 
-A backend takes one of these and runs it under the SageMaker container contract: the same
-step module, the same channels and hyperparameters, the same output locations in the store.
+The driver builds each job once (image entry, code, inputs, outputs, hyperparameters,
+resources, environment). `--dry-run` prints these very objects, and every backend runs them
+through the same request: the SageMaker backend sends it, the emulated backend sends it to
+moto and plays the container, the local backend plays it against the store directly.
 """
 
 from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from steps.entrypoint import (
+    ENTRYPOINT,
+    PROCESSES_VARIABLE,
+    STEP_VARIABLE,
+    TRIAL_CHECKPOINTS_VARIABLE,
+)
+
 JOB_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")  # SageMaker's rule
+JOB_NAME_LIMIT = 63
+TUNING_JOB_NAME_LIMIT = 32  # SageMaker appends -NNN-<8 hex> to name each trial
+CONTAINER_ROOT = "/opt/ml"
+PROCESSING_CODE = f"{CONTAINER_ROOT}/processing/input/code"
+CHECKPOINT_PATH = f"{CONTAINER_ROOT}/checkpoints"
+VOLUME_GB = 30
 
 
-def job_name(*parts: str) -> str:
-    """A SageMaker-valid job name (63 characters, letters, digits and '-') that is unique."""
+def _clean(part: str) -> str:
+    return re.sub(r"-+", "-", re.sub(r"[^a-zA-Z0-9]+", "-", part)).strip("-")
+
+
+def job_name(
+    experiment: str, run: str, step: str, *detail: str, limit: int = JOB_NAME_LIMIT
+) -> str:
+    """A valid, traceable job name: experiment, run, step, model, trial, and a time stamp.
+
+    When it is too long the experiment is shortened first, then the details; the run, the
+    step and the stamp are always kept whole."""
     stamp = time.strftime("%H%M%S", time.gmtime())
-    base = "-".join(re.sub(r"[^a-zA-Z0-9]+", "-", p).strip("-") for p in parts if p)
-    base = re.sub(r"-+", "-", base)[: 63 - len(stamp) - 1].strip("-")
-    return f"{base}-{stamp}"
+    flexible = [_clean(p) for p in (experiment, *detail)]
+    fixed = [_clean(run), _clean(step), stamp]
+
+    def joined() -> str:
+        return "-".join(p for p in [flexible[0], *fixed[:2], *flexible[1:], fixed[2]] if p)
+
+    while len(joined()) > limit:
+        longest = max(range(len(flexible)), key=lambda i: (len(flexible[i]), i == 0))
+        if not flexible[longest]:
+            raise ValueError(f"no valid job name fits {limit} characters")
+        flexible[longest] = flexible[longest][:-1].rstrip("-")
+    return joined()
 
 
 @dataclass
 class ProcessingJob:
     name: str
-    step: str  # module under steps/, run as `python -m steps.<step>`
-    inputs: dict[str, str]  # channel -> store prefix of a manifested directory
-    outputs: dict[str, str]  # channel -> store prefix the output is uploaded to
+    step: str  # the module the entrypoint runs: steps/<step>.py (a dotted name: any module)
+    code: str  # store prefix of the code the job runs (steps/ and the user functions)
+    inputs: dict[str, str]  # input name -> store prefix (or an external URI: raw data)
+    outputs: dict[str, str]  # output name -> store prefix it is uploaded to
     arguments: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     instance_type: str = "ml.m5.xlarge"
+    max_run_seconds: int = 86400
+
+    kind = "processing"
 
 
 @dataclass
 class TrainingJob:
     name: str
     step: str
+    code: str
     channels: dict[str, str]  # channel -> store prefix of a manifested directory
     hyperparameters: dict[str, str]
-    model_prefix: str  # where SM_MODEL_DIR lands
-    output_prefix: str  # where SM_OUTPUT_DATA_DIR lands
-    checkpoint_prefix: str  # synced with SM_CHECKPOINT_DIR
+    model_prefix: str  # where the model directory lands in the run tree
+    output_prefix: str  # where the output data directory lands
+    checkpoint_prefix: str  # synced with /opt/ml/checkpoints
+    sagemaker_output: str  # OutputDataConfig: SageMaker's <job>/output/model.tar.gz go here
     env: dict[str, str] = field(default_factory=dict)
     instance_type: str = "ml.m5.xlarge"
     instance_count: int = 1
@@ -51,19 +91,182 @@ class TrainingJob:
     max_restarts: int = 0
     metric_definitions: dict[str, str] = field(default_factory=dict)
 
+    kind = "training"
+
+
+@dataclass
+class TuningJob:
+    name: str
+    trial: TrainingJob  # what every trial runs, before the searched values are set
+    ranges: dict  # hyperparameter -> Interval | Categorical (pipeline.config)
+    strategy: str
+    objective_metric: str
+    objective_type: str
+    max_jobs: int
+    max_parallel_jobs: int
+
+    kind = "tuning"
+
+
+# -- the SageMaker requests -----------------------------------------------------------------
+
+UriOf = Callable[[str], str]
+
+
+def processing_request(job: ProcessingJob, image: str, role: str, uri_of: UriOf) -> dict:
+    """CreateProcessingJob: the image's entrypoint runs `process <step> <arguments>`."""
+
+    def s3_input(name: str, uri: str, local: str) -> dict:
+        return {"InputName": name, "S3Input": {
+            "S3Uri": uri, "LocalPath": local, "S3DataType": "S3Prefix",
+            "S3InputMode": "File", "S3DataDistributionType": "FullyReplicated"}}  # fmt: skip
+
+    inputs = [s3_input("code", uri_of(job.code), PROCESSING_CODE)]
+    for name, source in job.inputs.items():
+        inputs.append(
+            s3_input(
+                name,
+                source if "://" in source or source.startswith("/") else uri_of(source),
+                f"{CONTAINER_ROOT}/processing/input/{name}",
+            )
+        )
+    outputs = [
+        {"OutputName": name, "S3Output": {
+            "S3Uri": uri_of(prefix), "LocalPath": f"{CONTAINER_ROOT}/processing/output/{name}",
+            "S3UploadMode": "EndOfJob"}}  # fmt: skip
+        for name, prefix in job.outputs.items()
+    ]
+    return {
+        "ProcessingJobName": job.name,
+        "RoleArn": role,
+        "AppSpecification": {
+            "ImageUri": image,
+            "ContainerEntrypoint": list(ENTRYPOINT),
+            "ContainerArguments": ["process", job.step, *job.arguments],
+        },
+        "ProcessingResources": {
+            "ClusterConfig": {
+                "InstanceCount": 1,
+                "InstanceType": job.instance_type,
+                "VolumeSizeInGB": VOLUME_GB,
+            }
+        },
+        "ProcessingInputs": inputs,
+        "ProcessingOutputConfig": {"Outputs": outputs},
+        "Environment": dict(job.env),
+        "StoppingCondition": {"MaxRuntimeInSeconds": job.max_run_seconds},
+    }
+
+
+def _definition(job: TrainingJob, image: str, role: str, uri_of: UriOf) -> dict:
+    """What a training job and a tuning job's trials have in common."""
+
+    def channel(name: str, prefix: str) -> dict:
+        return {"ChannelName": name, "InputMode": "File", "DataSource": {"S3DataSource": {
+            "S3DataType": "S3Prefix", "S3Uri": uri_of(prefix), "S3DataDistributionType": "FullyReplicated"}}}  # fmt: skip
+
+    stopping = {"MaxRuntimeInSeconds": job.max_run_seconds}
+    if job.use_spot:
+        stopping["MaxWaitTimeInSeconds"] = job.max_wait_seconds
+    return {
+        "AlgorithmSpecification": {
+            "TrainingImage": image,
+            "TrainingInputMode": "File",
+            "MetricDefinitions": [
+                {"Name": k, "Regex": v} for k, v in job.metric_definitions.items()
+            ],
+        },
+        "RoleArn": role,
+        "InputDataConfig": [
+            channel("code", job.code),
+            *(channel(c, p) for c, p in job.channels.items()),
+        ],
+        "OutputDataConfig": {"S3OutputPath": uri_of(job.sagemaker_output)},
+        "ResourceConfig": {
+            "InstanceType": job.instance_type,
+            "InstanceCount": job.instance_count,
+            "VolumeSizeInGB": VOLUME_GB,
+        },
+        "StoppingCondition": stopping,
+        "EnableManagedSpotTraining": job.use_spot,
+        "CheckpointConfig": {
+            "S3Uri": uri_of(job.checkpoint_prefix),
+            "LocalPath": CHECKPOINT_PATH,
+        },
+        "Environment": {
+            STEP_VARIABLE: job.step,
+            PROCESSES_VARIABLE: str(job.processes_per_host),
+            **job.env,
+        },
+    }
+
+
+def training_request(job: TrainingJob, image: str, role: str, uri_of: UriOf) -> dict:
+    """CreateTrainingJob: SageMaker runs the image with `train`, as for any training image."""
+    return {
+        "TrainingJobName": job.name,
+        "HyperParameters": dict(job.hyperparameters),
+        **_definition(job, image, role, uri_of),
+    }
+
+
+def tuning_request(job: TuningJob, image: str, role: str, uri_of: UriOf) -> dict:
+    """CreateHyperParameterTuningJob: every trial is the training job above with the searched
+    hyperparameters set, and its checkpoints in a folder of its own."""
+    from pipeline.config import Categorical
+
+    ranges: dict[str, list] = {
+        "ContinuousParameterRanges": [],
+        "IntegerParameterRanges": [],
+        "CategoricalParameterRanges": [],
+    }
+    for name, r in sorted(job.ranges.items()):
+        if isinstance(r, Categorical):
+            ranges["CategoricalParameterRanges"].append({"Name": name, "Values": list(r.options)})
+            continue
+        kind = "IntegerParameterRanges" if r.integer else "ContinuousParameterRanges"
+        low, high = (str(int(r.low)), str(int(r.high))) if r.integer else (str(r.low), str(r.high))
+        ranges[kind].append({"Name": name, "MinValue": low, "MaxValue": high,
+                             "ScalingType": "Logarithmic" if r.log else "Linear"})  # fmt: skip
+    limits = {"MaxParallelTrainingJobs": job.max_parallel_jobs}
+    if job.strategy != "Grid":  # a grid search runs every combination; SageMaker counts them
+        limits["MaxNumberOfTrainingJobs"] = job.max_jobs
+    definition = _definition(job.trial, image, role, uri_of)
+    definition["Environment"][TRIAL_CHECKPOINTS_VARIABLE] = "1"
+    definition["StaticHyperParameters"] = {
+        k: v for k, v in job.trial.hyperparameters.items() if k not in job.ranges
+    }
+    return {
+        "HyperParameterTuningJobName": job.name,
+        "HyperParameterTuningJobConfig": {
+            "Strategy": job.strategy,
+            "HyperParameterTuningJobObjective": {
+                "Type": job.objective_type,
+                "MetricName": job.objective_metric,
+            },
+            "ResourceLimits": limits,
+            "ParameterRanges": ranges,
+            "TrainingJobEarlyStoppingType": "Off",
+        },
+        "TrainingJobDefinition": definition,
+    }
+
+
+# -- what a job reports back ------------------------------------------------------------------
+
 
 @dataclass
 class JobResult:
     name: str
-    status: str  # Completed | Failed | Interrupted
+    status: str  # Completed | Failed | Interrupted | Stopped
     failure_reason: str | None
     start_time: float
     end_time: float
     peak_memory_mb: float | None = None
-    exit_code: int | None = None
     restarts: int = 0
     log_key: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    details: dict = field(default_factory=dict)  # what a tuning job reports of its trials
 
     @property
     def seconds(self) -> float:
@@ -75,37 +278,3 @@ class JobFailed(RuntimeError):
         self.result = result
         self.step = step
         super().__init__(f"step '{step}': job {result.name} failed: {result.failure_reason}")
-
-
-def make_training_job(settings, run, model_name: str, *, kind: str, prefix: str, checkpoint_prefix: str,
-                      channels: dict[str, str], env: dict[str, str], extra_hyperparameters: dict | None = None,
-                      name_parts: tuple[str, ...] = ()) -> TrainingJob:  # fmt: skip
-    """A training job of `model_name` shaped by [training] (and [training.<model>]): used by a
-    plain training run, by every local tuning trial, and by a SageMaker tuning job."""
-    from pipeline.paths import run_label
-
-    t = settings.model_training.get(model_name, settings.training)
-    step_name = "train" if kind == "training" else "tune"
-    return TrainingJob(
-        name=job_name(
-            settings.experiment.name, run_label(run.run_num), step_name, model_name, *name_parts
-        ),
-        step="train",
-        channels=channels,
-        hyperparameters={
-            **settings.training_hyperparameters(model_name, kind),
-            **(extra_hyperparameters or {}),
-        },
-        model_prefix=prefix + "model/",
-        output_prefix=prefix + "output/",
-        checkpoint_prefix=checkpoint_prefix,
-        env=env,
-        instance_type=t.instance_type,
-        instance_count=t.instance_count,
-        processes_per_host=t.processes_per_host if t.use_distributed else 1,
-        use_spot=t.use_spot,
-        max_run_seconds=t.max_run_seconds,
-        max_wait_seconds=t.max_wait_seconds,
-        max_restarts=t.max_restarts,
-        metric_definitions=settings.metric_definitions,
-    )

@@ -16,7 +16,7 @@
             tuning/<model>/                   trials and the best one
             inference/                        per-model and comparison statistics
             jobs/<step>/                      what each processing job reported (step_metadata.json)
-            code/  sdk/                       sagemaker backend: the code shipped to the jobs
+            code/                             the code every job of the run runs (steps/, user functions)
 
 A data_version is the run_num of the run that produced it (`0003`), so data is versioned
 like runs and never overwritten; a run that skips reconcile/prepare reuses the newest
@@ -92,6 +92,14 @@ class RunTree:
     run_num: int
 
     @property
+    def experiment(self) -> str:
+        return self.prefix.split("/")[0]
+
+    @property
+    def label(self) -> str:
+        return self.prefix.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
     def claim(self) -> str:
         return f"{self.prefix}CLAIM"
 
@@ -122,10 +130,6 @@ class RunTree:
     def tuning(self, model_name: str) -> str:
         return f"{self.prefix}tuning/{model_name}/"
 
-    def tuning_best(self, model_name: str) -> str:
-        """SageMaker's tuning job: its best training job's output."""
-        return f"{self.prefix}tuning/{model_name}/best/"
-
     def tuning_record(self, model_name: str) -> str:
         return f"{self.prefix}tuning/{model_name}/tuning.json"
 
@@ -141,18 +145,19 @@ class RunTree:
         return f"{self.prefix}jobs/{step}/"
 
     @property
+    def models(self) -> str:
+        """Every model of the run: the one input inference reads them all from."""
+        return f"{self.prefix}models/"
+
+    @property
     def training_output(self) -> str:
-        """SageMaker's output_path: <job>/output/model.tar.gz and output.tar.gz."""
+        """SageMaker's OutputDataConfig: <job>/output/model.tar.gz and output.tar.gz."""
         return f"{self.prefix}jobs/training/"
 
     @property
     def code(self) -> str:
         return f"{self.prefix}code/"
 
-    @property
-    def sdk(self) -> str:
-        """What the SageMaker SDK uploads itself (training code, its drivers)."""
-        return f"{self.prefix}sdk/"
 
 
 def parse_run_label(label: str) -> int | None:

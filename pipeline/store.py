@@ -49,6 +49,7 @@ class Store(Protocol):
     def list_children(self, prefix: str) -> list[str]: ...
     def upload_file(self, path: str | os.PathLike, key: str) -> None: ...
     def download_file(self, key: str, path: str | os.PathLike) -> None: ...
+    def delete(self, key: str) -> None: ...
     def uri_of(self, key: str) -> str: ...
 
 
@@ -144,6 +145,9 @@ class LocalStore:
             raise NotFound(self.uri_of(key))
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, path)
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
 
 
 class S3Store:
@@ -252,11 +256,19 @@ class S3Store:
                 raise NotFound(self.uri_of(key)) from None
             raise
 
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
 
 def key_of(store: Store, uri: str) -> str | None:
     """The key a URI of this store names (the inverse of uri_of); None for a URI elsewhere."""
     base = store.uri_of("x")[:-1]
     return uri[len(base) :] if uri.startswith(base) else None
+
+
+def source_uri(store: Store, source: str) -> str:
+    """A store key as a URI; a URI or a local folder (raw data kept elsewhere) as it is."""
+    return source if "://" in source or source.startswith("/") else store.uri_of(source)
 
 
 def open_store(uri: str, region: str | None = None) -> Store:
@@ -309,6 +321,33 @@ def upload_dir(
     return manifest
 
 
+def seal_prefix(store: Store, prefix: str, extra: dict | None = None) -> dict | None:
+    """Write the manifest of files someone else uploaded (a SageMaker job's outputs): each
+    one is read back and hashed, so the manifest says the same whoever wrote the files.
+    None when nothing is there."""
+    prefix = _prefix(prefix)
+    if is_complete(store, prefix):
+        return read_manifest(store, prefix)
+    keys = [k for k in store.list_keys(prefix) if k != prefix + MANIFEST]
+    if not keys:
+        return None
+    entries = {}
+    with tempfile.TemporaryDirectory(prefix="smpipe-seal-") as tmp:
+        for i, key in enumerate(keys):
+            path = Path(tmp) / str(i)
+            store.download_file(key, path)
+            entries[key[len(prefix) :]] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+            path.unlink()
+    manifest = {
+        "files": dict(sorted(entries.items())),
+        "total_bytes": sum(e["size"] for e in entries.values()),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **(extra or {}),
+    }
+    store.create(prefix + MANIFEST, json.dumps(manifest, indent=2).encode())
+    return manifest
+
+
 def read_manifest(store: Store, prefix: str) -> dict:
     prefix = _prefix(prefix)
     try:
@@ -321,6 +360,18 @@ def read_manifest(store: Store, prefix: str) -> dict:
 
 def is_complete(store: Store, prefix: str) -> bool:
     return store.exists(_prefix(prefix) + MANIFEST)
+
+
+def verify_dir(local_dir: str | os.PathLike) -> None:
+    """Check every manifested directory inside a downloaded folder against its manifest."""
+    for manifest_path in Path(local_dir).rglob(MANIFEST):
+        manifest = json.loads(manifest_path.read_text())
+        for rel, entry in manifest["files"].items():
+            path = manifest_path.parent / rel
+            if not path.is_file() or path.stat().st_size != entry["size"]:
+                raise StoreError(f"{path} is missing or does not match its manifest")
+            if file_sha256(path) != entry["sha256"]:
+                raise StoreError(f"{path} does not match its manifest's sha256")
 
 
 def download_dir(

@@ -1,34 +1,29 @@
 """Hyperparameter tuning on the local backend: SageMaker's tuning job, run here.
 
-Trials are training jobs like any other, with the sampled values in their hyperparameters;
-the objective is read off each job's log with the metric definition's regex, as SageMaker
-reads it (the last value the job printed). `Random` samples uniformly (log-uniformly on a
-`log` interval); `Grid` runs every combination of categorical options. `Bayesian` and
-`Hyperband` need SageMaker's service: locally they are run as `Random`, and the Metadata says so.
+Trials are local training jobs built from the tuning job's trial definition, with the sampled
+values in their hyperparameters; the objective is read off each job's log with the metric
+definition's regex, as SageMaker reads it (the last value the job printed). `Random` samples
+uniformly (log-uniformly on a `log` interval); `Grid` runs every combination of categorical
+options. `Bayesian` and `Hyperband` need SageMaker's service: locally they are run as
+`Random`, and the Metadata says so. The best trial's model becomes the model's, at the place
+a training job leaves it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
 import random
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from pathlib import Path
 
-from pipeline.config import Categorical, Settings
-from pipeline.jobs import JobResult, make_training_job
+from pipeline.config import Categorical
+from pipeline.jobs import JobResult, TuningJob, job_name
 from pipeline.paths import RunTree
-from pipeline.store import Store
-
-
-@dataclass
-class TuningOutcome:
-    results: list[JobResult]
-    details: dict
-    best: dict | None = None
-    best_model_prefix: str | None = None
-    trials: list[dict] = field(default_factory=list)
+from pipeline.store import Store, download_dir, upload_dir
 
 
 def sample(tunables: dict, rng: random.Random) -> dict[str, str]:
@@ -53,77 +48,87 @@ def grid(tunables: dict) -> list[dict[str, str]]:
     ]
 
 
-def run_tuning(
-    settings: Settings,
-    store: Store,
-    run: RunTree,
-    backend,
-    model_name: str,
-    channels: dict,
-    env: dict,
-) -> TuningOutcome:
-    if getattr(backend, "name", "") == "sagemaker":
-        return run_service_tuning(settings, store, run, backend, model_name, channels, env)
-    tuning = settings.tuning
-    strategy = tuning.strategy
-    if strategy == "Grid":
-        candidates = grid(settings.tunables)[: tuning.max_jobs]
+def ranges_from_request(ranges: dict) -> dict:
+    """A tuning request's ParameterRanges as the settings write them."""
+    from pipeline.config import Interval
+
+    out: dict = {}
+    for kind, integer in (("ContinuousParameterRanges", False), ("IntegerParameterRanges", True)):
+        for r in ranges.get(kind, []):
+            log = r.get("ScalingType") in ("Logarithmic", "ReverseLogarithmic")
+            out[r["Name"]] = Interval(float(r["MinValue"]), float(r["MaxValue"]), integer, log)
+    for r in ranges.get("CategoricalParameterRanges", []):
+        out[r["Name"]] = Categorical(tuple(r["Values"]))
+    return out
+
+
+def copy_dir(store: Store, source: str, destination: str, job: str) -> None:
+    with tempfile.TemporaryDirectory(prefix="smpipe-copy-") as tmp:
+        download_dir(store, source, Path(tmp))
+        upload_dir(store, tmp, destination, {"job_name": job})
+
+
+def run_local_tuning(backend, job: TuningJob, store: Store, run: RunTree) -> JobResult:
+    model_name = job.trial.hyperparameters["model_name"]
+    if job.strategy == "Grid":
+        candidates = grid(job.ranges)[: job.max_jobs]
     else:
-        rng = random.Random(settings.data.seed)
-        candidates = [sample(settings.tunables, rng) for _ in range(tuning.max_jobs)]
-    ran_as = strategy if strategy in ("Grid", "Random") else "Random"
+        rng = random.Random(int(job.trial.hyperparameters.get("seed", 0)))
+        candidates = [sample(job.ranges, rng) for _ in range(job.max_jobs)]
+    ran_as = job.strategy if job.strategy in ("Grid", "Random") else "Random"
 
     def trial(index_values):
         index, values = index_values
+        prefix = run.trial(model_name, index)
         # Trials run one process each: a tuning job's parallelism is across trials.
-        job = make_training_job(settings, run, model_name, kind="tuning", prefix=run.trial(model_name, index),
-                                checkpoint_prefix=run.checkpoints(f"{model_name}-trial-{index:03d}"),
-                                channels=channels, env=env, extra_hyperparameters=values, name_parts=(f"{index:03d}",))  # fmt: skip
-        job.processes_per_host, job.instance_count = 1, 1
-        return job, backend.run_training(job)
+        trial_job = dataclasses.replace(
+            job.trial,
+            name=job_name(run.experiment, run.label, "tune", model_name, f"{index:03d}"),
+            hyperparameters={**job.trial.hyperparameters, **values},
+            model_prefix=prefix + "model/",
+            output_prefix=prefix + "output/",
+            checkpoint_prefix=run.checkpoints(f"{model_name}-trial-{index:03d}"),
+            processes_per_host=1,
+            instance_count=1,
+        )
+        return trial_job, backend.run_training(trial_job)
 
-    with ThreadPoolExecutor(max_workers=tuning.max_parallel_jobs) as pool:
+    with ThreadPoolExecutor(max_workers=job.max_parallel_jobs) as pool:
         finished = list(pool.map(trial, enumerate(candidates, 1)))
 
-    trials, results = [], []
-    for (job, result), values in zip(finished, candidates, strict=True):
-        results.append(result)
-        objective = result.metrics.get(tuning.objective_metric)
-        trials.append({"job_name": job.name, "status": result.status, "hyperparameters": values,
-                       "objective": objective, "model": store.uri_of(job.model_prefix)})  # fmt: skip
+    trials = []
+    for (trial_job, result), values in zip(finished, candidates, strict=True):
+        trials.append({"job_name": trial_job.name, "status": result.status, "hyperparameters": values,
+                       "objective": result.metrics.get(job.objective_metric),
+                       "failure_reason": result.failure_reason,
+                       "model": store.uri_of(trial_job.model_prefix)})  # fmt: skip
     scored = [
-        (tr, job)
-        for tr, (job, _) in zip(trials, finished, strict=True)
-        if tr["status"] == "Completed" and tr["objective"] is not None
+        (t, trial_job)
+        for t, (trial_job, _) in zip(trials, finished, strict=True)
+        if t["status"] == "Completed" and t["objective"] is not None
     ]
-    sign = 1 if tuning.objective_type == "Maximize" else -1
-    outcome = TuningOutcome(results=results, details={}, trials=trials)
-    if scored:
-        best, best_job = max(scored, key=lambda pair: sign * pair[0]["objective"])
-        outcome.best, outcome.best_model_prefix = best, best_job.model_prefix
-    outcome.details = {
-        "strategy": strategy, "ran_as": ran_as, "objective_metric": tuning.objective_metric,
-        "objective_type": tuning.objective_type, "trials": trials, "best": outcome.best,
-    }  # fmt: skip
-    store.put_bytes(run.tuning_record(model_name), json.dumps(outcome.details, indent=2).encode())
-    return outcome
-
-
-def run_service_tuning(
-    settings: Settings,
-    store: Store,
-    run: RunTree,
-    backend,
-    model_name: str,
-    channels: dict,
-    env: dict,
-) -> TuningOutcome:
-    """SageMaker runs the trials and picks the best; the best model lands under tuning/<model>/best/."""
-    job = make_training_job(settings, run, model_name, kind="tuning", prefix=run.tuning_best(model_name),
-                            checkpoint_prefix=run.checkpoints(model_name), channels=channels, env=env)  # fmt: skip
-    result, details = backend.run_tuning(job)
-    outcome = TuningOutcome(results=[result], details=details)
-    if result.status == "Completed":
-        outcome.best, outcome.best_model_prefix = details["best"], job.model_prefix
+    sign = 1 if job.objective_type == "Maximize" else -1
+    best = max(scored, key=lambda pair: sign * pair[0]["objective"]) if scored else None
+    details = {"tuning_job": job.name, "strategy": job.strategy, "ran_as": ran_as,
+               "objective_metric": job.objective_metric, "objective_type": job.objective_type,
+               "trials": trials, "best": best[0] if best else None}  # fmt: skip
     store.put_bytes(run.tuning_record(model_name), json.dumps(details, indent=2).encode())
-    return outcome
+    results = [r for _, r in finished]
+    result = JobResult(
+        name=job.name,
+        status="Completed" if best else "Failed",
+        failure_reason=None
+        if best
+        else "no trial completed with an objective: "
+        + "; ".join(f"{t['job_name']}: {t['failure_reason']}" for t in trials),
+        start_time=min(r.start_time for r in results),
+        end_time=max(r.end_time for r in results),
+        peak_memory_mb=max((r.peak_memory_mb or 0 for r in results), default=None) or None,
+        log_key=results[-1].log_key,
+        details=details,
+    )
+    if best:
+        best_job = best[1]
+        copy_dir(store, best_job.model_prefix, job.trial.model_prefix, best_job.name)
+        copy_dir(store, best_job.output_prefix, job.trial.output_prefix, best_job.name)
+    return result

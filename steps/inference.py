@@ -1,6 +1,6 @@
 """Inference (processing job, CPU): the exported TorchScript models on the held-out test split.
 
-Inputs:  test, labels, and model_<name> for every model of the run (the training job's output)
+Inputs:  test, labels, and models: the run's models/ folder (<name>/model/ for every model)
 Outputs: results  per model: per_label.csv (sorted by F1, descending), overall.json,
                   confusion_matrix.csv/.png, predictions.csv; with several models also
                   comparison.csv and comparison.json (agreement and McNemar's exact test)
@@ -38,8 +38,10 @@ def parse_args() -> argparse.Namespace:
 
 
 def model_dir(name: str) -> Path:
-    path = processing_input(f"model_{name}")
-    archive = path / "model.tar.gz"  # SageMaker's training output is a tarball
+    path = processing_input("models") / name / "model"
+    if not path.is_dir():
+        raise FileNotFoundError(f"no model {name!r} in {processing_input('models')}")
+    archive = path / "model.tar.gz"  # a SageMaker training output kept as its tarball
     if archive.exists() and not (path / "model.torchscript.pt").exists():
         with tarfile.open(archive) as tar:
             tar.extractall(path, filter="data")

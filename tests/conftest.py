@@ -93,3 +93,20 @@ def demo_raw(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("demo_raw")
     write_demo(out, per_label=12)
     return out
+
+
+def ship_code(store, prefix: str = "code/") -> str:
+    """The code a job runs, in the store as a run ships it: steps/, the demo's user functions,
+    and the probe jobs of tests/jobs."""
+    import shutil
+    import tempfile
+
+    from pipeline.store import upload_dir
+
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    with tempfile.TemporaryDirectory() as tmp:
+        for package in ("steps", "user_functions", "tests/jobs"):
+            shutil.copytree(ROOT / package, Path(tmp) / package, ignore=ignore)
+        shutil.copy(ROOT / "tests/__init__.py", Path(tmp) / "tests/__init__.py")
+        upload_dir(store, tmp, prefix)
+    return prefix

@@ -90,7 +90,7 @@ def test_every_problem_is_reported_at_once(tmp_path):
         assert text in message, text
     assert len(info.value.problems) == 9
     assert (
-        "[experiment] BACKEND: must be 'local' or 'sagemaker' (got 'cloud')" in message
+        "[experiment] BACKEND: must be 'local', 'sagemaker' or 'emulated' (got 'cloud')" in message
     )  # the allowed values are named
 
 

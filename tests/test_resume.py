@@ -15,15 +15,24 @@ import textwrap
 from pathlib import Path
 
 import datasets
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from pipeline.container import free_port, image_env, lay_out_training
 from pipeline.jobs import TrainingJob
-from pipeline.local_backend import JOB_ENV, LocalBackend, training_env
+from pipeline.local_backend import LocalBackend
+from pipeline.paths import ExperimentTree
 from pipeline.store import LocalStore, upload_dir
 from steps import checkpointing as ckpt
-from tests.conftest import ROOT
+from steps.entrypoint import (
+    ENTRYPOINT,
+    MASTER_ADDR_VARIABLE,
+    MASTER_PORT_VARIABLE,
+    PROCESSES_VARIABLE,
+)
+from tests.conftest import ROOT, ship_code
 
 HPS = {
     "model_name": "bow", "model_names": "bow", "job_kind": "training", "epochs": "3", "learning_rate": "0.01",
@@ -55,46 +64,36 @@ def channels(tmp_path_factory) -> dict[str, Path]:
 
 
 def job_root(tmp: Path, channels: dict[str, Path]) -> tuple[Path, dict[str, str]]:
-    """An /opt/ml-shaped job root and the SM_* environment, as the local backend makes them."""
-    for sub in ("model", "output/data", "checkpoints", "input/config", "input/data"):
-        (tmp / sub).mkdir(parents=True, exist_ok=True)
-    for name, src in channels.items():
-        dest = tmp / "input/data" / name
-        if not dest.exists():
-            dest.symlink_to(src, target_is_directory=True)
-    job = TrainingJob(name="resume-test", step="train", channels=dict.fromkeys(channels, ""), hyperparameters=HPS,
-                      model_prefix="", output_prefix="", checkpoint_prefix="")  # fmt: skip
-    resource = {
-        "current_host": "algo-1",
-        "current_instance_type": "local",
-        "hosts": ["algo-1"],
-        "network_interface_name": "lo",
+    """A job root laid out as the backends lay it out, and the environment the image's
+    entrypoint starts in (the code is this checkout)."""
+    request = {
+        "InputDataConfig": [
+            {"ChannelName": name, "DataSource": {"S3DataSource": {"S3Uri": str(src)}}}
+            for name, src in channels.items()
+        ],
+        "ResourceConfig": {"InstanceType": "local", "InstanceCount": 1},
     }
-    env = training_env(tmp, job, resource, {})
+
+    def link(uri: str, local: Path) -> None:
+        if not local.exists():
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.symlink_to(uri, target_is_directory=True)
+
+    lay_out_training(request, tmp, "algo-1", ["algo-1"], link, HPS)
     return tmp, {
         **os.environ,
-        **JOB_ENV,
-        **env,
+        **image_env(tmp),
+        "TRAINING_JOB_NAME": "resume-test",
         "SMPIPE_USER_FUNCTIONS": "user_functions",
         "PYTHONPATH": str(ROOT),
     }
 
 
 def start(env: dict, processes: int) -> subprocess.Popen:
-    if processes > 1:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={processes}",
-            "-m",
-            "steps.train",
-        ]
-    else:
-        cmd = [sys.executable, "-m", "steps.train"]
+    env = {**env, PROCESSES_VARIABLE: str(processes), MASTER_ADDR_VARIABLE: "127.0.0.1",
+           MASTER_PORT_VARIABLE: str(free_port())}  # fmt: skip
     return subprocess.Popen(
-        cmd,
+        [sys.executable, *ENTRYPOINT[1:], "train"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -118,7 +117,13 @@ def kill_at(env: dict, step: int, sig: int, processes: int = 1) -> str:
     for line in proc.stdout:
         seen.append(line)
         if line.startswith(f"step={step}/"):
-            os.killpg(proc.pid, sig)
+            # Every process of the job at once, as when a machine dies: the step (and
+            # torchrun's workers) first, then the entrypoint.
+            for process in [*psutil.Process(proc.pid).children(recursive=True), proc]:
+                try:
+                    process.send_signal(sig)
+                except psutil.NoSuchProcess:
+                    pass
             break
     else:
         tail = "".join(seen[-30:])
@@ -208,8 +213,6 @@ class SigtermAt(io.StringIO):
 
     def write(self, text):
         if not self.sent and f"] step={self.step}/" in text:
-            import psutil
-
             for child in psutil.Process().children(recursive=True):
                 if "steps.train" in " ".join(child.cmdline()):
                     child.send_signal(signal.SIGTERM)
@@ -224,11 +227,12 @@ def test_sigterm_checkpoints_exits_and_the_backend_restarts(tmp_path, channels, 
     for name, path in channels.items():
         upload_dir(store, path, f"data/{name}/")
     echo = SigtermAt(step=7)
-    backend = LocalBackend(store, "logs/", work_root=str(tmp_path / "work"), echo=echo)
-    job = TrainingJob(name="sigterm-test", step="train", channels={c: f"data/{c}/" for c in channels},
+    ship_code(store)
+    backend = LocalBackend(store, ExperimentTree("t").run(1), work_root=str(tmp_path / "work"), echo=echo)
+    job = TrainingJob(name="sigterm-test", step="train", code="code/", channels={c: f"data/{c}/" for c in channels},
                       hyperparameters=HPS, model_prefix="out/model/", output_prefix="out/output/",
-                      checkpoint_prefix="out/checkpoints/", env={"SMPIPE_USER_FUNCTIONS": "user_functions"},
-                      max_restarts=2, processes_per_host=processes)  # fmt: skip
+                      checkpoint_prefix="out/checkpoints/", sagemaker_output="out/sm/",
+                      env={"SMPIPE_USER_FUNCTIONS": "user_functions"}, max_restarts=2, processes_per_host=processes)  # fmt: skip
     outcome = backend.run_training(job)
     log = echo.getvalue()
     assert outcome.status == "Completed", outcome.failure_reason

@@ -17,13 +17,19 @@ def main():
                 "argv": sys.argv[1:],
                 "files": files,
                 "content": (src / "a.txt").read_text(),
+                "module_file": __file__,
                 "env": {
                     k: v for k, v in os.environ.items() if k.startswith(("SM_", "PROCESSING_"))
                 },
             }
         )
     )
-    print("secret check:", os.environ.get("WANDB_API_KEY"), os.environ.get("AWS_SECRET_ACCESS_KEY"))
+    print(
+        "secret check:",
+        os.environ.get("WANDB_API_KEY"),
+        os.environ.get("AWS_SECRET_ACCESS_KEY"),
+        os.environ.get("TOKENIZERS_PARALLELISM"),
+    )
     if "--fail" in sys.argv:
         raise ValueError("asked to fail")
 

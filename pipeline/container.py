@@ -1,0 +1,447 @@
+"""Playing SageMaker's part on this machine: lay a job root out from a request, start the
+image's entrypoint in it, watch it.
+
+The local and the emulated backends both run jobs through here, from the very request the
+SageMaker backend sends: the inputs the request names are downloaded where the container
+would find them, the config files SageMaker writes are written, the image's ENV lines (read
+from docker/Dockerfile) are set with `SMPIPE_ML_ROOT` pointing at the job root in place of
+/opt/ml, and `python3 -m steps.entrypoint ...` is started as SageMaker starts the image.
+Nothing in steps/ can tell which backend started it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.store import (
+    NotFound,
+    Store,
+    StoreError,
+    download_dir,
+    is_complete,
+    key_of,
+    open_store,
+    verify_dir,
+)
+from steps.entrypoint import (
+    ENTRYPOINT,
+    MASTER_ADDR_VARIABLE,
+    MASTER_PORT_VARIABLE,
+    ML_ROOT_VARIABLE,
+    TRIAL_CHECKPOINTS_VARIABLE,
+)
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DOCKERFILE = PROJECT_ROOT / "docker/Dockerfile"
+CONTAINER_ROOT = "/opt/ml"
+# Names whose values are credentials: blanked out of every log line a job prints.
+SECRET_VARIABLES = (
+    "WANDB_API_KEY",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+)
+
+
+def dockerfile_instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
+    lines, current = [], ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not current and (not line or line.startswith("#")):
+            continue
+        current += " " + line.removesuffix("\\").strip() if current else line.removesuffix("\\")
+        if not line.endswith("\\"):
+            lines.append(current.strip())
+            current = ""
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def image_env(root: Path) -> dict[str, str]:
+    """The image's ENV, as a container of it sees it, with the job root in place of /opt/ml."""
+    env: dict[str, str] = {}
+    for instruction, args in dockerfile_instructions():
+        if instruction != "ENV":
+            continue
+        for token in shlex.split(args):
+            key, _, value = token.partition("=")
+            env[key] = value.replace(CONTAINER_ROOT, str(root))
+    env[ML_ROOT_VARIABLE] = str(root)
+    return env
+
+
+def in_root(root: Path, container_path: str) -> Path:
+    """Where a container path (/opt/ml/...) lies in this job's root."""
+    return root / container_path.removeprefix(CONTAINER_ROOT).lstrip("/")
+
+
+def secret_values(env: dict[str, str]) -> list[str]:
+    values = {env[k] for k in SECRET_VARIABLES if len(env.get(k, "")) >= 4}
+    return sorted(values, key=len, reverse=True)
+
+
+def redact(text: str, secrets: list[str]) -> str:
+    for value in secrets:
+        text = text.replace(value, "<redacted>")
+    return text
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- what SageMaker moves: inputs in, checkpoints both ways -------------------------------------
+
+
+def fetch_input(store: Store, uri: str, local: Path) -> None:
+    """A manifested directory is downloaded and verified. Raw data the user keeps elsewhere
+    (another bucket or folder), or a folder of several manifested ones (every model of a run),
+    is downloaded as it is, and any manifest in it is checked."""
+    key = key_of(store, uri)
+    if key is None:
+        store, key = open_store(uri), ""
+    if is_complete(store, key):
+        download_dir(store, key, local)
+        return
+    keys = store.list_keys(key)
+    if not keys:
+        raise NotFound(f"nothing at {store.uri_of(key) if key else store.uri}")
+    for k in keys:
+        store.download_file(k, local / k[len(key) :].lstrip("/"))
+    verify_dir(local)
+
+
+def sync_checkpoints_up(store: Store, directories: list[Path], prefix: str) -> None:
+    """Mirror the hosts' checkpoint folders to the store, as SageMaker syncs them: every file
+    (the first host's wins), the CURRENT pointers last, and what the job pruned removed."""
+    files: dict[str, Path] = {}
+    for directory in directories:
+        for path in sorted(directory.rglob("*")):
+            rel = path.relative_to(directory).as_posix()
+            if path.is_file() and ".tmp" not in rel and not path.name.startswith("."):
+                files.setdefault(rel, path)
+    if not files:
+        return
+    pointers = [rel for rel in files if rel.rsplit("/", 1)[-1] == "CURRENT"]
+    for rel in [r for r in files if r not in pointers] + pointers:
+        store.upload_file(files[rel], prefix + rel)
+    for key in store.list_keys(prefix):
+        if key[len(prefix) :] not in files:
+            store.delete(key)
+
+
+def sync_checkpoints_down(store: Store, prefix: str, directory: Path) -> None:
+    for key in store.list_keys(prefix):
+        store.download_file(key, directory / key[len(prefix) :])
+
+
+
+# -- laying out a job root --------------------------------------------------------------------
+
+
+def lay_out_processing(request: dict, root: Path, fetch) -> None:
+    """Inputs downloaded to their LocalPath, output folders made, the job's config written."""
+    for item in request["ProcessingInputs"]:
+        s3 = item["S3Input"]
+        fetch(s3["S3Uri"], in_root(root, s3["LocalPath"]))
+    for item in request["ProcessingOutputConfig"]["Outputs"]:
+        in_root(root, item["S3Output"]["LocalPath"]).mkdir(parents=True, exist_ok=True)
+    (root / "config").mkdir(parents=True, exist_ok=True)
+    (root / "config/processingjobconfig.json").write_text(json.dumps(request, indent=2))
+    resource = {"current_host": "algo-1", "hosts": ["algo-1"]}
+    (root / "config/resourceconfig.json").write_text(json.dumps(resource, indent=2))
+
+
+def lay_out_training(
+    request: dict, root: Path, host: str, hosts: list[str], fetch, hyperparameters: dict
+) -> None:
+    """input/data/<channel>, input/config/*.json, model/, output/, checkpoints/."""
+    config = root / "input/config"
+    config.mkdir(parents=True, exist_ok=True)
+    input_config = {}
+    for channel in request["InputDataConfig"]:
+        source = channel["DataSource"]["S3DataSource"]
+        fetch(source["S3Uri"], root / "input/data" / channel["ChannelName"])
+        input_config[channel["ChannelName"]] = {
+            "TrainingInputMode": channel.get("InputMode", "File"),
+            "S3DistributionType": source.get("S3DataDistributionType", "FullyReplicated"),
+            "RecordWrapperType": "None",
+        }
+    resource = {
+        "current_host": host,
+        "current_instance_type": request["ResourceConfig"]["InstanceType"],
+        "hosts": hosts,
+        "network_interface_name": "lo",
+    }
+    (config / "hyperparameters.json").write_text(json.dumps(hyperparameters, indent=2))
+    (config / "resourceconfig.json").write_text(json.dumps(resource, indent=2))
+    (config / "inputdataconfig.json").write_text(json.dumps(input_config, indent=2))
+    for sub in ("model", "output/data", "checkpoints"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+
+
+def training_hosts(request: dict) -> list[str]:
+    return [f"algo-{i}" for i in range(1, request["ResourceConfig"]["InstanceCount"] + 1)]
+
+
+def _checkpoint_scope(request: dict, store: Store) -> tuple[str, str]:
+    """(sub-folder of /opt/ml/checkpoints, store prefix) a training job checkpoints to: a
+    tuning trial keeps its own folder, named after it, under the tuning job's prefix."""
+    name = request["TrainingJobName"]
+    sub = name if request.get("Environment", {}).get(TRIAL_CHECKPOINTS_VARIABLE) else ""
+    base = key_of(store, request["CheckpointConfig"]["S3Uri"])
+    if base is None:
+        raise StoreError(f"checkpoints outside the store: {request['CheckpointConfig']['S3Uri']}")
+    prefix = base.rstrip("/") + "/" + (f"{sub}/" if sub else "")
+    return sub, prefix
+
+
+@dataclass
+class Played:
+    exits: list[ContainerExit]
+    roots: dict[str, Path]  # host -> its job root; the first host's model is the job's
+    restarts: int
+
+
+def play_processing(
+    request: dict, root: Path, store: Store, containers: Containers, *, log, on_line
+) -> ContainerExit:
+    """A processing job as SageMaker runs it: inputs in, the entrypoint with the request's
+    ContainerEntrypoint and ContainerArguments, outputs left in their LocalPath."""
+    app = request["AppSpecification"]
+    if app.get("ContainerEntrypoint", ENTRYPOINT) != ENTRYPOINT:
+        raise ValueError(f"cannot play ContainerEntrypoint {app['ContainerEntrypoint']}: "
+                         f"the image's entrypoint is {ENTRYPOINT}")  # fmt: skip
+    lay_out_processing(request, root, lambda uri, local: fetch_input(store, uri, local))
+    return containers.run(
+        root,
+        app.get("ContainerArguments", []),
+        request.get("Environment", {}),
+        failure_file="/opt/ml/output/message",
+        log=log,
+        on_line=on_line,
+        job=request["ProcessingJobName"],
+    )
+
+
+def play_training(
+    request: dict,
+    work: Path,
+    store: Store,
+    containers: Containers,
+    *,
+    log,
+    on_line,
+    max_restarts: int,
+    on_restart=None,
+) -> Played:
+    """A training job as SageMaker runs it: every host laid out and started with `train`,
+    checkpoints synced down before and up after each attempt, and an interrupted job
+    restarted from them up to `max_restarts` times."""
+    hosts = training_hosts(request)
+    roots = {host: work / host for host in hosts}
+    for host, root in roots.items():
+        lay_out_training(request, root, host, hosts,
+                         lambda uri, local: fetch_input(store, uri, local), request["HyperParameters"])  # fmt: skip
+    env = {**request.get("Environment", {}), "TRAINING_JOB_NAME": request["TrainingJobName"]}
+    sub, prefix = _checkpoint_scope(request, store)
+    metrics = {
+        m["Name"]: m["Regex"] for m in request["AlgorithmSpecification"].get("MetricDefinitions", [])
+    }
+    restarts = 0
+    while True:
+        folders = [root / "checkpoints" / sub for root in roots.values()]
+        for folder in folders:
+            sync_checkpoints_down(store, prefix, folder)
+        exits = list(containers.run_hosts(roots, env, on_line=on_line, log=log,
+                                          failure_file="/opt/ml/output/failure", metric_regexes=metrics,
+                                          job=request["TrainingJobName"]).values())  # fmt: skip
+        sync_checkpoints_up(store, folders, prefix)
+        interrupted = any(e.interrupted for e in exits) and any(e.code != 0 for e in exits)
+        if not interrupted or restarts >= max_restarts:
+            return Played(exits, roots, restarts)
+        restarts += 1
+        if on_restart is not None:
+            on_restart(restarts)
+
+
+# -- running the entrypoint -------------------------------------------------------------------
+
+
+@dataclass
+class ContainerExit:
+    code: int
+    interrupted: bool
+    reason: str | None  # the step's own words (output/failure or output/message)
+    start: float
+    end: float
+    peak_rss_mb: float | None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Containers:
+    """The entrypoint processes this machine runs for a backend; `stop` ends them all."""
+
+    def __init__(self) -> None:
+        self._running: dict[int, str] = {}  # pid -> the job it belongs to
+        self._lock = threading.Lock()
+
+    def stop(self, job: str = "") -> None:
+        """SIGTERM to the process group of every running container whose job name starts
+        with `job` (all of them by default): the entrypoint forwards it, the training step
+        checkpoints; what a job still has to say is still read."""
+        with self._lock:
+            pids = [pid for pid, tag in self._running.items() if tag.startswith(job)]
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def run(
+        self,
+        root: Path,
+        arguments: list[str],
+        env: dict[str, str],
+        *,
+        failure_file: str,
+        log,
+        on_line=None,
+        metric_regexes: dict[str, str] | None = None,
+        inherit: dict[str, str] | None = None,
+        job: str = "",
+    ) -> ContainerExit:
+        """Start `python3 -m steps.entrypoint <arguments>` in `root` and wait for it.
+
+        `env` is the request's Environment; the image's ENV comes on top of `inherit` (this
+        machine's environment), as a container's would. Every line goes to `log` (redacted)
+        and to `on_line` (the job's stream), and is searched with the metric regexes."""
+        full = {**(os.environ if inherit is None else inherit), **image_env(root), **env}
+        secrets = secret_values(full)
+        failure = in_root(root, failure_file)
+        failure.unlink(missing_ok=True)
+        (failure.parent / "interrupted").unlink(missing_ok=True)
+        compiled = {k: re.compile(v) for k, v in (metric_regexes or {}).items()}
+        metrics: dict[str, float] = {}
+        command = [sys.executable, *ENTRYPOINT[1:], *arguments]
+        start = time.time()
+        proc = subprocess.Popen(
+            command,
+            cwd=str(root),
+            env=full,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: stop() reaches every process
+        )
+        with self._lock:
+            self._running[proc.pid] = job
+        peak = {"rss": 0.0}
+        done = threading.Event()
+        watcher = threading.Thread(target=_watch_memory, args=(proc.pid, peak, done), daemon=True)
+        watcher.start()
+        try:
+            for raw in iter(proc.stdout.readline, b""):
+                line = redact(raw.decode("utf-8", errors="replace").rstrip("\n"), secrets)
+                log.write(line + "\n")
+                if on_line is not None:
+                    on_line(line)
+                for metric, regex in compiled.items():
+                    m = regex.search(line)
+                    if m:
+                        try:
+                            metrics[metric] = float(m.group(1))
+                        except (ValueError, IndexError):
+                            pass
+            code = proc.wait()
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+            raise
+        finally:
+            done.set()
+            watcher.join()
+            with self._lock:
+                self._running.pop(proc.pid, None)
+        marker = failure.parent / "interrupted"
+        interrupted = marker.exists()
+        marker.unlink(missing_ok=True)
+        reason = failure.read_text().strip() if failure.exists() else None
+        return ContainerExit(
+            code=code,
+            interrupted=interrupted,
+            reason=redact(reason, secrets) if reason else None,
+            start=start,
+            end=time.time(),
+            peak_rss_mb=round(peak["rss"] / 2**20, 1) if peak["rss"] else None,
+            metrics=metrics,
+        )
+
+    def run_hosts(
+        self, roots: dict[str, Path], env: dict[str, str], *, log, on_line=None, **kwargs
+    ) -> dict[str, ContainerExit]:
+        """One entrypoint per host of a training job, at once, as SageMaker starts them;
+        torchrun's master is this machine, at a free port.
+        `log` is one writer, or a function giving each host's."""
+        env = dict(env)
+        # SageMaker's hosts resolve one another's names; here every host is this machine.
+        env[MASTER_ADDR_VARIABLE] = "127.0.0.1"
+        env[MASTER_PORT_VARIABLE] = str(free_port())
+        exits: dict[str, ContainerExit] = {}
+        errors: list[BaseException] = []
+
+        def one(host: str, root: Path) -> None:
+            say = on_line
+            if on_line is not None and len(roots) > 1:
+                say = lambda line: on_line(f"{host}: {line}")  # noqa: E731
+            writer = log(host) if callable(log) else log
+            try:
+                exits[host] = self.run(root, ["train"], env, log=writer, on_line=say, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
+                errors.append(e)
+                self.stop(kwargs.get("job", ""))
+
+        threads = [threading.Thread(target=one, args=item) for item in roots.items()]
+        for t in threads:
+            t.start()
+        try:
+            for t in threads:
+                t.join()
+        except BaseException:
+            self.stop(kwargs.get("job", ""))
+            for t in threads:
+                t.join()
+            raise
+        if errors:
+            raise errors[0]
+        return exits
+
+
+def _watch_memory(pid: int, peak: dict, stop: threading.Event) -> None:
+    """Peak resident memory of the job's whole process tree (torchrun's workers too)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    while not stop.wait(0.5):
+        try:
+            procs = [root, *root.children(recursive=True)]
+            rss = sum(p.memory_info().rss for p in procs if p.is_running())
+        except psutil.Error:
+            continue
+        peak["rss"] = max(peak["rss"], rss)

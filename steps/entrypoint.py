@@ -1,0 +1,254 @@
+"""The image's entrypoint: SageMaker's bring-your-own-container contract, for every job.
+
+    python3 -m steps.entrypoint train                      a training job (and every tuning trial)
+    python3 -m steps.entrypoint process STEP [ARGS ...]    a processing job running steps/STEP.py
+
+This module is shipped with the run's code, like every step: the image carries only the
+dependencies and a PYTHONPATH naming the two places SageMaker mounts the code channel
+(`/opt/ml/input/data/code` for training, `/opt/ml/processing/input/code` for processing).
+All three backends start it the same way; locally the job root replaces `/opt/ml` through
+one variable, `SMPIPE_ML_ROOT`.
+
+A training job: reads input/config/{hyperparameters,resourceconfig,inputdataconfig}.json,
+exports the SM_* variables SageMaker's framework containers export, and runs the step (under
+torchrun across every host and process when there are several: `nnodes` and `node_rank` from
+resourceconfig.json, the first host as master). A processing job: exports
+SM_PROCESSING_INPUT_<NAME> / SM_PROCESSING_OUTPUT_<NAME> from config/processingjobconfig.json
+and runs the step. Both: SIGTERM and SIGINT are forwarded to the whole process tree and the
+step is waited for (its checkpoint); a failed step leaves its one-paragraph reason in
+output/failure (training) or output/message (processing), which SageMaker returns as
+FailureReason or ExitMessage; the exit status is the step's.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
+
+# The image's ENTRYPOINT, exec form: `docker/Dockerfile` must say exactly this (a test checks).
+ENTRYPOINT = ["python3", "-m", "steps.entrypoint"]
+ML_ROOT_VARIABLE = "SMPIPE_ML_ROOT"
+# Which module a training job runs (the demo's and every user's: steps.train).
+STEP_VARIABLE = "SMPIPE_STEP"
+PROCESSES_VARIABLE = "SMPIPE_PROCESSES_PER_HOST"
+# Set on tuning trials: each trial keeps its checkpoints in a folder named after the trial,
+# so trials sharing the tuning job's CheckpointConfig never resume from each other.
+TRIAL_CHECKPOINTS_VARIABLE = "SMPIPE_CHECKPOINT_PER_TRIAL"
+# The wandb key is read from Secrets Manager inside the container, never passed in the request.
+WANDB_SECRET_VARIABLE = "SMPIPE_WANDB_SECRET_ID"
+# Where torchrun's master listens. SageMaker's hosts resolve `algo-1`; a local player that
+# runs several emulated hosts on one machine names the address and a free port instead.
+MASTER_ADDR_VARIABLE = "SMPIPE_MASTER_ADDR"
+MASTER_PORT_VARIABLE = "SMPIPE_MASTER_PORT"
+TAIL_LINES = 20
+
+
+def ml_root() -> Path:
+    return Path(os.environ.get(ML_ROOT_VARIABLE, "/opt/ml"))
+
+
+def env_key(name: str) -> str:
+    """A channel or model name as it appears in an environment variable name."""
+    return "".join(c if c.isalnum() else "_" for c in name).upper()
+
+
+def step_module(step: str) -> str:
+    """`train` is steps/train.py; a dotted name is any module shipped with the code."""
+    return step if "." in step else f"steps.{step}"
+
+
+def _deserialize(value: str) -> object:
+    """Hyperparameters arrive as strings; SageMaker's containers decode the JSON-looking ones."""
+    try:
+        return json.loads(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def training_variables(root: Path) -> dict[str, str]:
+    """The SM_* variables of SageMaker's framework containers, from the job's config files."""
+    config = root / "input/config"
+    hps = {
+        k: _deserialize(v)
+        for k, v in json.loads((config / "hyperparameters.json").read_text()).items()
+    }
+    resource = json.loads((config / "resourceconfig.json").read_text())
+    input_config = json.loads((config / "inputdataconfig.json").read_text())
+    channels = sorted(input_config)
+    hosts = resource["hosts"]
+    checkpoints = root / "checkpoints"
+    job_name = os.environ.get("TRAINING_JOB_NAME", "")
+    if os.environ.get(TRIAL_CHECKPOINTS_VARIABLE) and job_name:
+        checkpoints = checkpoints / job_name
+    # As SageMaker's containers count them, without importing torch (a second per job).
+    gpus = len(glob.glob("/dev/nvidia[0-9]*"))
+    env: dict[str, object] = {
+        "SM_MODEL_DIR": root / "model",
+        "SM_INPUT_DIR": root / "input",
+        "SM_INPUT_DATA_DIR": root / "input/data",
+        "SM_INPUT_CONFIG_DIR": config,
+        "SM_OUTPUT_DIR": root / "output",
+        "SM_OUTPUT_FAILURE": root / "output/failure",
+        "SM_OUTPUT_DATA_DIR": root / "output/data",
+        "SM_CHECKPOINT_DIR": checkpoints,
+        "SM_LOG_LEVEL": 20,
+        "SM_CHANNELS": channels,
+        "SM_HPS": hps,
+        "SM_CURRENT_HOST": resource["current_host"],
+        "SM_CURRENT_INSTANCE_TYPE": resource.get("current_instance_type", ""),
+        "SM_HOSTS": hosts,
+        "SM_HOST_COUNT": len(hosts),
+        "SM_CURRENT_HOST_RANK": hosts.index(resource["current_host"]),
+        "SM_NETWORK_INTERFACE_NAME": resource.get("network_interface_name", "eth0"),
+        "SM_NUM_CPUS": os.cpu_count() or 1,
+        "SM_NUM_GPUS": gpus,
+        "SM_RESOURCE_CONFIG": resource,
+        "SM_INPUT_DATA_CONFIG": input_config,
+    }
+    for channel in channels:
+        env[f"SM_CHANNEL_{env_key(channel)}"] = root / "input/data" / channel
+    for key, value in hps.items():
+        env[f"SM_HP_{env_key(key)}"] = value
+    env["SM_TRAINING_ENV"] = {
+        "channel_input_dirs": {c: str(root / "input/data" / c) for c in channels},
+        "current_host": resource["current_host"],
+        "hosts": hosts,
+        "hyperparameters": hps,
+        "job_name": job_name,
+        "model_dir": str(root / "model"),
+        "output_data_dir": str(root / "output/data"),
+        "num_cpus": env["SM_NUM_CPUS"],
+        "num_gpus": gpus,
+    }
+    return {
+        k: v if isinstance(v, str) else (str(v) if isinstance(v, Path) else json.dumps(v))
+        for k, v in env.items()
+    }
+
+
+def processing_variables(root: Path) -> dict[str, str]:
+    """SM_PROCESSING_INPUT_/OUTPUT_<NAME>, from the processing job's own config file."""
+    config = json.loads((root / "config/processingjobconfig.json").read_text())
+    env = {"SM_OUTPUT_FAILURE": str(root / "output/message")}
+    for item in config.get("ProcessingInputs", []):
+        local = (item.get("S3Input") or {}).get("LocalPath")
+        if local:
+            env[f"SM_PROCESSING_INPUT_{env_key(item['InputName'])}"] = _in_root(local, root)
+    for item in config.get("ProcessingOutputConfig", {}).get("Outputs", []):
+        local = (item.get("S3Output") or {}).get("LocalPath")
+        if local:
+            env[f"SM_PROCESSING_OUTPUT_{env_key(item['OutputName'])}"] = _in_root(local, root)
+    return env
+
+
+def _in_root(path: str, root: Path) -> str:
+    """A container path (/opt/ml/...) under the job root this job really has."""
+    return str(root / path.removeprefix("/opt/ml/")) if path.startswith("/opt/ml/") else path
+
+
+def wandb_key_from_secret() -> dict[str, str]:
+    secret_id = os.environ.get(WANDB_SECRET_VARIABLE)
+    if not secret_id:
+        return {}
+    import boto3
+
+    value = boto3.client("secretsmanager").get_secret_value(SecretId=secret_id)["SecretString"]
+    try:  # a secret stored as {"WANDB_API_KEY": "..."} or as the bare key
+        value = json.loads(value)["WANDB_API_KEY"]
+    except (ValueError, KeyError, TypeError):
+        pass
+    return {"WANDB_API_KEY": value}
+
+
+def training_command(env: dict[str, str]) -> list[str]:
+    module = step_module(os.environ.get(STEP_VARIABLE, "train"))
+    hosts = json.loads(env["SM_HOSTS"])
+    per_host = int(os.environ.get(PROCESSES_VARIABLE, "1"))
+    if len(hosts) * per_host == 1:
+        return [sys.executable, "-m", module]
+    master = os.environ.get(MASTER_ADDR_VARIABLE, hosts[0])
+    port = os.environ.get(MASTER_PORT_VARIABLE, "29500")
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={len(hosts)}",
+        f"--node_rank={hosts.index(env['SM_CURRENT_HOST'])}",
+        f"--nproc_per_node={per_host}",
+        f"--master_addr={master}",
+        f"--master_port={port}",
+        "-m",
+        module,
+    ]
+
+
+def _die_with_parent() -> None:
+    """In the step's process: SIGTERM when the entrypoint dies, however it dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def run(command: list[str], env: dict[str, str], failure: Path, what: str) -> int:
+    """Run the step in its own process group; forward SIGTERM/SIGINT to all of it; wait."""
+    failure.parent.mkdir(parents=True, exist_ok=True)
+    failure.unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        command,
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
+
+    def forward(signum, _frame):
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    tail: deque[str] = deque(maxlen=TAIL_LINES)
+    for raw in iter(proc.stdout.readline, b""):
+        line = raw.decode("utf-8", errors="replace")
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        if line.strip():
+            tail.append(line.rstrip())
+    code = proc.wait()
+    if code != 0 and not failure.exists():
+        # The step died before it could say why (killed, out of memory, a crash in C code).
+        last = " | ".join(list(tail)[-3:]) or "no output"
+        failure.write_text(f"{what} exited with status {code}: {last}"[:1024])
+    return code if code >= 0 else 128 - code
+
+
+def main(argv: list[str]) -> int:
+    root = ml_root()
+    if argv[:1] == ["train"]:
+        env = {**training_variables(root), **wandb_key_from_secret()}
+        Path(env["SM_CHECKPOINT_DIR"]).mkdir(parents=True, exist_ok=True)
+        for sub in ("model", "output/data"):
+            (root / sub).mkdir(parents=True, exist_ok=True)
+        return run(training_command(env), env, Path(env["SM_OUTPUT_FAILURE"]), "the training step")
+    if argv[:1] == ["process"] and len(argv) >= 2:
+        env = {**processing_variables(root), **wandb_key_from_secret()}
+        command = [sys.executable, "-m", step_module(argv[1]), *argv[2:]]
+        return run(command, env, Path(env["SM_OUTPUT_FAILURE"]), f"step {argv[1]}")
+    print(f"usage: {' '.join(ENTRYPOINT)} train | process STEP [ARGS ...]", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
