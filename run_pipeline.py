@@ -59,15 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings(args.settings, env)
         steps = parse_steps(args.steps)
-        if settings.experiment.backend == "emulated" and not args.dry_run:
+        if settings.experiment.backend == "emulated":  # never a real AWS endpoint
             from pipeline.emulated_backend import open_emulated_store
 
             store = open_emulated_store(settings)
         else:
             store = open_store(settings.store_uri(), settings.experiment.region)
-        run_pipeline(
-            settings, store, steps, dry_run=args.dry_run, show_requests=args.show_requests
-        )
+        run_pipeline(settings, store, steps, dry_run=args.dry_run, show_requests=args.show_requests)
     except (ConfigError, UserFunctionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

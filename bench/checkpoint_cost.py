@@ -18,14 +18,14 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pipeline.config import load_settings  # noqa: E402
-from pipeline.driver import parse_steps, run_pipeline  # noqa: E402
-from pipeline.jobs import TrainingJob  # noqa: E402
+from pipeline.driver import parse_steps, run_pipeline, ship_code, training_job  # noqa: E402
 from pipeline.local_backend import LocalBackend  # noqa: E402
 from pipeline.paths import ExperimentTree  # noqa: E402
 from pipeline.stage import stage  # noqa: E402
@@ -80,19 +80,25 @@ def main() -> None:
     write_demo(work / "raw", per_label=args.per_label)
     stage(store, ExperimentTree(settings.experiment.name), work / "raw")
     run_pipeline(settings, store, parse_steps("reconcile,prepare"), echo=io.StringIO())
-    prepared = ExperimentTree(settings.experiment.name).data(1).prepared
+    data = ExperimentTree(settings.experiment.name).data(1)
+
+    bench_run = ExperimentTree(settings.experiment.name).run(999)
+    ship_code(settings, store, bench_run.code)
+    channels = {c: data.split(c) for c in ("train", "validation", "labels")}
 
     def train(name: str, cadence: int, echo=None, restarts: int = 0) -> dict:
-        hps = settings.training_hyperparameters("minilm", "training")
-        hps["checkpoint_every_steps"] = str(cadence)
-        job = TrainingJob(
-            name=name, step="train", channels={c: f"{prepared}{c}/" for c in ("train", "validation", "labels")},
-            hyperparameters=hps, model_prefix=f"bench/{name}/model/", output_prefix=f"bench/{name}/output/",
-            checkpoint_prefix=f"bench/{name}/checkpoints/", env={"SMPIPE_USER_FUNCTIONS": "user_functions"},
+        # The job the driver would launch for minilm, with its own prefixes per variant.
+        job = replace(
+            training_job(settings, bench_run, "minilm", channels, "training"),
+            name=name,
+            model_prefix=f"bench/{name}/model/",
+            output_prefix=f"bench/{name}/output/",
+            checkpoint_prefix=f"bench/{name}/checkpoints/",
             max_restarts=restarts,
-        )  # fmt: skip
+        )
+        job.hyperparameters["checkpoint_every_steps"] = str(cadence)
         backend = LocalBackend(
-            store, "bench/logs/", work_root=str(work / "jobs"), echo=echo or io.StringIO()
+            store, bench_run, work_root=str(work / "jobs"), echo=echo or io.StringIO()
         )
         started = time.time()
         result = backend.run_training(job)

@@ -149,7 +149,6 @@ def sync_checkpoints_down(store: Store, prefix: str, directory: Path) -> None:
         store.download_file(key, directory / key[len(prefix) :])
 
 
-
 # -- laying out a job root --------------------------------------------------------------------
 
 
@@ -260,7 +259,8 @@ def play_training(
     env = {**request.get("Environment", {}), "TRAINING_JOB_NAME": request["TrainingJobName"]}
     sub, prefix = _checkpoint_scope(request, store)
     metrics = {
-        m["Name"]: m["Regex"] for m in request["AlgorithmSpecification"].get("MetricDefinitions", [])
+        m["Name"]: m["Regex"]
+        for m in request["AlgorithmSpecification"].get("MetricDefinitions", [])
     }
     restarts = 0
     while True:

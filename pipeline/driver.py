@@ -287,7 +287,9 @@ def log_plan(jobs: list, settings: Settings, store: Store, show_requests: bool =
     for i, job in enumerate(jobs, 1):
         trial = job.trial if job.kind == "tuning" else job
         model = trial.hyperparameters.get("model_name") if job.kind != "processing" else None
-        log.info(f"  {i}. {job_step(job)}{f' [{model}]' if model else ''} ({job.kind} job {job.name})")
+        log.info(
+            f"  {i}. {job_step(job)}{f' [{model}]' if model else ''} ({job.kind} job {job.name})"
+        )
         inputs = job.inputs if job.kind == "processing" else trial.channels
         outputs = job.outputs if job.kind == "processing" else {
             "model": trial.model_prefix, "output": trial.output_prefix, "checkpoints": trial.checkpoint_prefix}  # fmt: skip
@@ -297,7 +299,9 @@ def log_plan(jobs: list, settings: Settings, store: Store, show_requests: bool =
                 uri = source_uri(store, where)
                 log.info(f"       {kind:6} {channel:<12} {uri}")
         if job.kind == "tuning":
-            ranges = ", ".join(f"{k}={getattr(v, 'options', None) or v.render()}" for k, v in job.ranges.items())
+            ranges = ", ".join(
+                f"{k}={getattr(v, 'options', None) or v.render()}" for k, v in job.ranges.items()
+            )
             log.info(f"       search {job.strategy}, {job.max_jobs} trials ({job.max_parallel_jobs} at once): {ranges}")  # fmt: skip
         if show_requests:
             text = json.dumps(describe(job, settings, store), indent=2)
@@ -432,7 +436,10 @@ def run_pipeline(
         raise
     record = _finish(store, run, base, started, "completed", None)
     backend.close(succeeded=True)
-    log_summary(record, store.uri_of(run.prefix))
+    where = store.uri_of(run.prefix)
+    if hasattr(store, "folder_of"):  # the emulated bucket of a local STORE
+        where += f" (on this machine: {store.folder_of(run.prefix)})"
+    log_summary(record, where)
     return record
 
 
@@ -536,4 +543,3 @@ def log_summary(record: dict, run_uri: str) -> None:
     log.info(
         f"\nrun {run_label(record['model_version'])} {record['status']} in {record['time_taken']:.0f}s: {run_uri}"
     )
-

@@ -83,6 +83,10 @@ class S3View:
     def uri_of(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
 
+    def folder_of(self, key: str) -> str:
+        """Where the emulated bucket's `key` really is."""
+        return self._store.uri_of(key)
+
     def __getattr__(self, name):
         return getattr(self._store, name)
 
@@ -264,7 +268,9 @@ class Emulator:
         status, reason = self._status_after(name, [exit_], "the processing job")
         if status == "Completed":
             for output in request["ProcessingOutputConfig"]["Outputs"]:
-                self._upload(in_root(root, output["S3Output"]["LocalPath"]), output["S3Output"]["S3Uri"])
+                self._upload(
+                    in_root(root, output["S3Output"]["LocalPath"]), output["S3Output"]["S3Uri"]
+                )
         self._end(name, status, reason, exit_message=exit_.reason)  # fmt: skip
         shutil.rmtree(root, ignore_errors=True)
 
@@ -275,7 +281,9 @@ class Emulator:
 
         def log_for(host: str) -> LogStream:
             if host not in streams:
-                streams[host] = LogStream(self.logs, LOG_GROUPS["training"], f"{name}/{host}-{stamp}")
+                streams[host] = LogStream(
+                    self.logs, LOG_GROUPS["training"], f"{name}/{host}-{stamp}"
+                )
             return streams[host]  # fmt: skip
 
         def restarted(count: int) -> None:
@@ -338,7 +346,9 @@ class Emulator:
             status = self._moto.training_jobs[trial_name].training_job_status
             with lock:
                 counters["InProgress"] -= 1
-                key = {"Completed": "Completed", "Stopped": "Stopped"}.get(status, "NonRetryableError")
+                key = {"Completed": "Completed", "Stopped": "Stopped"}.get(
+                    status, "NonRetryableError"
+                )
                 counters[key] += 1  # fmt: skip
             return trial_name, values
 
@@ -422,6 +432,8 @@ def emulated_backend(settings, store: Store, run: RunTree, echo=None) -> SageMak
             secrets.create_secret(Name=secret_id, SecretString=os.environ["WANDB_API_KEY"])
         except secrets.exceptions.ResourceExistsException:
             pass
-    backend = emulator.backend(run, settings.experiment.image_uri, settings.experiment.role_arn, echo)
+    backend = emulator.backend(
+        run, settings.experiment.image_uri, settings.experiment.role_arn, echo
+    )
     backend.on_close = emulator.close
     return backend

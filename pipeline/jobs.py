@@ -131,9 +131,14 @@ def processing_request(job: ProcessingJob, image: str, role: str, uri_of: UriOf)
             )
         )
     outputs = [
-        {"OutputName": name, "S3Output": {
-            "S3Uri": uri_of(prefix), "LocalPath": f"{CONTAINER_ROOT}/processing/output/{name}",
-            "S3UploadMode": "EndOfJob"}}  # fmt: skip
+        {
+            "OutputName": name,
+            "S3Output": {
+                "S3Uri": uri_of(prefix),
+                "LocalPath": f"{CONTAINER_ROOT}/processing/output/{name}",
+                "S3UploadMode": "EndOfJob",
+            },
+        }  # fmt: skip
         for name, prefix in job.outputs.items()
     ]
     return {

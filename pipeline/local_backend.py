@@ -62,9 +62,7 @@ def result_of(name: str, exits: list, log_key: str, restarts: int = 0) -> JobRes
 class LocalBackend:
     name = "local"
 
-    def __init__(
-        self, store: Store, run: RunTree, echo=None, work_root: str | None = None
-    ) -> None:
+    def __init__(self, store: Store, run: RunTree, echo=None, work_root: str | None = None) -> None:
         self.store, self.run = store, run
         self.work_root = Path(work_root or tempfile.mkdtemp(prefix="smpipe-jobs-"))
         self.work_root.mkdir(parents=True, exist_ok=True)
@@ -122,9 +120,7 @@ class LocalBackend:
         if result.status == "Completed":
             main = next(iter(played.roots.values()))  # the first host's, as SageMaker keeps
             upload_dir(self.store, main / "model", job.model_prefix, {"job_name": job.name})
-            upload_dir(
-                self.store, main / "output/data", job.output_prefix, {"job_name": job.name}
-            )
+            upload_dir(self.store, main / "output/data", job.output_prefix, {"job_name": job.name})
         self._cleanup(self.work_root / job.name, result)
         return result
 

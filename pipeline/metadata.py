@@ -27,7 +27,6 @@ PACKAGES = (
     "datasets",
     "scikit-learn",
     "boto3",
-    "sagemaker-train",
     "wandb",
 )
 

@@ -159,6 +159,5 @@ class RunTree:
         return f"{self.prefix}code/"
 
 
-
 def parse_run_label(label: str) -> int | None:
     return int(label) if label.isdigit() else None

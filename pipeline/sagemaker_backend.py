@@ -138,8 +138,7 @@ class SageMakerBackend:
         except ClientError as e:
             result.status = "Failed"
             result.failure_reason = (
-                f"the best training job {best['TrainingJobName']} of {job.name} "
-                f"cannot be read: {e}"
+                f"the best training job {best['TrainingJobName']} of {job.name} cannot be read: {e}"
             )
             return result
         self._adopt_training_output(trained, job.trial, result)
@@ -208,7 +207,11 @@ class SageMakerBackend:
                     extra = f" / {state[1]}" if state[1] else ""
                     counters = described.get("TrainingJobStatusCounters")
                     if kind == "tuning" and counters:
-                        extra += " (trials: " + ", ".join(f"{k} {v}" for k, v in counters.items() if v) + ")"
+                        extra += (
+                            " (trials: "
+                            + ", ".join(f"{k} {v}" for k, v in counters.items() if v)
+                            + ")"
+                        )
                     self._say(name, f"{state[0]}{extra}, {elapsed:.0f}s")  # fmt: skip
                     shown, last_shown = state, time.time()
                 if described["Status"] in TERMINAL:
@@ -290,12 +293,28 @@ class SageMakerBackend:
             )
             return
         output_key = model_key.rsplit("/", 1)[0] + "/output.tar.gz"
-        for key, prefix in ((model_key, job.model_prefix), (output_key, job.output_prefix)):
-            with tempfile.TemporaryDirectory(prefix="smpipe-adopt-") as tmp:
-                archive, folder = Path(tmp) / "archive.tar.gz", Path(tmp) / "files"
-                folder.mkdir()
-                if self.store.exists(key):
-                    self.store.download_file(key, archive)
-                    with tarfile.open(archive) as tar:
-                        tar.extractall(folder, filter="data")
-                upload_dir(self.store, folder, prefix, {"job_name": described["TrainingJobName"]})
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            for key, prefix in ((model_key, job.model_prefix), (output_key, job.output_prefix)):
+                with tempfile.TemporaryDirectory(prefix="smpipe-adopt-") as tmp:
+                    archive, folder = Path(tmp) / "archive.tar.gz", Path(tmp) / "files"
+                    folder.mkdir()
+                    if self.store.exists(key):
+                        self.store.download_file(key, archive)
+                        with tarfile.open(archive) as tar:
+                            tar.extractall(folder, filter=_regular_files)
+                    upload_dir(
+                        self.store, folder, prefix, {"job_name": described["TrainingJobName"]}
+                    )
+        except (tarfile.TarError, OSError, ClientError, BotoCoreError) as e:
+            result.status = "Failed"
+            result.failure_reason = f"the job completed but its output could not be adopted: {e}"
+
+
+def _regular_files(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo | None:
+    """tarfile's `data` filter, and links left out: wandb's offline run folder links its debug
+    logs to absolute paths in the container, which mean nothing here."""
+    if member.issym() or member.islnk():
+        return None
+    return tarfile.data_filter(member, path)

@@ -163,6 +163,7 @@ def wandb_key_from_secret() -> dict[str, str]:
         value = json.loads(value)["WANDB_API_KEY"]
     except (ValueError, KeyError, TypeError):
         pass
+    print(f"wandb: key read from Secrets Manager secret {secret_id!r}", flush=True)
     return {"WANDB_API_KEY": value}
 
 

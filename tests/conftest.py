@@ -3,7 +3,9 @@ settings files, and a small slice of the demo data."""
 
 from __future__ import annotations
 
+import io
 import logging
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -110,3 +112,22 @@ def ship_code(store, prefix: str = "code/") -> str:
         shutil.copy(ROOT / "tests/__init__.py", Path(tmp) / "tests/__init__.py")
         upload_dir(store, tmp, prefix)
     return prefix
+
+
+class SigtermAt(io.StringIO):
+    """A backend's echo stream: once the job reports optimizer step `step`, SIGTERM goes to
+    every process of this test whose command line `target` accepts (a spot reclaim)."""
+
+    def __init__(self, step: int, target):
+        super().__init__()
+        self.step, self.target, self.sent = step, target, False
+
+    def write(self, text):
+        if not self.sent and f"] step={self.step}/" in text:
+            import psutil
+
+            for child in psutil.Process().children(recursive=True):
+                if self.target(child.cmdline()):
+                    child.send_signal(signal.SIGTERM)
+                    self.sent = True
+        return super().write(text)

@@ -47,7 +47,9 @@ def test_processing_job_sees_the_contract(store, tmp_path):
     (tmp_path / "in/deep/b.txt").write_text("world")
     upload_dir(store, tmp_path / "in", "inputs/things/")
     echo = io.StringIO()
-    result = backend(store, tmp_path, echo).run_processing(probe_processing("probe-1", "--flag", "1"))
+    result = backend(store, tmp_path, echo).run_processing(
+        probe_processing("probe-1", "--flag", "1")
+    )
     assert result.status == "Completed", result.failure_reason
     assert is_complete(store, "outputs/seen/")
     seen = json.loads(store.get_bytes("outputs/seen/seen.json"))
@@ -92,18 +94,41 @@ def test_training_job_across_processes_and_hosts(store, tmp_path, hosts, per_hos
     for r, s in enumerate(seen):
         assert s["rank"] == r and s["world"] == 2 and s["all_reduce"] == 3.0
         # Hyperparameters arrive as SageMaker's containers deliver them: JSON-looking strings decoded.
-        assert s["hyperparameters"] == {"epochs": 3, "learning_rate": 0.001, "model_name": "minilm", "use_x": True}
-        assert s["hp_types"] == {"epochs": "int", "learning_rate": "float", "model_name": "str", "use_x": "bool"}
+        assert s["hyperparameters"] == {
+            "epochs": 3,
+            "learning_rate": 0.001,
+            "model_name": "minilm",
+            "use_x": True,
+        }
+        assert s["hp_types"] == {
+            "epochs": "int",
+            "learning_rate": "float",
+            "model_name": "str",
+            "use_x": "bool",
+        }
         assert s["channels"]["train"] == ["rows.txt"] and "code" in s["channels"]
         assert s["hosts"] == [f"algo-{i}" for i in range(1, hosts + 1)] and s["num_gpus"] == 0
         assert s["current_host"] == "algo-1" and s["job_name"] == "probe-train-1"
-        for var in ("SM_MODEL_DIR", "SM_CHANNEL_TRAIN", "SM_OUTPUT_DATA_DIR", "SM_HPS", "SM_NUM_GPUS", "SM_NUM_CPUS",
-                    "SM_HOSTS", "SM_CURRENT_HOST", "SM_TRAINING_ENV", "SM_HP_EPOCHS", "SM_CHECKPOINT_DIR"):
+        for var in (
+            "SM_MODEL_DIR",
+            "SM_CHANNEL_TRAIN",
+            "SM_OUTPUT_DATA_DIR",
+            "SM_HPS",
+            "SM_NUM_GPUS",
+            "SM_NUM_CPUS",
+            "SM_HOSTS",
+            "SM_CURRENT_HOST",
+            "SM_TRAINING_ENV",
+            "SM_HP_EPOCHS",
+            "SM_CHECKPOINT_DIR",
+        ):
             assert var in s["sm_env"]
     assert json.loads(store.get_bytes("out/output/report.json")) == {"ok": True}
     assert is_complete(store, "out/model/") and is_complete(store, "out/output/")
     # Every rank's checkpoint file reached the store, from whichever host wrote it.
-    assert {f"out/checkpoints/ckpt-rank{r}.txt" for r in range(2)} <= set(store.list_keys("out/checkpoints/"))
+    assert {f"out/checkpoints/ckpt-rank{r}.txt" for r in range(2)} <= set(
+        store.list_keys("out/checkpoints/")
+    )
 
 
 def test_secrets_never_reach_the_store(store, tmp_path, monkeypatch):
@@ -114,7 +139,10 @@ def test_secrets_never_reach_the_store(store, tmp_path, monkeypatch):
     (tmp_path / "in/a.txt").write_text("x")
     upload_dir(store, tmp_path / "in", "inputs/things/")
     echo = io.StringIO()
-    assert backend(store, tmp_path, echo).run_processing(probe_processing("probe-3")).status == "Completed"
+    assert (
+        backend(store, tmp_path, echo).run_processing(probe_processing("probe-3")).status
+        == "Completed"
+    )
     log = store.get_bytes(RUN.log("probe-3")).decode()
     assert "secret check: <redacted> <redacted> false" in log
     for value in SECRETS.values():

@@ -32,6 +32,7 @@ def staged(bucket, demo_raw):
     return store
 
 
+@pytest.mark.slow
 def test_two_models_end_to_end(staged, bucket, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", SECRET)
     path = write_settings(tmp_path / "settings.ini", f"s3://{bucket}/root", tracking={"WANDB_MODE": "offline"},
@@ -162,9 +163,7 @@ def test_one_model_and_reuse_of_earlier_steps(staged, bucket, tmp_path):
     # Inference alone reuses run 1's model and data, and says so.
     record2, _ = run(path, steps="inference")
     assert record2["model_version"] == 2
-    assert record2["steps"]["inference"]["details"]["models"]["bow"].endswith(
-        "runs/0001/models/bow/model/"
-    )
+    assert record2["steps"]["inference"]["details"]["models_from"].endswith("runs/0001/models/")
     assert record2["holdout_performance"] == record["holdout_performance"]
 
 
@@ -184,11 +183,13 @@ def test_dry_run_launches_nothing(staged, bucket, tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "run_pipeline.py"), str(path), "--dry-run"],
                           capture_output=True, text=True, cwd=ROOT)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert (
-        "1. reconcile (processing job)" in done.stdout
-        and "3. train [minilm] (training job)" in done.stdout
-    )
+    assert "1. reconcile (processing job test-exp-next-run-num-reconcile-" in done.stdout
+    assert "3. train [minilm] (training job test-exp-next-run-num-train-minilm-" in done.stdout
     assert "test-exp/runs/<next run_num>/models/bow/" in done.stdout
+    # The plan lists every input each job receives: inference reads the labels too.
+    inference = done.stdout.split("5. inference")[1]
+    for channel in ("code", "test", "labels", "models"):
+        assert f"input  {channel}" in inference, channel
     assert staged.list_keys("") == before
 
 

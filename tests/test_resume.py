@@ -3,7 +3,6 @@ a run that was never interrupted; checkpoints are atomic; a corrupt one is skipp
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import random
@@ -32,7 +31,7 @@ from steps.entrypoint import (
     MASTER_PORT_VARIABLE,
     PROCESSES_VARIABLE,
 )
-from tests.conftest import ROOT, ship_code
+from tests.conftest import ROOT, SigtermAt, ship_code
 
 HPS = {
     "model_name": "bow", "model_names": "bow", "job_kind": "training", "epochs": "3", "learning_rate": "0.01",
@@ -204,31 +203,17 @@ def test_sigkill_with_two_processes(tmp_path, channels, baseline2):
     assert_same(result(root), baseline2)
 
 
-class SigtermAt(io.StringIO):
-    """The backend's echo stream: sends SIGTERM to the running job once it reports `step`."""
-
-    def __init__(self, step: int):
-        super().__init__()
-        self.step, self.sent = step, False
-
-    def write(self, text):
-        if not self.sent and f"] step={self.step}/" in text:
-            for child in psutil.Process().children(recursive=True):
-                if "steps.train" in " ".join(child.cmdline()):
-                    child.send_signal(signal.SIGTERM)
-            self.sent = True
-        return super().write(text)
-
-
 @pytest.mark.parametrize("processes", [1, 2])
 def test_sigterm_checkpoints_exits_and_the_backend_restarts(tmp_path, channels, processes, request):
     reference = request.getfixturevalue("baseline" if processes == 1 else "baseline2")
     store = LocalStore(tmp_path / "store")
     for name, path in channels.items():
         upload_dir(store, path, f"data/{name}/")
-    echo = SigtermAt(step=7)
+    echo = SigtermAt(step=7, target=lambda command: "steps.train" in command)
     ship_code(store)
-    backend = LocalBackend(store, ExperimentTree("t").run(1), work_root=str(tmp_path / "work"), echo=echo)
+    backend = LocalBackend(
+        store, ExperimentTree("t").run(1), work_root=str(tmp_path / "work"), echo=echo
+    )
     job = TrainingJob(name="sigterm-test", step="train", code="code/", channels={c: f"data/{c}/" for c in channels},
                       hyperparameters=HPS, model_prefix="out/model/", output_prefix="out/output/",
                       checkpoint_prefix="out/checkpoints/", sagemaker_output="out/sm/",

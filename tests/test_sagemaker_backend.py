@@ -1,200 +1,145 @@
-"""The SageMaker backend against moto's SageMaker and S3: what it asks SageMaker to run, and
-how it maps a completed job's output onto the run tree. moto creates jobs that report
-Completed at once and runs nothing, so where a container would have written output, the
-tests write it at the moment the job is created."""
+"""The SageMaker requests: built once from the job description, accepted by botocore's service
+model and by moto, named within SageMaker's limits, and adopted into a run tree that the
+local backend reads as its own."""
 
 from __future__ import annotations
 
 import io
 import json
-import sys
 import tarfile
+from pathlib import Path
 
+import boto3
 import pytest
 
 from pipeline.config import load_settings
-from pipeline.driver import PipelineError, parse_steps, run_pipeline
-from pipeline.jobs import ProcessingJob, TrainingJob
+from pipeline.driver import Sources, build_jobs
+from pipeline.jobs import JOB_NAME_RE, job_name
 from pipeline.paths import ExperimentTree
 from pipeline.sagemaker_backend import SageMakerBackend
-from pipeline.store import S3Store, is_complete, read_manifest
+from pipeline.store import S3Store, download_dir, is_complete, read_manifest
+from steps.entrypoint import ENTRYPOINT
 from tests.conftest import write_settings
 
 ROLE = "arn:aws:iam::123456789012:role/smpipe"
 IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/smpipe:latest"
+TOOLKIT_KEYS = ("sagemaker_program", "sagemaker_submit_directory", "sagemaker_region")
+
+
+def sagemaker_settings(tmp_path, bucket, **overrides):
+    path = write_settings(
+        tmp_path / "settings.ini", f"s3://{bucket}/root",
+        experiment={"BACKEND": "sagemaker", "ROLE_ARN": ROLE, "IMAGE_URI": IMAGE, **overrides.pop("experiment", {})},
+        training={"USE_SPOT": "true", "USE_DISTRIBUTED": "true", "PROCESSES_PER_HOST": "1", "INSTANCE_COUNT": "2",
+                  "INSTANCE_TYPE": "ml.g5.12xlarge", "EPOCHS": "1", **overrides.pop("training", {})},
+        **overrides,
+    )  # fmt: skip
+    return load_settings(path, env={})
+
+
+def jobs_of(settings, run_num=1):
+    tree = ExperimentTree(settings.experiment.name)
+    run = tree.run(run_num)
+    sources = Sources(raw=tree.raw)
+    return run, build_jobs(settings, ["reconcile", "prepare", "train", "inference"], run, sources)
 
 
 @pytest.fixture
-def setup(bucket, tmp_path):
-    path = write_settings(
-        tmp_path / "settings.ini", f"s3://{bucket}/root",
-        experiment={"BACKEND": "sagemaker", "ROLE_ARN": ROLE, "IMAGE_URI": IMAGE},
-        training={"USE_SPOT": "true", "USE_DISTRIBUTED": "true", "PROCESSES_PER_HOST": "4", "INSTANCE_COUNT": "2",
-                  "INSTANCE_TYPE": "ml.g5.12xlarge"},
-    )  # fmt: skip
-    settings = load_settings(path, env={})
+def sent(aws_env):
+    """Every request body the SageMaker client sends, as it goes over the wire."""
+    client = boto3.client("sagemaker")
+    bodies: list[tuple[str, dict]] = []
+    client.meta.events.register(
+        "before-send.sagemaker",
+        lambda request, **_: bodies.append(
+            (request.headers["X-Amz-Target"].decode().split(".")[-1], json.loads(request.body))
+        ),
+    )
+    return client, bodies
+
+
+def backend_for(settings, store, run, client):
+    return SageMakerBackend(store, run, client=client, logs_client=boto3.client("logs"), image_uri=IMAGE,
+                            role_arn=ROLE, echo=io.StringIO(), poll_seconds=0.01)  # fmt: skip
+
+
+def test_every_job_becomes_a_request_sagemaker_accepts(tmp_path, bucket, sent):
+    client, bodies = sent
+    settings = sagemaker_settings(tmp_path, bucket, tracking={"WANDB_SECRET_ID": "smpipe/wandb"})
     store = S3Store(settings.store_uri())
-    run = ExperimentTree("test-exp").run(1)
-    # moto's DescribeProcessingJob has no ProcessingResources, which the SDK's log streaming reads.
-    backend = SageMakerBackend(settings, store, run, echo=io.StringIO(), stream_logs=False)
-    requests = {}
+    run, jobs = jobs_of(settings)
+    backend = backend_for(settings, store, run, client)
+    for job in jobs:
+        request = backend.request(job)
+        {"processing": client.create_processing_job, "training": client.create_training_job,
+         "tuning": client.create_hyper_parameter_tuning_job}[job.kind](**request)  # fmt: skip
+    kinds = [target for target, _ in bodies]
+    assert kinds == ["CreateProcessingJob"] * 2 + ["CreateTrainingJob"] * 2 + [
+        "CreateProcessingJob"
+    ]
 
-    def capture(params, model, **_):
-        requests[model.name] = params
+    reconcile, prepare, minilm, bow, inference = [body for _, body in bodies]
+    code = store.uri_of(run.code)
+    for body in (reconcile, prepare, inference):
+        app = body["AppSpecification"]
+        assert app["ContainerEntrypoint"] == ENTRYPOINT and app["ImageUri"] == IMAGE
+        assert app["ContainerArguments"][0] == "process"
+        inputs = {i["InputName"]: i["S3Input"] for i in body["ProcessingInputs"]}
+        assert inputs["code"]["S3Uri"] == code
+        assert inputs["code"]["LocalPath"] == "/opt/ml/processing/input/code"
+        assert body["Environment"]["SMPIPE_WANDB_SECRET_ID"] == "smpipe/wandb"
+    assert reconcile["AppSpecification"]["ContainerArguments"] == ["process", "reconcile"]
+    # Inference reads every model from one input: any number of models fits SageMaker's 10.
+    names = {i["InputName"] for i in inference["ProcessingInputs"]}
+    assert names == {"code", "test", "labels", "models"}
 
-    # On the session's client and on the boto session: the SDK's resource classes make their
-    # own clients from the latter.
-    for events in (
-        backend.session.sagemaker_client.meta.events,
-        backend.session.boto_session.events,
-    ):
-        events.register("provide-client-params.sagemaker.*", capture)
-    return settings, store, run, backend, requests
-
-
-def tarball(files: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
-def test_processing_job_request_and_manifested_output(setup):
-    settings, store, run, backend, requests = setup
-    store.put_bytes("test-exp/raw/a.txt", b"raw")
-    store.put_bytes("out/snap/dataset/data.arrow", b"as if the container wrote it")
-    job = ProcessingJob(name="test-exp-0001-reconcile-1", step="reconcile", inputs={"raw": "test-exp/raw/"},
-                        outputs={"snapshot": "out/snap/"}, arguments=["--x", "1"], env={"SMPIPE_USER_FUNCTIONS": "user_functions"})  # fmt: skip
-    result = backend.run_processing(job)
-    assert result.status == "Completed", result.failure_reason
-    sent = requests["CreateProcessingJob"]
-    assert sent["AppSpecification"] == {"ImageUri": IMAGE, "ContainerEntrypoint": ["python3", "-m", "steps.reconcile"],
-                                        "ContainerArguments": ["--x", "1"]}  # fmt: skip
-    assert sent["RoleArn"] == ROLE
-    env = sent["Environment"]
-    assert env["SM_PROCESSING_INPUT_RAW"] == "/opt/ml/processing/input/raw"
-    assert env["SM_PROCESSING_OUTPUT_SNAPSHOT"] == "/opt/ml/processing/output/snapshot"
-    assert (
-        env["PYTHONPATH"] == "/opt/ml/processing/input/code"
-        and env["SMPIPE_USER_FUNCTIONS"] == "user_functions"
-    )
-    inputs = {i["InputName"]: i["S3Input"]["S3Uri"] for i in sent["ProcessingInputs"]}
-    assert inputs["raw"] == store.uri_of("test-exp/raw/")
-    assert inputs["code"] == store.uri_of(run.prefix + "code/")
-    assert is_complete(store, run.prefix + "code/")
-    assert {"steps/train.py", "user_functions/__init__.py"} <= set(
-        read_manifest(store, run.prefix + "code/")["files"]
-    )
-    manifest = read_manifest(store, "out/snap/")
-    assert manifest["job_name"] == job.name and list(manifest["files"]) == ["dataset/data.arrow"]
-
-
-def test_a_completed_job_that_wrote_nothing_is_a_failure(setup):
-    settings, store, run, backend, requests = setup
-    store.put_bytes("test-exp/raw/a.txt", b"raw")
-    job = ProcessingJob(name="test-exp-0001-reconcile-2", step="reconcile", inputs={"raw": "test-exp/raw/"},
-                        outputs={"snapshot": "out/empty/"})  # fmt: skip
-    result = backend.run_processing(job)
-    assert result.status == "Failed" and "wrote nothing to" in result.failure_reason
-    assert not is_complete(store, "out/empty/")
-
-
-def test_training_job_request_spot_checkpoints_distributed(setup):
-    settings, store, run, backend, requests = setup
-    report = json.dumps({"best_epoch": 2}).encode()
-    written = set()
-
-    def container_writes_output(http_response, parsed, model, **_):
-        name = parsed.get("TrainingJobArn", "").rsplit("/", 1)[-1]
-        if not name or name in written:
-            return
-        written.add(name)
-        described = backend.session.sagemaker_client.describe_training_job(TrainingJobName=name)
-        key = described["ModelArtifacts"]["S3ModelArtifacts"].split(f"s3://{store.bucket}/")[1]
-        store.client.put_object(
-            Bucket=store.bucket, Key=key, Body=tarball({"model.torchscript.pt": b"ts"})
-        )
-        store.client.put_object(Bucket=store.bucket, Key=key.replace("model.tar.gz", "output.tar.gz"),
-                                Body=tarball({"step_metadata.json": report}))  # fmt: skip
-
-    for events in (
-        backend.session.sagemaker_client.meta.events,
-        backend.session.boto_session.events,
-    ):
-        events.register("after-call.sagemaker.CreateTrainingJob", container_writes_output)
-    t = settings.training
-    job = TrainingJob(
-        name="test-exp-0001-train-minilm", step="train", channels={"train": "data/train/", "labels": "data/labels/"},
-        hyperparameters=settings.training_hyperparameters("minilm", "training"), model_prefix=run.model("minilm") + "model/",
-        output_prefix=run.model("minilm") + "output/", checkpoint_prefix=run.checkpoints("minilm"),
-        env={"SMPIPE_USER_FUNCTIONS": "user_functions"}, instance_type=t.instance_type, instance_count=t.instance_count,
-        processes_per_host=t.processes_per_host, use_spot=True, metric_definitions=settings.metric_definitions,
-    )  # fmt: skip
-    result = backend.run_training(job)
-    assert result.status == "Completed", result.failure_reason
-    sent = requests["CreateTrainingJob"]
-    assert sent["EnableManagedSpotTraining"] is True
-    assert (
-        sent["StoppingCondition"]["MaxWaitTimeInSeconds"]
-        >= sent["StoppingCondition"]["MaxRuntimeInSeconds"]
-    )
-    assert sent["CheckpointConfig"] == {
-        "S3Uri": store.uri_of(run.checkpoints("minilm")),
-        "LocalPath": "/opt/ml/checkpoints",
-    }
-    assert (
-        sent["ResourceConfig"]["InstanceCount"] == 2
-        and sent["ResourceConfig"]["InstanceType"] == "ml.g5.12xlarge"
-    )
-    assert (
-        sent["HyperParameters"]["model_name"] == "minilm"
-        and sent["HyperParameters"]["epochs"] == "1"
-    )
-    assert sent["Environment"]["SM_CHECKPOINT_DIR"] == "/opt/ml/checkpoints"
-    assert sent["Environment"]["PYTHONPATH"] == "/opt/ml/input/data/code"
+    assert minilm["AlgorithmSpecification"] == {
+        "TrainingImage": IMAGE, "TrainingInputMode": "File",
+        "MetricDefinitions": [{"Name": k, "Regex": v} for k, v in settings.metric_definitions.items()],
+    }  # fmt: skip
     channels = {
-        c["ChannelName"]: c["DataSource"]["S3DataSource"]["S3Uri"] for c in sent["InputDataConfig"]
+        c["ChannelName"]: c["DataSource"]["S3DataSource"]["S3Uri"]
+        for c in minilm["InputDataConfig"]
     }
-    assert channels["train"] == store.uri_of("data/train/") and channels["labels"] == store.uri_of(
-        "data/labels/"
-    )
-    assert {"code", "sm_drivers"} <= set(
-        channels
-    )  # SageMaker's drivers run steps/train.py under torchrun
-    assert all(
-        uri.startswith(store.uri_of(run.prefix))
-        for c, uri in channels.items()
-        if c in ("code", "sm_drivers")
-    )
-    assert {m["Name"] for m in sent["AlgorithmSpecification"]["MetricDefinitions"]} == set(
-        settings.metric_definitions
-    )
-    # The completed job's output, adopted into the run tree with manifests.
-    assert read_manifest(store, job.model_prefix)["files"].keys() == {"model.tar.gz"}
-    assert json.loads(store.get_bytes(job.output_prefix + "step_metadata.json")) == {
-        "best_epoch": 2
-    }
+    assert channels["code"] == code and set(channels) == {"code", "train", "validation", "labels"}
+    assert minilm["ResourceConfig"]["InstanceCount"] == 2
+    assert minilm["Environment"]["SMPIPE_PROCESSES_PER_HOST"] == "1"
+    assert minilm["Environment"]["SMPIPE_STEP"] == "train"
+    assert minilm["EnableManagedSpotTraining"] is True
+    stopping = minilm["StoppingCondition"]
+    assert stopping["MaxWaitTimeInSeconds"] >= stopping["MaxRuntimeInSeconds"]
+    assert minilm["CheckpointConfig"] == {"S3Uri": store.uri_of(run.checkpoints("minilm")),
+                                          "LocalPath": "/opt/ml/checkpoints"}  # fmt: skip
+    assert minilm["OutputDataConfig"]["S3OutputPath"].startswith(store.uri_of(run.prefix))
+    assert minilm["HyperParameters"]["model_name"] == "minilm"
+    assert not set(TOOLKIT_KEYS) & set(minilm["HyperParameters"])
+    # Everything a job reads or writes lies in the run's tree (or the experiment's data).
+    for _, body in bodies:
+        text = json.dumps(body)
+        for uri in [w for w in text.split('"') if w.startswith("s3://")]:
+            assert uri.startswith(store.uri_of("test-exp/")), uri
 
 
-def test_tuning_job_request(setup):
-    settings, store, run, backend, requests = setup
-    job = TrainingJob(
-        name="test-exp-0001-tune-minilm", step="train", channels={"train": "data/train/"},
-        hyperparameters=settings.training_hyperparameters("minilm", "tuning"), model_prefix="t/model/",
-        output_prefix="t/output/", checkpoint_prefix="t/ck/", metric_definitions=settings.metric_definitions,
-    )  # fmt: skip
-    result, details = backend.run_tuning(job)
-    sent = requests["CreateHyperParameterTuningJob"]
-    config = sent["HyperParameterTuningJobConfig"]
+def test_tuning_request(tmp_path, bucket, sent):
+    client, bodies = sent
+    settings = sagemaker_settings(tmp_path, bucket, experiment={"JOB": "tune"})
+    store = S3Store(settings.store_uri())
+    run, jobs = jobs_of(settings)
+    tuning = [j for j in jobs if j.kind == "tuning"]
+    assert len(tuning) == 2
+    backend = backend_for(settings, store, run, client)
+    client.create_hyper_parameter_tuning_job(**backend.request(tuning[0]))
+    target, body = bodies[-1]
+    assert target == "CreateHyperParameterTuningJob"
+    name = body["HyperParameterTuningJobName"]
+    assert len(name) <= 32 and "minilm" in name and "tune" in name
+    config = body["HyperParameterTuningJobConfig"]
     assert config["Strategy"] == "Bayesian"
     assert config["HyperParameterTuningJobObjective"] == {
         "Type": "Maximize",
         "MetricName": "validation:f1",
     }
-    assert config["ResourceLimits"]["MaxNumberOfTrainingJobs"] == 4
+    assert config["ResourceLimits"] == {"MaxParallelTrainingJobs": 1, "MaxNumberOfTrainingJobs": 4}
     ranges = config["ParameterRanges"]
     assert ranges["ContinuousParameterRanges"] == [
         {
@@ -205,27 +150,159 @@ def test_tuning_job_request(setup):
         }
     ]
     assert ranges["CategoricalParameterRanges"] == [{"Name": "batch_size", "Values": ["16", "32"]}]
-    static = sent["TrainingJobDefinition"]["StaticHyperParameters"]
+    definition = body["TrainingJobDefinition"]
+    static = definition["StaticHyperParameters"]
     assert (
         "learning_rate" not in static
         and "batch_size" not in static
         and static["job_kind"] == "tuning"
     )
-    # moto runs no trials and names a best training job that does not exist: reported, not papered over.
-    assert result.status == "Failed"
+    assert not set(TOOLKIT_KEYS) & set(static)
+    # Every trial gets the code, and checkpoints in a folder of its own.
+    assert "code" in {c["ChannelName"] for c in definition["InputDataConfig"]}
+    assert definition["Environment"]["SMPIPE_CHECKPOINT_PER_TRIAL"] == "1"
+
+
+@pytest.mark.parametrize("length", [62, 63, 64, 120])
+def test_job_names_are_valid_and_traceable_at_the_limits(length):
+    experiment = ("e" * (length - 1) + "x")[:length]
+    for parts in [
+        ("0001", "reconcile"),
+        ("0001", "train", "minilm"),
+        ("0001", "tune", "my-model", "007"),
+    ]:
+        name = job_name(experiment, *parts)
+        assert JOB_NAME_RE.match(name) and len(name) <= 63, name
+        for part in parts:
+            assert part in name, (part, name)
+    tuning = job_name(experiment, "0001", "tune", "my_long-model-name", limit=32)
+    assert len(tuning) <= 32 and JOB_NAME_RE.match(tuning)
+    assert "0001-tune" in tuning and "my" in tuning
+    # SageMaker names each trial <tuning job>-NNN-<8 hex>: still a valid training job name.
+    assert JOB_NAME_RE.match(f"{tuning}-001-0123abcd")
+
+
+def test_model_names_with_dashes_and_ten_models(tmp_path, bucket, sent):
+    client, bodies = sent
+    models = [f"model-{i}" for i in range(10)]
+    settings = sagemaker_settings(tmp_path, bucket, models={"MODEL_NAMES": ",".join(models)})
+    store = S3Store(settings.store_uri())
+    run, jobs = jobs_of(settings)
+    backend = backend_for(settings, store, run, client)
+    for job in jobs:
+        if job.kind == "training":
+            client.create_training_job(**backend.request(job))
+        else:
+            client.create_processing_job(**backend.request(job))
+    assert len([t for t, _ in bodies if t == "CreateTrainingJob"]) == 10
+    for _, body in bodies:
+        assert all(key.replace("_", "a").isalnum() for key in body.get("Environment", {})), body
+        name = body.get("TrainingJobName") or body["ProcessingJobName"]
+        assert JOB_NAME_RE.match(name)
+    trained = {b["HyperParameters"]["model_name"] for t, b in bodies if t == "CreateTrainingJob"}
+    assert trained == set(models)
+
+
+def test_model_names_that_meet_as_environment_keys_are_refused(tmp_path, bucket):
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match="differ only in '-' and '_'"):
+        sagemaker_settings(tmp_path, bucket, models={"MODEL_NAMES": "my-model,my_model"})
+    with pytest.raises(ConfigError, match="MAX_WAIT_SECONDS .* must be at least MAX_RUN_SECONDS"):
+        sagemaker_settings(
+            tmp_path, bucket, training={"MAX_RUN_SECONDS": "7200", "MAX_WAIT_SECONDS": "3600"}
+        )
+
+
+def tarball(files: dict[str, bytes], links: dict[str, str] | None = None) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        for name, target in (links or {}).items():
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = tarfile.SYMTYPE, target
+            tar.addfile(info)
+    return buf.getvalue()
+
+
+def test_outputs_adopted_from_sagemaker_are_read_like_local_ones(tmp_path, bucket, sent):
+    """moto completes a job at once and runs nothing: what the container would write is
+    written here as the job is created; the backend's adoption does the rest."""
+    client, _ = sent
+    settings = sagemaker_settings(tmp_path, bucket)
+    store = S3Store(settings.store_uri())
+    run, jobs = jobs_of(settings)
+    reconcile, training = jobs[0], jobs[2]
+    store.put_bytes(reconcile.outputs["snapshot"] + "dataset/data.arrow", b"rows")
+    store.put_bytes(reconcile.outputs["report"] + "step_metadata.json", b"{}")
+
+    def container_writes_model(http_response, parsed, **_):
+        name = parsed["TrainingJobArn"].rsplit("/", 1)[-1]
+        base = f"{training.sagemaker_output}{name}/output/"
+        store.put_bytes(
+            base + "model.tar.gz", tarball({"model.torchscript.pt": b"ts", "sub/a.json": b"{}"})
+        )
+        # wandb's offline run folder links its debug log to an absolute container path.
+        output = tarball(
+            {"step_metadata.json": b'{"best_epoch": 1}'},
+            links={"wandb/run/logs/debug-core.log": "/root/.cache/wandb/logs/core-debug.log"},
+        )
+        store.put_bytes(base + "output.tar.gz", output)
+
+    client.meta.events.register("after-call.sagemaker.CreateTrainingJob", container_writes_model)
+    backend = backend_for(settings, store, run, client)
+    assert backend.run_processing(reconcile).status == "Completed"
+    result = backend.run_training(training)
+    assert result.status == "Completed", result.failure_reason
+    for prefix in (reconcile.outputs["snapshot"], training.model_prefix, training.output_prefix):
+        manifest = read_manifest(store, prefix)
+        assert all(len(entry["sha256"]) == 64 for entry in manifest["files"].values())
+        download_dir(store, prefix, tmp_path / prefix)  # verified file by file, as local reads do
+    assert (tmp_path / training.model_prefix / "sub/a.json").read_text() == "{}"
+    assert json.loads(store.get_bytes(training.output_prefix + "step_metadata.json")) == {
+        "best_epoch": 1
+    }
+    assert list(read_manifest(store, training.output_prefix)["files"]) == ["step_metadata.json"]
+    # A processing job that completed but wrote nothing is a failure, and nothing is sealed.
+    prepare = jobs[1]
+    result = backend.run_processing(prepare)
+    assert result.status == "Failed" and "wrote nothing to" in result.failure_reason
+    assert not is_complete(store, prepare.outputs["train"])
+
+
+def test_dockerfile_is_dependencies_and_the_entrypoint_only():
+    import tomllib
+
+    from pipeline.container import DOCKERFILE, dockerfile_instructions
+
+    instructions = dockerfile_instructions()
+    entrypoints = [args for kind, args in instructions if kind == "ENTRYPOINT"]
+    assert [json.loads(e) for e in entrypoints] == [
+        ENTRYPOINT
+    ]  # exec form: PID 1 is the entrypoint
+    copies = [args.split() for kind, args in instructions if kind in ("COPY", "ADD")]
+    assert copies == [["pyproject.toml", "/tmp/smpipe/pyproject.toml"]], copies  # no code to shadow
+    # The dependencies installed are exactly pyproject.toml's, read from it at build time.
+    run = " ".join(args for kind, args in instructions if kind == "RUN")
     assert (
-        "no best training job" in result.failure_reason or "cannot be read" in result.failure_reason
+        "tomllib.load(open('/tmp/smpipe/pyproject.toml', 'rb'))['project']['dependencies']" in run
     )
-
-
-def test_pipeline_on_sagemaker_stops_at_the_first_empty_step(setup, demo_raw):
-    settings, store, run, backend, requests = setup
-    from pipeline.stage import stage
-
-    stage(store, ExperimentTree("test-exp"), demo_raw)
-    with pytest.raises(PipelineError, match="step 'reconcile' failed .* wrote nothing to"):
-        run_pipeline(settings, store, parse_steps(None), echo=sys.stdout,
-                     make_backend=lambda s, st, r, echo: SageMakerBackend(s, st, r, echo, stream_logs=False))  # fmt: skip
-    record = json.loads(store.get_bytes(run.metadata))
-    assert record["status"] == "failed" and record["backend"] == "sagemaker"
-    assert record["steps"]["reconcile"]["job_names"][0].startswith("test-exp-0001-reconcile")
+    assert "pip install -r /tmp/smpipe/requirements.txt" in run
+    project = tomllib.loads((DOCKERFILE.parent.parent / "pyproject.toml").read_text())["project"]
+    assert project["dependencies"] and all(
+        "sagemaker-train" not in d for d in project["dependencies"]
+    )
+    ignore = (DOCKERFILE.parent / "Dockerfile.dockerignore").read_text().split()
+    assert ignore[-2:] == ["*", "!pyproject.toml"]
+    # Where the image looks for code is where both job kinds get it.
+    env = dict(
+        a.split("=", 1) for kind, args in instructions if kind == "ENV" for a in args.split()
+    )
+    assert env["PYTHONPATH"].split(":") == [
+        "/opt/ml/input/data/code",
+        "/opt/ml/processing/input/code",
+    ]
+    assert Path("/opt/ml/processing/input/code").as_posix() in env["PYTHONPATH"]

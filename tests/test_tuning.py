@@ -32,7 +32,8 @@ def test_random_search_picks_the_best_trial(tmp_path):
     record = run_pipeline(settings, store, parse_steps(None), echo=sys.stdout)
     assert record["status"] == "completed"
     tune = record["steps"]["tune"]
-    assert "train" not in record["steps"] and len(tune["job_names"]) == 3
+    # One tuning job per model, as on SageMaker; its trials are in its details.
+    assert "train" not in record["steps"] and len(tune["job_names"]) == 1
     details = tune["details"]["models"]["tiny"]
     trials = details["trials"]
     assert details["ran_as"] == "Random" and len(trials) == 3
@@ -42,14 +43,16 @@ def test_random_search_picks_the_best_trial(tmp_path):
         assert trial["hyperparameters"]["epochs"] in ("1", "3")
     best = max(trials, key=lambda t: t["objective"])
     assert details["best"] == best
-    assert record["model_artifacts"]["tiny"] == best["model"]
+    # The best trial's model is promoted to where a training job leaves a model.
+    promoted = record["model_artifacts"]["tiny"]
+    assert promoted.endswith("runs/0001/models/tiny/model")
+    best_files = store.root / best["model"].split(str(store.root) + "/")[1]
+    for name in ("model.safetensors", "model.torchscript.pt"):
+        assert (best_files / name).read_bytes() == (store.root / promoted / name).read_bytes()
     # The objective read off the log is the best epoch's F1 the trial itself recorded.
-    trial_dir = best["model"].rsplit("/model", 1)[0]
-    report = json.loads((store.root / trial_dir / "output/step_metadata.json").read_text())
+    report = json.loads((best_files.parent / "output/step_metadata.json").read_text())
     assert abs(report["best_validation_f1"] - best["objective"]) < 1e-6
-    assert record["steps"]["inference"]["details"]["models"]["tiny"].endswith(
-        best["model"].split(str(store.root) + "/")[1]
-    )
+    assert record["steps"]["inference"]["details"]["models_from"].endswith("runs/0001/models")
 
 
 def test_grid_runs_every_categorical_combination(tmp_path):
