@@ -131,6 +131,9 @@ class Training(Section):
     checkpoint_every_steps: int = Field(50, ge=0)
     keep_checkpoints: int = Field(2, ge=1)
     max_restarts: int = Field(3, ge=0)
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    group_by_length: bool = True
+    compile: bool = False
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,7 @@ class Tuning(Section):
 class Inference(Section):
     instance_type: str = "ml.m5.xlarge"
     batch_size: int = Field(64, ge=1)
+    model_format: Literal["torchscript", "exported"] = "torchscript"
 
 
 class Tracking(Section):
@@ -228,6 +232,9 @@ class Settings(BaseModel):
             "keep_checkpoints": t.keep_checkpoints,
             "wandb_project": self.tracking.wandb_project,
             "wandb_mode": self.tracking.wandb_mode,
+            "mixed_precision": t.mixed_precision,
+            "group_by_length": str(t.group_by_length).lower(),
+            "compile": str(t.compile).lower(),
         }
         if job_kind == "tuning":
             hps.update(self.tuning_constants)
@@ -254,6 +261,8 @@ PER_MODEL = (
     "warmup_ratio",
     "weight_decay",
     "max_steps",
+    "mixed_precision",
+    "compile",
 )
 INT_RE = re.compile(r"^[+-]?\d+$")
 

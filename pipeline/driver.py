@@ -260,7 +260,8 @@ def build_jobs(settings: Settings, steps: list[str], run: RunTree, sources: Sour
                     "models": run.models if "train" in steps else sources.models},
             outputs={"results": run.inference, "report": run.report("inference")},
             arguments=["--model-names", ",".join(settings.models.model_names),
-                       "--batch-size", str(settings.inference.batch_size)],
+                       "--batch-size", str(settings.inference.batch_size),
+                       "--model-format", settings.inference.model_format],
             env=env, instance_type=settings.inference.instance_type,
         ))  # fmt: skip
     return jobs

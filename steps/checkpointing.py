@@ -13,6 +13,7 @@ import math
 import os
 import random
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +52,12 @@ class ResumableBatchSampler:
     Each epoch draws a permutation from (seed, epoch) and pads it by wrapping around, so every
     epoch has exactly `steps_per_epoch * accumulation` micro-batches per rank: accumulation
     groups line up with epochs and a resumed job sees exactly the batches it had not seen.
+
+    Given the rows' lengths, batches are grouped by length as the Trainer's `group_by_length`
+    does: the permutation is cut into megabatches, each sorted by length and cut into global
+    batches (neighbouring ranks get neighbouring lengths), and the batches are shuffled, the
+    longest first so that a batch too large for the device fails at once. Everything is drawn
+    from (seed, epoch), so a resumed epoch is the same epoch.
     """
 
     def __init__(
@@ -61,9 +68,11 @@ class ResumableBatchSampler:
         world: int,
         rank: int,
         seed: int,
+        lengths=None,
     ):
         self.n, self.per_device, self.accumulation = num_examples, per_device, accumulation
         self.world, self.rank, self.seed = world, rank, seed
+        self.lengths = None if lengths is None else np.asarray(lengths)
         per_step = per_device * world * accumulation
         self.steps_per_epoch = max(1, math.ceil(num_examples / per_step))
         self.batches_per_epoch = self.steps_per_epoch * accumulation
@@ -80,25 +89,44 @@ class ResumableBatchSampler:
             "seed": self.seed,
             "n": self.n,
             "world": self.world,
+            "grouped": self.lengths is not None,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if (state["n"], state["world"], state["seed"]) != (self.n, self.world, self.seed):
+        mine = (self.n, self.world, self.seed, self.lengths is not None)
+        if (state["n"], state["world"], state["seed"], state.get("grouped", False)) != mine:
             raise ValueError(f"sampler state is for another run: {state}")
         self.epoch, self.start = state["epoch"], state["start"]
 
     def __len__(self) -> int:
         return self.batches_per_epoch - self.start
 
-    def __iter__(self):
+    def global_batches(self) -> list[list[int]]:
+        """This epoch's batches across all ranks, in order."""
         g = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
         order = torch.randperm(self.n, generator=g).tolist()
         needed = self.batches_per_epoch * self.per_device * self.world
         order = (order * math.ceil(needed / self.n))[:needed]
-        global_batch = self.per_device * self.world
+        size = self.per_device * self.world
+        if self.lengths is not None:
+            lengths = self.lengths
+            mega = size * max(1, min(self.n // (size * 4), 50))
+            order = [
+                i
+                for m in range(0, needed, mega)
+                for i in sorted(order[m : m + mega], key=lambda i: -lengths[i])
+            ]
+        batches = [order[b * size : (b + 1) * size] for b in range(self.batches_per_epoch)]
+        if self.lengths is not None:
+            batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+            longest = max(range(len(batches)), key=lambda b: lengths[batches[b]].max())
+            batches[0], batches[longest] = batches[longest], batches[0]
+        return batches
+
+    def __iter__(self):
+        batches = self.global_batches()
         for b in range(self.start, self.batches_per_epoch):
-            chunk = order[b * global_batch : (b + 1) * global_batch]
-            yield chunk[self.rank * self.per_device : (self.rank + 1) * self.per_device]
+            yield batches[b][self.rank * self.per_device : (self.rank + 1) * self.per_device]
 
 
 @dataclass
@@ -263,6 +291,27 @@ def finish_rank_files(directory: Path, tmp: Path, keep: int) -> None:
         os.rename(tmp, final)
     for name in checkpoint_names(directory)[:-keep]:
         shutil.rmtree(directory / name, ignore_errors=True)
+
+
+def save_checkpoint(accelerator, directory: Path, state: State, new_best: dict | None,
+                    keep: int) -> float:  # fmt: skip
+    """Every process takes part: each node's first process makes the directory, every process
+    writes its own RNG and loss, the main process writes the State and makes it current. On
+    other nodes (multi-node SageMaker) the rank files are renamed into place too; SageMaker
+    syncs every node's checkpoint folder to the same S3 prefix. Returns the seconds taken."""
+    started = time.time()
+    tmp = directory / f"ckpt-{state.step:08d}.tmp"
+    if accelerator.is_local_main_process:
+        begin_checkpoint(directory, state.step)
+    accelerator.wait_for_everyone()
+    write_rank_state(tmp, accelerator.process_index, state)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        finish_checkpoint(directory, tmp, state, new_best, keep)
+    elif accelerator.is_local_main_process:
+        finish_rank_files(directory, tmp, keep)
+    accelerator.wait_for_everyone()
+    return time.time() - started
 
 
 def current_checkpoint(directory: Path) -> Path | None:

@@ -28,23 +28,29 @@ HYPERPARAMETERS: dict[str, tuple[type, str]] = {
     "wandb_project": (str, "wandb project name"),
     "wandb_mode": (str, "offline | online | disabled"),
     "max_steps": (int, "stop after this many optimizer steps; 0 means no limit"),
+    "mixed_precision": (str, "auto | no | bf16 | fp16 (auto: bf16 or fp16 on a GPU, no on CPU)"),
+    "group_by_length": (bool, "batches of rows of similar length (less padding)"),
+    "compile": (bool, "torch.compile the model"),
 }
 
-# The names a tuning job may search over: the ones that change how a model learns.
+# What a job that is not given these gets (a request written by hand, an older driver).
+DEFAULTS = {"mixed_precision": "auto", "group_by_length": True, "compile": False}
+
+# The names a tuning job may search over: the ones that change how a model learns (a test
+# checks that each one does). MAX_SEQUENCE_LENGTH is not one: prepare applies it, once.
 TUNABLE = (
     "epochs",
     "learning_rate",
     "batch_size",
     "warmup_ratio",
     "weight_decay",
-    "max_sequence_length",
 )
 
 
 def parse_hyperparameters(raw: dict[str, object]) -> dict[str, object]:
     """Cast the strings SageMaker hands over into their types; refuse unknown names."""
     problems = []
-    values: dict[str, object] = {}
+    values: dict[str, object] = dict(DEFAULTS)
     for name, value in raw.items():
         if name not in HYPERPARAMETERS:
             problems.append(f"unknown hyperparameter {name!r}")
@@ -64,6 +70,10 @@ def parse_hyperparameters(raw: dict[str, object]) -> dict[str, object]:
 
 def _cast(kind: type, value: object) -> object:
     # A tuner's IntegerParameter or a JSON round trip may hand over 3.0 or "3.0" for an int.
+    if kind is bool:
+        if str(value).lower() not in ("true", "false", "1", "0"):
+            raise ValueError(value)
+        return str(value).lower() in ("true", "1")
     if kind is int and not isinstance(value, bool):
         number = float(value)
         if not number.is_integer():

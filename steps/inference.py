@@ -1,4 +1,7 @@
-"""Inference (processing job, CPU): the exported TorchScript models on the held-out test split.
+"""Inference (processing job, CPU): the exported models on the held-out test split.
+
+Each model runs as training exported it ([inference] MODEL_FORMAT: TorchScript, or the
+torch.export program), loaded once, over the test rows sorted by length and padded per batch.
 
 Inputs:  test, labels, and models: the run's models/ folder (<name>/model/ for every model)
 Outputs: results  per model: per_label.csv (sorted by F1, descending), overall.json,
@@ -27,6 +30,7 @@ from sklearn.metrics import (
     precision_recall_fscore_support,
 )
 
+from steps.batching import Batches, by_length, read_inputs
 from steps.contract import processing_input, processing_output, run_step, write_step_metadata
 
 
@@ -34,6 +38,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-names", required=True)
     parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument(
+        "--model-format", choices=["torchscript", "exported"], default="torchscript"
+    )
     return parser.parse_args()
 
 
@@ -48,20 +55,43 @@ def model_dir(name: str) -> Path:
     return path
 
 
-def predict(name: str, test: datasets.Dataset, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+def load_program(directory: Path, model_format: str):
+    """The model as exported by training: TorchScript, or the torch.export program."""
+    if model_format == "exported":
+        path = directory / "model.pt2"
+        if not path.exists():
+            info = json.loads((directory / "smpipe.json").read_text()).get("exports", {})
+            raise FileNotFoundError(
+                f"{path} is missing: training could not write a torch.export program for this "
+                f"model ({info.get('exported', {}).get('error', 'no reason recorded')}); "
+                "use [inference] MODEL_FORMAT = torchscript"
+            )
+        return torch.export.load(str(path)).module()
+    return torch.jit.load(str(directory / "model.torchscript.pt"), map_location="cpu").eval()
+
+
+def predict(name: str, test: datasets.Dataset, batch_size: int, model_format: str):
+    """Predicted label ids and their confidence, in the test split's order."""
     directory = model_dir(name)
-    info = json.loads((directory / "smpipe.json").read_text())
-    keys = info["ordered_input_keys"]
-    model = torch.jit.load(str(directory / "model.torchscript.pt"), map_location="cpu").eval()
-    columns = [f"{name}_{k}" for k in keys]
-    data = test.select_columns(columns).with_format("torch")
-    logits = []
-    with torch.inference_mode():
-        for start in range(0, len(data), batch_size):
-            batch = data[start : start + batch_size]
-            logits.append(model(*(batch[c] for c in columns)))
-    logits = torch.cat(logits)
+    keys = json.loads((directory / "smpipe.json").read_text())["ordered_input_keys"]
+    inputs = read_inputs(processing_input("labels"), name, keys)
+    batches = Batches(test, name, keys, inputs, labels=False)
+    logits = run_batches(load_program(directory, model_format), batches, keys, batch_size)
     return logits.argmax(-1).numpy(), torch.softmax(logits, -1).max(-1).values.numpy()
+
+
+def run_batches(model, batches: Batches, keys: list[str], batch_size: int) -> torch.Tensor:
+    """Logits for every row: rows sorted by length, each batch padded to its longest row,
+    the results put back in the rows' order."""
+    logits = None
+    with torch.inference_mode():
+        for chunk in by_length(batches.lengths, batch_size):
+            batch = batches(chunk)
+            out = model(*(batch[k] for k in keys)).float()
+            if logits is None:
+                logits = torch.empty(len(batches), out.shape[-1])
+            logits[chunk] = out
+    return logits
 
 
 def statistics(
@@ -145,7 +175,7 @@ def main() -> None:
 
     performance, predictions = {}, {}
     for name in names:
-        y_pred, confidence = predict(name, test, args.batch_size)
+        y_pred, confidence = predict(name, test, args.batch_size, args.model_format)
         predictions[name] = y_pred
         per_label, overall = statistics(y_true, y_pred, id2label)
         performance[name] = overall
@@ -199,7 +229,12 @@ def main() -> None:
             print(f"{pair['models'][0]} vs {pair['models'][1]}: agree on {pair['agree']}/{len(y_true)} rows; "
                   f"McNemar p={m['p_value']:.4g} ({'significant' if m['significant_at_0.05'] else 'not significant'} at 0.05)")  # fmt: skip
     write_step_metadata(
-        processing_output("report"), {"holdout_performance": performance, "comparison": comparison}
+        processing_output("report"),
+        {
+            "holdout_performance": performance,
+            "comparison": comparison,
+            "model_format": args.model_format,
+        },
     )
 
 

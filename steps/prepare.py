@@ -4,14 +4,16 @@ Every model's columns are prefixed with its name (`minilm_input_ids`), so in a c
 all models train and are tested on exactly the same rows. The split is stratified by label.
 
 Inputs:  snapshot  the reconciled dataset
-Outputs: train, validation, test  the splits (datasets save_to_disk)
-         labels    id2label.json
+Outputs: train, validation, test  the splits (datasets save_to_disk), with each model's
+                   `<model>__length` (tokens per row, padding excluded)
+         labels    id2label.json; inputs.json (per model: input keys, padding values)
          report    step_metadata.json
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 
@@ -19,6 +21,7 @@ import datasets
 import numpy as np
 from sklearn.model_selection import train_test_split
 
+from steps.batching import check_encoded, length_column, pad_value, write_inputs
 from steps.contract import processing_input, processing_output, run_step, write_step_metadata
 from steps.user_code import call, load_user_functions
 
@@ -55,6 +58,55 @@ def stratified_split(labels: list[int], args: argparse.Namespace) -> dict[str, n
     return {"train": np.sort(train), "validation": np.sort(validation), "test": np.sort(test)}
 
 
+def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length: int):
+    """The user's encode over every row, in batches, checked; the model's columns prefixed with
+    its name plus `<model>__length`, and what training needs to pad them (keys, padding values)."""
+    tokenizer = call(functions, "load_tokenizer", model_name)
+    keys = list(call(functions, "ordered_input_keys", model_name))
+    where = f"{functions.module}.encode (model {model_name!r})"
+    dropped: set[str] = set()
+
+    def encode(batch):
+        encoded = call(functions, "encode", batch, tokenizer, model_name, max_length)
+        columns, extra, lengths = check_encoded(encoded, len(batch["label_id"]), keys, where)
+        dropped.update(extra)
+        return {
+            **{f"{model_name}_{k}": v for k, v in columns.items()},
+            length_column(model_name): lengths,
+        }
+
+    # A fingerprint of our own: datasets would otherwise pickle the closure (tokenizer and all)
+    # to hash it, a third of the whole encode on the demo. Never read from a cache: the user's
+    # encode may have changed under the same name.
+    fingerprint = hashlib.sha256(
+        f"{dataset._fingerprint}/{functions.module}/{model_name}/{max_length}".encode()
+    ).hexdigest()[:16]
+    dataset = dataset.map(encode, batched=True, batch_size=1000, desc=f"encode {model_name}",
+                          new_fingerprint=fingerprint, load_from_cache_file=False,
+                          keep_in_memory=True)  # fmt: skip
+    info = {
+        "keys": keys,
+        "pad": {k: pad_value(k, tokenizer) for k in keys},
+        # Sequences are padded per batch; scalar inputs (a feature per row) are stacked.
+        "sequence": [
+            k for k in keys if not isinstance(dataset.features[f"{model_name}_{k}"], datasets.Value)
+        ],
+    }
+    lengths = np.asarray(dataset[length_column(model_name)])
+    print(
+        f"encoded {len(dataset)} rows for {model_name}: inputs {keys}, "
+        f"length min {lengths.min()} median {int(np.median(lengths))} max {lengths.max()}"
+    )
+    if dropped:
+        print(f"{where}: columns {sorted(dropped)} dropped (ordered_input_keys does not name them)")
+    if lengths.max() > max_length:
+        raise ValueError(
+            f"{where} returned rows of up to {lengths.max()} tokens; MAX_SEQUENCE_LENGTH is "
+            f"{max_length} (pass truncation=True, max_length=max_length to the tokenizer)"
+        )
+    return dataset, info
+
+
 def main() -> None:
     args = parse_args()
     functions = load_user_functions(os.environ["SMPIPE_USER_FUNCTIONS"])
@@ -65,28 +117,9 @@ def main() -> None:
     label2id = {label: i for i, label in id2label.items()}
     dataset = snapshot.map(lambda b: {"label_id": [label2id[x] for x in b["label"]]}, batched=True)
 
+    inputs: dict[str, dict] = {}
     for model_name in model_names:
-        tokenizer = call(functions, "load_tokenizer", model_name)
-
-        def encode(batch, tokenizer=tokenizer, model_name=model_name):
-            encoded = call(functions, "encode", batch, tokenizer, model_name, args.max_length)
-            if not isinstance(encoded, dict) or not encoded:
-                raise TypeError(
-                    f"{functions.module}.encode must return a non-empty dict of columns"
-                )
-            return {f"{model_name}_{k}": v for k, v in encoded.items()}
-
-        dataset = dataset.map(encode, batched=True, batch_size=256, desc=f"encode {model_name}")
-        keys = call(functions, "ordered_input_keys", model_name)
-        missing = [k for k in keys if f"{model_name}_{k}" not in dataset.column_names]
-        if missing:
-            raise ValueError(
-                f"{functions.module}.ordered_input_keys({model_name!r}) names {missing}, "
-                f"which {functions.module}.encode did not produce"
-            )
-        print(
-            f"encoded {len(dataset)} rows for {model_name}: columns {[c for c in dataset.column_names if c.startswith(model_name + '_')]}"
-        )
+        dataset, inputs[model_name] = encode_for(dataset, functions, model_name, args.max_length)
 
     splits = stratified_split(dataset["label_id"], args)
     sizes = {}
@@ -97,6 +130,7 @@ def main() -> None:
     (processing_output("labels") / "id2label.json").write_text(
         json.dumps({str(k): v for k, v in id2label.items()}, indent=2)
     )
+    write_inputs(processing_output("labels"), inputs)
     print(f"splits: {sizes}; labels: {id2label}")
     write_step_metadata(
         processing_output("report"),
@@ -105,6 +139,7 @@ def main() -> None:
             "id2label": id2label,
             "model_names": model_names,
             "max_length": args.max_length,
+            "inputs": inputs,
             "seed": args.seed,
         },
     )

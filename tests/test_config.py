@@ -135,12 +135,16 @@ def test_invalid_settings_write_nothing(tmp_path):
 
 
 def test_hyperparameters_are_cast_once_and_unknown_ones_refused():
-    from steps.hyperparameters import parse_hyperparameters
+    from steps.hyperparameters import DEFAULTS, parse_hyperparameters
 
     parsed = parse_hyperparameters(
         {"epochs": "3.0", "learning_rate": '"0.1"', "batch_size": 16, "model_name": "minilm"}
     )
-    assert parsed == {"epochs": 3, "learning_rate": 0.1, "batch_size": 16, "model_name": "minilm"}
+    assert parsed == {"epochs": 3, "learning_rate": 0.1, "batch_size": 16, "model_name": "minilm",
+                      **DEFAULTS}  # fmt: skip
+    assert parse_hyperparameters({"compile": "true", "group_by_length": "False"})["compile"] is True
+    with pytest.raises(ValueError, match="compile='yes please' is not a bool"):
+        parse_hyperparameters({"compile": "yes please"})
     with pytest.raises(ValueError) as info:
         parse_hyperparameters({"epochs": "2.5", "dropout": "0.1"})
     assert "hyperparameter epochs='2.5' is not a int" in str(info.value)

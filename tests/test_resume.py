@@ -25,12 +25,14 @@ from pipeline.local_backend import LocalBackend
 from pipeline.paths import ExperimentTree
 from pipeline.store import LocalStore, upload_dir
 from steps import checkpointing as ckpt
+from steps.batching import write_inputs
 from steps.entrypoint import (
     ENTRYPOINT,
     MASTER_ADDR_VARIABLE,
     MASTER_PORT_VARIABLE,
     PROCESSES_VARIABLE,
 )
+from steps.hyperparameters import TUNABLE
 from tests.conftest import ROOT, SigtermAt, ship_code
 
 HPS = {
@@ -48,21 +50,28 @@ def channels(tmp_path_factory) -> dict[str, Path]:
     rng = random.Random(0)
 
     def rows(n):
+        # Unpadded rows of 4 to 16 tokens, as prepare stores them: batches are grouped by length.
         labels = [i % 3 for i in range(n)]
         ids = [
-            [101] + [rng.randrange(1000, 20000) for _ in range(13)] + [2000 + 7 * y, 102]
+            [101]
+            + [rng.randrange(1000, 20000) for _ in range(rng.randrange(1, 14))]
+            + [2000 + 7 * y, 102]
             for y in labels
         ]
-        return {"bow_input_ids": ids, "bow_attention_mask": [[1] * 16] * n, "label_id": labels}
+        return {"bow_input_ids": ids, "bow_attention_mask": [[1] * len(i) for i in ids],
+                "bow__length": [len(i) for i in ids], "label_id": labels}  # fmt: skip
 
     datasets.Dataset.from_dict(rows(64)).save_to_disk(str(root / "train"))
     datasets.Dataset.from_dict(rows(18)).save_to_disk(str(root / "validation"))
     (root / "labels").mkdir()
     (root / "labels/id2label.json").write_text(json.dumps({"0": "a", "1": "b", "2": "c"}))
+    write_inputs(root / "labels", {"bow": {"keys": ["input_ids", "attention_mask"],
+                 "pad": {"input_ids": 0, "attention_mask": 0},
+                 "sequence": ["input_ids", "attention_mask"]}})  # fmt: skip
     return {c: root / c for c in ("train", "validation", "labels")}
 
 
-def job_root(tmp: Path, channels: dict[str, Path]) -> tuple[Path, dict[str, str]]:
+def job_root(tmp: Path, channels: dict[str, Path], hps: dict = HPS) -> tuple[Path, dict[str, str]]:
     """A job root laid out as the backends lay it out, and the environment the image's
     entrypoint starts in (the code is this checkout)."""
     request = {
@@ -78,7 +87,7 @@ def job_root(tmp: Path, channels: dict[str, Path]) -> tuple[Path, dict[str, str]
             local.parent.mkdir(parents=True, exist_ok=True)
             local.symlink_to(uri, target_is_directory=True)
 
-    lay_out_training(request, tmp, "algo-1", ["algo-1"], link, HPS)
+    lay_out_training(request, tmp, "algo-1", ["algo-1"], link, hps)
     return tmp, {
         **os.environ,
         **image_env(tmp),
@@ -317,3 +326,17 @@ def test_sampler_resumes_mid_epoch_with_the_unseen_batches():
     assert set(seen) == set(range(50))  # every example, the padding wraps around
     with pytest.raises(ValueError, match="another run"):
         resumed.load_state_dict({**full.state_dict(), "world": 4})
+
+
+CHANGED = {"epochs": "2", "learning_rate": "0.02", "batch_size": "4", "warmup_ratio": "0.4",
+           "weight_decay": "0.5"}  # fmt: skip
+
+
+def test_every_tunable_hyperparameter_changes_what_training_does(tmp_path, channels, baseline):
+    """A tuning job that searched a value training ignores would record a choice never made."""
+    assert set(CHANGED) == set(TUNABLE)
+    for name, value in CHANGED.items():
+        root, env = job_root(tmp_path / name, channels, {**HPS, name: value})
+        run_to_end(env)
+        weights, _ = result(root)
+        assert any(not torch.equal(weights[k], baseline[0][k]) for k in weights), name

@@ -1,0 +1,420 @@
+"""Speed against the ecosystem's own tools, every figure a ratio to a baseline measured in the
+same process, interleaved, after warm-up, median of --repeat runs, same model (MiniLM), rows,
+batch size, steps and threads on both sides:
+
+1. training: our training job's loop (steps/train.py) against the Hugging Face `Trainer` with
+   `DataCollatorWithPadding` and `group_by_length=True`, on long texts (BBC articles) and
+   short ones (their lead sentences), both at MAX_SEQUENCE_LENGTH 128;
+2. inference: our inference step's batching (steps/inference.py over the TorchScript export)
+   against `transformers.pipeline("text-classification")` and a one-row-at-a-time loop;
+3. preparation: our prepare's encode (steps/prepare.py) against one tokenizer call over the
+   whole column (the floor) and an unbatched per-row `datasets.map`;
+4. orchestration: what the local backend adds to a job, and `run_pipeline.py --help` start-up.
+
+    python bench/speed.py [--rows N] [--steps N] [--repeat N]
+
+Prints a table and writes bench/results.json. Checkpoint cost: bench/checkpoint_cost.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("SMPIPE_USER_FUNCTIONS", "user_functions")
+
+import datasets  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    pipeline,
+)
+
+from steps import inference as inference_step  # noqa: E402
+from steps import prepare as prepare_step  # noqa: E402
+from steps import train as train_step  # noqa: E402
+from steps.batching import Batches, write_inputs  # noqa: E402
+from steps.contract import TrainingEnv  # noqa: E402
+from steps.hyperparameters import parse_hyperparameters  # noqa: E402
+from steps.user_code import load_user_functions  # noqa: E402
+from user_functions import minilm_path  # noqa: E402
+from user_functions.demo_data import bbc_articles  # noqa: E402
+
+MAX_LENGTH = 128
+BATCH = 16
+WARM = 2  # optimizer steps before the clock starts, on both sides
+datasets.disable_progress_bars()
+
+
+def texts(rows: int) -> dict[str, tuple[list[str], list[int]]]:
+    """Long texts (whole articles) and short ones (each article's lead sentence), same labels."""
+    articles = bbc_articles()
+    rng = np.random.default_rng(0)
+    picked = [articles[i] for i in rng.permutation(len(articles))[:rows]]
+    names = sorted({label for label, _ in articles})
+    long, short, labels = [], [], []
+    for label, path in picked:
+        lines = [
+            line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()
+        ]
+        long.append(" ".join(" ".join(lines).split()))
+        lead = lines[1] if len(lines) > 1 else lines[0]
+        short.append(lead.split(". ")[0])
+        labels.append(names.index(label))
+    return {"long": (long, labels), "short": (short, labels)}
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+# -- 1. training ---------------------------------------------------------------------------
+
+
+def prepared_dir(tokenizer, data: tuple[list[str], list[int]], root: Path) -> dict[str, Path]:
+    """The channels our training job reads, as prepare writes them."""
+    text, labels = data
+    enc = tokenizer(text, truncation=True, max_length=MAX_LENGTH)
+    table = datasets.Dataset.from_dict({
+        "minilm_input_ids": enc["input_ids"], "minilm_attention_mask": enc["attention_mask"],
+        "minilm__length": [len(x) for x in enc["input_ids"]], "label_id": labels,
+    })  # fmt: skip
+    table.save_to_disk(str(root / "train"))
+    table.select(range(min(32, len(table)))).save_to_disk(str(root / "validation"))
+    (root / "labels").mkdir(parents=True, exist_ok=True)
+    (root / "labels/id2label.json").write_text(json.dumps({str(i): f"l{i}" for i in range(5)}))
+    write_inputs(root / "labels", {"minilm": {"keys": ["input_ids", "attention_mask"],
+                 "pad": {"input_ids": tokenizer.pad_token_id, "attention_mask": 0},
+                 "sequence": ["input_ids", "attention_mask"]}})  # fmt: skip
+    return {c: root / c for c in ("train", "validation", "labels")}
+
+
+def ours_training(channels: dict[str, Path], root: Path, steps: int) -> dict:
+    hp = parse_hyperparameters({
+        "model_name": "minilm", "model_names": "minilm", "job_kind": "training", "epochs": "1",
+        "learning_rate": "1e-4", "batch_size": str(BATCH), "max_per_device_batch_size": str(BATCH),
+        "max_sequence_length": str(MAX_LENGTH), "warmup_ratio": "0.1", "weight_decay": "0.01",
+        "seed": "42", "checkpoint_every_steps": "0", "keep_checkpoints": "1", "wandb_project": "b",
+        "wandb_mode": "disabled", "max_steps": "0",
+    })  # fmt: skip
+    for sub in ("model", "out", "ckpt"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    env = TrainingEnv(model_dir=root / "model", output_data_dir=root / "out", checkpoint_dir=root / "ckpt",
+                      failure_file=root / "failure", channels=channels, hyperparameters=hp,
+                      hosts=["algo-1"], current_host="algo-1", num_gpus=torch.cuda.device_count(),
+                      num_cpus=os.cpu_count() or 1, job_name="bench")  # fmt: skip
+    job = train_step.set_up(hp, env)
+    job.total_steps = WARM
+    train_step.train_epoch(job)
+    job.total_steps = WARM + steps
+    started = time.perf_counter()
+    train_step.train_epoch(job)
+    seconds = time.perf_counter() - started
+    batches = job.sampler.global_batches()[WARM : WARM + steps]
+    lengths = job.sampler.lengths
+    real = sum(int(lengths[b].sum()) for b in batches)
+    padded = sum(len(b) * int(lengths[b].max()) for b in batches)
+    return {"seconds": seconds, "examples": steps * BATCH, "real_tokens": real, "tokens": padded}
+
+
+class ClockAt(TrainerCallback):
+    def __init__(self, first: int, last: int):
+        self.first, self.last, self.times = first, last, {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step in (self.first, self.last):
+            self.times[state.global_step] = time.perf_counter()
+
+
+class CountingCollator(DataCollatorWithPadding):
+    """DataCollatorWithPadding, counting real and padded tokens of the timed steps."""
+
+    def __call__(self, features):
+        batch = super().__call__(features)
+        self.seen.append((int(batch["attention_mask"].sum()), batch["attention_mask"].numel()))
+        return batch
+
+
+def trainer_training(tokenizer, data, root: Path, steps: int) -> dict:
+    text, labels = data
+    enc = tokenizer(text, truncation=True, max_length=MAX_LENGTH)
+    train = datasets.Dataset.from_dict({"input_ids": enc["input_ids"],
+                                        "attention_mask": enc["attention_mask"], "labels": labels})  # fmt: skip
+    torch.manual_seed(42)
+    model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=5)
+    collator = CountingCollator(tokenizer)
+    collator.seen = []
+    clock = ClockAt(WARM, WARM + steps)
+    args = TrainingArguments(
+        output_dir=str(root), per_device_train_batch_size=BATCH, train_sampling_strategy="group_by_length",
+        max_steps=WARM + steps, learning_rate=1e-4, weight_decay=0.01,
+        report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, seed=42,
+    )  # fmt: skip
+    Trainer(model=model, args=args, train_dataset=train, data_collator=collator,
+            callbacks=[clock]).train()  # fmt: skip
+    timed = collator.seen[WARM : WARM + steps]
+    return {"seconds": clock.times[WARM + steps] - clock.times[WARM], "examples": steps * BATCH,
+            "real_tokens": sum(r for r, _ in timed), "tokens": sum(t for _, t in timed)}  # fmt: skip
+
+
+def matmul_peak() -> float:
+    """FLOP/s of a float32 matmul on this machine: the ceiling for model FLOP/s."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    for _ in range(3):
+        a @ b
+    runs = []
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        runs.append(10 * 2 * 1024**3 / (time.perf_counter() - started))
+    return max(runs)
+
+
+def bench_training(corpora, tokenizer, steps: int, repeat: int, work: Path) -> dict:
+    # 6 FLOPs per parameter per token for a forward and backward pass (embeddings excluded).
+    model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=5)
+    params = sum(p.numel() for n, p in model.named_parameters() if "embeddings" not in n)
+    peak = matmul_peak()
+    out = {}
+    for kind, data in corpora.items():
+        channels = prepared_dir(tokenizer, data, work / f"prepared-{kind}")
+        ours, theirs = [], []
+        for r in range(repeat):
+            ours.append(ours_training(channels, work / f"ours-{kind}-{r}", steps))
+            theirs.append(trainer_training(tokenizer, data, work / f"trainer-{kind}-{r}", steps))
+        rate = {name: median([x["examples"] / x["seconds"] for x in runs])
+                for name, runs in (("ours", ours), ("trainer", theirs))}  # fmt: skip
+        tokens = {name: median([x["real_tokens"] / x["seconds"] for x in runs])
+                  for name, runs in (("ours", ours), ("trainer", theirs))}  # fmt: skip
+        flops = median([6 * params * x["tokens"] / x["seconds"] for x in ours])
+        out[kind] = {
+            "ours_examples_per_s": rate["ours"], "trainer_examples_per_s": rate["trainer"],
+            "ratio": rate["ours"] / rate["trainer"],
+            "ours_real_tokens_per_s": tokens["ours"], "trainer_real_tokens_per_s": tokens["trainer"],
+            "ours_real_token_share": ours[0]["real_tokens"] / ours[0]["tokens"],
+            "trainer_real_token_share": theirs[0]["real_tokens"] / theirs[0]["tokens"],
+            "ours_model_flops_share_of_matmul_peak": flops / peak,
+        }  # fmt: skip
+    return out
+
+
+# -- 2. inference ----------------------------------------------------------------------------
+
+
+def bench_inference(corpora, tokenizer, repeat: int, work: Path, batch_size: int = 64) -> dict:
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=5).eval()
+    keys = ["input_ids", "attention_mask"]
+    sample = tokenizer(["a short one", "a somewhat longer sentence than that"], padding=True,
+                       return_tensors="pt")  # fmt: skip
+    traced_path = work / "model.torchscript.pt"
+    with torch.no_grad():
+        wrapper = train_step.LogitsOnly(model, keys).eval()
+        torch.jit.trace(wrapper, tuple(sample[k] for k in keys), strict=False).save(
+            str(traced_path)
+        )
+    traced = torch.jit.load(str(traced_path))
+    classify = pipeline("text-classification", model=model, tokenizer=tokenizer, device=-1,
+                        batch_size=batch_size, truncation=True, max_length=MAX_LENGTH)  # fmt: skip
+    inputs = {"keys": keys, "pad": {"input_ids": tokenizer.pad_token_id, "attention_mask": 0},
+              "sequence": keys}  # fmt: skip
+    out = {}
+    for kind, (text, _) in corpora.items():
+        runs = {"ours": [], "pipeline": [], "one_at_a_time": []}
+        for _ in range(repeat + 1):  # the first round is warm-up
+            started = time.perf_counter()
+            enc = tokenizer(text, truncation=True, max_length=MAX_LENGTH)
+            table = datasets.Dataset.from_dict({
+                "m_input_ids": enc["input_ids"], "m_attention_mask": enc["attention_mask"],
+                "m__length": [len(x) for x in enc["input_ids"]],
+            })  # fmt: skip
+            batches = Batches(table, "m", keys, inputs, labels=False)
+            ours = inference_step.run_batches(traced, batches, keys, batch_size).argmax(-1)
+            runs["ours"].append(time.perf_counter() - started)
+
+            started = time.perf_counter()
+            theirs = [int(r["label"].split("_")[-1]) for r in classify(text)]
+            runs["pipeline"].append(time.perf_counter() - started)
+
+            started = time.perf_counter()
+            with torch.inference_mode():
+                single = [int(traced(*(tokenizer(t, truncation=True, max_length=MAX_LENGTH,
+                                                 return_tensors="pt")[k] for k in keys)).argmax(-1))
+                          for t in text]  # fmt: skip
+            runs["one_at_a_time"].append(time.perf_counter() - started)
+            assert ours.tolist() == theirs == single, "the three disagree on a prediction"
+        rate = {name: len(text) / median(times[1:]) for name, times in runs.items()}
+        out[kind] = {
+            **{f"{name}_examples_per_s": r for name, r in rate.items()},
+            "ratio_vs_pipeline": rate["ours"] / rate["pipeline"],
+            "ratio_vs_one_at_a_time": rate["ours"] / rate["one_at_a_time"],
+            "identical_predictions": True,
+        }
+    return out
+
+
+# -- 3. preparation --------------------------------------------------------------------------
+
+
+def bench_prepare(corpora, tokenizer, repeat: int) -> dict:
+    functions = load_user_functions("user_functions")
+    out = {}
+    for kind, (text, labels) in corpora.items():
+        table = datasets.Dataset.from_dict({"text": text, "label_id": labels})
+        runs = {"ours": [], "one_call": [], "unbatched_map": []}
+        for _ in range(repeat + 1):
+            started = time.perf_counter()
+            tokenizer(text, truncation=True, max_length=MAX_LENGTH)
+            runs["one_call"].append(time.perf_counter() - started)
+
+            started = time.perf_counter()
+            with open(os.devnull, "w") as quiet:
+                stdout, sys.stdout = sys.stdout, quiet
+                try:
+                    prepare_step.encode_for(table, functions, "minilm", MAX_LENGTH)
+                finally:
+                    sys.stdout = stdout
+            runs["ours"].append(time.perf_counter() - started)
+
+            started = time.perf_counter()
+            table.map(lambda r: tokenizer(r["text"], truncation=True, max_length=MAX_LENGTH),
+                      load_from_cache_file=False)  # fmt: skip
+            runs["unbatched_map"].append(time.perf_counter() - started)
+        rate = {name: len(text) / median(times[1:]) for name, times in runs.items()}
+        out[kind] = {**{f"{name}_rows_per_s": r for name, r in rate.items()},
+                     "ratio_vs_one_call": rate["ours"] / rate["one_call"],
+                     "ratio_vs_unbatched_map": rate["ours"] / rate["unbatched_map"]}  # fmt: skip
+    return out
+
+
+# -- 4. orchestration ------------------------------------------------------------------------
+
+
+def bench_orchestration(repeat: int, work: Path) -> dict:
+    import configparser
+
+    from pipeline.config import load_settings
+    from pipeline.driver import build_jobs, ship_code
+    from pipeline.local_backend import LocalBackend
+    from pipeline.paths import ExperimentTree
+    from pipeline.stage import stage
+    from pipeline.store import LocalStore
+    from user_functions.demo_data import write_demo
+
+    shipped = configparser.ConfigParser(interpolation=None, delimiters=("=",))
+    shipped.optionxform = str.upper
+    shipped.read(ROOT / "settings.ini")
+    shipped.set("experiment", "STORE", str(work / "store"))
+    with open(work / "settings.ini", "w") as f:
+        shipped.write(f)
+    settings = load_settings(work / "settings.ini", env={})
+    store = LocalStore(settings.store_uri())
+    tree = ExperimentTree(settings.experiment.name)
+    write_demo(work / "raw", per_label=5)
+    stage(store, tree, work / "raw")
+    overhead = []
+    for r in range(repeat):
+        run = tree.run(900 + r)
+        ship_code(settings, store, run.code)
+        from pipeline.driver import Sources
+
+        sources = Sources(raw=tree.raw)
+        job = build_jobs(settings, ["reconcile"], run, sources)[0]
+        backend = LocalBackend(
+            store, run, echo=open(os.devnull, "w"), work_root=str(work / f"jobs{r}")
+        )
+        started = time.perf_counter()
+        result = backend.run_processing(job)
+        wall = time.perf_counter() - started
+        assert result.status == "Completed", result.failure_reason
+        overhead.append(wall - result.seconds)
+    helps = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, str(ROOT / "run_pipeline.py"), "--help"], check=True,
+                       capture_output=True)  # fmt: skip
+        helps.append(time.perf_counter() - started)
+    python = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+        python.append(time.perf_counter() - started)
+    return {"local_job_overhead_s": median(overhead), "help_startup_s": median(helps),
+            "bare_python_startup_s": median(python)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=256, help="texts per corpus (default 256)")
+    parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps (default 8)")
+    parser.add_argument("--repeat", type=int, default=3, help="repetitions, median (default 3)")
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    work = Path(tempfile.mkdtemp(prefix="smpipe-speed-"))
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    corpora = texts(args.rows)
+    results = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "torch": torch.__version__,
+        },  # fmt: skip
+        "settings": vars(args) | {"batch": BATCH, "max_length": MAX_LENGTH},
+        "training": bench_training(corpora, tokenizer, args.steps, args.repeat, work),
+        "inference": bench_inference(corpora, tokenizer, args.repeat, work),
+        "prepare": bench_prepare(corpora, tokenizer, args.repeat),
+        "orchestration": bench_orchestration(args.repeat, work),
+    }
+    (ROOT / "bench/results.json").write_text(json.dumps(results, indent=2))
+    t, i, p, o = (results[k] for k in ("training", "inference", "prepare", "orchestration"))
+    print(f"\nspeed: MiniLM, {args.rows} texts per corpus, max length {MAX_LENGTH}, batch {BATCH}, "
+          f"median of {args.repeat} (bench/results.json)")  # fmt: skip
+    print(f"  {'measure':<52}{'long':>10}{'short':>10}")
+    rows = [
+        ("training examples/s, ours", t, "ours_examples_per_s", "{:.1f}"),
+        ("training examples/s, Trainer (grouped, dyn. padding)", t, "trainer_examples_per_s", "{:.1f}"),
+        ("  ratio ours / Trainer", t, "ratio", "{:.2f}x"),
+        ("real tokens per batch, ours", t, "ours_real_token_share", "{:.1%}"),
+        ("real tokens per batch, Trainer", t, "trainer_real_token_share", "{:.1%}"),
+        ("model FLOP/s as share of matmul peak, ours", t, "ours_model_flops_share_of_matmul_peak", "{:.1%}"),
+        ("inference examples/s, ours", i, "ours_examples_per_s", "{:.1f}"),
+        ("inference examples/s, transformers pipeline", i, "pipeline_examples_per_s", "{:.1f}"),
+        ("inference examples/s, one at a time", i, "one_at_a_time_examples_per_s", "{:.1f}"),
+        ("  ratio ours / pipeline", i, "ratio_vs_pipeline", "{:.2f}x"),
+        ("  ratio ours / one at a time", i, "ratio_vs_one_at_a_time", "{:.2f}x"),
+        ("prepare rows/s, ours", p, "ours_rows_per_s", "{:.0f}"),
+        ("prepare rows/s, one tokenizer call (floor)", p, "one_call_rows_per_s", "{:.0f}"),
+        ("prepare rows/s, unbatched map", p, "unbatched_map_rows_per_s", "{:.0f}"),
+        ("  ratio ours / one call", p, "ratio_vs_one_call", "{:.2f}x"),
+    ]  # fmt: skip
+    for label, table, key, fmt in rows:
+        print(
+            f"  {label:<52}{fmt.format(table['long'][key]):>10}{fmt.format(table['short'][key]):>10}"
+        )
+    print(f"  local backend overhead per job: {o['local_job_overhead_s']:.2f}s; "
+          f"run_pipeline.py --help {o['help_startup_s']:.2f}s (bare python {o['bare_python_startup_s']:.2f}s)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

