@@ -32,7 +32,10 @@ lint: install
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
 
+# Speed against the Trainer, transformers' pipeline and datasets.map (bench/results.json),
+# then what checkpointing costs. Both print their tables; neither asserts a time.
 bench: install
+	$(PY) bench/speed.py
 	$(PY) bench/checkpoint_cost.py
 
 clean:

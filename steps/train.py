@@ -129,6 +129,7 @@ class Job:
     checkpoint_seconds: list[float] = field(default_factory=list)
     started: float = field(default_factory=time.time)
     epoch_started: float = 0.0
+    loop_seconds: float = 0.0  # in train_epoch: the optimizer steps, nothing around them
 
 
 def set_up(hp: dict, env: TrainingEnv) -> Job:
@@ -288,6 +289,7 @@ def checkpoint(job: Job, new_best: dict | None = None) -> None:
 def train_epoch(job: Job) -> None:
     """Optimizer steps until the epoch ends (or MAX_STEPS); exits the job on SIGTERM."""
     accelerator, state, model, keys = job.accelerator, job.state, job.model, job.keys
+    loop_started = time.time()
     job.sampler.set_epoch(state.epoch, state.batch_in_epoch)
     accelerator.step = state.batch_in_epoch % job.accumulation
     # The epoch's loss sum and batch count stay on the device: no host sync per micro-batch.
@@ -332,6 +334,7 @@ def train_epoch(job: Job) -> None:
         if job.hp["checkpoint_every_steps"] and state.step % job.hp["checkpoint_every_steps"] == 0:
             checkpoint(job)
     state.epoch_loss = running.tolist()
+    job.loop_seconds += time.time() - loop_started
 
 
 def evaluate(model, batches: Batches, keys: list[str], accelerator: Accelerator,
@@ -537,7 +540,8 @@ def finish(job: Job) -> None:
         "per_device_batch": job.per_device, "accumulation": job.accumulation, **job.settings,
         "checkpoints_written": len(job.checkpoint_seconds),
         "checkpoint_seconds_total": round(sum(job.checkpoint_seconds), 3),
-        "seconds": round(time.time() - job.started, 3), "gpu_usage": gpu,
+        "seconds": round(time.time() - job.started, 3), "train_loop_seconds": round(job.loop_seconds, 3),
+        "gpu_usage": gpu,
     })  # fmt: skip
     accelerator.end_training()
 
