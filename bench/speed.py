@@ -256,14 +256,18 @@ def bench_fixed_cost(tokenizer, data, steps: int, repeat: int, work: Path) -> di
            "max_sequence_length": str(MAX_LENGTH), "warmup_ratio": "0.1", "weight_decay": "0.01",
            "seed": "42", "checkpoint_every_steps": "0", "keep_checkpoints": "1", "wandb_project": "b",
            "wandb_mode": "disabled", "max_steps": str(steps)}  # fmt: skip
+
+    def link(uri: str, local: Path) -> None:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.symlink_to(uri, target_is_directory=True)
+
     ours, theirs = [], []
     for r in range(repeat):
         root = work / f"fixed-job-{r}"
         request = {"InputDataConfig": [{"ChannelName": c, "DataSource": {"S3DataSource": {"S3Uri": str(p)}}}
                                        for c, p in channels.items()],
                    "ResourceConfig": {"InstanceType": "local", "InstanceCount": 1}}  # fmt: skip
-        lay_out_training(request, root, "algo-1", ["algo-1"],
-                         lambda uri, local: local.symlink_to(uri, target_is_directory=True), hps)  # fmt: skip
+        lay_out_training(request, root, "algo-1", ["algo-1"], link, hps)
         env = {**os.environ, **image_env(root), "SMPIPE_USER_FUNCTIONS": "user_functions",
                "PYTHONPATH": str(ROOT), "TRAINING_JOB_NAME": "fixed-cost"}  # fmt: skip
         started = time.perf_counter()
