@@ -223,7 +223,7 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
     if hp["compile"]:
         model, compiled = torch.compile(model, dynamic=True), True
     # The gradient scaler exists only under fp16 mixed precision (Accelerate owns it); None otherwise.
-    state = ckpt.State(model=accelerator.unwrap_model(model), optimizer=optimizer, scheduler=scheduler,
+    state = ckpt.State(model=accelerator.unwrap_model(model, keep_torch_compile=False), optimizer=optimizer, scheduler=scheduler,
                        sampler=sampler, seed=hp["seed"], run_name=env.job_name, scaler=accelerator.scaler)  # fmt: skip
     others = [m for m in hp["model_names"].split(",") if m and m != model_name]
     settings = {"mixed_precision": precision, "optimizer": f"AdamW ({optimizer_kind})",
@@ -342,7 +342,7 @@ def evaluate(model, batches: Batches, keys: list[str], accelerator: Accelerator,
     """Validation rows split across processes, each process's rows sorted by length and padded
     per batch; per-row results gathered on every process. The unwrapped model runs, so
     processes with one batch more or less never wait on each other."""
-    model = accelerator.unwrap_model(model).eval()
+    model = accelerator.unwrap_model(model, keep_torch_compile=False).eval()
     rows = np.arange(len(batches))[accelerator.process_index :: accelerator.num_processes]
     losses, predictions, references = [], [], []
     with torch.no_grad(), accelerator.autocast():
@@ -391,7 +391,9 @@ def end_epoch(job: Job) -> None:
         state.best_metric, state.best_epoch = scores["f1"], state.epoch + 1
         new_best = {
             k: v.detach().cpu().clone()
-            for k, v in accelerator.unwrap_model(job.model).state_dict().items()
+            for k, v in accelerator.unwrap_model(job.model, keep_torch_compile=False)
+            .state_dict()
+            .items()
         }
         job.best_weights = new_best
     state.epoch += 1
@@ -504,7 +506,7 @@ def finish(job: Job) -> None:
         accelerator.end_training()
         return
     model_dir, model_name = env.model_dir, hp["model_name"]
-    final = accelerator.unwrap_model(job.model)
+    final = accelerator.unwrap_model(job.model, keep_torch_compile=False)
     if job.best_weights is not None:
         final.load_state_dict(job.best_weights)
     final = final.float().eval().cpu()
