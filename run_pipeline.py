@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
             store = open_emulated_store(settings)
         else:
             store = open_store(settings.store_uri(), settings.experiment.region)
+        unreachable = store.problems()  # checked before anything is written
+        if unreachable:
+            raise ConfigError(unreachable, settings.source)
         run_pipeline(settings, store, steps, dry_run=args.dry_run, show_requests=args.show_requests)
     except (ConfigError, UserFunctionError) as e:
         print(f"error: {e}", file=sys.stderr)

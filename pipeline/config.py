@@ -48,7 +48,10 @@ def check_name(value: str) -> str:
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=True)
+    # inf and nan are never a setting: a float key is a finite number or an error.
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, str_strip_whitespace=True, allow_inf_nan=False
+    )
 
 
 class Experiment(Section):
@@ -78,7 +81,7 @@ class Data(Section):
     train_fraction: float = Field(0.8, gt=0, lt=1)
     validation_fraction: float = Field(0.1, gt=0, lt=1)
     test_fraction: float = Field(0.1, gt=0, lt=1)
-    seed: int = 42
+    seed: int = Field(42, ge=0, le=2**32 - 1)  # what numpy's and torch's seeding accept
     instance_type: str = "ml.m5.xlarge"
 
 
@@ -112,25 +115,31 @@ class Models(Section):
         return value
 
 
+# Bounds are sanity, not taste: beyond them a job would fail deep inside (an integer
+# overflow, a tensor of 10^14 tokens, a seed numpy refuses) or train nothing useful.
+HUGE = 10**9
+
+
 class Training(Section):
-    epochs: int = Field(3, ge=1)
-    learning_rate: float = Field(5e-5, gt=0)
-    batch_size: int = Field(32, ge=1)
-    max_per_device_batch_size: int = Field(16, ge=1)
-    max_sequence_length: int = Field(128, ge=8)
+    epochs: int = Field(3, ge=1, le=10_000)
+    learning_rate: float = Field(5e-5, gt=0, le=10)
+    batch_size: int = Field(32, ge=1, le=65_536)
+    max_per_device_batch_size: int = Field(16, ge=1, le=65_536)
+    max_sequence_length: int = Field(128, ge=8, le=131_072)
     warmup_ratio: float = Field(0.1, ge=0, lt=1)
-    weight_decay: float = Field(0.01, ge=0)
-    max_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.01, ge=0, le=10)
+    max_steps: int = Field(0, ge=0, le=HUGE)
     use_distributed: bool = False
-    processes_per_host: int = Field(1, ge=1)
+    processes_per_host: int = Field(1, ge=1, le=64)
     instance_type: str = "ml.g5.xlarge"
-    instance_count: int = Field(1, ge=1)
+    instance_count: int = Field(1, ge=1, le=100)
     use_spot: bool = False
-    max_run_seconds: int = Field(86400, ge=60)
-    max_wait_seconds: int = Field(172800, ge=60)
-    checkpoint_every_steps: int = Field(50, ge=0)
-    keep_checkpoints: int = Field(2, ge=1)
-    max_restarts: int = Field(3, ge=0)
+    # SageMaker's limit on MaxRuntimeInSeconds and MaxWaitTimeInSeconds: 28 days.
+    max_run_seconds: int = Field(86400, ge=60, le=2_419_200)
+    max_wait_seconds: int = Field(172800, ge=60, le=2_419_200)
+    checkpoint_every_steps: int = Field(50, ge=0, le=HUGE)
+    keep_checkpoints: int = Field(2, ge=1, le=1000)
+    max_restarts: int = Field(3, ge=0, le=100)
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     group_by_length: bool = True
     compile: bool = False
@@ -159,13 +168,13 @@ class Tuning(Section):
     objective_metric: str = "validation:f1"
     objective_type: Literal["Maximize", "Minimize"] = "Maximize"
     strategy: Literal["Bayesian", "Random", "Grid", "Hyperband"] = "Bayesian"
-    max_jobs: int = Field(4, ge=1)
-    max_parallel_jobs: int = Field(1, ge=1)
+    max_jobs: int = Field(4, ge=1, le=10_000)
+    max_parallel_jobs: int = Field(1, ge=1, le=100)
 
 
 class Inference(Section):
     instance_type: str = "ml.m5.xlarge"
-    batch_size: int = Field(64, ge=1)
+    batch_size: int = Field(64, ge=1, le=65_536)
     model_format: Literal["torchscript", "exported"] = "torchscript"
 
 
@@ -174,6 +183,20 @@ class Tracking(Section):
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     # An AWS Secrets Manager secret holding the wandb key, read inside SageMaker jobs.
     wandb_secret_id: str = ""
+    # More environment variables whose values are masked wherever a run writes (the wandb,
+    # AWS and Hugging Face credentials always are).
+    secret_variables: list[str] = []
+
+    @field_validator("secret_variables", mode="before")
+    @classmethod
+    def _names(cls, value):
+        names = (
+            [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+        )
+        bad = [n for n in names if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n)]
+        if bad:
+            raise ValueError(f"{bad} are not environment variable names")
+        return names
 
 
 class Settings(BaseModel):
@@ -303,34 +326,107 @@ def parse_tunable(text: str) -> Tunable | str:
     return text
 
 
-def _read_ini(path: Path) -> dict[str, dict[str, str]]:
+def _read_text(path: Path) -> str:
+    """The file's text; a UTF-8 byte order mark (Windows editors write one) is dropped."""
+    try:
+        return path.read_bytes().decode("utf-8-sig")
+    except FileNotFoundError:
+        raise ConfigError([f"settings file not found: {path}"], str(path)) from None
+    except IsADirectoryError:
+        raise ConfigError(
+            [f"{path} is a folder; name the settings .ini file in it"], str(path)
+        ) from None
+    except PermissionError:
+        raise ConfigError(
+            [f"settings file {path} cannot be read (permission denied)"], str(path)
+        ) from None
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            [
+                f"line {line}: not UTF-8 text (byte {e.object[e.start]:#04x}); save the file as UTF-8"
+            ],
+            str(path),
+        ) from None
+
+
+def _lint_ini(text: str) -> tuple[list[str], str]:
+    """Every line configparser would refuse or silently reinterpret, with its number, and
+    the text without those lines (so the rest of the file is still checked).
+
+    configparser stops at its first error and joins an indented line to the value above it
+    (`EPOCHS = 2` then `  3` reads as "2\n3"); here each such line is a problem of its own."""
+    problems: list[str] = []
+    kept: list[str] = []
+    keys: dict[str, set[str]] = {}  # section -> its keys so far
+    section = None
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped, problem = line.strip(), None
+        if not stripped or stripped[0] in "#;":
+            kept.append(line)
+            continue
+        if stripped.startswith("["):
+            name = stripped[1:-1].strip().lower() if stripped.endswith("]") else ""
+            if not name:
+                problem = f"{stripped!r} is not a [section] header"
+            elif name in keys:
+                problem = f"section [{name}] appears twice"
+            section = name or None
+            keys.setdefault(name, set())
+        elif line[0].isspace():
+            problem = (
+                f"indented line {stripped!r} would continue the value above it; start it at "
+                "the beginning of the line (or comment it out with #)"
+            )
+        elif "=" not in stripped:
+            problem = f"{stripped!r} is not KEY = value"
+        elif section is None:
+            problem = f"{stripped!r} comes before any [section] header"
+        else:
+            key = stripped.split("=", 1)[0].strip().lower()
+            if not key:
+                problem = f"{stripped!r} has no key before '='"
+            elif key in keys[section]:
+                problem = f"[{section}] {key.upper()} is set twice"
+            keys[section].add(key)
+        if problem:
+            problems.append(f"line {number}: {problem}")
+        kept.append("" if problem else line)
+    return problems, "\n".join(kept)
+
+
+def _read_ini(path: Path) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """The sections and keys of the file, and every problem of its syntax."""
+    problems, text = _lint_ini(_read_text(path))
     parser = configparser.ConfigParser(
         interpolation=None, delimiters=("=",), inline_comment_prefixes=(";",)
     )
     parser.optionxform = str.lower  # keys are case-insensitive; the file writes them in capitals
     try:
-        with open(path, encoding="utf-8") as f:
-            parser.read_file(f)
-    except FileNotFoundError:
-        raise ConfigError([f"settings file not found: {path}"], str(path)) from None
-    except configparser.Error as e:
-        raise ConfigError([f"not a valid ini file: {e}"], str(path)) from None
-    return {s.lower(): dict(parser.items(s)) for s in parser.sections()}
+        parser.read_string(text, source=str(path))
+    except configparser.Error as e:  # what the lint above did not foresee, still one line
+        raise ConfigError([*problems, f"not a valid ini file: {e}"], str(path)) from None
+    return {s.lower(): dict(parser.items(s)) for s in parser.sections()}, problems
 
 
-def _apply_env(raw: dict[str, dict[str, str]], env: dict[str, str]) -> None:
+def _apply_env(raw: dict[str, dict[str, str]], env: dict[str, str]) -> list[str]:
+    """SMPIPE__<SECTION>__<KEY> overrides; one that names no section is refused, not ignored."""
     names = {s.replace(".", "_"): s for s in list(SECTIONS) + list(FREE_SECTIONS)}
-    for var, value in env.items():
+    problems = []
+    for var, value in sorted(env.items()):
         if not var.startswith(ENV_PREFIX):
             continue
-        section_key = var[len(ENV_PREFIX) :].lower()
-        section, sep, key = section_key.partition("__")
-        if not sep or not key:
-            continue
-        if section in names:
+        section, sep, key = var[len(ENV_PREFIX) :].lower().partition("__")
+        if not sep or not key or not section:
+            problems.append(f"environment {var}: write it as {ENV_PREFIX}<SECTION>__<KEY>")
+        elif section in names:
             raw.setdefault(names[section], {})[key] = value
         elif section.startswith("training_"):  # SMPIPE__TRAINING_<MODEL>__<KEY>
             raw.setdefault("training." + section.removeprefix("training_"), {})[key] = value
+        else:
+            allowed = ", ".join(n.upper() for n in names) + ", TRAINING_<MODEL>"
+            problems.append(f"environment {var}: no section {section.upper()} (allowed: {allowed})")
+    return problems
 
 
 def _pydantic_problems(section: str, error: ValidationError) -> list[str]:
@@ -348,12 +444,27 @@ def _pydantic_problems(section: str, error: ValidationError) -> list[str]:
     return problems
 
 
+def _out_of_bounds(where: str, key: str, value: Tunable | str) -> list[str]:
+    """A searched value obeys the bounds [training] KEY has: each bound, option or constant."""
+    if isinstance(value, Interval):
+        candidates = [value.low, value.high]
+    else:
+        candidates = list(value.options) if isinstance(value, Categorical) else [value]
+    problems = []
+    for candidate in candidates:
+        try:
+            Training(**{key: candidate})
+        except ValidationError as e:
+            msg = e.errors()[0]["msg"].replace("Input should be", "must be")
+            problems.append(f"{where}: {candidate!r} {msg} (the bound of [training] {key.upper()})")
+    return problems
+
+
 def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) -> Settings:
     """Read, override from the environment, validate; raise one ConfigError listing everything."""
     path = Path(path)
-    raw = _read_ini(path)
-    _apply_env(raw, dict(os.environ) if env is None else env)
-    problems: list[str] = []
+    raw, problems = _read_ini(path)
+    problems += _apply_env(raw, dict(os.environ) if env is None else env)
 
     for section in raw:
         if (
@@ -413,14 +524,16 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
             problems.append(f"{where}: {e}")
             continue
         kind = HYPERPARAMETERS[key][0]
+        typed = []
         if isinstance(value, Interval) and kind is int and not value.integer:
-            problems.append(f"{where}: {text!r} must have whole-number bounds for an integer")
+            typed.append(f"{where}: {text!r} must have whole-number bounds for an integer")
         elif isinstance(value, str | Categorical):
             for option in value.options if isinstance(value, Categorical) else (value,):
                 try:
                     kind(option)
                 except ValueError:
-                    problems.append(f"{where}: {option!r} is not a {kind.__name__}")
+                    typed.append(f"{where}: {option!r} is not a {kind.__name__}")
+        problems += typed or _out_of_bounds(where, key, value)
         if isinstance(value, str):
             constants[key] = value
         else:
@@ -434,9 +547,11 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
         except re.error as e:
             problems.append(f"{where}: {regex!r} is not a valid regex ({e})")
             continue
-        if compiled.groups < 1:
+        if compiled.groups != 1:
+            # SageMaker reads the first group; a second one is a mistake it reports as "None."
             problems.append(
-                f"{where}: {regex!r} must capture the value in a group, as in f1=([0-9.]+)"
+                f"{where}: {regex!r} has {compiled.groups} groups; it must capture the value in "
+                "exactly one, as in f1=([0-9.]+) (write others as (?:...))"
             )
             continue
         metrics[key] = regex

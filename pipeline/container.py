@@ -40,19 +40,13 @@ from steps.entrypoint import (
     MASTER_PORT_VARIABLE,
     ML_ROOT_VARIABLE,
     TRIAL_CHECKPOINTS_VARIABLE,
+    redact,
+    secret_values,
 )
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = PROJECT_ROOT / "docker/Dockerfile"
 CONTAINER_ROOT = "/opt/ml"
-# Names whose values are credentials: blanked out of every log line a job prints.
-SECRET_VARIABLES = (
-    "WANDB_API_KEY",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "HF_TOKEN",
-    "HUGGING_FACE_HUB_TOKEN",
-)
 
 
 def dockerfile_instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
@@ -85,17 +79,6 @@ def image_env(root: Path) -> dict[str, str]:
 def in_root(root: Path, container_path: str) -> Path:
     """Where a container path (/opt/ml/...) lies in this job's root."""
     return root / container_path.removeprefix(CONTAINER_ROOT).lstrip("/")
-
-
-def secret_values(env: dict[str, str]) -> list[str]:
-    values = {env[k] for k in SECRET_VARIABLES if len(env.get(k, "")) >= 4}
-    return sorted(values, key=len, reverse=True)
-
-
-def redact(text: str, secrets: list[str]) -> str:
-    for value in secrets:
-        text = text.replace(value, "<redacted>")
-    return text
 
 
 def free_port() -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -36,7 +37,7 @@ from pipeline.jobs import (
 from pipeline.paths import DataTree, ExperimentTree, RunTree, run_label
 from pipeline.runs import claim_run_num, existing_run_nums
 from pipeline.store import NotFound, Store, is_complete, key_of, source_uri, upload_dir
-from steps.entrypoint import WANDB_SECRET_VARIABLE
+from steps.entrypoint import EXTRA_SECRETS_VARIABLE, WANDB_SECRET_VARIABLE, secret_values
 from steps.user_code import load_user_functions
 
 # What the driver tells the user; run_pipeline.py sends it to the terminal. Job output
@@ -182,6 +183,8 @@ def resolve_sources(
 
 def job_env(settings: Settings) -> dict[str, str]:
     env = {"SMPIPE_USER_FUNCTIONS": settings.experiment.user_functions}
+    if settings.tracking.secret_variables:
+        env[EXTRA_SECRETS_VARIABLE] = ",".join(settings.tracking.secret_variables)
     if settings.tracking.wandb_secret_id and settings.experiment.backend != "local":
         env[WANDB_SECRET_VARIABLE] = settings.tracking.wandb_secret_id
     return env
@@ -402,6 +405,7 @@ def run_pipeline(
         settings=settings.applied_ini,
         raw_path=source_uri(store, sources.raw),
     )
+    base.mask(secret_values({**os.environ, **job_env(settings)}))
     for step in sources.reused:
         log.info(f"reusing {step}: {sources.reused[step]}")
     md.merge(store, run, base)

@@ -14,10 +14,11 @@ import time
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from pipeline.paths import RunTree
 from pipeline.store import NotFound, Store
+from steps.entrypoint import redact
 
 STEP_ORDER = ("reconcile", "prepare", "train", "tune", "inference")
 PACKAGES = (
@@ -80,6 +81,10 @@ class Metadata(BaseModel):
     python_version: str = Field(default_factory=platform.python_version)
     settings: str | None = None  # the ini as applied, secrets redacted
     steps: dict[str, StepSection] = Field(default_factory=dict)
+    _secrets: list[str] = PrivateAttr(default_factory=list)  # values masked when written
+
+    def mask(self, secrets: list[str]) -> None:
+        self._secrets = list(secrets)
 
 
 def git_sha(directory: Path) -> str | None:
@@ -139,5 +144,6 @@ def merge(store: Store, run: RunTree, base: Metadata) -> Metadata:
     record.memory_usage = max(peaks) if peaks else None
     gpus = {k: s.gpu_usage for k, s in sections.items() if s.gpu_usage}
     record.gpu_usage = gpus or None
-    store.put_bytes(run.metadata, json.dumps(record.model_dump(), indent=2).encode())
+    text = redact(json.dumps(record.model_dump(), indent=2), base._secrets)
+    store.put_bytes(run.metadata, text.encode())
     return record

@@ -34,10 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         settings = load_settings(args.settings)
+        store = open_store(settings.store_uri(), settings.experiment.region)
+        unreachable = store.problems()
+        if unreachable:
+            raise ConfigError(unreachable, settings.source)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    store = open_store(settings.store_uri(), settings.experiment.region)
     tree = ExperimentTree(settings.experiment.name)
     if store.list_keys(tree.raw):
         if args.if_empty:

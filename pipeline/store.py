@@ -51,6 +51,7 @@ class Store(Protocol):
     def download_file(self, key: str, path: str | os.PathLike) -> None: ...
     def delete(self, key: str) -> None: ...
     def uri_of(self, key: str) -> str: ...
+    def problems(self) -> list[str]: ...
 
 
 def _check_key(key: str) -> str:
@@ -64,9 +65,26 @@ class LocalStore:
     """A directory tree. Writes go to a temporary file and are renamed into place."""
 
     def __init__(self, root: str | os.PathLike):
+        # Made by the first write, not here: a dry run or a refused run leaves no folder.
         self.root = Path(root).resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
         self.uri = str(self.root)
+
+    def problems(self) -> list[str]:
+        """Why nothing could be written here, found without leaving anything behind."""
+        existing = self.root
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            if existing == self.root:
+                return [f"[experiment] STORE: {self.root} is a file, not a folder"]
+            return [f"[experiment] STORE: {self.root} cannot be made: {existing} is a file"]
+        try:  # a real write: permissions, a read-only mount, /proc or /sys all answer it
+            fd, probe = tempfile.mkstemp(dir=existing, prefix=".smpipe-probe-")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            return [f"[experiment] STORE: {self.root} is not writable ({e.strerror} in {existing})"]
+        return []
 
     def _path(self, key: str) -> Path:
         return self.root / _check_key(key)
@@ -179,6 +197,20 @@ class S3Store:
 
     def _key(self, key: str) -> str:
         return self.prefix + _check_key(key)
+
+    def problems(self) -> list[str]:
+        """A bucket that does not exist or cannot be reached, before anything is written."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except ClientError as e:
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            why = {404: "no such bucket", 403: "access denied"}.get(status, str(e))
+            return [f"[experiment] STORE: {self.uri}: {why}"]
+        except BotoCoreError as e:
+            return [f"[experiment] STORE: {self.uri} cannot be reached ({e})"]
+        return []
 
     def uri_of(self, key: str) -> str:
         return f"s3://{self.bucket}/{self._key(key)}"

@@ -47,6 +47,60 @@ WANDB_SECRET_VARIABLE = "SMPIPE_WANDB_SECRET_ID"
 MASTER_ADDR_VARIABLE = "SMPIPE_MASTER_ADDR"
 MASTER_PORT_VARIABLE = "SMPIPE_MASTER_PORT"
 TAIL_LINES = 20
+# Variables whose values are credentials: masked in everything a job prints or leaves in its
+# output (logs, failure files, the wandb run). A fixed list, matched by name: a pattern such
+# as "*TOKEN*" would also take TOKENIZERS_PARALLELISM and mask every "false" in a log.
+SECRET_VARIABLES = (
+    "WANDB_API_KEY",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "HUGGINGFACE_TOKEN",
+)
+# More names, from [tracking] SECRET_VARIABLES, comma separated.
+EXTRA_SECRETS_VARIABLE = "SMPIPE_SECRET_VARIABLES"
+REDACTED = "<redacted>"
+SCRUB_LIMIT = 256 << 20  # output files larger than this are data, not logs
+
+
+def secret_names(env: dict[str, str]) -> list[str]:
+    extra = [n.strip() for n in env.get(EXTRA_SECRETS_VARIABLE, "").split(",") if n.strip()]
+    return [*SECRET_VARIABLES, *extra]
+
+
+def secret_values(env: dict[str, str]) -> list[str]:
+    """The values to mask, longest first (one may contain another); short ones are skipped:
+    masking "1" would mask every digit."""
+    values = {env[k] for k in secret_names(env) if len(env.get(k, "")) >= 4}
+    return sorted(values, key=len, reverse=True)
+
+
+def redact(text: str, secrets: list[str]) -> str:
+    for value in secrets:
+        text = text.replace(value, REDACTED)
+    return text
+
+
+def scrub_files(folders: list[Path], secrets: list[str]) -> int:
+    """Mask secrets in the files a job leaves behind. The mask keeps each file's length
+    (one '*' per byte), so binary records with length prefixes (wandb's .wandb log) stay
+    readable. Returns how many files changed."""
+    changed = 0
+    needles = [v.encode() for v in secrets]
+    for folder in folders:
+        for path in folder.rglob("*") if folder.is_dir() else []:
+            if not path.is_file() or path.is_symlink() or path.stat().st_size > SCRUB_LIMIT:
+                continue
+            data = path.read_bytes()
+            masked = data
+            for needle in needles:
+                masked = masked.replace(needle, b"*" * len(needle))
+            if masked != data:
+                path.write_bytes(masked)
+                changed += 1
+    return changed
 
 
 def ml_root() -> Path:
@@ -199,10 +253,15 @@ def _die_with_parent() -> None:
         pass
 
 
-def run(command: list[str], env: dict[str, str], failure: Path, what: str) -> int:
-    """Run the step in its own process group; forward SIGTERM/SIGINT to all of it; wait."""
+def run(
+    command: list[str], env: dict[str, str], failure: Path, what: str, outputs: list[Path]
+) -> int:
+    """Run the step in its own process group; forward SIGTERM/SIGINT to all of it; wait.
+    What it prints is passed on with secrets masked, and so are the files it leaves in
+    `outputs` (and the failure file) once it ends."""
     failure.parent.mkdir(parents=True, exist_ok=True)
     failure.unlink(missing_ok=True)
+    secrets = secret_values({**os.environ, **env})
     proc = subprocess.Popen(
         command,
         env={**os.environ, **env},
@@ -222,7 +281,7 @@ def run(command: list[str], env: dict[str, str], failure: Path, what: str) -> in
     signal.signal(signal.SIGINT, forward)
     tail: deque[str] = deque(maxlen=TAIL_LINES)
     for raw in iter(proc.stdout.readline, b""):
-        line = raw.decode("utf-8", errors="replace")
+        line = redact(raw.decode("utf-8", errors="replace"), secrets)
         sys.stdout.write(line)
         sys.stdout.flush()
         if line.strip():
@@ -232,6 +291,9 @@ def run(command: list[str], env: dict[str, str], failure: Path, what: str) -> in
         # The step died before it could say why (killed, out of memory, a crash in C code).
         last = " | ".join(list(tail)[-3:]) or "no output"
         failure.write_text(f"{what} exited with status {code}: {last}"[:1024])
+    if failure.exists():  # the reason the user reads: masked in words, not asterisks
+        failure.write_text(redact(failure.read_text(errors="replace"), secrets))
+    scrub_files([failure.parent, *outputs], secrets)
     return code if code >= 0 else 128 - code
 
 
@@ -242,11 +304,13 @@ def main(argv: list[str]) -> int:
         Path(env["SM_CHECKPOINT_DIR"]).mkdir(parents=True, exist_ok=True)
         for sub in ("model", "output/data"):
             (root / sub).mkdir(parents=True, exist_ok=True)
-        return run(training_command(env), env, Path(env["SM_OUTPUT_FAILURE"]), "the training step")
+        return run(training_command(env), env, Path(env["SM_OUTPUT_FAILURE"]), "the training step",
+                   [root / "model"])  # fmt: skip
     if argv[:1] == ["process"] and len(argv) >= 2:
         env = {**processing_variables(root), **wandb_key_from_secret()}
         command = [sys.executable, "-m", step_module(argv[1]), *argv[2:]]
-        return run(command, env, Path(env["SM_OUTPUT_FAILURE"]), f"step {argv[1]}")
+        outputs = [Path(v) for k, v in env.items() if k.startswith("SM_PROCESSING_OUTPUT_")]
+        return run(command, env, Path(env["SM_OUTPUT_FAILURE"]), f"step {argv[1]}", outputs)
     print(f"usage: {' '.join(ENTRYPOINT)} train | process STEP [ARGS ...]", file=sys.stderr)
     return 2
 

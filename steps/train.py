@@ -49,6 +49,10 @@ METRIC_LINE = "epoch={epoch} step={step} train_loss={train_loss:.6f} validation:
 EXPORT_CHECK_ROWS = 16  # rows in each of the two export check batches (shortest, longest)
 
 
+class Diverged(RuntimeError):
+    """The loss is no longer a finite number: nothing after this step is a model."""
+
+
 class Interrupt:
     """Set by SIGTERM; acted on at the next optimizer-step boundary, never mid-step."""
 
@@ -130,6 +134,7 @@ class Job:
     started: float = field(default_factory=time.time)
     epoch_started: float = 0.0
     loop_seconds: float = 0.0  # in train_epoch: the optimizer steps, nothing around them
+    last_finite: tuple[int, float] | None = None  # (optimizer step, its mean loss)
 
 
 def set_up(hp: dict, env: TrainingEnv) -> Job:
@@ -146,9 +151,9 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
 
     wandb_on = hp["wandb_mode"] != "disabled"
     if wandb_on:
-        os.environ.setdefault(
-            "WANDB_MODE", "online" if os.environ.get("WANDB_API_KEY") else "offline"
-        )
+        # The settings' mode wins over the environment: a key that happens to be set must not
+        # send an offline run online (in an isolated network that hangs, then fails the job).
+        os.environ["WANDB_MODE"] = hp["wandb_mode"]
         os.environ.setdefault("WANDB_DIR", str(env.output_data_dir))
         os.environ.setdefault("WANDB_SILENT", "true")
     precision = mixed_precision(hp["mixed_precision"], env.num_gpus)
@@ -286,6 +291,28 @@ def checkpoint(job: Job, new_best: dict | None = None) -> None:
     )
 
 
+def check_finite(job: Job, before: list[float]) -> None:
+    """Stop at the first optimizer step whose loss is inf or nan (diverged, or non-finite
+    gradients from the step before): a model past it is never checkpointed or promoted.
+    The epoch's loss sum is read once a step anyway, so this costs no extra sync."""
+    total, count = job.state.epoch_loss
+    loss = (total - before[0]) / max(1.0, count - before[1])
+    if math.isfinite(total):
+        job.last_finite = (job.state.step, loss)
+        return
+    hp, last = job.hp, job.last_finite
+    raise Diverged(
+        f"the training loss is {loss} at optimizer step {job.state.step} (epoch {job.state.epoch + 1}); "
+        + (
+            f"the last finite loss was {last[1]:.4f} at step {last[0]}. "
+            if last
+            else "no step had a finite loss. "
+        )
+        + f"Lower LEARNING_RATE ({hp['learning_rate']:g}) or WEIGHT_DECAY ({hp['weight_decay']:g}), "
+        "or check the data and load_model; no model of this job is kept"
+    )
+
+
 def train_epoch(job: Job) -> None:
     """Optimizer steps until the epoch ends (or MAX_STEPS); exits the job on SIGTERM."""
     accelerator, state, model, keys = job.accelerator, job.state, job.model, job.keys
@@ -315,7 +342,8 @@ def train_epoch(job: Job) -> None:
         if not accelerator.sync_gradients:
             continue
         state.step += 1
-        state.epoch_loss = running.tolist()
+        before, state.epoch_loss = state.epoch_loss, running.tolist()
+        check_finite(job, before)
         if state.step % log_every == 0:
             accelerator.print(
                 f"step={state.step}/{job.total_steps} epoch={state.epoch + 1} loss={loss.item():.4f}"
@@ -370,6 +398,11 @@ def end_epoch(job: Job) -> None:
     """Validate, log, keep the best by F1, checkpoint."""
     accelerator, state = job.accelerator, job.state
     scores = evaluate(job.model, job.val_batches, job.keys, accelerator, job.per_device)
+    if not math.isfinite(scores["val_loss"]):  # the last step's update broke the weights
+        raise Diverged(
+            f"the validation loss is {scores['val_loss']} after optimizer step {state.step} "
+            f"(epoch {state.epoch + 1}); the weights are no longer finite and no model is kept"
+        )
     losses = (
         accelerator.gather(
             torch.tensor(state.epoch_loss, dtype=torch.float64, device=accelerator.device).reshape(
@@ -525,9 +558,9 @@ def finish(job: Job) -> None:
     # The last metric line is the best epoch's: a tuner reading the final value sees the model it gets.
     best = next(h for h in state.history if h["epoch"] == state.best_epoch)
     accelerator.print("best " + METRIC_LINE.format(**best))
-    if not exports["torchscript"]["same_predictions"]:
+    if not exports["torchscript"]["passed"]:  # a model whose export is wrong is never promoted
         raise RuntimeError(
-            f"the traced model disagrees with the eager model: {exports['torchscript']}"
+            f"the TorchScript export does not match the eager model: {exports['torchscript']}"
         )
     (model_dir / "history.json").write_text(json.dumps(state.history, indent=2))
     plot_curves(state.history, model_dir / "curves.png", f"{model_name} ({env.job_name})")

@@ -1,0 +1,31 @@
+"""Finding 2: a model full of NaN is never promoted. A diverging job stops at the first
+non-finite loss naming the step, the epoch and the last finite loss; nothing of it is kept;
+settings that would diverge it are refused before any job starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.config import ConfigError, load_settings
+from tests.conftest import write_settings
+from tests.test_resume import HPS, channels, job_root, start  # noqa: F401 - channels is a fixture
+
+
+@pytest.mark.parametrize("hps", [{"learning_rate": "1e30"}, {"weight_decay": "1e30"}])
+def test_a_diverging_job_fails_naming_the_step_and_keeps_no_model(tmp_path, channels, hps):  # noqa: F811
+    root, env = job_root(tmp_path, channels, {**HPS, **hps})
+    proc = start(env, 1)
+    log = proc.communicate(timeout=240)[0]
+    assert proc.returncode != 0, log
+    reason = (root / "output/failure").read_text()
+    assert "Diverged: the training loss is nan at optimizer step" in reason, reason
+    assert "the last finite loss was" in reason or "no step had a finite loss" in reason
+    assert "no model of this job is kept" in reason
+    assert not any((root / "model").iterdir())  # nothing to upload
+
+
+@pytest.mark.parametrize("key, value", [("LEARNING_RATE", "1e400"), ("WEIGHT_DECAY", "inf")])
+def test_non_finite_settings_are_refused(tmp_path, key, value):
+    path = write_settings(tmp_path / "s.ini", str(tmp_path / "store"), training={key: value})
+    with pytest.raises(ConfigError, match=rf"\[training\] {key}: must be a finite number"):
+        load_settings(path, {})

@@ -1,0 +1,93 @@
+"""Findings 4 and 5: the settings' WANDB_MODE wins over a key in the environment, and secret
+values are masked everywhere a run writes: job logs, failure files of a kept job folder, the
+wandb run files, outputs, Metadata. Names are a fixed list plus the settings' own, so
+TOKENIZERS_PARALLELISM=false is not taken for a secret."""
+
+from __future__ import annotations
+
+import io
+import os
+import textwrap
+
+from pipeline.store import upload_dir
+from steps.entrypoint import EXTRA_SECRETS_VARIABLE, redact, secret_values
+from tests.test_local_backend import backend, probe_processing, store  # noqa: F401 - store is a fixture
+from tests.test_resume import HPS, channels, job_root, start  # noqa: F401 - channels is a fixture
+
+SECRETS = {"WANDB_API_KEY": "wandb-secret-0123456789", "MY_DB_PASSWORD": "hunter2-db-password"}
+
+
+def files_holding(folder, values) -> list[str]:
+    return [
+        str(p) for p in folder.rglob("*")
+        if p.is_file() and not p.is_symlink() and any(v.encode() in p.read_bytes() for v in values)
+    ]  # fmt: skip
+
+
+def test_only_named_variables_are_secrets():
+    env = {**SECRETS, "TOKENIZERS_PARALLELISM": "false", "MY_KEYBOARD": "qwerty-layout",
+           EXTRA_SECRETS_VARIABLE: "MY_DB_PASSWORD"}  # fmt: skip
+    assert set(secret_values(env)) == set(SECRETS.values())
+    assert redact("false qwerty-layout hunter2-db-password", secret_values(env)) == (
+        "false qwerty-layout <redacted>"
+    )
+
+
+def test_a_failed_jobs_kept_folder_and_outputs_hold_no_secret(store, tmp_path, monkeypatch):  # noqa: F811
+    for key, value in SECRETS.items():
+        monkeypatch.setenv(key, value)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in/a.txt").write_text("x")
+    upload_dir(store, tmp_path / "in", "inputs/things/")
+    failing, job = probe_processing("probe-fail", "--fail"), probe_processing("probe-ok")
+    failing.env = job.env = {
+        EXTRA_SECRETS_VARIABLE: "MY_DB_PASSWORD"
+    }  # [tracking] SECRET_VARIABLES
+    echo = io.StringIO()
+    failed = backend(store, tmp_path, echo).run_processing(failing)
+    assert failed.status == "Failed" and "asked to fail with" in failed.failure_reason
+    kept = tmp_path / "work/probe-fail"
+    assert (kept / "output/message").exists() and "<redacted>" in (
+        kept / "output/message"
+    ).read_text()
+    assert files_holding(kept, SECRETS.values()) == []
+    assert not any(v in echo.getvalue() or v in failed.failure_reason for v in SECRETS.values())
+    done = backend(store, tmp_path).run_processing(job)
+    assert done.status == "Completed"
+    for key in store.list_keys(""):
+        assert not any(v.encode() in store.get_bytes(key) for v in SECRETS.values()), key
+
+
+def test_wandb_stays_offline_with_a_key_set_and_its_files_hold_no_secret(
+    tmp_path,
+    channels,
+    monkeypatch,  # noqa: F811
+):
+    # A user's debug print in the model's forward: wandb copies the console into its run files.
+    (tmp_path / "leaky.py").write_text(textwrap.dedent('''
+        import os
+        from user_functions import encode, load_model as _load_model, load_tokenizer, ordered_input_keys, reconcile  # noqa
+
+        def load_model(model_name, id2label, label2id):
+            model = _load_model(model_name, id2label, label2id)
+            def debug(module, args):
+                print("debug:", os.environ.get("WANDB_API_KEY"), os.environ.get("MY_DB_PASSWORD"), flush=True)
+            model.register_forward_pre_hook(debug)
+            return model
+    '''))  # fmt: skip
+    root, env = job_root(
+        tmp_path / "job", channels, {**HPS, "wandb_mode": "offline", "epochs": "1"}
+    )
+    env.pop("WANDB_MODE", None)
+    env.update(SECRETS, WANDB_SILENT="true", SMPIPE_USER_FUNCTIONS="leaky",
+               PYTHONPATH=f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}", **{EXTRA_SECRETS_VARIABLE: "MY_DB_PASSWORD"})  # fmt: skip
+    proc = start(env, 1)
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, log
+    assert "debug: <redacted> <redacted>" in log
+    runs = [p.name for p in (root / "output/data/wandb").iterdir() if "run-" in p.name]
+    assert runs and all(name.startswith("offline-run-") for name in runs), runs
+    assert files_holding(root / "output", SECRETS.values()) == []
+    assert files_holding(root / "model", SECRETS.values()) == []
+    assert any("*" * len(SECRETS["WANDB_API_KEY"]) in p.read_text(errors="replace")
+               for p in (root / "output/data/wandb").rglob("output.log"))  # fmt: skip

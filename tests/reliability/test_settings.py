@@ -1,0 +1,136 @@
+"""Finding 7: settings and store problems end in one ConfigError (exit 2), listing every
+problem, before anything is created; never a traceback or a silent surprise."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import run_pipeline
+from pipeline.config import ConfigError, load_settings
+from tests.conftest import ROOT, write_settings
+
+
+def cli(settings: Path, capsys, *extra: str) -> tuple[int, str]:
+    code = run_pipeline.main([str(settings), "--dry-run", *extra])
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err + captured.out
+    return code, captured.err
+
+
+def problems_of(path: Path, env: dict | None = None) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        load_settings(path, env or {})
+    return e.value.problems
+
+
+def test_a_byte_order_mark_is_read_as_utf8(tmp_path):
+    path = write_settings(tmp_path / "s.ini", str(tmp_path / "store"))
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert load_settings(path, {}).experiment.name == "test-exp"
+
+
+def test_a_folder_or_non_utf8_file_is_named(tmp_path, capsys):
+    code, err = cli(tmp_path, capsys)
+    assert code == 2 and "is a folder; name the settings .ini file in it" in err
+    path = tmp_path / "latin1.ini"
+    path.write_bytes("[experiment]\nNAME = caf\xe9\n".encode("latin-1"))
+    [problem] = problems_of(path)
+    assert problem.startswith("line 2: not UTF-8 text (byte 0xe9)")
+    [problem] = problems_of(tmp_path)
+    assert "is a folder" in problem
+
+
+@pytest.mark.parametrize(
+    "where, expected",
+    [
+        ("file", "is a file, not a folder"),
+        ("under-file", "cannot be made: "),
+        ("/proc/smpipe-store", "is not writable"),
+    ],
+)
+def test_an_unusable_store_is_refused_before_anything_is_written(tmp_path, capsys, where, expected):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a folder")
+    store = {"file": blocker, "under-file": blocker / "store"}.get(where, where)
+    settings = write_settings(tmp_path / "s.ini", str(store))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, err = cli(settings, capsys)
+    assert code == 2 and "[experiment] STORE" in err and expected in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through any permission bits")
+def test_a_read_only_store_is_refused(tmp_path, capsys):
+    store = tmp_path / "ro"
+    store.mkdir(mode=0o555)
+    code, err = cli(write_settings(tmp_path / "s.ini", str(store)), capsys)
+    assert code == 2 and "is not writable" in err
+
+
+def test_a_dry_run_creates_no_store_folder(tmp_path, capsys, demo_raw):
+    store = tmp_path / "not-yet"
+    settings = write_settings(tmp_path / "s.ini", str(store), data={"RAW_DATA": str(demo_raw)})
+    code, err = cli(settings, capsys)
+    assert code == 0, err
+    assert not store.exists()
+
+
+def test_a_misspelt_override_is_refused_not_ignored(tmp_path):
+    path = write_settings(tmp_path / "s.ini", str(tmp_path / "store"))
+    problems = problems_of(path, {"SMPIPE__TRAINNG__EPOCHS": "1", "SMPIPE__EPOCHS": "1"})
+    assert any(
+        p.startswith("environment SMPIPE__TRAINNG__EPOCHS: no section TRAINNG") for p in problems
+    )
+    assert any(p.startswith("environment SMPIPE__EPOCHS: write it as") for p in problems)
+
+
+def test_an_indented_line_is_not_appended_to_the_value_above(tmp_path):
+    path = write_settings(tmp_path / "s.ini", str(tmp_path / "store"))
+    path.write_text(path.read_text().replace("EPOCHS = 1\n", "EPOCHS = 1\n    3\n"))
+    [problem] = problems_of(path)
+    assert "indented line '3' would continue the value above it" in problem
+
+
+@pytest.mark.parametrize(
+    "section, key, value, expected",
+    [
+        ("training", "EPOCHS", "1e29", "[training] EPOCHS: must be a valid integer"),
+        ("training", "EPOCHS", "100000", "[training] EPOCHS: must be less than or equal to 10000"),
+        ("data", "SEED", "-5", "[data] SEED: must be greater than or equal to 0"),
+        ("training", "MAX_SEQUENCE_LENGTH", "100000000000000", "[training] MAX_SEQUENCE_LENGTH: must be less"),
+        ("training", "LEARNING_RATE", "1e400", "[training] LEARNING_RATE: must be a finite number"),
+        ("training", "WEIGHT_DECAY", "inf", "[training] WEIGHT_DECAY: must be a finite number"),
+        ("training", "LEARNING_RATE", "nan", "[training] LEARNING_RATE: must be a finite number"),
+        ("tuning.hyperparameters", "BATCH_SIZE", "0", "[tuning.hyperparameters] BATCH_SIZE: '0' must be greater"),
+        ("tuning.hyperparameters", "BATCH_SIZE", "0,8", "[tuning.hyperparameters] BATCH_SIZE: '0' must be greater"),
+        ("tuning.hyperparameters", "EPOCHS", "1->100000", "[tuning.hyperparameters] EPOCHS: 100000.0 must be less"),
+        ("tuning.metric_definitions", "f1", "(f1)=([0-9.]+)", "has 2 groups; it must capture the value in exactly one"),
+    ],
+)  # fmt: skip
+def test_numbers_out_of_bounds_and_bad_regexes_are_refused(tmp_path, section, key, value, expected):
+    path = write_settings(tmp_path / "s.ini", str(tmp_path / "store"), **{section: {key: value}})
+    assert any(p.startswith(expected) or expected in p for p in problems_of(path))
+
+
+def test_every_syntax_problem_is_listed_with_the_rest(tmp_path, capsys):
+    path = write_settings(tmp_path / "s.ini", str(tmp_path / "store"))
+    text = "stray = before any section\n" + path.read_text()
+    text = text.replace("[data]\n", "[data]\nnot a key value line\nSEED = 1\nSEED = 2\n")
+    path.write_text(text.replace("EPOCHS = 1\n", "EPOCHS = 0\n") + "\n[training]\nEPOCHS = 5\n")
+    problems = problems_of(path)
+    assert problems[0].startswith("line 1: 'stray = before any section' comes before any [section]")
+    assert any("section [training] appears twice" in p for p in problems)
+    assert any("[data] SEED is set twice" in p for p in problems)
+    assert any("not KEY = value" in p for p in problems)
+    assert any(
+        p.startswith("[training] EPOCHS: must be greater") for p in problems
+    )  # still checked
+    code, err = cli(path, capsys)
+    assert code == 2 and f"{len(problems)} problem(s)" in err
+
+
+def test_the_shipped_settings_still_validate():
+    load_settings(ROOT / "settings.ini", {})
