@@ -8,11 +8,11 @@ import pytest
 
 from pipeline.config import ConfigError, load_settings
 from tests.conftest import write_settings
-from tests.test_resume import HPS, channels, job_root, start  # noqa: F401 - channels is a fixture
+from tests.test_resume import HPS, job_root, start
 
 
 @pytest.mark.parametrize("hps", [{"learning_rate": "1e30"}, {"weight_decay": "1e30"}])
-def test_a_diverging_job_fails_naming_the_step_and_keeps_no_model(tmp_path, channels, hps):  # noqa: F811
+def test_a_diverging_job_fails_naming_the_step_and_keeps_no_model(tmp_path, channels, hps):
     root, env = job_root(tmp_path, channels, {**HPS, **hps})
     proc = start(env, 1)
     log = proc.communicate(timeout=240)[0]

@@ -11,8 +11,8 @@ import textwrap
 
 from pipeline.store import upload_dir
 from steps.entrypoint import EXTRA_SECRETS_VARIABLE, redact, secret_values
-from tests.test_local_backend import backend, probe_processing, store  # noqa: F401 - store is a fixture
-from tests.test_resume import HPS, channels, job_root, start  # noqa: F401 - channels is a fixture
+from tests.test_local_backend import backend, probe_processing
+from tests.test_resume import HPS, job_root, start
 
 SECRETS = {"WANDB_API_KEY": "wandb-secret-0123456789", "MY_DB_PASSWORD": "hunter2-db-password"}
 
@@ -33,7 +33,7 @@ def test_only_named_variables_are_secrets():
     )
 
 
-def test_a_failed_jobs_kept_folder_and_outputs_hold_no_secret(store, tmp_path, monkeypatch):  # noqa: F811
+def test_a_failed_jobs_kept_folder_and_outputs_hold_no_secret(store, tmp_path, monkeypatch):
     for key, value in SECRETS.items():
         monkeypatch.setenv(key, value)
     (tmp_path / "in").mkdir()
@@ -61,7 +61,7 @@ def test_a_failed_jobs_kept_folder_and_outputs_hold_no_secret(store, tmp_path, m
 def test_wandb_stays_offline_with_a_key_set_and_its_files_hold_no_secret(
     tmp_path,
     channels,
-    monkeypatch,  # noqa: F811
+    monkeypatch,
 ):
     # A user's debug print in the model's forward: wandb copies the console into its run files.
     (tmp_path / "leaky.py").write_text(textwrap.dedent('''
