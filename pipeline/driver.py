@@ -88,20 +88,76 @@ def newest_data(store: Store, tree: ExperimentTree, kind: str) -> int | None:
     return None
 
 
-def newest_models(store: Store, tree: ExperimentTree, model_names: list[str]) -> int | None:
-    """The newest run that left a complete model for every name."""
+def artifact_key(store: Store, recorded: str) -> str | None:
+    """A model's recorded place as a key of this store: Metadata records keys; records of
+    older runs hold URIs, understood while the store has not moved."""
+    return (
+        recorded
+        if "://" not in recorded and not recorded.startswith("/")
+        else key_of(store, recorded)
+    )
+
+
+def newest_models(
+    store: Store, tree: ExperimentTree, model_names: list[str]
+) -> tuple[int, dict] | None:
+    """The newest run that left a complete model for every name, and its Metadata."""
     for run_num in reversed(existing_run_nums(store, tree)):
-        run = tree.run(run_num)
         try:
-            record = json.loads(store.get_bytes(run.metadata))
+            record = json.loads(store.get_bytes(tree.run(run_num).metadata))
         except NotFound:
             continue
-        artifacts = {
-            m: key_of(store, uri) for m, uri in (record.get("model_artifacts") or {}).items()
-        }
-        if all(artifacts.get(m) and is_complete(store, artifacts[m]) for m in model_names):
-            return run_num
+        recorded = record.get("model_artifacts") or {}
+        keys = {m: artifact_key(store, where) for m, where in recorded.items()}
+        if all(keys.get(m) and is_complete(store, keys[m]) for m in model_names):
+            return run_num, {**record, "model_artifacts": keys}
     return None
+
+
+def read_labels(store: Store, key: str) -> dict[str, str] | None:
+    try:
+        return json.loads(store.get_bytes(key))
+    except NotFound:
+        return None
+
+
+def lineage(store: Store, data: DataTree, version: int) -> dict:
+    """What a model is trained on, recorded beside it: the data version, the hash of its
+    snapshot, and the label map (id -> name)."""
+    try:
+        snapshot = json.loads(store.get_bytes(data.snapshot_info)).get("snapshot_hash")
+    except NotFound:
+        snapshot = None
+    return {"data_version": version, "data_snapshot_hash": snapshot,
+            "id2label": read_labels(store, data.split("labels") + "id2label.json")}  # fmt: skip
+
+
+def check_reused_models(
+    store: Store, tree: ExperimentTree, run_num: int, record: dict, model_names: list[str]
+) -> tuple[DataTree | None, list[str]]:
+    """The data version run `run_num`'s models were trained on, whose test split is the only
+    one they may be tested on; and why not, naming the model, when their label maps differ."""
+    version = record.get("data_version")
+    where = f"run {run_label(run_num)}"
+    if version is None:
+        return None, [
+            f"{where} records no data version for its models, so no test split is known to be theirs"
+        ]
+    data = tree.data(version)
+    if not all(is_complete(store, data.split(s)) for s in SPLITS):
+        return None, [
+            f"{where}'s models were trained on data {run_label(version)}, which is no longer complete at {store.uri_of(data.prepared)}"
+        ]
+    labels = read_labels(store, data.split("labels") + "id2label.json")
+    problems = []
+    for model in model_names:
+        own = read_labels(store, record["model_artifacts"][model] + "id2label.json")
+        if own is not None and own != labels:
+            problems.append(
+                f"model {model!r} of {where} knows labels {sorted(own.values())}, but data "
+                f"{run_label(version)} has {sorted((labels or {}).values())}: they cannot be compared"
+            )
+    return data, problems
 
 
 def check_raw_data(settings: Settings, store: Store, tree: ExperimentTree) -> list[str]:
@@ -170,9 +226,20 @@ def resolve_sources(
                 f"--steps skips train, but no earlier run of {settings.experiment.name!r} has complete models for "
                 f"{', '.join(settings.models.model_names)}"
             )
+        elif "prepare" in steps:
+            problems.append(
+                f"--steps prepares new data but skips train: run {run_label(found[0])}'s models would be "
+                "tested on data they were not trained on; add train, or run inference on its own"
+            )
         else:
-            sources.models = tree.run(found).models
-            sources.reused["models"] = f"run {run_label(found)}"
+            # A model is tested only on the test split of the data version it was trained on.
+            data, mismatched = check_reused_models(store, tree, *found, settings.models.model_names)
+            problems += mismatched
+            sources.models = tree.run(found[0]).models
+            sources.reused["models"] = f"run {run_label(found[0])}"
+            if data is not None:
+                sources.prepared, sources.data_version = data, found[1]["data_version"]
+                sources.reused["prepared"] = store.uri_of(data.prepared) + " (the models' own data)"
     if problems:
         raise PipelineError("cannot start: " + "; ".join(problems))
     return sources
@@ -403,7 +470,7 @@ def run_pipeline(
         git_sha=md.git_sha(PROJECT_ROOT),  # the code that ran
         package_versions=md.package_versions(),
         settings=settings.applied_ini,
-        raw_path=source_uri(store, sources.raw),
+        raw_path=sources.raw,  # a key of this store, or the user's own URI or folder
     )
     base.mask(secret_values({**os.environ, **job_env(settings)}))
     for step in sources.reused:
@@ -425,7 +492,8 @@ def run_pipeline(
                 result = backend.run_processing(job)
                 _processing_section(store, run, job, result, base, sources)
             elif job is training[0]:
-                _train(store, run, backend, training)
+                trained_on = lineage(store, sources.prepared, sources.data_version)
+                _train(store, run, backend, training, trained_on)
     except JobFailed as e:
         _finish(store, run, base, started, "failed", str(e))
         backend.close(succeeded=False)
@@ -456,10 +524,11 @@ def _processing_section(
         details = _report(store, job.outputs["report"])
         if job.step == "reconcile":
             details["raw_path"] = base.raw_path
-            details["snapshot"] = store.uri_of(job.outputs["snapshot"])
+            details["snapshot"] = job.outputs["snapshot"]
         if job.step == "inference":
-            details["results"] = store.uri_of(job.outputs["results"])
-            details["models_from"] = store.uri_of(job.inputs["models"])
+            details["results"] = job.outputs["results"]
+            details["models_from"] = job.inputs["models"]
+            details["data_version"] = sources.data_version
     md.write_section(store, run, _section(job.step, [result], details))
     if result.status != "Completed":
         raise JobFailed(result, job.step)
@@ -469,10 +538,11 @@ def _processing_section(
     md.merge(store, run, base)
 
 
-def _train(store: Store, run: RunTree, backend, jobs: list) -> None:
-    """One training or tuning job per model; every model lands at models/<model>/model/."""
+def _train(store: Store, run: RunTree, backend, jobs: list, trained_on: dict) -> None:
+    """One training or tuning job per model; every model lands at models/<model>/model/,
+    recorded by its key with the data it was trained on."""
     step = job_step(jobs[0])
-    results, details = [], {"models": {}, "model_artifacts": {}}
+    results, details = [], {"models": {}, "model_artifacts": {}, "lineage": {}}
     for job in jobs:
         trial = job.trial if job.kind == "tuning" else job
         model = trial.hyperparameters["model_name"]
@@ -482,7 +552,8 @@ def _train(store: Store, run: RunTree, backend, jobs: list) -> None:
             md.write_section(store, run, _section(step, results, details))
             raise JobFailed(result, step)
         details["models"][model] = {**_report(store, trial.output_prefix), **result.details}
-        details["model_artifacts"][model] = store.uri_of(trial.model_prefix)
+        details["model_artifacts"][model] = trial.model_prefix
+        details["lineage"][model] = trained_on
         md.write_section(store, run, _section(step, results, details, status="running"))
     md.write_section(store, run, _section(step, results, details))
 

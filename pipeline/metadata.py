@@ -60,7 +60,7 @@ class Metadata(BaseModel):
     run_id: str
     model_version: int  # = run_num
     experiment_name: str
-    artifact_uri: str
+    artifact_uri: str  # where the run was written; everything below names store keys
     backend: str
     status: str = "running"
     failure_reason: str | None = None
@@ -74,7 +74,10 @@ class Metadata(BaseModel):
     raw_path: str | None = None
     data_version: int | None = None
     data_snapshot_hash: str | None = None
+    # Keys relative to the store's root (URIs are derived), so a copied or synced store works.
     model_artifacts: dict[str, str] = Field(default_factory=dict)
+    # model -> the data it was trained on: data_version, data_snapshot_hash, id2label.
+    model_lineage: dict[str, dict] = Field(default_factory=dict)
     holdout_performance: dict[str, dict] = Field(default_factory=dict)
     git_sha: str | None = None
     package_versions: dict[str, str] = Field(default_factory=dict)
@@ -136,8 +139,9 @@ def merge(store: Store, run: RunTree, base: Metadata) -> Metadata:
         record.data_snapshot_hash = d.get("snapshot_hash")
     for name in ("train", "tune"):
         if name in sections:
-            for model, uri in sections[name].details.get("model_artifacts", {}).items():
-                record.model_artifacts[model] = uri
+            details = sections[name].details
+            record.model_artifacts.update(details.get("model_artifacts", {}))
+            record.model_lineage.update(details.get("lineage", {}))
     if "inference" in sections:
         record.holdout_performance = sections["inference"].details.get("holdout_performance", {})
     peaks = [s.memory_usage for s in sections.values() if s.memory_usage is not None]

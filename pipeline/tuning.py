@@ -101,7 +101,7 @@ def run_local_tuning(backend, job: TuningJob, store: Store, run: RunTree) -> Job
         trials.append({"job_name": trial_job.name, "status": result.status, "hyperparameters": values,
                        "objective": result.metrics.get(job.objective_metric),
                        "failure_reason": result.failure_reason,
-                       "model": store.uri_of(trial_job.model_prefix)})  # fmt: skip
+                       "model": trial_job.model_prefix})  # fmt: skip
     scored = [
         (t, trial_job)
         for t, (trial_job, _) in zip(trials, finished, strict=True)

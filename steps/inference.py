@@ -171,6 +171,14 @@ def main() -> None:
         int(k): v
         for k, v in json.loads((processing_input("labels") / "id2label.json").read_text()).items()
     }
+    # A model is only ever tested on data labelled the way its training data was.
+    for name in names:
+        own = model_dir(name) / "id2label.json"
+        if own.exists() and json.loads(own.read_text()) != {str(k): v for k, v in id2label.items()}:
+            raise ValueError(
+                f"model {name!r} was trained on labels {sorted(json.loads(own.read_text()).values())}, "
+                f"but the test data has {sorted(id2label.values())}: they cannot be compared"
+            )
     out = processing_output("results")
     y_true = np.asarray(test["label_id"])
     ids = test["id"] if "id" in test.column_names else list(range(len(test)))
