@@ -1,4 +1,5 @@
-"""python run_pipeline.py settings.ini [--backend local|sagemaker|emulated] [--steps a,b] [--dry-run]"""
+"""python run_pipeline.py settings.ini [--backend local|sagemaker|emulated] [--steps a,b] [--dry-run]
+[--resume RUN_NUM]"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 
 
 def _interrupt(signum, _frame):
-    # SIGTERM ends the run the way Ctrl-C does: jobs stopped, the run marked failed.
+    # SIGTERM ends the run the way Ctrl-C does: jobs stopped, the run marked interrupted.
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -33,6 +34,13 @@ def main(argv: list[str] | None = None) -> int:
         "--dry-run",
         action="store_true",
         help="print the jobs, inputs, outputs and paths; launch nothing",
+    )
+    parser.add_argument(
+        "--resume",
+        type=int,
+        metavar="RUN_NUM",
+        help="continue a failed, interrupted or abandoned run in place: its completed steps are "
+        "kept and training resumes from its checkpoints",
     )
     parser.add_argument(
         "--show-requests",
@@ -68,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         unreachable = store.problems()  # checked before anything is written
         if unreachable:
             raise ConfigError(unreachable, settings.source)
-        run_pipeline(settings, store, steps, dry_run=args.dry_run, show_requests=args.show_requests)
+        run_pipeline(settings, store, steps, dry_run=args.dry_run, show_requests=args.show_requests,
+                     resume=args.resume)  # fmt: skip
     except (ConfigError, UserFunctionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -76,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted: its jobs were stopped; the run is marked failed and its completed outputs stay",
-              file=sys.stderr)  # fmt: skip
+        print("interrupted: its jobs were stopped; the run is marked interrupted and its completed "
+              "outputs stay", file=sys.stderr)  # fmt: skip
         return 130
     return 0
 

@@ -35,6 +35,7 @@ from pipeline.store import (
     verify_dir,
 )
 from steps.entrypoint import (
+    DRIVER_PID_VARIABLE,
     ENTRYPOINT,
     MASTER_ADDR_VARIABLE,
     MASTER_PORT_VARIABLE,
@@ -250,12 +251,16 @@ def play_training(
         folders = [root / "checkpoints" / sub for root in roots.values()]
         for folder in folders:
             sync_checkpoints_down(store, prefix, folder)
-        exits = list(containers.run_hosts(roots, env, on_line=on_line, log=log,
-                                          failure_file="/opt/ml/output/failure", metric_regexes=metrics,
-                                          job=request["TrainingJobName"]).values())  # fmt: skip
-        sync_checkpoints_up(store, folders, prefix)
-        interrupted = any(e.interrupted for e in exits) and any(e.code != 0 for e in exits)
-        if not interrupted or restarts >= max_restarts:
+        try:
+            exits = list(containers.run_hosts(roots, env, on_line=on_line, log=log,
+                                              failure_file="/opt/ml/output/failure", metric_regexes=metrics,
+                                              job=request["TrainingJobName"]).values())  # fmt: skip
+        finally:  # the driver stopping the job too: what it checkpointed reaches the store
+            sync_checkpoints_up(store, folders, prefix)
+        # Restarted like a spot job: interrupted (a checkpoint was written on SIGTERM), or
+        # killed by a signal (out of memory, a node lost): both resume from the checkpoint.
+        again = any(e.interrupted or e.killed for e in exits) and any(e.code != 0 for e in exits)
+        if not again or restarts >= max_restarts or containers.stopping:
             return Played(exits, roots, restarts)
         restarts += 1
         if on_restart is not None:
@@ -275,6 +280,12 @@ class ContainerExit:
     peak_rss_mb: float | None
     metrics: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def killed(self) -> bool:
+        """Ended by a signal: the entrypoint itself (a negative status) or its step (the
+        entrypoint exits 128 + the signal, as a shell reports it)."""
+        return self.code < 0 or 128 < self.code <= 128 + 64
+
 
 class Containers:
     """The entrypoint processes this machine runs for a backend; `stop` ends them all."""
@@ -282,12 +293,14 @@ class Containers:
     def __init__(self) -> None:
         self._running: dict[int, str] = {}  # pid -> the job it belongs to
         self._lock = threading.Lock()
+        self.stopping = False  # set by stop(): nothing is restarted after it
 
     def stop(self, job: str = "") -> None:
         """SIGTERM to the process group of every running container whose job name starts
         with `job` (all of them by default): the entrypoint forwards it, the training step
         checkpoints; what a job still has to say is still read."""
         with self._lock:
+            self.stopping = self.stopping or not job
             pids = [pid for pid, tag in self._running.items() if tag.startswith(job)]
         for pid in pids:
             try:
@@ -314,6 +327,8 @@ class Containers:
         machine's environment), as a container's would. Every line goes to `log` (redacted)
         and to `on_line` (the job's stream), and is searched with the metric regexes."""
         full = {**(os.environ if inherit is None else inherit), **image_env(root), **env}
+        # The container ends with this process however it ends (SIGKILL included).
+        full[DRIVER_PID_VARIABLE] = str(os.getpid())
         secrets = secret_values(full)
         failure = in_root(root, failure_file)
         failure.unlink(missing_ok=True)
@@ -386,6 +401,8 @@ class Containers:
         exits: dict[str, ContainerExit] = {}
         errors: list[BaseException] = []
 
+        finished = {host: threading.Event() for host in roots}
+
         def one(host: str, root: Path) -> None:
             say = on_line
             if on_line is not None and len(roots) > 1:
@@ -396,17 +413,23 @@ class Containers:
             except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
                 errors.append(e)
                 self.stop(kwargs.get("job", ""))
+            finally:
+                finished[host].set()
 
-        threads = [threading.Thread(target=one, args=item) for item in roots.items()]
-        for t in threads:
-            t.start()
+        def wait_all() -> None:
+            # Events, not Thread.join: a join interrupted by Ctrl-C marks a running thread
+            # as stopped (CPython 3.11, bpo-45274), and the next join would not wait.
+            for event in finished.values():
+                while not event.wait(0.5):
+                    pass
+
+        for item in roots.items():
+            threading.Thread(target=one, args=item, daemon=True).start()
         try:
-            for t in threads:
-                t.join()
+            wait_all()
         except BaseException:
             self.stop(kwargs.get("job", ""))
-            for t in threads:
-                t.join()
+            wait_all()  # the job checkpoints and exits; its folders are removed after
             raise
         if errors:
             raise errors[0]

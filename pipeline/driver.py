@@ -35,8 +35,16 @@ from pipeline.jobs import (
     tuning_request,
 )
 from pipeline.paths import DataTree, ExperimentTree, RunTree, run_label
-from pipeline.runs import claim_run_num, existing_run_nums
-from pipeline.store import NotFound, Store, is_complete, key_of, source_uri, upload_dir
+from pipeline.runs import claim_run_num, existing_run_nums, heartbeat, silent_driver
+from pipeline.store import (
+    NotFound,
+    Store,
+    aws_config,
+    is_complete,
+    key_of,
+    source_uri,
+    upload_dir,
+)
 from steps.entrypoint import EXTRA_SECRETS_VARIABLE, WANDB_SECRET_VARIABLE, secret_values
 from steps.user_code import load_user_functions
 
@@ -63,6 +71,21 @@ class Sources:
     data_version: int | None = None
     models: str | None = None  # the models/ folder of the run whose models inference tests
     reused: dict[str, str] = field(default_factory=dict)  # what was taken from earlier runs
+
+    def record(self) -> dict:
+        """What Metadata keeps, so a resumed run reads exactly what the run started with."""
+        return {"raw": self.raw, "data_version": self.data_version, "models": self.models,
+                "reconciled": self.reconciled.prefix if self.reconciled else None,
+                "prepared": self.prepared.prefix if self.prepared else None}  # fmt: skip
+
+    @classmethod
+    def from_record(cls, record: dict, tree: ExperimentTree) -> Sources:
+        def data(prefix: str | None) -> DataTree | None:
+            return tree.data(prefix.rstrip("/").rsplit("/", 1)[-1]) if prefix else None
+
+        return cls(raw=record["raw"], reconciled=data(record["reconciled"]),
+                   prepared=data(record["prepared"]), data_version=record["data_version"],
+                   models=record["models"])  # fmt: skip
 
 
 def parse_steps(text: str | None) -> list[str]:
@@ -397,7 +420,8 @@ def make_backend(settings: Settings, store: Store, run: RunTree, echo):
     from pipeline.sagemaker_backend import SageMakerBackend
 
     session = boto3.Session(region_name=settings.experiment.region)
-    return SageMakerBackend(store, run, client=session.client("sagemaker"), logs_client=session.client("logs"),
+    clients = {name: session.client(name, config=aws_config()) for name in ("sagemaker", "logs")}
+    return SageMakerBackend(store, run, client=clients["sagemaker"], logs_client=clients["logs"],
                             image_uri=settings.experiment.image_uri, role_arn=settings.experiment.role_arn, echo=echo)  # fmt: skip
 
 
@@ -438,52 +462,84 @@ def run_pipeline(
     echo=None,
     make_backend=make_backend,
     show_requests: bool = False,
+    resume: int | None = None,
 ) -> dict | None:
     """Run the pipeline; return the merged Metadata as a dict (None for a dry run).
 
+    `resume`: the run_num of a failed, interrupted or abandoned run to continue in place.
     `make_backend(settings, store, run, echo)` builds the backend once the run is claimed;
     only the outermost caller needs another one (a test's SageMaker client, say)."""
     echo = echo or sys.stdout
     load_user_functions(settings.experiment.user_functions, settings.base_dir)
     tree = ExperimentTree(settings.experiment.name)
-    sources = resolve_sources(settings, store, tree, steps)
+    if resume is not None:
+        run, base, steps, sources = resumed_run(settings, store, tree, resume, steps)
+    else:
+        sources = resolve_sources(settings, store, tree, steps)
     if dry_run:
-        jobs = build_jobs(settings, steps, tree.run("<next run_num>"), sources)
-        log_plan(jobs, settings, store, show_requests)
+        target = run if resume is not None else tree.run("<next run_num>")
+        log_plan(build_jobs(settings, steps, target, sources), settings, store, show_requests)
         log.info("dry run: nothing was launched or written")
         return None
-    if "reconcile" in steps and sources.raw == tree.raw and settings.raw_data_uri():
-        upload_raw(settings, store, tree)
+    mark_abandoned(store, tree)
+    if resume is None:
+        if "reconcile" in steps and sources.raw == tree.raw and settings.raw_data_uri():
+            upload_raw(settings, store, tree)
+        run, base = claim_run(settings, store, tree, steps, sources)
+    with heartbeat(store, run.heartbeat):
+        return execute(settings, store, run, base, steps, sources, echo, make_backend)
 
-    run_num = claim_run_num(store, tree)
-    run = tree.run(run_num)
-    started = time.time()
-    log.info(f"run {run.label} of {settings.experiment.name!r}: {store.uri_of(run.prefix)}")
+
+def claim_run(
+    settings: Settings, store: Store, tree: ExperimentTree, steps: list[str], sources: Sources
+) -> tuple[RunTree, md.Metadata]:
+    """A new run_num, its settings and its first Metadata."""
+    run = tree.run(claim_run_num(store, tree))
     store.put_bytes(run.settings, settings.applied_ini.encode())
     base = md.Metadata(
         run_id=f"{settings.experiment.name}/{run.label}",
-        model_version=run_num,
+        model_version=run.run_num,
         experiment_name=settings.experiment.name,
         artifact_uri=store.uri_of(run.prefix),
         backend=settings.experiment.backend,
-        start_time=md.iso(started),
+        start_time=md.iso(time.time()),
         git_sha=md.git_sha(PROJECT_ROOT),  # the code that ran
         package_versions=md.package_versions(),
         settings=settings.applied_ini,
         raw_path=sources.raw,  # a key of this store, or the user's own URI or folder
+        planned_steps=steps,
+        sources=sources.record(),
     )
+    log.info(f"run {run.label} of {settings.experiment.name!r}: {store.uri_of(run.prefix)}")
+    return run, base
+
+
+def execute(
+    settings: Settings,
+    store: Store,
+    run: RunTree,
+    base: md.Metadata,
+    steps: list[str],
+    sources: Sources,
+    echo,
+    make_backend,
+) -> dict:
+    """Launch the run's jobs in order on the backend, record each step, finish the run."""
+    started = time.time()
+    tree = ExperimentTree(settings.experiment.name)
     base.mask(secret_values({**os.environ, **job_env(settings)}))
     for step in sources.reused:
         log.info(f"reusing {step}: {sources.reused[step]}")
     md.merge(store, run, base)
     jobs = build_jobs(settings, steps, run, sources)
     log_plan(jobs, settings, store)
-    ship_code(settings, store, run.code)
+    if not is_complete(store, run.code):  # a resumed run runs the code it started with
+        ship_code(settings, store, run.code)
     backend = make_backend(settings, store, run, echo)
     if "reconcile" in steps:
-        sources.reconciled = tree.data(run_num)
+        sources.reconciled = tree.data(run.run_num)
     if "prepare" in steps:
-        sources.prepared, sources.data_version = tree.data(run_num), run_num
+        sources.prepared, sources.data_version = tree.data(run.run_num), run.run_num
     base.data_version = sources.data_version
     training = [j for j in jobs if j.kind != "processing"]
     try:
@@ -502,6 +558,13 @@ def run_pipeline(
             f"The job's log is at {store.uri_of(e.result.log_key) if e.result.log_key else 'the backend'}; "
             f"run {run.label} is marked failed at {store.uri_of(run.metadata)} and nothing from it is promoted."
         ) from None
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (run_pipeline.py turns it into this)
+        backend.stop()
+        _finish(store, run, base, started, "interrupted", "stopped by the user (SIGINT/SIGTERM)")
+        backend.close(succeeded=False)
+        log.info(f"run {run.label} interrupted: its jobs were stopped and their logs kept; "
+                 f"--resume {run.run_num} continues it")  # fmt: skip
+        raise
     except BaseException as e:
         backend.stop()
         _finish(store, run, base, started, "failed", f"{type(e).__name__}: {e}")
@@ -514,6 +577,114 @@ def run_pipeline(
         where += f" (on this machine: {store.folder_of(run.prefix)})"
     log_summary(record, where)
     return record
+
+
+# -- runs that stopped: abandoned ones marked, failed or interrupted ones resumed ---------------
+
+
+def mark_abandoned(store: Store, tree: ExperimentTree) -> None:
+    """A run left `running` by a driver that died without a word (SIGKILL, power loss) is
+    marked `abandoned`, so nobody waits for it or mistakes it for a live one."""
+    for run_num in existing_run_nums(store, tree):
+        run = tree.run(run_num)
+        try:
+            record = json.loads(store.get_bytes(run.metadata))
+        except (NotFound, ValueError):
+            continue
+        if record.get("status") != "running":
+            continue
+        why = silent_driver(store, run.heartbeat)
+        if why is None:
+            continue
+        record.update(status="abandoned", failure_reason=why, end_time=record.get("end_time"))
+        store.put_bytes(run.metadata, json.dumps(record, indent=2).encode())
+        log.info(
+            f"run {run.label} was left running: {why}; marked abandoned (--resume {run_num} continues it)"
+        )
+
+
+RESUMABLE = ("failed", "interrupted", "abandoned")
+
+
+def resumed_run(
+    settings: Settings, store: Store, tree: ExperimentTree, run_num: int, steps: list[str]
+) -> tuple[RunTree, md.Metadata, list[str], Sources]:
+    """Run `run_num` again where it stopped: its completed steps kept, the rest with the same
+    sources, settings and code; training resumes from the run's checkpoints."""
+    run = tree.run(run_num)
+    try:
+        record = json.loads(store.get_bytes(run.metadata))
+    except NotFound:
+        raise PipelineError(
+            f"--resume {run_num}: no run {run.label} at {store.uri_of(run.prefix)}"
+        ) from None
+    if record.get("status") == "running":
+        why = silent_driver(store, run.heartbeat)
+        if why is None:
+            raise PipelineError(
+                f"--resume {run_num}: run {run.label} is still running (its driver is alive)"
+            )
+        record["status"] = "abandoned"
+    if record.get("status") not in RESUMABLE:
+        raise PipelineError(
+            f"--resume {run_num}: run {run.label} is {record.get('status')}; only a "
+            f"{', '.join(RESUMABLE)} run can be resumed"
+        )
+    if not record.get("planned_steps") or record.get("sources") is None:
+        raise PipelineError(
+            f"--resume {run_num}: run {run.label} was made by an older driver that did not record its plan"
+        )
+    if steps != list(STEPS) and steps != record["planned_steps"]:
+        raise PipelineError(
+            f"--resume continues the steps run {run.label} planned ({','.join(record['planned_steps'])}); leave out --steps"
+        )
+    changed = settings_changes(store.get_bytes(run.settings).decode(), settings.applied_ini)
+    if changed:
+        raise PipelineError(
+            f"--resume {run_num}: the settings differ from the ones run {run.label} started with "
+            f"({'; '.join(changed)}); resume with those, or start a new run"
+        )
+    done = {
+        name
+        for name, section in record.get("steps", {}).items()
+        if section.get("status") == "completed"
+    }
+    remaining = [
+        s
+        for s in record["planned_steps"]
+        if s not in done and not (s == "train" and "tune" in done)
+    ]
+    sources = Sources.from_record(record["sources"], tree)
+    for step in ("reconcile", "prepare"):
+        if step in record["planned_steps"] and step in done:
+            sources.reused[step] = f"completed by run {run.label}"
+    if "reconcile" in done:
+        sources.reconciled = tree.data(run_num)
+    if "prepare" in done:
+        sources.prepared, sources.data_version = tree.data(run_num), run_num
+    if not remaining:
+        raise PipelineError(f"--resume {run_num}: every step of run {run.label} completed already")
+    keep = {k: v for k, v in record.items() if k in md.Metadata.model_fields and k != "steps"}
+    base = md.Metadata(**{**keep, "status": "running", "failure_reason": None, "end_time": None,
+                          "resumed_at": [*record.get("resumed_at", []), md.iso(time.time())]})  # fmt: skip
+    log.info(f"resuming run {run.label} ({record['status']}): {', '.join(remaining)} left")
+    return run, base, remaining, sources
+
+
+def settings_changes(before: str, now: str) -> list[str]:
+    import configparser
+
+    def read(text: str) -> dict[tuple[str, str], str]:
+        parser = configparser.ConfigParser(interpolation=None, delimiters=("=",))
+        parser.read_string(text)
+        return {(s, k): v for s in parser.sections() for k, v in parser.items(s)}
+
+    old, new = read(before), read(now)
+    return [
+        f"[{s}] {k.upper()}: {old.get((s, k), '(unset)')} -> {new.get((s, k), '(unset)')}"
+        for s, k in sorted(set(old) | set(new))
+        if old.get((s, k)) != new.get((s, k))
+    ]
 
 
 def _processing_section(
@@ -543,9 +714,15 @@ def _train(store: Store, run: RunTree, backend, jobs: list, trained_on: dict) ->
     recorded by its key with the data it was trained on."""
     step = job_step(jobs[0])
     results, details = [], {"models": {}, "model_artifacts": {}, "lineage": {}}
+    before = md.read_sections(store, run).get(step)  # a resumed run's models that are done
     for job in jobs:
         trial = job.trial if job.kind == "tuning" else job
         model = trial.hyperparameters["model_name"]
+        if before is not None and is_complete(store, trial.model_prefix):
+            for name in details:
+                details[name][model] = before.details.get(name, {}).get(model)
+            log.info(f"{model}: trained before this run was resumed ({trial.model_prefix})")
+            continue
         result = backend.run_tuning(job) if job.kind == "tuning" else backend.run_training(job)
         results.append(result)
         if result.status != "Completed":

@@ -43,7 +43,7 @@ from pathlib import Path
 from pipeline.container import Containers, in_root, play_processing, play_training
 from pipeline.paths import RunTree
 from pipeline.sagemaker_backend import LOG_GROUPS, SageMakerBackend
-from pipeline.store import Store, key_of
+from pipeline.store import Store, aws_config, key_of
 
 EMULATED_IMAGE = "smpipe:emulated"
 EMULATED_ROLE = "arn:aws:iam::123456789012:role/smpipe-emulated"
@@ -127,8 +127,8 @@ class Emulator:
         from moto.sagemaker.models import sagemaker_backends
 
         self.store = store
-        self.client = boto3.client("sagemaker", region_name=region)
-        self.logs = boto3.client("logs", region_name=region)
+        self.client = boto3.client("sagemaker", region_name=region, config=aws_config())
+        self.logs = boto3.client("logs", region_name=region, config=aws_config())
         self._moto = sagemaker_backends[DEFAULT_ACCOUNT_ID][region]
         self.work_root = Path(work_root or tempfile.mkdtemp(prefix="smpipe-emulated-"))
         self.containers = Containers()

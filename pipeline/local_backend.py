@@ -9,9 +9,13 @@ SageMaker restarts a spot job. Tuning runs here too: its trials are local traini
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import socket
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline.container import Containers, in_root, play_processing, play_training
@@ -25,6 +29,9 @@ from pipeline.jobs import (
 )
 from pipeline.paths import RunTree
 from pipeline.store import Store, upload_dir
+
+WORK_PREFIX = "smpipe-jobs-"
+OWNER = "driver.json"  # in a work root while its driver runs: who to ask whether it still does
 
 # What the requests name as image and role when nothing is sent anywhere.
 LOCAL_IMAGE = "local:docker/Dockerfile"
@@ -59,14 +66,34 @@ def result_of(name: str, exits: list, log_key: str, restarts: int = 0) -> JobRes
     )
 
 
+def remove_orphaned_work_roots(echo) -> None:
+    """Job folders of drivers on this machine that died without a word (SIGKILL, power loss):
+    their jobs died with them (see DRIVER_PID_VARIABLE), so the folders only take space."""
+    import psutil
+
+    for root in Path(tempfile.gettempdir()).glob(WORK_PREFIX + "*"):
+        try:
+            owner = json.loads((root / OWNER).read_text())
+        except (OSError, ValueError):
+            continue  # not ours, or kept on purpose (a failed job's folder)
+        if owner.get("host") == socket.gethostname() and not psutil.pid_exists(owner["pid"]):
+            shutil.rmtree(root, ignore_errors=True)
+            print(f"removed {root}: job folders of a driver (pid {owner['pid']}) that is gone",
+                  file=echo, flush=True)  # fmt: skip
+
+
 class LocalBackend:
     name = "local"
 
     def __init__(self, store: Store, run: RunTree, echo=None, work_root: str | None = None) -> None:
         self.store, self.run = store, run
-        self.work_root = Path(work_root or tempfile.mkdtemp(prefix="smpipe-jobs-"))
-        self.work_root.mkdir(parents=True, exist_ok=True)
         self.echo = echo if echo is not None else sys.stdout
+        if work_root is None:
+            remove_orphaned_work_roots(self.echo)
+        self.work_root = Path(work_root or tempfile.mkdtemp(prefix=WORK_PREFIX))
+        self.work_root.mkdir(parents=True, exist_ok=True)
+        owner = {"host": socket.gethostname(), "pid": os.getpid(), "run": run.prefix}
+        (self.work_root / OWNER).write_text(json.dumps(owner))
         self.containers = Containers()
 
     def _say(self, name: str):
@@ -89,7 +116,10 @@ class LocalBackend:
     def run_processing(self, job: ProcessingJob) -> JobResult:
         request = processing_request(job, LOCAL_IMAGE, LOCAL_ROLE, self.store.uri_of)
         root = self.work_root / job.name
-        with open(self._log_path(job.name), "a", encoding="utf-8") as log:
+        with (
+            self._interruptible(job.name, root),
+            open(self._log_path(job.name), "a", encoding="utf-8") as log,
+        ):
             exit_ = play_processing(
                 request, root, self.store, self.containers, log=log, on_line=self._say(job.name)
             )
@@ -105,24 +135,41 @@ class LocalBackend:
     def run_training(self, job: TrainingJob) -> JobResult:
         request = training_request(job, LOCAL_IMAGE, LOCAL_ROLE, self.store.uri_of)
         say = self._say(job.name)
-        with open(self._log_path(job.name), "a", encoding="utf-8") as log:
+        root = self.work_root / job.name
+        with (
+            self._interruptible(job.name, root),
+            open(self._log_path(job.name), "a", encoding="utf-8") as log,
+        ):
             played = play_training(
                 request,
-                self.work_root / job.name,
+                root,
                 self.store,
                 self.containers,
                 log=log,
                 on_line=say,
                 max_restarts=job.max_restarts,
-                on_restart=lambda n: say(f"interrupted; restart {n} of {job.max_restarts}"),
+                on_restart=lambda n: say(
+                    f"interrupted or killed; restart {n} of {job.max_restarts}"
+                ),
             )
         result = result_of(job.name, played.exits, self._upload_log(job.name), played.restarts)
         if result.status == "Completed":
             main = next(iter(played.roots.values()))  # the first host's, as SageMaker keeps
             upload_dir(self.store, main / "model", job.model_prefix, {"job_name": job.name})
             upload_dir(self.store, main / "output/data", job.output_prefix, {"job_name": job.name})
-        self._cleanup(self.work_root / job.name, result)
+        self._cleanup(root, result)
         return result
+
+    @contextmanager
+    def _interruptible(self, name: str, root: Path):
+        """The driver is stopping (Ctrl-C, SIGTERM): the job has been stopped and waited for,
+        and its checkpoints synced; its log goes to the store and its folder goes away."""
+        try:
+            yield
+        except BaseException:
+            self._upload_log(name)
+            shutil.rmtree(root, ignore_errors=True)
+            raise
 
     def run_tuning(self, job: TuningJob) -> JobResult:
         from pipeline.tuning import run_local_tuning
@@ -133,9 +180,14 @@ class LocalBackend:
         self.containers.stop()
 
     def close(self, succeeded: bool) -> None:
-        """Remove the work root after a run whose jobs all succeeded; keep it otherwise."""
-        if succeeded:
+        """Remove the work root, unless a failed job's folder is kept in it for inspection."""
+        kept = (
+            [p for p in self.work_root.iterdir() if p.is_dir()] if self.work_root.exists() else []
+        )
+        if succeeded or not kept:
             shutil.rmtree(self.work_root, ignore_errors=True)
+        else:
+            (self.work_root / OWNER).unlink(missing_ok=True)  # kept on purpose: not an orphan
 
     def _cleanup(self, root: Path, result: JobResult) -> None:
         # A failed job's directory is kept for inspection; a finished one is removed.

@@ -62,7 +62,7 @@ class Metadata(BaseModel):
     experiment_name: str
     artifact_uri: str  # where the run was written; everything below names store keys
     backend: str
-    status: str = "running"
+    status: str = "running"  # running | completed | failed | interrupted | abandoned
     failure_reason: str | None = None
     start_time: str | None = None
     end_time: str | None = None
@@ -83,6 +83,9 @@ class Metadata(BaseModel):
     package_versions: dict[str, str] = Field(default_factory=dict)
     python_version: str = Field(default_factory=platform.python_version)
     settings: str | None = None  # the ini as applied, secrets redacted
+    planned_steps: list[str] = Field(default_factory=list)  # what the run set out to do
+    sources: dict | None = None  # where its steps read from (driver.Sources.record)
+    resumed_at: list[str] = Field(default_factory=list)  # each --resume of the run
     steps: dict[str, StepSection] = Field(default_factory=dict)
     _secrets: list[str] = PrivateAttr(default_factory=list)  # values masked when written
 

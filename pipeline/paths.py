@@ -10,6 +10,7 @@
             settings.ini                      the settings as applied, secrets redacted
             metadata.json                     every step's section merged
             metadata/<step>.json              one object per step: steps never overwrite each other
+            heartbeat.json                    the driver, alive: rewritten every 30 s while it runs
             logs/<job_name>.log
             models/<model>/                   model/ (safetensors, TorchScript, curves), output/
             checkpoints/<model>/              synced training State (spot, restarts)
@@ -110,6 +111,11 @@ class RunTree:
     @property
     def metadata(self) -> str:
         return f"{self.prefix}metadata.json"
+
+    @property
+    def heartbeat(self) -> str:
+        """Rewritten by the run's driver every HEARTBEAT_SECONDS while it runs."""
+        return f"{self.prefix}heartbeat.json"
 
     def step_metadata(self, step: str) -> str:
         return f"{self.prefix}metadata/{step}.json"

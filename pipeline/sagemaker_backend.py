@@ -149,16 +149,19 @@ class SageMakerBackend:
         with self._lock:
             active = dict(self._active)
         for name, kind in active.items():
-            call = {
-                "processing": ("stop_processing_job", "ProcessingJobName"),
-                "training": ("stop_training_job", "TrainingJobName"),
-                "tuning": ("stop_hyper_parameter_tuning_job", "HyperParameterTuningJobName"),
-            }[kind]
-            try:
-                getattr(self.client, call[0])(**{call[1]: name})
-                self._say(name, "stop requested")
-            except Exception as e:  # noqa: BLE001 - stopping the others matters more
-                self._say(name, f"could not be stopped: {e}")
+            self._stop(name, kind)
+
+    def _stop(self, name: str, kind: str) -> None:
+        call = {
+            "processing": ("stop_processing_job", "ProcessingJobName"),
+            "training": ("stop_training_job", "TrainingJobName"),
+            "tuning": ("stop_hyper_parameter_tuning_job", "HyperParameterTuningJobName"),
+        }[kind]
+        try:
+            getattr(self.client, call[0])(**{call[1]: name})
+            self._say(name, "stop requested")
+        except Exception as e:  # noqa: BLE001 - stopping the others matters more
+            self._say(name, f"could not be stopped: {e}")
 
     def close(self, succeeded: bool) -> None:
         if self.on_close is not None:
@@ -218,6 +221,12 @@ class SageMakerBackend:
                     self._read_logs(kind, name, tokens, log)
                     break
                 time.sleep(self.poll_seconds)
+        except BaseException:
+            # The driver is stopping (Ctrl-C, SIGTERM): so does its job, and what it logged
+            # so far is kept with the run.
+            self._stop(name, kind)
+            self.store.put_bytes(self.run.log(name), ("\n".join(log) + "\n").encode())
+            raise
         finally:
             with self._lock:
                 self._active.pop(name, None)

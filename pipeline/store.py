@@ -15,6 +15,7 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
@@ -168,9 +169,20 @@ class LocalStore:
         self._path(key).unlink(missing_ok=True)
 
 
+def aws_config(**extra):
+    """Every AWS client of the driver (S3, SageMaker, CloudWatch Logs) retries the same way:
+    botocore's standard mode (exponential backoff with jitter on 5xx, throttling such as 503
+    SlowDown, and dropped connections), 10 attempts. Permanent errors (403, 404) are not
+    retried: they fail at once, naming what was asked for."""
+    from botocore.config import Config
+
+    return Config(retries={"max_attempts": 10, "mode": "standard"}, **extra)
+
+
 class S3Store:
     """S3 or any S3 endpoint (AWS_ENDPOINT_URL, e.g. moto's server). Large files go through
-    boto3's transfer manager (multipart, concurrent parts)."""
+    boto3's transfer manager (multipart, concurrent parts). An error that retries did not
+    cure becomes a StoreError naming the operation, bucket and key."""
 
     def __init__(self, uri: str, region: str | None = None, client=None):
         if not uri.startswith("s3://"):
@@ -181,14 +193,12 @@ class S3Store:
         self.uri = f"s3://{bucket}/{self.prefix}".rstrip("/")
         if client is None:
             import boto3
-            from botocore.config import Config
 
             # Directories move with 8 threads, each file with up to 8 parts: room for all of them.
-            config = Config(
-                max_pool_connections=64, retries={"max_attempts": 8, "mode": "adaptive"}
-            )
             client = boto3.client(
-                "s3", region_name=region or os.environ.get("AWS_DEFAULT_REGION"), config=config
+                "s3",
+                region_name=region or os.environ.get("AWS_DEFAULT_REGION"),
+                config=aws_config(max_pool_connections=64),
             )
         self.client = client
         from boto3.s3.transfer import TransferConfig
@@ -197,6 +207,26 @@ class S3Store:
 
     def _key(self, key: str) -> str:
         return self.prefix + _check_key(key)
+
+    @contextmanager
+    def _named(self, operation: str, key: str):
+        """botocore's and boto3's errors as one StoreError: what, where, and S3's own words."""
+        from boto3.exceptions import S3TransferFailedError, S3UploadFailedError
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            yield
+        except ClientError as e:
+            error = e.response.get("Error", {})
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if operation in ("get", "download") and error.get("Code") in ("NoSuchKey", "404"):
+                raise NotFound(self.uri_of(key)) from None
+            raise StoreError(
+                f"S3 {operation} of {self.uri_of(key)} failed: {error.get('Code') or status} "
+                f"({error.get('Message') or e})"
+            ) from None
+        except (BotoCoreError, S3UploadFailedError, S3TransferFailedError) as e:
+            raise StoreError(f"S3 {operation} of {self.uri_of(key)} failed: {e}") from None
 
     def problems(self) -> list[str]:
         """A bucket that does not exist or cannot be reached, before anything is written."""
@@ -216,80 +246,78 @@ class S3Store:
         return f"s3://{self.bucket}/{self._key(key)}"
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+        with self._named("put", key):
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
 
     def create(self, key: str, data: bytes) -> bool:
         from botocore.exceptions import ClientError
 
-        try:
-            self.client.put_object(
-                Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*"
-            )
-            return True
-        except ClientError as e:
-            code = e.response.get("Error", {}).get("Code", "")
-            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            # 412: the key exists. 409: another conditional write to it is in flight.
-            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
-                return False
-            raise
+        with self._named("conditional put", key):
+            try:
+                self.client.put_object(
+                    Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*"
+                )
+                return True
+            except ClientError as e:
+                code = e.response.get("Error", {}).get("Code", "")
+                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                # 412: the key exists. 409: another conditional write to it is in flight.
+                if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (
+                    409,
+                    412,
+                ):
+                    return False
+                raise
 
     def get_bytes(self, key: str) -> bytes:
-        from botocore.exceptions import ClientError
-
-        try:
+        with self._named("get", key):
             return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                raise NotFound(self.uri_of(key)) from None
-            raise
 
     def exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError
 
-        try:
-            self.client.head_object(Bucket=self.bucket, Key=self._key(key))
-            return True
-        except ClientError as e:
-            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
-                return False
-            raise
+        with self._named("head", key):
+            try:
+                self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+                return True
+            except ClientError as e:
+                if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                    return False
+                raise
 
     def list_keys(self, prefix: str) -> list[str]:
         keys = []
-        paginator = self.client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
-            for obj in page.get("Contents", []):
-                keys.append(obj["Key"][len(self.prefix) :])
+        with self._named("list", prefix):
+            paginator = self.client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
+                for obj in page.get("Contents", []):
+                    keys.append(obj["Key"][len(self.prefix) :])
         return sorted(keys)
 
     def list_children(self, prefix: str) -> list[str]:
         prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
         names = []
-        paginator = self.client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(
-            Bucket=self.bucket, Prefix=self.prefix + prefix, Delimiter="/"
-        ):
-            for p in page.get("CommonPrefixes", []):
-                names.append(p["Prefix"][len(self.prefix + prefix) :].rstrip("/"))
+        with self._named("list", prefix):
+            paginator = self.client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(
+                Bucket=self.bucket, Prefix=self.prefix + prefix, Delimiter="/"
+            ):
+                for p in page.get("CommonPrefixes", []):
+                    names.append(p["Prefix"][len(self.prefix + prefix) :].rstrip("/"))
         return sorted(names)
 
     def upload_file(self, path: str | os.PathLike, key: str) -> None:
-        self.client.upload_file(str(path), self.bucket, self._key(key), Config=self.transfer)
+        with self._named("upload", key):
+            self.client.upload_file(str(path), self.bucket, self._key(key), Config=self.transfer)
 
     def download_file(self, key: str, path: str | os.PathLike) -> None:
-        from botocore.exceptions import ClientError
-
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        try:
+        with self._named("download", key):
             self.client.download_file(self.bucket, self._key(key), str(path), Config=self.transfer)
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                raise NotFound(self.uri_of(key)) from None
-            raise
 
     def delete(self, key: str) -> None:
-        self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+        with self._named("delete", key):
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
 
 def key_of(store: Store, uri: str) -> str | None:

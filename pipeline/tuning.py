@@ -93,8 +93,14 @@ def run_local_tuning(backend, job: TuningJob, store: Store, run: RunTree) -> Job
         )
         return trial_job, backend.run_training(trial_job)
 
-    with ThreadPoolExecutor(max_workers=job.max_parallel_jobs) as pool:
+    pool = ThreadPoolExecutor(max_workers=job.max_parallel_jobs)
+    try:
         finished = list(pool.map(trial, enumerate(candidates, 1)))
+    except BaseException:  # the driver is stopping: the running trials stop, no new one starts
+        backend.stop()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown()
 
     trials = []
     for (trial_job, result), values in zip(finished, candidates, strict=True):

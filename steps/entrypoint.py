@@ -44,6 +44,9 @@ TRIAL_CHECKPOINTS_VARIABLE = "SMPIPE_CHECKPOINT_PER_TRIAL"
 WANDB_SECRET_VARIABLE = "SMPIPE_WANDB_SECRET_ID"
 # Where torchrun's master listens. SageMaker's hosts resolve `algo-1`; a local player that
 # runs several emulated hosts on one machine names the address and a free port instead.
+# Set by a local player (the local and emulated backends): the driver's pid. The container
+# ends when the driver does, however the driver ends; on SageMaker the entrypoint is PID 1.
+DRIVER_PID_VARIABLE = "SMPIPE_DRIVER_PID"
 MASTER_ADDR_VARIABLE = "SMPIPE_MASTER_ADDR"
 MASTER_PORT_VARIABLE = "SMPIPE_MASTER_PORT"
 TAIL_LINES = 20
@@ -297,8 +300,20 @@ def run(
     return code if code >= 0 else 128 - code
 
 
+def follow_driver() -> None:
+    """SIGTERM to this process when the driver that started it dies (a SIGKILLed driver
+    cannot stop its jobs); it is forwarded to the step, which checkpoints and exits."""
+    driver = os.environ.get(DRIVER_PID_VARIABLE)
+    if not driver:
+        return
+    _die_with_parent()
+    if os.getppid() != int(driver):  # the driver was gone before the line above
+        sys.exit(f"the driver (pid {driver}) that started this job is gone")
+
+
 def main(argv: list[str]) -> int:
     root = ml_root()
+    follow_driver()
     if argv[:1] == ["train"]:
         env = {**training_variables(root), **wandb_key_from_secret()}
         Path(env["SM_CHECKPOINT_DIR"]).mkdir(parents=True, exist_ok=True)

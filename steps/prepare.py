@@ -13,8 +13,10 @@ Outputs: train, validation, test  the splits (datasets save_to_disk), with each 
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import json
+import math
 import os
 
 import datasets
@@ -37,7 +39,19 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def stratified_split(labels: list[int], args: argparse.Namespace) -> dict[str, np.ndarray]:
+def check_labels(label_counts: dict[str, int]) -> None:
+    """A classifier needs two classes at least; one label would train a model that is always
+    right (macro-F1 1.0) and means nothing."""
+    if len(label_counts) < 2:
+        raise ValueError(
+            f"the data has {len(label_counts)} label(s) {label_counts}: a classifier needs at "
+            "least two; check reconcile and the raw data's labels"
+        )
+
+
+def stratified_split(
+    labels: list[int], id2label: dict[int, str], args: argparse.Namespace
+) -> dict[str, np.ndarray]:
     indices = np.arange(len(labels))
     held_out = args.validation_fraction + args.test_fraction
     try:
@@ -51,11 +65,48 @@ def stratified_split(labels: list[int], args: argparse.Namespace) -> dict[str, n
             stratify=rest_labels,
             random_state=args.seed,
         )
-    except ValueError as e:
+    except ValueError:
+        # Each split should hold every label: validation and test need one row of it each.
+        need = math.ceil(max(2 / held_out, 1 / min(args.validation_fraction, args.test_fraction)))
+        counts = collections.Counter(id2label[i] for i in labels)
+        short = {label: n for label, n in sorted(counts.items()) if n < need} or dict(counts)
         raise ValueError(
-            f"cannot split {len(labels)} rows stratified by label with these fractions: {e}"
-        ) from e
+            f"cannot split {len(labels)} rows stratified by label into train/validation/test "
+            f"{args.train_fraction:g}/{args.validation_fraction:g}/{args.test_fraction:g}: labels "
+            f"with too few rows {short} (about {need} rows per label are needed; add rows, "
+            "merge or drop those labels, or raise VALIDATION_FRACTION and TEST_FRACTION)"
+        ) from None
     return {"train": np.sort(train), "validation": np.sort(validation), "test": np.sort(test)}
+
+
+# Characters a text may be cut to before the user's encode, per token kept: more than any
+# real tokenizer's tokens take, so cutting there changes nothing encode returns, while a
+# 33 MB article no longer costs gigabytes to keep 128 tokens.
+CHARS_PER_TOKEN = 64
+
+
+def clip_length(dataset: datasets.Dataset, encode, keys: list[str], max_length: int) -> int | None:
+    """How many characters each text can be cut to before `encode` without changing what it
+    returns, or None: no text is that long, or encode reads past their start (it keeps the
+    end of a text, say). Checked on the first long text, cut at one and at two budgets."""
+    budget = max(4096, CHARS_PER_TOKEN * max_length)
+    texts = [k for k, f in dataset.features.items() if getattr(f, "dtype", None) == "string"]
+    for start in range(0, len(dataset), 1000):
+        batch = dataset[start : start + 1000]
+        for i in range(len(batch[texts[0]]) if texts else 0):
+            if any(isinstance(batch[k][i], str) and len(batch[k][i]) > budget for k in texts):
+                row = {k: [v[i]] for k, v in batch.items()}
+                cut = [encode(clip(row, n)) for n in (budget, 2 * budget)]
+                same = all(list(cut[0][k][0]) == list(cut[1][k][0]) for k in keys)
+                return budget if same else None
+    return None
+
+
+def clip(batch: dict, limit: int) -> dict:
+    return {
+        k: [v[:limit] if isinstance(v, str) and len(v) > limit else v for v in values]
+        for k, values in batch.items()
+    }
 
 
 def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length: int):
@@ -66,10 +117,30 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
     where = f"{functions.module}.encode (model {model_name!r})"
     dropped: set[str] = set()
 
+    def user_encode(batch):
+        return call(functions, "encode", batch, tokenizer, model_name, max_length)
+
+    limit = clip_length(dataset, user_encode, keys, max_length)
+    if limit is not None:
+        print(f"texts longer than {limit} characters are cut there before {where}")
+
     def encode(batch):
-        encoded = call(functions, "encode", batch, tokenizer, model_name, max_length)
-        columns, extra, lengths = check_encoded(encoded, len(batch["label_id"]), keys, where)
+        rows = len(batch["label_id"])
+        cut = [i for i in range(rows) if limit and any(isinstance(v[i], str) and len(v[i]) > limit
+                                                        for v in batch.values())]  # fmt: skip
+        encoded = user_encode(clip(batch, limit) if cut else batch)
+        columns, extra, lengths = check_encoded(encoded, rows, keys, where)
         dropped.update(extra)
+        # A cut text that came out short of max_length may have lost tokens (a text of mostly
+        # whitespace): those rows are encoded whole.
+        short = [i for i in cut if lengths[i] < max_length]
+        if short:
+            whole = user_encode({k: [v[i] for i in short] for k, v in batch.items()})
+            again, _, again_lengths = check_encoded(whole, len(short), keys, where)
+            for j, i in enumerate(short):
+                lengths[i] = again_lengths[j]
+                for k in columns:
+                    columns[k][i] = again[k][j]
         return {
             **{f"{model_name}_{k}": v for k, v in columns.items()},
             length_column(model_name): lengths,
@@ -113,15 +184,17 @@ def main() -> None:
     snapshot = datasets.load_from_disk(str(processing_input("snapshot") / "dataset"))
     model_names = [m for m in args.model_names.split(",") if m]
 
-    id2label = dict(enumerate(sorted(set(snapshot["label"]))))
+    counts = collections.Counter(snapshot["label"])
+    check_labels(dict(sorted(counts.items())))
+    id2label = dict(enumerate(sorted(counts)))
     label2id = {label: i for i, label in id2label.items()}
     dataset = snapshot.map(lambda b: {"label_id": [label2id[x] for x in b["label"]]}, batched=True)
 
+    # Split first: a data set that cannot be split is refused before any text is encoded.
+    splits = stratified_split(dataset["label_id"], id2label, args)
     inputs: dict[str, dict] = {}
     for model_name in model_names:
         dataset, inputs[model_name] = encode_for(dataset, functions, model_name, args.max_length)
-
-    splits = stratified_split(dataset["label_id"], args)
     sizes = {}
     for name, indices in splits.items():
         part = dataset.select(indices)

@@ -30,6 +30,19 @@ def content_hash(dataset: datasets.Dataset) -> str:
     return h.hexdigest()
 
 
+def drop_blank_labels(dataset: datasets.Dataset) -> tuple[datasets.Dataset, list[str]]:
+    """Rows whose label is missing or blank are not a class named '': they are dropped, and
+    reported by id (or row number) with the rest of what reconcile dropped."""
+    labels = dataset["label"]
+    blank = [i for i, label in enumerate(labels) if label is None or not label.strip()]
+    if not blank:
+        return dataset, []
+    ids = dataset["id"] if "id" in dataset.column_names else None
+    names = [str(ids[i]) if ids is not None else f"row {i}" for i in blank]
+    keep = sorted(set(range(len(labels))) - set(blank))
+    return dataset.select(keep), names
+
+
 def main() -> None:
     raw_dir = processing_input("raw")
     snapshot_dir = processing_output("snapshot")
@@ -57,6 +70,11 @@ def main() -> None:
         if dataset.features["label"].dtype != "string"
         else dataset
     )
+    dataset, blank = drop_blank_labels(dataset)
+    if blank:
+        dropped = {**dropped, "blank_label": blank}
+    if len(dataset) == 0:
+        raise ValueError(f"{functions.module}.reconcile returned no row with a label")
 
     label_counts = dict(sorted(collections.Counter(dataset["label"]).items()))
     dropped_counts = {reason: len(ids) for reason, ids in dropped.items()}

@@ -115,12 +115,13 @@ def ship_code(store, prefix: str = "code/") -> str:
 
 
 class SigtermAt(io.StringIO):
-    """A backend's echo stream: once the job reports optimizer step `step`, SIGTERM goes to
-    every process of this test whose command line `target` accepts (a spot reclaim)."""
+    """A backend's echo stream: once the job reports optimizer step `step`, SIGTERM (or
+    `sig`) goes to every process of this test whose command line `target` accepts (a spot
+    reclaim; SIGKILL: the out-of-memory killer)."""
 
-    def __init__(self, step: int, target):
+    def __init__(self, step: int, target, sig: int = signal.SIGTERM):
         super().__init__()
-        self.step, self.target, self.sent = step, target, False
+        self.step, self.target, self.sig, self.sent = step, target, sig, False
 
     def write(self, text):
         if not self.sent and f"] step={self.step}/" in text:
@@ -128,6 +129,6 @@ class SigtermAt(io.StringIO):
 
             for child in psutil.Process().children(recursive=True):
                 if self.target(child.cmdline()):
-                    child.send_signal(signal.SIGTERM)
+                    child.send_signal(self.sig)
                     self.sent = True
         return super().write(text)

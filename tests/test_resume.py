@@ -234,7 +234,7 @@ def test_sigterm_checkpoints_exits_and_the_backend_restarts(tmp_path, channels, 
     # The signal lands during step 7 or just after: that step or the next is finished first.
     stopped = re.search(r"SIGTERM: checkpoint written at step (\d+)", log)
     assert stopped and int(stopped.group(1)) in (7, 8), log
-    assert "interrupted; restart 1 of 2" in log
+    assert "interrupted or killed; restart 1 of 2" in log
     assert re.search(rf"resumed from \S+ckpt-0*{stopped.group(1)} at step {stopped.group(1)} ", log)
     (tmp_path / "final/model").mkdir(parents=True)
     for name in ("model.safetensors", "history.json"):

@@ -1,0 +1,88 @@
+"""Finding 8: data surprises. Blank labels are dropped and reported, one label or a label
+too small to split is refused naming the labels and their counts, and a huge text costs
+memory in proportion to MAX_SEQUENCE_LENGTH, not to its own size."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import sys
+
+import pytest
+
+from pipeline.config import load_settings
+from pipeline.driver import PipelineError, parse_steps, run_pipeline
+from pipeline.paths import ExperimentTree
+from pipeline.store import LocalStore
+from tests.conftest import write_settings
+
+DATA1 = ExperimentTree("test-exp").data(1)
+
+
+def raw_variant(demo_raw, out, keep=None, extra=()):
+    """The demo's raw data with only the labels `keep` and extra (id, label, text) rows."""
+    shutil.copytree(demo_raw, out)
+    with open(out / "labels.csv", newline="") as f:
+        rows = [r for r in csv.reader(f)][1:]
+    rows = [r for r in rows if keep is None or r[1] in keep]
+    for article_id, label, text in extra:
+        (out / "articles" / f"{article_id}.txt").write_text(text)
+        rows.append([article_id, label])
+    with open(out / "labels.csv", "w", newline="") as f:
+        csv.writer(f).writerows([["id", "label"], *rows])
+    return out
+
+
+def prepare(tmp_path, raw, models="minilm"):
+    path = write_settings(tmp_path / "s.ini", str(tmp_path / "store"), models={"MODEL_NAMES": models},
+                          data={"RAW_DATA": str(raw)})  # fmt: skip
+    settings = load_settings(path, {})
+    store = LocalStore(settings.store_uri())
+    return run_pipeline(settings, store, parse_steps("reconcile,prepare"), echo=sys.stdout)
+
+
+@pytest.mark.slow
+def test_blank_labels_are_dropped_and_a_huge_text_is_cut_before_tokenizing(tmp_path, demo_raw):
+    huge = "Markets rallied today as investors cheered. " * 750_000  # 33 MB, one article
+    raw = raw_variant(demo_raw, tmp_path / "raw", extra=[("blank-1", "", "no label here"),
+                                                         ("blank-2", "   ", "nor here"),
+                                                         ("huge-1", "business", huge)])  # fmt: skip
+    record = prepare(tmp_path, raw)
+    snapshot = json.loads((tmp_path / "store" / DATA1.snapshot_info).read_text())
+    assert snapshot["dropped"]["blank_label"] == ["blank-1", "blank-2"]
+    assert "" not in snapshot["label_counts"] and snapshot["label_counts"]["business"] == 13
+    # Without the cut, tokenizing the article whole peaks at about 5 GB.
+    assert record["steps"]["prepare"]["memory_usage"] < 1500, record["steps"]["prepare"]
+    import datasets
+
+    splits = [
+        datasets.load_from_disk(str(tmp_path / "store" / DATA1.split(s)))
+        for s in ("train", "validation", "test")
+    ]
+    rows = [r for part in splits for r in part if r["id"] == "huge-1"]
+    assert len(rows) == 1 and rows[0]["minilm__length"] == 32  # MAX_SEQUENCE_LENGTH of the tests
+    from transformers import AutoTokenizer
+
+    from user_functions import minilm_path
+
+    expected = AutoTokenizer.from_pretrained(minilm_path())(
+        huge[:20_000], truncation=True, max_length=32
+    )
+    assert rows[0]["minilm_input_ids"] == expected["input_ids"]  # what encoding it whole keeps
+
+
+@pytest.mark.parametrize(
+    "keep, extra, expected",
+    [
+        (["tech"], [], r"the data has 1 label\(s\) \{'tech': 12\}: a classifier needs at least two"),
+        (["tech", "sports"], [("zoo-0", "aardvark", "an aardvark")],
+         r"labels with too few rows \{'aardvark': 1\}"),
+    ],
+)  # fmt: skip
+def test_labels_that_cannot_train_a_classifier_are_named_with_their_counts(
+    tmp_path, demo_raw, keep, extra, expected
+):
+    raw = raw_variant(demo_raw, tmp_path / "raw", keep=keep, extra=extra)
+    with pytest.raises(PipelineError, match=expected):
+        prepare(tmp_path, raw, models="bow")

@@ -1,0 +1,159 @@
+"""Finding 3: a driver that is stopped stops its jobs, keeps their logs and checkpoints,
+marks the run `interrupted` and leaves no job folder; one that dies without a word is found
+by the next driver (heartbeat) and its run marked `abandoned`, its jobs having died with it;
+`--resume` continues either run in place; a training job killed by any signal is restarted
+from its checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from pipeline.paths import ExperimentTree
+from tests.conftest import ROOT, write_settings
+
+RUN1 = ExperimentTree("test-exp").run(1)
+
+
+class Driver:
+    """`run_pipeline.py` in a process of its own, its temporary folder one of the test's."""
+
+    def __init__(self, settings, tmp, *args: str):
+        env = {**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "run_pipeline.py"), str(settings), *args],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait_for(self, text: str, timeout: float = 240) -> None:
+        end = time.time() + timeout
+        while not any(text in line for line in self.lines):
+            assert self.proc.poll() is None, "".join(self.lines)
+            assert time.time() < end, "".join(self.lines)
+            time.sleep(0.05)
+
+    def finish(self, timeout: float = 300) -> int:
+        code = self.proc.wait(timeout)
+        self.reader.join(10)
+        return code
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+def settings_for(tmp_path, demo_raw):
+    return write_settings(tmp_path / "s.ini", str(tmp_path / "store"), models={"MODEL_NAMES": "bow"},
+                          data={"RAW_DATA": str(demo_raw)},
+                          training={"EPOCHS": "30", "CHECKPOINT_EVERY_STEPS": "2", "MAX_RESTARTS": "0"})  # fmt: skip
+
+
+def record(tmp_path, run=RUN1) -> dict:
+    return json.loads((tmp_path / "store" / run.metadata).read_text())
+
+
+def job_folders(tmp) -> list[str]:
+    return [p.name for p in tmp.glob("smpipe-jobs-*")]
+
+
+@pytest.mark.slow
+def test_a_stopped_driver_stops_its_job_and_resume_continues_the_run(tmp_path, demo_raw):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    settings = settings_for(tmp_path, demo_raw)
+    driver = Driver(settings, tmp)
+    driver.wait_for("] step=4/")
+    children = psutil.Process(driver.proc.pid).children(recursive=True)
+    driver.proc.send_signal(signal.SIGTERM)
+    assert driver.finish() == 130, driver.output
+    assert "run 0001 interrupted" in driver.output and "--resume 1 continues it" in driver.output
+    gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
+    first = record(tmp_path)
+    assert first["status"] == "interrupted"
+    logs = list((tmp_path / "store" / RUN1.logs).glob("*train-bow*.log"))
+    assert logs and "step=4/" in logs[0].read_text()
+    assert list((tmp_path / "store" / RUN1.checkpoints("bow")).rglob("CURRENT"))
+    assert job_folders(tmp) == []
+
+    again = Driver(settings, tmp, "--resume", "1")
+    assert again.finish() == 0, again.output
+    done = record(tmp_path)
+    assert done["status"] == "completed" and done["model_version"] == 1 and done["resumed_at"]
+    assert "reconcile, prepare" not in again.output.split("left")[0]  # only what was left ran
+    assert "resumed from" in again.output
+    assert done["steps"]["reconcile"] == first["steps"]["reconcile"]  # kept, not rerun
+    assert not (tmp_path / "store" / ExperimentTree("test-exp").run(2).prefix).exists()
+    assert job_folders(tmp) == []
+
+
+@pytest.mark.slow
+def test_a_killed_driver_takes_its_job_along_and_its_run_is_marked_abandoned(tmp_path, demo_raw):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    settings = settings_for(tmp_path, demo_raw)
+    driver = Driver(settings, tmp)
+    driver.wait_for("] step=4/")
+    children = psutil.Process(driver.proc.pid).children(recursive=True)
+    driver.proc.kill()
+    driver.finish()
+    gone, alive = psutil.wait_procs(children, timeout=60)
+    assert not alive, [p.cmdline() for p in alive]
+    assert record(tmp_path)["status"] == "running"  # nobody could say otherwise yet
+    assert job_folders(tmp)  # left behind by the dead driver
+
+    # The next driver, whatever it runs, finds the run orphaned and its folders.
+    other = Driver(settings, tmp, "--steps", "reconcile")
+    assert other.finish() == 0, other.output
+    assert record(tmp_path)["status"] == "abandoned"
+    assert "is gone" in record(tmp_path)["failure_reason"]
+    assert "run 0001 was left running" in other.output
+    assert job_folders(tmp) == []
+
+    again = Driver(settings, tmp, "--resume", "1")
+    assert again.finish() == 0, again.output
+    assert record(tmp_path)["status"] == "completed"
+
+
+def test_a_training_job_killed_by_a_signal_is_restarted_from_its_checkpoint(tmp_path, channels):
+    import re
+
+    from pipeline.jobs import TrainingJob
+    from pipeline.local_backend import LocalBackend
+    from pipeline.store import LocalStore, upload_dir
+    from tests.conftest import SigtermAt, ship_code
+    from tests.test_resume import HPS
+
+    store = LocalStore(tmp_path / "store")
+    for name, path in channels.items():
+        upload_dir(store, path, f"data/{name}/")
+    ship_code(store)
+    # SIGKILL, as the out-of-memory killer sends it: no checkpoint on the way out.
+    echo = SigtermAt(step=5, target=lambda command: "steps.train" in command, sig=signal.SIGKILL)
+    backend = LocalBackend(
+        store, ExperimentTree("t").run(1), work_root=str(tmp_path / "work"), echo=echo
+    )
+    job = TrainingJob(name="killed", step="train", code="code/", channels={c: f"data/{c}/" for c in channels},
+                      hyperparameters=HPS, model_prefix="out/model/", output_prefix="out/output/",
+                      checkpoint_prefix="out/checkpoints/", sagemaker_output="out/sm/",
+                      env={"SMPIPE_USER_FUNCTIONS": "user_functions"}, max_restarts=1)  # fmt: skip
+    outcome = backend.run_training(job)
+    log = echo.getvalue()
+    assert echo.sent and outcome.status == "Completed", outcome.failure_reason
+    assert outcome.restarts == 1 and "interrupted or killed; restart 1 of 1" in log
+    assert re.search(r"resumed from \S+ckpt-0*3 at step 3 ", log), log  # CHECKPOINT_EVERY_STEPS=3
