@@ -56,7 +56,7 @@ def test_random_search_picks_the_best_trial(tmp_path):
 
 
 def test_grid_runs_every_categorical_combination(tmp_path):
-    path = tuning_settings(tmp_path, STRATEGY="Grid", MAX_JOBS="10", MAX_PARALLEL_JOBS="1")
+    path = tuning_settings(tmp_path, STRATEGY="Grid", MAX_JOBS="10", MAX_PARALLEL_JOBS="2")
     import configparser
 
     parser = configparser.ConfigParser(interpolation=None, delimiters=("=",))
