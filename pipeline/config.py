@@ -24,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from steps.entrypoint import env_key
 from steps.hyperparameters import HYPERPARAMETERS, TUNABLE
+from steps.metrics import DEFINITIONS as METRIC_DEFINITIONS
+from steps.metrics import check_definition
 
 ENV_PREFIX = "SMPIPE__"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
@@ -170,6 +172,9 @@ class Tuning(Section):
     strategy: Literal["Bayesian", "Random", "Grid", "Hyperband"] = "Bayesian"
     max_jobs: int = Field(4, ge=1, le=10_000)
     max_parallel_jobs: int = Field(1, ge=1, le=100)
+    # Auto: a trial whose objective falls behind the median of earlier trials at the same
+    # epoch is stopped (SageMaker's TrainingJobEarlyStoppingType).
+    early_stopping: Literal["Off", "Auto"] = "Off"
 
 
 class Inference(Section):
@@ -539,20 +544,12 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
         else:
             tunables[key] = value
 
-    metrics: dict[str, str] = {}
+    # Every metric train.py prints has a regex already; the section may add or override.
+    metrics: dict[str, str] = dict(METRIC_DEFINITIONS)
     for key, regex in raw.get("tuning.metric_definitions", {}).items():
-        where = f"[tuning.metric_definitions] {key.upper()}"
-        try:
-            compiled = re.compile(regex)
-        except re.error as e:
-            problems.append(f"{where}: {regex!r} is not a valid regex ({e})")
-            continue
-        if compiled.groups != 1:
-            # SageMaker reads the first group; a second one is a mistake it reports as "None."
-            problems.append(
-                f"{where}: {regex!r} has {compiled.groups} groups; it must capture the value in "
-                "exactly one, as in f1=([0-9.]+) (write others as (?:...))"
-            )
+        problem = check_definition(key, regex)
+        if problem:
+            problems.append(f"[tuning.metric_definitions] {key.upper()}: {problem}")
             continue
         metrics[key] = regex
 
@@ -578,17 +575,26 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
             problems.append(
                 "[tuning.hyperparameters]: JOB = tune needs at least one tunable (a->b or x,y,z)"
             )
+        if (
+            "tuning" in parsed
+            and parsed["tuning"].strategy == "Hyperband"
+            and parsed["tuning"].early_stopping == "Auto"
+        ):
+            problems.append(
+                "[tuning] EARLY_STOPPING: Hyperband stops trials early by itself; set EARLY_STOPPING = Off (SageMaker refuses both)"
+            )
         if "tuning" in parsed and parsed["tuning"].strategy == "Grid":
             for key, value in tunables.items():
                 if isinstance(value, Interval):
                     problems.append(
                         f"[tuning.hyperparameters] {key.upper()}: STRATEGY = Grid takes categorical options only (x,y,z), not {value.render()}"
                     )
-        if "tuning" in parsed and parsed["tuning"].objective_metric not in metrics:
-            problems.append(
-                f"[tuning] OBJECTIVE_METRIC: {parsed['tuning'].objective_metric!r} has no regex in "
-                f"[tuning.metric_definitions] (defined: {', '.join(metrics) or 'none'})"
-            )
+    if "tuning" in parsed and parsed["tuning"].objective_metric not in metrics:
+        problems.append(
+            f"[tuning] OBJECTIVE_METRIC: {parsed['tuning'].objective_metric!r} is not a metric "
+            f"(train.py prints {', '.join(METRIC_DEFINITIONS)}; [tuning.metric_definitions] "
+            f"defines {', '.join(k for k in metrics if k not in METRIC_DEFINITIONS) or 'no other'})"
+        )
     if "training" in parsed:
         t = parsed["training"]
         if t.instance_count > 1 and not t.use_distributed:

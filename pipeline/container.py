@@ -260,7 +260,8 @@ def play_training(
         # Restarted like a spot job: interrupted (a checkpoint was written on SIGTERM), or
         # killed by a signal (out of memory, a node lost): both resume from the checkpoint.
         again = any(e.interrupted or e.killed for e in exits) and any(e.code != 0 for e in exits)
-        if not again or restarts >= max_restarts or containers.stopping:
+        stopped = containers.stopping or containers.was_stopped(request["TrainingJobName"])
+        if not again or restarts >= max_restarts or stopped:
             return Played(exits, roots, restarts)
         restarts += 1
         if on_restart is not None:
@@ -294,6 +295,7 @@ class Containers:
         self._running: dict[int, str] = {}  # pid -> the job it belongs to
         self._lock = threading.Lock()
         self.stopping = False  # set by stop(): nothing is restarted after it
+        self._stopped: set[str] = set()  # jobs stopped on request (a pruned trial)
 
     def stop(self, job: str = "") -> None:
         """SIGTERM to the process group of every running container whose job name starts
@@ -301,12 +303,17 @@ class Containers:
         checkpoints; what a job still has to say is still read."""
         with self._lock:
             self.stopping = self.stopping or not job
+            self._stopped.add(job)
             pids = [pid for pid, tag in self._running.items() if tag.startswith(job)]
         for pid in pids:
             try:
                 os.killpg(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+
+    def was_stopped(self, job: str) -> bool:
+        with self._lock:
+            return any(job.startswith(prefix) for prefix in self._stopped if prefix)
 
     def run(
         self,

@@ -345,6 +345,7 @@ def build_jobs(settings: Settings, steps: list[str], run: RunTree, sources: Sour
                 ranges=dict(settings.tunables), strategy=tuning.strategy,
                 objective_metric=tuning.objective_metric, objective_type=tuning.objective_type,
                 max_jobs=tuning.max_jobs, max_parallel_jobs=tuning.max_parallel_jobs,
+                early_stopping=tuning.early_stopping,
             ))  # fmt: skip
     if "inference" in steps:
         jobs.append(ProcessingJob(
@@ -396,7 +397,7 @@ def log_plan(jobs: list, settings: Settings, store: Store, show_requests: bool =
             ranges = ", ".join(
                 f"{k}={getattr(v, 'options', None) or v.render()}" for k, v in job.ranges.items()
             )
-            log.info(f"       search {job.strategy}, {job.max_jobs} trials ({job.max_parallel_jobs} at once): {ranges}")  # fmt: skip
+            log.info(f"       search {job.strategy}, {job.max_jobs} trials ({job.max_parallel_jobs} at once), early stopping {job.early_stopping}: {ranges}")  # fmt: skip
         if show_requests:
             text = json.dumps(describe(job, settings, store), indent=2)
             log.info("\n".join("       " + line for line in text.splitlines()))

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import copy
 import io
+import itertools
 import json
 import logging
+import math
 import os
 import shutil
 import tarfile
@@ -313,8 +315,6 @@ class Emulator:
         shutil.rmtree(self.work_root / name, ignore_errors=True)
 
     def _play_tuning(self, name: str) -> None:
-        from pipeline.tuning import grid, ranges_from_request, sample
-
         request, job = self.requests[name], self._moto.hyper_parameter_tuning_jobs[name]
         config, definition = request["HyperParameterTuningJobConfig"], request["TrainingJobDefinition"]  # fmt: skip
         ranges = ranges_from_request(config["ParameterRanges"])
@@ -401,6 +401,49 @@ class Emulator:
                 if path.is_file():
                     tar.add(path, arcname=path.relative_to(local).as_posix())
         self.store.put_bytes(self._key(uri).rstrip("/"), buffer.getvalue())
+
+
+# -- SageMaker's search, as the emulator plays it: the request's ranges drawn at random (a
+# grid for Grid). The search itself is SageMaker's business; what is checked here is that the
+# request is whole and that each trial runs and reports its objective.
+
+
+def ranges_from_request(ranges: dict) -> dict:
+    """A tuning request's ParameterRanges as the settings write them."""
+    from pipeline.config import Categorical, Interval
+
+    out: dict = {}
+    for kind, integer in (("ContinuousParameterRanges", False), ("IntegerParameterRanges", True)):
+        for r in ranges.get(kind, []):
+            log = r.get("ScalingType") in ("Logarithmic", "ReverseLogarithmic")
+            out[r["Name"]] = Interval(float(r["MinValue"]), float(r["MaxValue"]), integer, log)
+    for r in ranges.get("CategoricalParameterRanges", []):
+        out[r["Name"]] = Categorical(tuple(r["Values"]))
+    return out
+
+
+def sample(tunables: dict, rng) -> dict[str, str]:
+    from pipeline.config import Categorical
+
+    values = {}
+    for name, t in sorted(tunables.items()):
+        if isinstance(t, Categorical):
+            values[name] = rng.choice(t.options)
+            continue
+        if t.log:
+            x = math.exp(rng.uniform(math.log(t.low), math.log(t.high)))
+        else:
+            x = rng.uniform(t.low, t.high)
+        values[name] = str(round(x)) if t.integer else f"{x:.6g}"
+    return values
+
+
+def grid(tunables: dict) -> list[dict[str, str]]:
+    names = sorted(tunables)
+    return [
+        dict(zip(names, combo, strict=True))
+        for combo in itertools.product(*(tunables[n].options for n in names))
+    ]
 
 
 def open_emulated_store(settings) -> Store:

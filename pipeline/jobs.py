@@ -104,6 +104,7 @@ class TuningJob:
     objective_type: str
     max_jobs: int
     max_parallel_jobs: int
+    early_stopping: str = "Off"  # Off | Auto
 
     kind = "tuning"
 
@@ -251,7 +252,7 @@ def tuning_request(job: TuningJob, image: str, role: str, uri_of: UriOf) -> dict
             },
             "ResourceLimits": limits,
             "ParameterRanges": ranges,
-            "TrainingJobEarlyStoppingType": "Off",
+            "TrainingJobEarlyStoppingType": job.early_stopping,
         },
         "TrainingJobDefinition": definition,
     }

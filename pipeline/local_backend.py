@@ -132,9 +132,17 @@ class LocalBackend:
         self._cleanup(root, result)
         return result
 
-    def run_training(self, job: TrainingJob) -> JobResult:
+    def run_training(self, job: TrainingJob, watch=None) -> JobResult:
+        """`watch(line)`, if given, sees every line the job prints; when it returns True the
+        job is stopped (SIGTERM: it checkpoints and exits) and not restarted."""
         request = training_request(job, LOCAL_IMAGE, LOCAL_ROLE, self.store.uri_of)
-        say = self._say(job.name)
+        echo = self._say(job.name)
+
+        def say(line: str) -> None:
+            echo(line)
+            if watch is not None and watch(line):
+                self.containers.stop(job.name)
+
         root = self.work_root / job.name
         with (
             self._interruptible(job.name, root),

@@ -43,9 +43,9 @@ from steps.contract import (
     write_step_metadata,
 )
 from steps.hyperparameters import parse_hyperparameters
+from steps.metrics import metric_line
 from steps.user_code import call, load_user_functions
 
-METRIC_LINE = "epoch={epoch} step={step} train_loss={train_loss:.6f} validation:loss={val_loss:.6f} validation:accuracy={accuracy:.6f} validation:f1={f1:.6f}"
 EXPORT_CHECK_ROWS = 16  # rows in each of the two export check batches (shortest, longest)
 
 
@@ -417,7 +417,7 @@ def end_epoch(job: Job) -> None:
               "learning_rate": job.scheduler.get_last_lr()[0],
               "seconds": round(time.time() - job.epoch_started, 3)}  # fmt: skip
     state.history.append(record)
-    accelerator.print(METRIC_LINE.format(**record))
+    accelerator.print(metric_line(record))
     accelerator.log({k: v for k, v in record.items() if k != "epoch"}, step=state.step)
     new_best = None
     if state.best_metric is None or scores["f1"] > state.best_metric:
@@ -557,7 +557,7 @@ def finish(job: Job) -> None:
     accelerator.print(f"torch.export program: {exports['exported']}")
     # The last metric line is the best epoch's: a tuner reading the final value sees the model it gets.
     best = next(h for h in state.history if h["epoch"] == state.best_epoch)
-    accelerator.print("best " + METRIC_LINE.format(**best))
+    accelerator.print("best " + metric_line(best))
     if not exports["torchscript"]["passed"]:  # a model whose export is wrong is never promoted
         raise RuntimeError(
             f"the TorchScript export does not match the eager model: {exports['torchscript']}"

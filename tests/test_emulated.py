@@ -90,20 +90,25 @@ def test_train_two_models_on_two_emulated_hosts_agrees_with_local(
     assert local_record["holdout_performance"] == record["holdout_performance"]
 
 
-def test_tune_two_models_emulated(staged, bucket, tmp_path):
-    # One host per trial: two emulated hosts are the test above's.
+def test_tune_emulated(staged, bucket, tmp_path):
+    # One model on one host per trial: two models on two emulated hosts are the test above's.
     settings = emulated_settings(
-        tmp_path, bucket, experiment={"JOB": "tune"},
+        tmp_path, bucket, experiment={"JOB": "tune"}, models={"MODEL_NAMES": "bow"},
         training={"USE_DISTRIBUTED": "false", "INSTANCE_COUNT": "1"},
-        tuning={"STRATEGY": "Random", "MAX_JOBS": "2", "MAX_PARALLEL_JOBS": "2"},
+        tuning={"STRATEGY": "Random", "MAX_JOBS": "2", "MAX_PARALLEL_JOBS": "2", "EARLY_STOPPING": "Auto"},
         **{"tuning.hyperparameters": {"LEARNING_RATE": "1e-4->1e-2 log", "BATCH_SIZE": None}},
     )  # fmt: skip
-    echo = io.StringIO()
-    record = run_pipeline(settings, staged, parse_steps(None), echo=echo)
+    recorder, echo = Recorder(), io.StringIO()
+    record = run_pipeline(settings, staged, parse_steps(None), echo=echo, make_backend=recorder)
     assert record["status"] == "completed"
+    [request] = [json.loads(b) for b in recorder.bodies if "HyperParameterTuningJobConfig" in b]
+    config = request["HyperParameterTuningJobConfig"]
+    assert config["TrainingJobEarlyStoppingType"] == "Auto" and config["Strategy"] == "Random"
+    assert {m["Name"] for m in request["TrainingJobDefinition"]["AlgorithmSpecification"]["MetricDefinitions"]} == {
+        "train:loss", "validation:loss", "validation:accuracy", "validation:f1"}  # fmt: skip
     tune = record["steps"]["tune"]
-    assert len(tune["job_names"]) == 2 and all(len(n) <= 32 for n in tune["job_names"])
-    for model in ("minilm", "bow"):
+    assert len(tune["job_names"]) == 1 and all(len(n) <= 32 for n in tune["job_names"])
+    for model in ("bow",):
         details = tune["details"]["models"][model]
         best = details["best"]
         assert best["TrainingJobName"].startswith(details["tuning_job"] + "-")
@@ -118,7 +123,7 @@ def test_tune_two_models_emulated(staged, bucket, tmp_path):
         for k in staged.list_keys(ExperimentTree("test-exp").run(1).checkpoints("bow"))
     }
     assert len(trials) == 2 and all(
-        t.startswith(record["steps"]["tune"]["job_names"][1]) for t in trials
+        t.startswith(record["steps"]["tune"]["job_names"][0]) for t in trials
     )
 
 

@@ -3,11 +3,14 @@ with the metric definition's regex, and the best trial's model is the one tested
 
 from __future__ import annotations
 
+import csv
 import json
 import sys
 
+import pytest
+
 from pipeline.config import load_settings
-from pipeline.driver import parse_steps, run_pipeline
+from pipeline.driver import PipelineError, parse_steps, run_pipeline
 from pipeline.store import LocalStore
 from tests.conftest import write_settings
 from tests.test_user_functions import REVIEWS, write_module, write_reviews
@@ -15,66 +18,137 @@ from tests.test_user_functions import REVIEWS, write_module, write_reviews
 
 def tuning_settings(tmp_path, **tuning):
     write_module(tmp_path, "reviews_tuning", REVIEWS)
-    write_reviews(tmp_path / "raw")
+    if not (tmp_path / "raw").exists():
+        write_reviews(tmp_path / "raw")
     return write_settings(
         tmp_path / "settings.ini", str(tmp_path / "store"),
         experiment={"USER_FUNCTIONS": "reviews_tuning", "NAME": "reviews", "JOB": "tune"},
         data={"RAW_DATA": str(tmp_path / "raw")}, models={"MODEL_NAMES": "tiny"},
         training={"MAX_SEQUENCE_LENGTH": "12"},
         tuning={"STRATEGY": "Random", "MAX_JOBS": "3", "MAX_PARALLEL_JOBS": "2", **tuning},
-        **{"tuning.hyperparameters": {"LEARNING_RATE": "0.001->0.1 log", "EPOCHS": "1,3", "BATCH_SIZE": None}},
+        **{"tuning.hyperparameters": {"LEARNING_RATE": "0.001->0.1 log", "EPOCHS": "1,2", "BATCH_SIZE": None}},
     )  # fmt: skip
 
 
-def test_random_search_picks_the_best_trial(tmp_path):
-    settings = load_settings(tuning_settings(tmp_path), env={})
+# The reviews model, except that a trial with WARMUP_RATIO = 0.5 crashes (a trial that runs
+# out of memory, say): the job sees its hyperparameters as SM_HP_* variables.
+FLAKY = (
+    REVIEWS
+    + """
+import os as _os
+
+_load_model = load_model
+
+
+def load_model(model_name, id2label, label2id):
+    if _os.environ.get("SM_HP_WARMUP_RATIO") == "0.5":
+        raise MemoryError("this trial runs out of memory, on purpose")
+    return _load_model(model_name, id2label, label2id)
+"""
+)
+
+
+def tune(tmp_path, steps="reconcile,prepare,train", hyperparameters=None, flaky=False, **tuning):
+    path = tuning_settings(tmp_path, **tuning)
+    if hyperparameters or flaky:
+        import configparser
+
+        parser = configparser.ConfigParser(interpolation=None, delimiters=("=",))
+        parser.optionxform = str.upper
+        parser.read(path)
+        if hyperparameters:
+            parser.remove_section("tuning.hyperparameters")
+            parser.add_section("tuning.hyperparameters")
+            for key, value in hyperparameters.items():
+                parser.set("tuning.hyperparameters", key, value)
+        if flaky:
+            write_module(tmp_path, "reviews_flaky", FLAKY)
+            parser.set("experiment", "USER_FUNCTIONS", "reviews_flaky")
+        with open(path, "w") as f:
+            parser.write(f)
+    settings = load_settings(path, env={})
     store = LocalStore(settings.store_uri())
-    record = run_pipeline(settings, store, parse_steps(None), echo=sys.stdout)
+    return run_pipeline(settings, store, parse_steps(steps), echo=sys.stdout), store
+
+
+def trial_models(store) -> set[str]:
+    """The trials whose model files are still in the run tree."""
+    return {
+        k.split("/")[5] for k in store.list_keys("reviews/runs/0001/tuning/tiny/") if "/model/" in k
+    }
+
+
+def test_bayesian_search_of_six_trials_two_at_once_promotes_the_best(tmp_path):
+    record, store = tune(
+        tmp_path, steps=None, STRATEGY="Bayesian", MAX_JOBS="6", MAX_PARALLEL_JOBS="2"
+    )
     assert record["status"] == "completed"
-    tune = record["steps"]["tune"]
+    tune_section = record["steps"]["tune"]
     # One tuning job per model, as on SageMaker; its trials are in its details.
-    assert "train" not in record["steps"] and len(tune["job_names"]) == 1
-    details = tune["details"]["models"]["tiny"]
+    assert "train" not in record["steps"] and len(tune_section["job_names"]) == 1
+    details = tune_section["details"]["models"]["tiny"]
+    assert (details["ran_as"], details["sampler"]) == ("Bayesian", "TPESampler")
     trials = details["trials"]
-    assert details["ran_as"] == "Random" and len(trials) == 3
-    for trial in trials:
-        assert trial["status"] == "Completed" and 0 <= trial["objective"] <= 1
-        assert 0.001 <= float(trial["hyperparameters"]["learning_rate"]) <= 0.1
-        assert trial["hyperparameters"]["epochs"] in ("1", "3")
+    with open(store.root / "reviews/runs/0001/tuning/tiny/trials.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(trials) == 6 and {r["status"] for r in rows} == {"Completed"}
+    for row, trial in zip(rows, trials, strict=True):
+        assert 0 <= float(row["objective"]) <= 1 and float(row["objective"]) == trial["objective"]
+        assert 0.001 <= float(row["learning_rate"]) <= 0.1 and row["epochs"] in ("1", "2")
     best = max(trials, key=lambda t: t["objective"])
     assert details["best"] == best
-    # The best trial's model is promoted to where a training job leaves a model.
+    # The best trial's model is promoted to where a training job leaves a model; the other
+    # trials' model files are gone, their records stay.
     promoted = record["model_artifacts"]["tiny"]
     assert promoted == "reviews/runs/0001/models/tiny/model/"  # a key: the store may move
     best_files = store.root / best["model"]
     for name in ("model.safetensors", "model.torchscript.pt"):
         assert (best_files / name).read_bytes() == (store.root / promoted / name).read_bytes()
+    assert trial_models(store) == {best["model"].split("/")[5]}
+    assert (store.root / "reviews/runs/0001/tuning/tiny/trials.png").stat().st_size > 10_000
     # The objective read off the log is the best epoch's F1 the trial itself recorded.
-    report = json.loads((best_files.parent / "output/step_metadata.json").read_text())
+    report = json.loads((store.root / best["output"] / "step_metadata.json").read_text())
     assert abs(report["best_validation_f1"] - best["objective"]) < 1e-6
+    # Inference ran on the promoted model, unchanged.
     assert record["steps"]["inference"]["details"]["models_from"] == "reviews/runs/0001/models/"
+    assert "tiny" in record["holdout_performance"]
 
 
-def test_grid_runs_every_categorical_combination(tmp_path):
-    path = tuning_settings(tmp_path, STRATEGY="Grid", MAX_JOBS="10", MAX_PARALLEL_JOBS="2")
-    import configparser
+def test_early_stopping_stops_a_trial_that_falls_behind(tmp_path):
+    # One good learning rate and two that learn nothing in three epochs, one trial at a time.
+    record, store = tune(tmp_path, STRATEGY="Grid", MAX_JOBS="3", MAX_PARALLEL_JOBS="1", EARLY_STOPPING="Auto",
+                         hyperparameters={"LEARNING_RATE": "0.05,0.000001,0.0000001", "EPOCHS": "3"})  # fmt: skip
+    details = record["steps"]["tune"]["details"]["models"]["tiny"]
+    assert details["pruner"] == "MedianPruner"
+    stopped = [t for t in details["trials"] if t["status"] == "Stopped"]
+    assert stopped and details["stopped_early"] == len(stopped)
+    for t in stopped:
+        assert len(t["epochs"]) < 3 and t["stop_reason"].startswith(
+            "early stopping: validation:f1="
+        )
+        assert not store.list_keys(f"reviews/runs/0001/checkpoints/tiny-trial-{t['number']:03d}/")
+    assert details["best"]["status"] == "Completed" and record["status"] == "completed"
+    # Grid: each option exactly once (a stopped trial counts as visited).
+    rates = sorted(t["hyperparameters"]["learning_rate"] for t in details["trials"])
+    assert rates == sorted(["0.05", "0.000001", "0.0000001"])
 
-    parser = configparser.ConfigParser(interpolation=None, delimiters=("=",))
-    parser.optionxform = str.upper
-    parser.read(path)
-    parser.set("tuning.hyperparameters", "LEARNING_RATE", "0.01,0.05")
-    parser.set("tuning.hyperparameters", "EPOCHS", "1,2")
-    with open(path, "w") as f:
-        parser.write(f)
-    settings = load_settings(path, env={})
-    record = run_pipeline(
-        settings,
-        LocalStore(settings.store_uri()),
-        parse_steps("reconcile,prepare,train"),
-        echo=sys.stdout,
+
+def test_a_failing_trial_is_recorded_and_only_all_failing_fails_the_step(tmp_path):
+    record, store = tune(tmp_path, STRATEGY="Grid", MAX_JOBS="2", MAX_PARALLEL_JOBS="2", flaky=True,
+                         hyperparameters={"WARMUP_RATIO": "0.1,0.5"})  # fmt: skip
+    details = record["steps"]["tune"]["details"]["models"]["tiny"]
+    failed = [t for t in details["trials"] if t["status"] == "Failed"]
+    assert len(failed) == 1 and "runs out of memory, on purpose" in failed[0]["stop_reason"]
+    assert details["best"]["hyperparameters"]["warmup_ratio"] == "0.1" and details["failed"] == 1
+    assert record["model_artifacts"]["tiny"] == "reviews/runs/0001/models/tiny/model/"
+
+    # Every trial failing (the same prepared data, reused): one paragraph, nothing promoted.
+    with pytest.raises(PipelineError) as e:
+        tune(tmp_path, steps="train", STRATEGY="Grid", MAX_JOBS="2", MAX_PARALLEL_JOBS="2", flaky=True,
+             hyperparameters={"WARMUP_RATIO": "0.5", "EPOCHS": "1,2"})  # fmt: skip
+    message = str(e.value)
+    assert (
+        "step 'tune' failed" in message and "no trial of 2 completed with validation:f1" in message
     )
-    trials = record["steps"]["tune"]["details"]["models"]["tiny"]["trials"]
-    combos = {
-        (t["hyperparameters"]["learning_rate"], t["hyperparameters"]["epochs"]) for t in trials
-    }
-    assert combos == {("0.01", "1"), ("0.01", "2"), ("0.05", "1"), ("0.05", "2")}
+    assert message.count("runs out of memory, on purpose") == 2 and "\n" not in message
+    assert not store.list_keys("reviews/runs/0002/models/")

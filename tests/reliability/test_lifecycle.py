@@ -60,7 +60,7 @@ class Driver:
 def settings_for(tmp_path, demo_raw):
     return write_settings(tmp_path / "s.ini", str(tmp_path / "store"), models={"MODEL_NAMES": "bow"},
                           data={"RAW_DATA": str(demo_raw)},
-                          training={"EPOCHS": "30", "CHECKPOINT_EVERY_STEPS": "2", "MAX_RESTARTS": "0"})  # fmt: skip
+                          training={"EPOCHS": "30", "CHECKPOINT_EVERY_STEPS": "0", "MAX_RESTARTS": "0"})  # fmt: skip
 
 
 def record(tmp_path, run=RUN1) -> dict:
