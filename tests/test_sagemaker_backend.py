@@ -139,7 +139,8 @@ def test_tuning_request(tmp_path, bucket, sent):
         "Type": "Maximize",
         "MetricName": "validation:f1",
     }
-    assert config["ResourceLimits"] == {"MaxParallelTrainingJobs": 1, "MaxNumberOfTrainingJobs": 4}
+    assert config["ResourceLimits"] == {"MaxParallelTrainingJobs": 2, "MaxNumberOfTrainingJobs": 4}
+    assert config["TrainingJobEarlyStoppingType"] == "Auto"  # [tuning] EARLY_STOPPING
     ranges = config["ParameterRanges"]
     assert ranges["ContinuousParameterRanges"] == [
         {

@@ -152,3 +152,17 @@ def test_a_failing_trial_is_recorded_and_only_all_failing_fails_the_step(tmp_pat
     )
     assert message.count("runs out of memory, on purpose") == 2 and "\n" not in message
     assert not store.list_keys("reviews/runs/0002/models/")
+
+
+def test_hyperband_runs_as_hyperband(tmp_path):
+    record, store = tune(tmp_path, STRATEGY="Hyperband", MAX_JOBS="3", MAX_PARALLEL_JOBS="2", EARLY_STOPPING="Off",
+                         hyperparameters={"LEARNING_RATE": "0.001->0.1 log", "EPOCHS": "3"})  # fmt: skip
+    details = record["steps"]["tune"]["details"]["models"]["tiny"]
+    assert (details["ran_as"], details["sampler"], details["pruner"]) == (
+        "Hyperband",
+        "TPESampler",
+        "HyperbandPruner",
+    )
+    assert len(details["trials"]) == 3 and details["best"]["status"] == "Completed"
+    # Every trial reported its epochs to the pruner as it went.
+    assert all(t["epochs"] for t in details["trials"] if t["status"] != "Failed")
