@@ -303,8 +303,11 @@ def draw(
                        label=f"{t['number']} ({t['status'].lower()})")  # fmt: skip
     right.set(xlabel="epoch", ylabel=metric, title="each trial, by epoch")
     right.legend(fontsize=7)
+    from matplotlib.ticker import MaxNLocator
+
     for ax in (left, right):
         ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(f"tuning {model_name}")
     fig.tight_layout()
     with tempfile.TemporaryDirectory() as tmp:

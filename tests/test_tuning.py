@@ -25,7 +25,7 @@ def tuning_settings(tmp_path, **tuning):
         experiment={"USER_FUNCTIONS": "reviews_tuning", "NAME": "reviews", "JOB": "tune"},
         data={"RAW_DATA": str(tmp_path / "raw")}, models={"MODEL_NAMES": "tiny"},
         training={"MAX_SEQUENCE_LENGTH": "12"},
-        tuning={"STRATEGY": "Random", "MAX_JOBS": "3", "MAX_PARALLEL_JOBS": "2", **tuning},
+        tuning={"STRATEGY": "Random", "MAX_JOBS": "3", "MAX_PARALLEL_JOBS": "2", "EARLY_STOPPING": "Off", **tuning},
         **{"tuning.hyperparameters": {"LEARNING_RATE": "0.001->0.1 log", "EPOCHS": "1,2", "BATCH_SIZE": None}},
     )  # fmt: skip
 
