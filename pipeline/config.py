@@ -470,23 +470,50 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
     path = Path(path)
     raw, problems = _read_ini(path)
     problems += _apply_env(raw, dict(os.environ) if env is None else env)
+    problems += _unknown_sections(raw)
+    parsed = _sections(raw, problems)
+    model_training = _per_model(raw, parsed, problems)
+    constants, tunables = _tuning_hyperparameters(raw, problems)
+    metrics = _metric_definitions(raw, problems)
+    problems += _across_sections(parsed, tunables, metrics)
+    if problems:
+        raise ConfigError(problems, str(path))
+    return Settings(
+        **parsed,
+        model_training=model_training,
+        tuning_constants=constants,
+        tunables=tunables,
+        metric_definitions=metrics,
+        source=str(path),
+        base_dir=str(path.resolve().parent),
+        applied_ini=_render_redacted(raw),
+    )
 
-    for section in raw:
-        if (
-            section not in SECTIONS
-            and section not in FREE_SECTIONS
-            and not section.startswith("training.")
-        ):
-            allowed = ", ".join(list(SECTIONS) + list(FREE_SECTIONS) + ["training.<model>"])
-            problems.append(f"[{section}]: unknown section (allowed: {allowed})")
 
+def _unknown_sections(raw: dict[str, dict[str, str]]) -> list[str]:
+    allowed = ", ".join(list(SECTIONS) + list(FREE_SECTIONS) + ["training.<model>"])
+    return [
+        f"[{section}]: unknown section (allowed: {allowed})"
+        for section in raw
+        if section not in SECTIONS
+        and section not in FREE_SECTIONS
+        and not section.startswith("training.")
+    ]
+
+
+def _sections(raw: dict[str, dict[str, str]], problems: list[str]) -> dict[str, Section]:
+    """Each fixed section as its typed model; a section with problems is left out."""
     parsed: dict[str, Section] = {}
     for section, model in SECTIONS.items():
         try:
             parsed[section] = model(**raw.get(section, {}))
         except ValidationError as e:
             problems.extend(_pydantic_problems(section, e))
+    return parsed
 
+
+def _per_model(raw: dict, parsed: dict[str, Section], problems: list[str]) -> dict[str, Training]:
+    """[training.<model>]: [training] with the model's per-model keys applied."""
     model_training: dict[str, Training] = {}
     for section in [s for s in raw if s.startswith("training.")]:
         model = section.removeprefix("training.")
@@ -513,7 +540,13 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
             problems.extend(
                 p.replace("[training]", f"[{section}]") for p in _pydantic_problems("training", e)
             )
+    return model_training
 
+
+def _tuning_hyperparameters(
+    raw: dict, problems: list[str]
+) -> tuple[dict[str, str], dict[str, Tunable]]:
+    """[tuning.hyperparameters]: constants and searched ranges, each typed and bounded."""
     constants: dict[str, str] = {}
     tunables: dict[str, Tunable] = {}
     for key, text in raw.get("tuning.hyperparameters", {}).items():
@@ -543,7 +576,10 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
             constants[key] = value
         else:
             tunables[key] = value
+    return constants, tunables
 
+
+def _metric_definitions(raw: dict, problems: list[str]) -> dict[str, str]:
     # Every metric train.py prints has a regex already; the section may add or override.
     metrics: dict[str, str] = dict(METRIC_DEFINITIONS)
     for key, regex in raw.get("tuning.metric_definitions", {}).items():
@@ -552,7 +588,14 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
             problems.append(f"[tuning.metric_definitions] {key.upper()}: {problem}")
             continue
         metrics[key] = regex
+    return metrics
 
+
+def _across_sections(
+    parsed: dict[str, Section], tunables: dict[str, Tunable], metrics: dict[str, str]
+) -> list[str]:
+    """What no one section can check alone."""
+    problems: list[str] = []
     if "data" in parsed:
         d = parsed["data"]
         total = d.train_fraction + d.validation_fraction + d.test_fraction
@@ -604,19 +647,7 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
                 f"[training] MAX_WAIT_SECONDS ({t.max_wait_seconds}) must be at least MAX_RUN_SECONDS "
                 f"({t.max_run_seconds}): SageMaker's MaxWaitTimeInSeconds includes the run"
             )
-
-    if problems:
-        raise ConfigError(problems, str(path))
-    return Settings(
-        **parsed,
-        model_training=model_training,
-        tuning_constants=constants,
-        tunables=tunables,
-        metric_definitions=metrics,
-        source=str(path),
-        base_dir=str(path.resolve().parent),
-        applied_ini=_render_redacted(raw),
-    )
+    return problems
 
 
 def _render_redacted(raw: dict[str, dict[str, str]]) -> str:

@@ -126,8 +126,7 @@ def run_local_tuning(backend, job: TuningJob, store: Store, run: RunTree) -> Job
             "Stopped": optuna.trial.TrialState.PRUNED,
         }
         study.add_trial(optuna.trial.create_trial(
-            params={k: spaces[k].to_external_repr(spaces[k].to_internal_repr(_typed(spaces[k], v)))
-                    for k, v in record["hyperparameters"].items()},
+            params={k: _typed(spaces[k], v) for k, v in record["hyperparameters"].items()},
             distributions=spaces, value=record["objective"] if record["status"] == "Completed" else None,
             state=state.get(record["status"], optuna.trial.TrialState.FAIL),
             intermediate_values={int(k): v for k, v in record.get("epochs", {}).items()},

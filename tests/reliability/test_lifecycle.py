@@ -71,14 +71,20 @@ def job_folders(tmp) -> list[str]:
     return [p.name for p in tmp.glob("smpipe-jobs-*")]
 
 
-@pytest.mark.slow
-def test_a_stopped_driver_stops_its_job_and_resume_continues_the_run(tmp_path, demo_raw):
+def driver_in_training(tmp_path, demo_raw):
+    """A driver whose training job has reported step 4, its settings, its temporary folder,
+    and every process it has started."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     settings = settings_for(tmp_path, demo_raw)
     driver = Driver(settings, tmp)
     driver.wait_for("] step=4/")
-    children = psutil.Process(driver.proc.pid).children(recursive=True)
+    return driver, settings, tmp, psutil.Process(driver.proc.pid).children(recursive=True)
+
+
+@pytest.mark.slow
+def test_a_stopped_driver_stops_its_job_and_resume_continues_the_run(tmp_path, demo_raw):
+    driver, settings, tmp, children = driver_in_training(tmp_path, demo_raw)
     driver.proc.send_signal(signal.SIGTERM)
     assert driver.finish() == 130, driver.output
     assert "run 0001 interrupted" in driver.output and "--resume 1 continues it" in driver.output
@@ -104,12 +110,7 @@ def test_a_stopped_driver_stops_its_job_and_resume_continues_the_run(tmp_path, d
 
 @pytest.mark.slow
 def test_a_killed_driver_takes_its_job_along_and_its_run_is_marked_abandoned(tmp_path, demo_raw):
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    settings = settings_for(tmp_path, demo_raw)
-    driver = Driver(settings, tmp)
-    driver.wait_for("] step=4/")
-    children = psutil.Process(driver.proc.pid).children(recursive=True)
+    driver, settings, tmp, children = driver_in_training(tmp_path, demo_raw)
     driver.proc.kill()
     driver.finish()
     gone, alive = psutil.wait_procs(children, timeout=60)
