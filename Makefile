@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_RAW := build/demo_raw
 
-.PHONY: install run test lint bench clean
+.PHONY: install browser run test lint bench screenshot clean
 
 # torch goes in first, pinned to the CPU build on this disk: anything that pulled torch
 # before it would drag in a multi-GB CUDA build. The project's ranges (pyproject.toml) then
@@ -24,7 +24,15 @@ run: install
 	$(PY) -m pipeline.stage settings.ini $(DEMO_RAW) --if-empty
 	$(PY) run_pipeline.py settings.ini
 
-test: install
+# Debian's chromium, for the test that opens report.html in a real browser (playwright drives
+# it; it downloads no browser of its own). Where it cannot be installed, that test is skipped
+# and says why.
+browser:
+	@command -v chromium >/dev/null || apt-get install -y -q chromium >/dev/null 2>&1 \
+		|| (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1) \
+		|| echo "chromium could not be installed: the report's browser test will be skipped"
+
+test: install browser
 	$(PY) -m pytest -q
 
 lint: install
@@ -37,6 +45,10 @@ lint: install
 bench: install
 	$(PY) bench/speed.py
 	$(PY) bench/checkpoint_cost.py
+
+# docs/report.png: the newest demo run's report.html as a browser shows it (run `make run` first).
+screenshot: install browser
+	$(PY) docs/screenshot.py settings.ini docs/report.png
 
 clean:
 	rm -rf build artifacts

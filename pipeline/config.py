@@ -221,6 +221,11 @@ class Settings(BaseModel):
     # [tuning.hyperparameters]: constants override [training]; tunables are searched.
     tuning_constants: dict[str, str] = {}
     tunables: dict[str, Tunable] = {}
+    # [tuning.hyperparameters.<model>]: one model's own constants and ranges, key by key over
+    # the shared ones (a pretrained encoder and a model trained from scratch want different
+    # learning rates).
+    model_tuning_constants: dict[str, dict[str, str]] = {}
+    model_tunables: dict[str, dict[str, Tunable]] = {}
     # [tuning.metric_definitions]: name -> regex read off the training log.
     metric_definitions: dict[str, str] = {}
     source: str = ""  # the file it came from
@@ -239,6 +244,17 @@ class Settings(BaseModel):
         if not raw or "://" in raw or os.path.isabs(raw):
             return raw
         return str(Path(self.base_dir, raw).resolve())
+
+    def tuning_space(self, model_name: str) -> tuple[dict[str, str], dict[str, Tunable]]:
+        """(constants, searched ranges) of `model_name`'s tuning job: the shared section with
+        the model's own section applied key by key (a constant may replace a range)."""
+        return merged_space(
+            (self.tuning_constants, self.tunables),
+            (
+                self.model_tuning_constants.get(model_name, {}),
+                self.model_tunables.get(model_name, {}),
+            ),
+        )
 
     def training_hyperparameters(self, model_name: str, job_kind: str) -> dict[str, str]:
         """What a training job receives: strings, as SageMaker passes them."""
@@ -265,7 +281,7 @@ class Settings(BaseModel):
             "compile": str(t.compile).lower(),
         }
         if job_kind == "tuning":
-            hps.update(self.tuning_constants)
+            hps.update(self.tuning_space(model_name)[0])
         return {k: str(v) for k, v in hps.items()}
 
 
@@ -279,6 +295,7 @@ SECTIONS: dict[str, type[Section]] = {
     "tracking": Tracking,
 }
 FREE_SECTIONS = ("tuning.hyperparameters", "tuning.metric_definitions")
+HP, HP_ENV = "tuning.hyperparameters", "tuning_hyperparameters_"
 # [training.<model>] may change how one model learns; the rest is shared by every model
 # (one encoding for all, one job shape).
 PER_MODEL = (
@@ -293,6 +310,15 @@ PER_MODEL = (
     "compile",
 )
 INT_RE = re.compile(r"^[+-]?\d+$")
+
+
+def merged_space(shared: tuple[dict, dict], own: tuple[dict, dict]) -> tuple[dict, dict]:
+    """(constants, tunables) of one model: its own keys replace the shared ones, whichever
+    kind either is."""
+    mine = {*own[0], *own[1]}
+    constants = {k: v for k, v in shared[0].items() if k not in mine} | own[0]
+    tunables = {k: v for k, v in shared[1].items() if k not in mine} | own[1]
+    return constants, tunables
 
 
 def parse_tunable(text: str) -> Tunable | str:
@@ -428,8 +454,13 @@ def _apply_env(raw: dict[str, dict[str, str]], env: dict[str, str]) -> list[str]
             raw.setdefault(names[section], {})[key] = value
         elif section.startswith("training_"):  # SMPIPE__TRAINING_<MODEL>__<KEY>
             raw.setdefault("training." + section.removeprefix("training_"), {})[key] = value
+        elif section.startswith(HP_ENV):  # SMPIPE__TUNING_HYPERPARAMETERS_<MODEL>__<KEY>
+            raw.setdefault(HP + "." + section.removeprefix(HP_ENV), {})[key] = value
         else:
-            allowed = ", ".join(n.upper() for n in names) + ", TRAINING_<MODEL>"
+            allowed = (
+                ", ".join(n.upper() for n in names)
+                + ", TRAINING_<MODEL>, TUNING_HYPERPARAMETERS_<MODEL>"
+            )
             problems.append(f"environment {var}: no section {section.upper()} (allowed: {allowed})")
     return problems
 
@@ -473,9 +504,23 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
     problems += _unknown_sections(raw)
     parsed = _sections(raw, problems)
     model_training = _per_model(raw, parsed, problems)
-    constants, tunables = _tuning_hyperparameters(raw, problems)
+    constants, tunables = _tuning_hyperparameters(raw.get(HP, {}), HP, problems)
+    model_constants, model_tunables = {}, {}
+    for model, section in _model_sections(raw, HP, parsed, problems).items():
+        model_constants[model], model_tunables[model] = _tuning_hyperparameters(
+            raw[section], section, problems
+        )
     metrics = _metric_definitions(raw, problems)
-    problems += _across_sections(parsed, tunables, metrics)
+    spaces = {
+        m: (
+            f"{HP}.{m}",
+            merged_space(
+                (constants, tunables), (model_constants.get(m, {}), model_tunables.get(m, {}))
+            )[1],
+        )
+        for m in (parsed["models"].model_names if "models" in parsed else [])
+    }
+    problems += _across_sections(parsed, spaces, model_tunables, metrics)
     if problems:
         raise ConfigError(problems, str(path))
     return Settings(
@@ -483,6 +528,8 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
         model_training=model_training,
         tuning_constants=constants,
         tunables=tunables,
+        model_tuning_constants=model_constants,
+        model_tunables=model_tunables,
         metric_definitions=metrics,
         source=str(path),
         base_dir=str(path.resolve().parent),
@@ -491,14 +538,32 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
 
 
 def _unknown_sections(raw: dict[str, dict[str, str]]) -> list[str]:
-    allowed = ", ".join(list(SECTIONS) + list(FREE_SECTIONS) + ["training.<model>"])
+    allowed = ", ".join([*SECTIONS, *FREE_SECTIONS, "training.<model>", HP + ".<model>"])
     return [
         f"[{section}]: unknown section (allowed: {allowed})"
         for section in raw
         if section not in SECTIONS
         and section not in FREE_SECTIONS
-        and not section.startswith("training.")
+        and not section.startswith(("training.", HP + "."))
     ]
+
+
+def _model_sections(
+    raw: dict, prefix: str, parsed: dict[str, Section], problems: list[str]
+) -> dict[str, str]:
+    """model -> its [<prefix>.<model>] section; one naming no model of MODEL_NAMES is refused."""
+    found = {}
+    for section in raw:
+        model = section.removeprefix(prefix + ".")
+        if model == section:
+            continue
+        if "models" in parsed and model not in parsed["models"].model_names:
+            problems.append(
+                f"[{section}]: {model!r} is not in [models] MODEL_NAMES ({', '.join(parsed['models'].model_names)})"
+            )
+        else:
+            found[model] = section
+    return found
 
 
 def _sections(raw: dict[str, dict[str, str]], problems: list[str]) -> dict[str, Section]:
@@ -515,13 +580,7 @@ def _sections(raw: dict[str, dict[str, str]], problems: list[str]) -> dict[str, 
 def _per_model(raw: dict, parsed: dict[str, Section], problems: list[str]) -> dict[str, Training]:
     """[training.<model>]: [training] with the model's per-model keys applied."""
     model_training: dict[str, Training] = {}
-    for section in [s for s in raw if s.startswith("training.")]:
-        model = section.removeprefix("training.")
-        if "models" in parsed and model not in parsed["models"].model_names:
-            problems.append(
-                f"[{section}]: {model!r} is not in [models] MODEL_NAMES ({', '.join(parsed['models'].model_names)})"
-            )
-            continue
+    for model, section in _model_sections(raw, "training", parsed, problems).items():
         for key in raw[section]:
             if key not in PER_MODEL:
                 problems.append(
@@ -544,22 +603,33 @@ def _per_model(raw: dict, parsed: dict[str, Section], problems: list[str]) -> di
 
 
 def _tuning_hyperparameters(
-    raw: dict, problems: list[str]
+    values: dict[str, str], section: str, problems: list[str]
 ) -> tuple[dict[str, str], dict[str, Tunable]]:
-    """[tuning.hyperparameters]: constants and searched ranges, each typed and bounded."""
+    """[tuning.hyperparameters] or a model's own: constants and searched ranges, each typed
+    and bounded."""
     constants: dict[str, str] = {}
     tunables: dict[str, Tunable] = {}
-    for key, text in raw.get("tuning.hyperparameters", {}).items():
-        where = f"[tuning.hyperparameters] {key.upper()}"
-        if key not in TUNABLE:
+    for key, text in values.items():
+        where = f"[{section}] {key.upper()}"
+        # Ranges only over what changes how a model learns; a constant may also set a trial's
+        # budget or precision (MAX_STEPS, MIXED_PRECISION), as a tuning job's static
+        # hyperparameters do.
+        constant_only = [k for k in PER_MODEL if k not in TUNABLE]
+        if key not in PER_MODEL:
             problems.append(
-                f"{where}: not a tunable hyperparameter (allowed: {', '.join(TUNABLE)})"
+                f"{where}: not a tunable hyperparameter (allowed: {', '.join(TUNABLE)}; "
+                f"as a single value also {', '.join(constant_only)})"
             )
             continue
         try:
             value = parse_tunable(text)
         except ValueError as e:
             problems.append(f"{where}: {e}")
+            continue
+        if key in constant_only and not isinstance(value, str):
+            problems.append(
+                f"{where}: takes a single value, not a range (searched: {', '.join(TUNABLE)})"
+            )
             continue
         kind = HYPERPARAMETERS[key][0]
         typed = []
@@ -592,9 +662,13 @@ def _metric_definitions(raw: dict, problems: list[str]) -> dict[str, str]:
 
 
 def _across_sections(
-    parsed: dict[str, Section], tunables: dict[str, Tunable], metrics: dict[str, str]
+    parsed: dict[str, Section],
+    spaces: dict[str, tuple[str, dict[str, Tunable]]],
+    own: dict[str, dict[str, Tunable]],
+    metrics: dict[str, str],
 ) -> list[str]:
-    """What no one section can check alone."""
+    """What no one section can check alone. `spaces`: each model's section and searched
+    ranges, `own`: the ranges its own section sets."""
     problems: list[str] = []
     if "data" in parsed:
         d = parsed["data"]
@@ -614,10 +688,18 @@ def _across_sections(
                 "[experiment] IMAGE_URI: the sagemaker backend needs the image built from docker/"
             )
     if "experiment" in parsed and parsed["experiment"].job == "tune":
-        if not tunables:
-            problems.append(
-                "[tuning.hyperparameters]: JOB = tune needs at least one tunable (a->b or x,y,z)"
-            )
+        grid = "tuning" in parsed and parsed["tuning"].strategy == "Grid"
+        for model, (section, tunables) in spaces.items():
+            if not tunables:
+                problems.append(
+                    f"[{HP}]: JOB = tune needs at least one tunable (a->b or x,y,z) for {model}"
+                )
+            ranges = [(k, v) for k, v in tunables.items() if isinstance(v, Interval)]
+            for key, value in ranges if grid else ():
+                where = section if key in own.get(model, {}) else HP
+                problem = f"[{where}] {key.upper()}: STRATEGY = Grid takes categorical options only (x,y,z), not {value.render()}"
+                if problem not in problems:  # a shared range is one problem, not one per model
+                    problems.append(problem)
         if (
             "tuning" in parsed
             and parsed["tuning"].strategy == "Hyperband"
@@ -626,12 +708,6 @@ def _across_sections(
             problems.append(
                 "[tuning] EARLY_STOPPING: Hyperband stops trials early by itself; set EARLY_STOPPING = Off (SageMaker refuses both)"
             )
-        if "tuning" in parsed and parsed["tuning"].strategy == "Grid":
-            for key, value in tunables.items():
-                if isinstance(value, Interval):
-                    problems.append(
-                        f"[tuning.hyperparameters] {key.upper()}: STRATEGY = Grid takes categorical options only (x,y,z), not {value.render()}"
-                    )
     if "tuning" in parsed and parsed["tuning"].objective_metric not in metrics:
         problems.append(
             f"[tuning] OBJECTIVE_METRIC: {parsed['tuning'].objective_metric!r} is not a metric "

@@ -354,6 +354,9 @@ class Containers:
         )
         with self._lock:
             self._running[proc.pid] = job
+            late = self.stopping  # stop() came while this one was starting: it stops too
+        if late:
+            os.killpg(proc.pid, signal.SIGTERM)
         peak = {"rss": 0.0}
         done = threading.Event()
         watcher = threading.Thread(target=_watch_memory, args=(proc.pid, peak, done), daemon=True)

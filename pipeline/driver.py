@@ -21,8 +21,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline import cache
 from pipeline import metadata as md
 from pipeline.config import Settings
+from pipeline.history import settings_changes
 from pipeline.jobs import (
     JobFailed,
     JobResult,
@@ -34,14 +36,14 @@ from pipeline.jobs import (
     training_request,
     tuning_request,
 )
-from pipeline.paths import DataTree, ExperimentTree, RunTree, run_label
+from pipeline.paths import SPLITS, DataTree, ExperimentTree, RunTree, run_label
 from pipeline.runs import claim_run_num, existing_run_nums, heartbeat, silent_driver
 from pipeline.store import (
     NotFound,
     Store,
+    artifact_key,
     aws_config,
     is_complete,
-    key_of,
     source_uri,
     upload_dir,
 )
@@ -53,7 +55,6 @@ from steps.user_code import load_user_functions
 log = logging.getLogger("smpipe")
 
 STEPS = ("reconcile", "prepare", "train", "inference")
-SPLITS = ("train", "validation", "test", "labels")
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -111,16 +112,6 @@ def newest_data(store: Store, tree: ExperimentTree, kind: str) -> int | None:
     return None
 
 
-def artifact_key(store: Store, recorded: str) -> str | None:
-    """A model's recorded place as a key of this store: Metadata records keys; records of
-    older runs hold URIs, understood while the store has not moved."""
-    return (
-        recorded
-        if "://" not in recorded and not recorded.startswith("/")
-        else key_of(store, recorded)
-    )
-
-
 def newest_models(
     store: Store, tree: ExperimentTree, model_names: list[str]
 ) -> tuple[int, dict] | None:
@@ -144,13 +135,20 @@ def read_labels(store: Store, key: str) -> dict[str, str] | None:
         return None
 
 
+def snapshot_hash(store: Store, data: DataTree) -> str | None:
+    """The hash of the snapshot `data` holds, or that its prepared data was made from."""
+    for key in (data.snapshot_info, data.prepared_from):
+        try:
+            return json.loads(store.get_bytes(key))["snapshot_hash"]
+        except (NotFound, KeyError):
+            continue
+    return None
+
+
 def lineage(store: Store, data: DataTree, version: int) -> dict:
     """What a model is trained on, recorded beside it: the data version, the hash of its
     snapshot, and the label map (id -> name)."""
-    try:
-        snapshot = json.loads(store.get_bytes(data.snapshot_info)).get("snapshot_hash")
-    except NotFound:
-        snapshot = None
+    snapshot = snapshot_hash(store, data)
     return {"data_version": version, "data_snapshot_hash": snapshot,
             "id2label": read_labels(store, data.split("labels") + "id2label.json")}  # fmt: skip
 
@@ -268,6 +266,46 @@ def resolve_sources(
     return sources
 
 
+def consult_cache(
+    settings: Settings,
+    store: Store,
+    tree: ExperimentTree,
+    steps: list[str],
+    sources: Sources,
+    functions,
+    use_cache: bool,
+) -> dict[str, cache.CacheEntry]:
+    """Each data step of `steps` reused (its sources pointed at the earlier output) or to be
+    computed; prepare's output for these inputs makes reconcile unnecessary too."""
+    placeholder = tree.run("<next run_num>")
+    arguments = {j.step: j.arguments for j in build_jobs(settings, steps, placeholder, sources)
+                 if j.kind == "processing"}  # fmt: skip
+    snapshot = snapshot_hash(store, sources.reconciled) if sources.reconciled else None
+    entries = cache.plan(store, tree, steps, sources.raw, snapshot, arguments, functions, use_cache)
+    prepare, reconcile = entries.get("prepare"), entries.get("reconcile")
+    if prepare and prepare.status == "reused" and reconcile and reconcile.status != "reused":
+        reconcile.status, reconcile.note = "skipped", "prepare's output for these inputs exists"
+    for step, entry in entries.items():
+        if entry.status != "reused":
+            why = entry.note or "no earlier output from these inputs"
+            log.info(f"{step} {'is not run' if entry.status == 'skipped' else 'runs'}: {why}")
+        if entry.status == "reused":
+            data = tree.data(entry.data_version)
+            how = f"{store.uri_of(data.prefix)} (cache: same inputs, key {entry.key[:12]})"
+            if step == "reconcile":
+                sources.reconciled, sources.reused["reconciled"] = data, how
+            else:
+                sources.prepared, sources.data_version = data, entry.data_version
+                sources.reused["prepared"] = how
+                sources.reconciled = sources.reconciled or data
+    return entries
+
+
+def log_reused(sources: Sources) -> None:
+    for what, where in sources.reused.items():
+        log.info(f"reusing {what}: {where}")
+
+
 # -- every job of a run, described once ------------------------------------------------------
 
 
@@ -342,7 +380,7 @@ def build_jobs(settings: Settings, steps: list[str], run: RunTree, sources: Sour
             jobs.append(TuningJob(
                 name=job_name(name, label, "tune", model, limit=32),
                 trial=training_job(settings, run, model, channels, "tuning"),
-                ranges=dict(settings.tunables), strategy=tuning.strategy,
+                ranges=settings.tuning_space(model)[1], strategy=tuning.strategy,
                 objective_metric=tuning.objective_metric, objective_type=tuning.objective_type,
                 max_jobs=tuning.max_jobs, max_parallel_jobs=tuning.max_parallel_jobs,
                 early_stopping=tuning.early_stopping,
@@ -464,21 +502,28 @@ def run_pipeline(
     make_backend=make_backend,
     show_requests: bool = False,
     resume: int | None = None,
+    use_cache: bool = True,
 ) -> dict | None:
     """Run the pipeline; return the merged Metadata as a dict (None for a dry run).
 
     `resume`: the run_num of a failed, interrupted or abandoned run to continue in place.
+    `use_cache`: reuse a data step's earlier output when its inputs are unchanged.
     `make_backend(settings, store, run, echo)` builds the backend once the run is claimed;
     only the outermost caller needs another one (a test's SageMaker client, say)."""
     echo = echo or sys.stdout
-    load_user_functions(settings.experiment.user_functions, settings.base_dir)
+    functions = load_user_functions(settings.experiment.user_functions, settings.base_dir)
     tree = ExperimentTree(settings.experiment.name)
+    data_steps: dict[str, cache.CacheEntry] = {}
     if resume is not None:
         run, base, steps, sources = resumed_run(settings, store, tree, resume, steps)
     else:
         sources = resolve_sources(settings, store, tree, steps)
+        data_steps = consult_cache(settings, store, tree, steps, sources, functions, use_cache)
+        skipped = {s for s, entry in data_steps.items() if entry.status in ("reused", "skipped")}
+        steps = [s for s in steps if s not in skipped]
     if dry_run:
         target = run if resume is not None else tree.run("<next run_num>")
+        log_reused(sources)
         log_plan(build_jobs(settings, steps, target, sources), settings, store, show_requests)
         log.info("dry run: nothing was launched or written")
         return None
@@ -487,6 +532,7 @@ def run_pipeline(
         if "reconcile" in steps and sources.raw == tree.raw and settings.raw_data_uri():
             upload_raw(settings, store, tree)
         run, base = claim_run(settings, store, tree, steps, sources)
+        base.data_steps = {step: entry.record() for step, entry in data_steps.items()}
     with heartbeat(store, run.heartbeat):
         return execute(settings, store, run, base, steps, sources, echo, make_backend)
 
@@ -529,8 +575,7 @@ def execute(
     started = time.time()
     tree = ExperimentTree(settings.experiment.name)
     base.mask(secret_values({**os.environ, **job_env(settings)}))
-    for step in sources.reused:
-        log.info(f"reusing {step}: {sources.reused[step]}")
+    log_reused(sources)
     md.merge(store, run, base)
     jobs = build_jobs(settings, steps, run, sources)
     log_plan(jobs, settings, store)
@@ -542,6 +587,8 @@ def execute(
     if "prepare" in steps:
         sources.prepared, sources.data_version = tree.data(run.run_num), run.run_num
     base.data_version = sources.data_version
+    if sources.prepared is not None and "prepare" not in steps:  # data from an earlier run
+        base.data_snapshot_hash = snapshot_hash(store, sources.prepared)
     training = [j for j in jobs if j.kind != "processing"]
     try:
         for job in jobs:
@@ -554,6 +601,7 @@ def execute(
     except JobFailed as e:
         _finish(store, run, base, started, "failed", str(e))
         backend.close(succeeded=False)
+        write_run_report(store, run)
         raise PipelineError(
             f"step '{e.step}' failed in job {e.result.name}: {e.result.failure_reason}. "
             f"The job's log is at {store.uri_of(e.result.log_key) if e.result.log_key else 'the backend'}; "
@@ -577,6 +625,7 @@ def execute(
     if hasattr(store, "folder_of"):  # the emulated bucket of a local STORE
         where += f" (on this machine: {store.folder_of(run.prefix)})"
     log_summary(record, where)
+    write_run_report(store, run)
     return record
 
 
@@ -672,22 +721,6 @@ def resumed_run(
     return run, base, remaining, sources
 
 
-def settings_changes(before: str, now: str) -> list[str]:
-    import configparser
-
-    def read(text: str) -> dict[tuple[str, str], str]:
-        parser = configparser.ConfigParser(interpolation=None, delimiters=("=",))
-        parser.read_string(text)
-        return {(s, k): v for s in parser.sections() for k, v in parser.items(s)}
-
-    old, new = read(before), read(now)
-    return [
-        f"[{s}] {k.upper()}: {old.get((s, k), '(unset)')} -> {new.get((s, k), '(unset)')}"
-        for s, k in sorted(set(old) | set(new))
-        if old.get((s, k)) != new.get((s, k))
-    ]
-
-
 def _processing_section(
     store: Store, run: RunTree, job, result: JobResult, base: md.Metadata, sources: Sources
 ) -> None:
@@ -705,8 +738,17 @@ def _processing_section(
     if result.status != "Completed":
         raise JobFailed(result, job.step)
     if job.step in ("reconcile", "prepare"):
-        snapshot = json.loads(store.get_bytes(sources.reconciled.snapshot_info))
-        base.data_snapshot_hash = snapshot["snapshot_hash"]
+        base.data_snapshot_hash = snapshot_hash(store, sources.reconciled)
+    tree = ExperimentTree(run.experiment)
+    if job.step == "prepare":
+        from_ = {"reconciled": sources.reconciled.prefix, "snapshot_hash": base.data_snapshot_hash}
+        store.put_bytes(tree.data(run.run_num).prepared_from, json.dumps(from_).encode())
+    entry = base.data_steps.get(job.step)
+    if entry and entry.get("key"):  # indexed under its key, for later runs to reuse
+        indexed = cache.remember(store, tree, job.step, entry["key"], entry["inputs"], run.run_num)
+        if indexed != run.run_num:
+            said = f"another run indexed the same inputs first (data {run_label(indexed)})"
+            entry["note"] = "; ".join(filter(None, [entry.get("note"), said]))
     md.merge(store, run, base)
 
 
@@ -729,7 +771,8 @@ def _train(store: Store, run: RunTree, backend, jobs: list, trained_on: dict) ->
         if result.status != "Completed":
             md.write_section(store, run, _section(step, results, details))
             raise JobFailed(result, step)
-        details["models"][model] = {**_report(store, trial.output_prefix), **result.details}
+        details["models"][model] = {**_report(store, trial.output_prefix), **result.details,
+                                    "job_seconds": round(result.seconds, 1)}  # fmt: skip
         details["model_artifacts"][model] = trial.model_prefix
         details["lineage"][model] = trained_on
         md.write_section(store, run, _section(step, results, details, status="running"))
@@ -778,22 +821,59 @@ def _finish(
     return record.model_dump()
 
 
+def write_run_report(store: Store, run: RunTree) -> None:
+    """report.html of a run that ended. A view of what is recorded: a failure to draw it is
+    said, and changes nothing of the run."""
+    from pipeline.report import write_report
+
+    try:
+        key = write_report(store, ExperimentTree(run.experiment), run.run_num)
+    except Exception as e:  # noqa: BLE001 -- the run's outcome stands either way
+        log.warning(f"report.html of run {run.label} could not be written: {type(e).__name__}: {e}")
+        return
+    log.info(f"report: {store.uri_of(key)}")
+
+
 def log_summary(record: dict, run_uri: str) -> None:
+    for line in summary_lines(record, run_uri):
+        log.info(line)
+
+
+def summary_lines(record: dict, run_uri: str) -> list[str]:
+    """What a finished run says at the end: per model its test metrics, training time, best
+    epoch and where its model is; the comparison's winner and whether the win is significant."""
     performance = record.get("holdout_performance") or {}
+    train = (
+        (record.get("steps") or {}).get("train") or (record.get("steps") or {}).get("tune") or {}
+    )
+    trained = (train.get("details") or {}).get("models") or {}
+    lines = []
     if performance:
-        log.info("\ntest-set performance")
-        log.info(f"  {'model':<16}{'accuracy':>10}{'macro F1':>10}{'weighted F1':>13}{'rows':>7}")
+        lines += ["", "test-set performance",
+                  f"  {'model':<14}{'accuracy':>9}{'macro F1':>10}{'weighted F1':>13}{'rows':>6}{'trained':>9}{'best epoch':>12}  model"]  # fmt: skip
         for name, p in sorted(performance.items(), key=lambda kv: -kv[1]["macro_f1"]):
-            log.info(
-                f"  {name:<16}{p['accuracy']:>10.4f}{p['macro_f1']:>10.4f}{p['weighted_f1']:>13.4f}{p['rows']:>7}"
-            )
-        comparison = record["steps"].get("inference", {}).get("details", {}).get("comparison")
+            t = trained.get(name) or {}
+            took = f"{t['job_seconds']:.0f}s" if t.get("job_seconds") is not None else "-"
+            where = (record.get("model_artifacts") or {}).get(name, "-")
+            lines.append(f"  {name:<14}{p['accuracy']:>9.4f}{p['macro_f1']:>10.4f}{p['weighted_f1']:>13.4f}"
+                         f"{p['rows']:>6}{took:>9}{str(t.get('best_epoch', '-')):>12}  {where}")  # fmt: skip
+        comparison = (record["steps"].get("inference") or {}).get("details", {}).get("comparison")
         for pair in (comparison or {}).get("pairs", []):
-            m = pair["mcnemar"]
-            verdict = "significant" if m["significant_at_0.05"] else "not significant"
-            log.info(
-                f"  {pair['models'][0]} vs {pair['models'][1]}: McNemar p={m['p_value']:.3g} ({verdict} at 0.05)"
-            )
-    log.info(
+            lines.append("  " + verdict(pair, comparison.get("winner")))
+    lines.append(
         f"\nrun {run_label(record['model_version'])} {record['status']} in {record['time_taken']:.0f}s: {run_uri}"
     )
+    return lines
+
+
+def verdict(pair: dict, winner: str | None) -> str:
+    """One line on a pair of models: who won, by how much, and whether it is significant."""
+    a, b = pair["models"]
+    m = pair["mcnemar"]
+    significant = m["significant_at_0.05"]
+    ci = pair.get("accuracy_difference_ci95")
+    interval = f", 95% CI [{ci[0]:+.4f}, {ci[1]:+.4f}]" if ci else ""
+    best = winner if winner in (a, b) else (a if pair["accuracy_difference"] >= 0 else b)
+    return (f"{best} wins {a} vs {b}: accuracy difference {pair['accuracy_difference']:+.4f}{interval}; "
+            f"McNemar p={m['p_value']:.3g}, {'significant' if significant else 'not significant'} at 0.05"
+            f"{'' if significant else ' (they disagree on too few rows to tell)'}")  # fmt: skip

@@ -198,8 +198,9 @@ class LocalBackend:
             (self.work_root / OWNER).unlink(missing_ok=True)  # kept on purpose: not an orphan
 
     def _cleanup(self, root: Path, result: JobResult) -> None:
-        # A failed job's directory is kept for inspection; a finished one is removed.
-        if result.status == "Completed":
+        # A failed job's directory is kept for inspection; a finished one is removed, and so
+        # is one the driver stopped (its checkpoints are in the store).
+        if result.status == "Completed" or self.containers.stopping:
             shutil.rmtree(root, ignore_errors=True)
         else:
             self._say(result.name)(f"job directory kept for inspection: {root}")

@@ -85,6 +85,8 @@ class Metadata(BaseModel):
     settings: str | None = None  # the ini as applied, secrets redacted
     planned_steps: list[str] = Field(default_factory=list)  # what the run set out to do
     sources: dict | None = None  # where its steps read from (driver.Sources.record)
+    # reconcile/prepare: computed or reused, the key and what it hashes (pipeline/cache.py)
+    data_steps: dict[str, dict] = Field(default_factory=dict)
     resumed_at: list[str] = Field(default_factory=list)  # each --resume of the run
     steps: dict[str, StepSection] = Field(default_factory=dict)
     _secrets: list[str] = PrivateAttr(default_factory=list)  # values masked when written

@@ -4,7 +4,10 @@
         raw/                                  the user's raw data (input, never written by a run)
         data/<data_version>/                  experiment-level data, shared by later runs
             reconciled/                       snapshot + manifest (hash, rows, label counts, drops)
-            prepared/                         train/ validation/ test/ (save_to_disk), id2label.json
+            prepared/                         train/ validation/ test/ (save_to_disk), id2label.json,
+                                              from.json (the snapshot it was prepared from)
+        cache/<step>/<key>.json               reconcile/prepare: the data version computed from
+                                              exactly these inputs (pipeline/cache.py)
         runs/<run_num>/                       everything one run produces
             CLAIM                             written first, atomically: the run_num is taken
             settings.ini                      the settings as applied, secrets redacted
@@ -18,10 +21,12 @@
             inference/                        per-model and comparison statistics
             jobs/<step>/                      what each processing job reported (step_metadata.json)
             code/                             the code every job of the run runs (steps/, user functions)
+            report.html                       the run on one page: settings, data, curves, results
 
 A data_version is the run_num of the run that produced it (`0003`), so data is versioned
-like runs and never overwritten; a run that skips reconcile/prepare reuses the newest
-complete version and records which in its Metadata.
+like runs and never overwritten; a run whose data steps' inputs are unchanged reuses the
+version computed from them (cache/), one that skips reconcile/prepare reuses the newest
+complete version, and either records which in its Metadata.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 RUN_NUM_WIDTH = 4
+# What prepare writes under prepared/, each a manifested folder.
+SPLITS = ("train", "validation", "test", "labels")
 
 
 def run_label(run_num: int) -> str:
@@ -81,6 +88,12 @@ class DataTree:
     def snapshot_info(self) -> str:
         """snapshot.json: content hash, rows, label counts, what reconcile dropped."""
         return f"{self.prefix}reconciled/snapshot.json"
+
+    @property
+    def prepared_from(self) -> str:
+        """from.json: the reconciled data version and snapshot hash prepare read (another
+        version's, when reconcile was reused)."""
+        return f"{self.prefix}prepared/from.json"
 
     def split(self, name: str) -> str:
         """train/, validation/, test/ or labels/ of the prepared data."""
@@ -159,6 +172,11 @@ class RunTree:
     def training_output(self) -> str:
         """SageMaker's OutputDataConfig: <job>/output/model.tar.gz and output.tar.gz."""
         return f"{self.prefix}jobs/training/"
+
+    @property
+    def report_html(self) -> str:
+        """report.html: the run on one self-contained page (pipeline/report.py)."""
+        return f"{self.prefix}report.html"
 
     @property
     def code(self) -> str:

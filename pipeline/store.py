@@ -48,6 +48,7 @@ class Store(Protocol):
     def exists(self, key: str) -> bool: ...
     def list_keys(self, prefix: str) -> list[str]: ...
     def list_children(self, prefix: str) -> list[str]: ...
+    def fingerprints(self, prefix: str) -> dict[str, str]: ...
     def upload_file(self, path: str | os.PathLike, key: str) -> None: ...
     def download_file(self, key: str, path: str | os.PathLike) -> None: ...
     def delete(self, key: str) -> None: ...
@@ -148,6 +149,10 @@ class LocalStore:
         if not base.is_dir():
             return []
         return sorted(p.name for p in base.iterdir() if p.is_dir())
+
+    def fingerprints(self, prefix: str) -> dict[str, str]:
+        """key (relative to `prefix`) -> a hash of its content."""
+        return {k[len(prefix) :]: file_sha256(self._path(k)) for k in self.list_keys(prefix)}
 
     def upload_file(self, path: str | os.PathLike, key: str) -> None:
         dest = self._path(key)
@@ -306,6 +311,17 @@ class S3Store:
                     names.append(p["Prefix"][len(self.prefix + prefix) :].rstrip("/"))
         return sorted(names)
 
+    def fingerprints(self, prefix: str) -> dict[str, str]:
+        """key (relative to `prefix`) -> ETag and size: S3's own hash of the content (of
+        each part, for a multipart upload), so nothing is downloaded to tell."""
+        found = {}
+        with self._named("list", prefix):
+            paginator = self.client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
+                for obj in page.get("Contents", []):
+                    found[obj["Key"][len(self.prefix + prefix) :]] = f"{obj['ETag']} {obj['Size']}"
+        return found
+
     def upload_file(self, path: str | os.PathLike, key: str) -> None:
         with self._named("upload", key):
             self.client.upload_file(str(path), self.bucket, self._key(key), Config=self.transfer)
@@ -324,6 +340,16 @@ def key_of(store: Store, uri: str) -> str | None:
     """The key a URI of this store names (the inverse of uri_of); None for a URI elsewhere."""
     base = store.uri_of("x")[:-1]
     return uri[len(base) :] if uri.startswith(base) else None
+
+
+def artifact_key(store: Store, recorded: str) -> str | None:
+    """A place Metadata recorded, as a key of this store: Metadata records keys; records of
+    older runs hold URIs, understood while the store has not moved."""
+    return (
+        recorded
+        if "://" not in recorded and not recorded.startswith("/")
+        else key_of(store, recorded)
+    )
 
 
 def source_uri(store: Store, source: str) -> str:

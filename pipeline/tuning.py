@@ -5,7 +5,7 @@ extended with earlier trials); its parts map onto SageMaker's strategies one for
 
     Bayesian   TPE sampler (Optuna's default Bayesian optimizer)
     Random     random sampler (log-uniform on a `log` interval)
-    Grid       grid sampler: every combination of the categorical options, each once
+    Grid       brute-force sampler: every combination of the categorical options, each once
     Hyperband  TPE sampler with Optuna's Hyperband pruner over epochs
 
 `[tuning] EARLY_STOPPING = Auto` adds the median pruner: a trial whose objective falls behind
@@ -19,7 +19,9 @@ removed. A trial that fails is recorded with its reason and the search goes on. 
 trial's model and output become the model's, at the place a training job leaves them; the
 other trials' model files are deleted, their records kept in tuning/<model>/trials.json and
 trials.csv, with a chart (objective by trial, each trial's validation curve). The trials are
-recorded as they finish, so a resumed run (`--resume`) continues the study with them.
+recorded as they start and end, so a resumed run (`--resume`) continues the study: finished
+trials are told to the sampler again, a trial the driver's stop interrupted goes on from its
+checkpoint with its own values.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import re
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 from pipeline.config import Categorical
@@ -45,6 +48,10 @@ EPOCH = re.compile(r"^epoch=(\d+) ")  # the metric line, not the final "best ...
 
 class TrialFailed(RuntimeError):
     """A trial that ended without an objective: recorded as failed, the search goes on."""
+
+
+class TrialInterrupted(RuntimeError):
+    """The driver stopped a trial (Ctrl-C, SIGTERM): it is continued when the run is resumed."""
 
 
 def distributions(ranges: dict) -> dict:
@@ -65,14 +72,14 @@ def search(job: TuningJob, seed: int):
     """The study a strategy asks for: (sampler, pruner), and how many trials to run."""
     import optuna
 
-    grid = None
     if job.strategy == "Grid":
-        grid = {name: list(r.options) for name, r in job.ranges.items()}
-        combinations = len(list(itertools.product(*grid.values())))
-        sampler, trials = (
-            optuna.samplers.GridSampler(grid, seed=seed),
-            min(job.max_jobs, combinations),
-        )
+        # Optuna's brute-force sampler: each combination once, told apart by its values (the
+        # grid sampler tells them apart by trial number, which a resumed study does not keep).
+        combinations = len(list(itertools.product(*(r.options for r in job.ranges.values()))))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            sampler = optuna.samplers.BruteForceSampler(seed=seed)
+        trials = min(job.max_jobs, combinations)
     elif job.strategy == "Random":
         sampler, trials = optuna.samplers.RandomSampler(seed=seed), job.max_jobs
     else:  # Bayesian, Hyperband
@@ -108,36 +115,112 @@ def run_local_tuning(backend, job: TuningJob, store: Store, run: RunTree) -> Job
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial is reported once, by us
     model_name = job.trial.hyperparameters["model_name"]
-    seed = int(job.trial.hyperparameters.get("seed", 0))
-    sampler, pruner, n_trials = search(job, seed)
+    sampler, pruner, n_trials = search(job, int(job.trial.hyperparameters.get("seed", 0)))
     direction = "maximize" if job.objective_type == "Maximize" else "minimize"
     study = optuna.create_study(direction=direction, sampler=sampler, pruner=pruner)
     spaces = distributions(job.ranges)
-    objective_regex = re.compile(job.trial.metric_definitions[job.objective_metric])
-    records: dict[int, dict] = {}
-    lock = threading.Lock()
+    trials = Trials(store, run, model_name)
     started = time.time()
-
-    # A resumed run: the trials the study finished before are its first trials again.
-    for record in earlier_trials(store, run, model_name):
-        records[record["number"]] = record
-        state = {
-            "Completed": optuna.trial.TrialState.COMPLETE,
-            "Stopped": optuna.trial.TrialState.PRUNED,
-        }
-        study.add_trial(optuna.trial.create_trial(
-            params={k: _typed(spaces[k], v) for k, v in record["hyperparameters"].items()},
-            distributions=spaces, value=record["objective"] if record["status"] == "Completed" else None,
-            state=state.get(record["status"], optuna.trial.TrialState.FAIL),
-            intermediate_values={int(k): v for k, v in record.get("epochs", {}).items()},
-        ))  # fmt: skip
+    remaining = n_trials - reseed(study, spaces, trials)
     say = backend._say(job.name)
     say(f"tuning {model_name}: {job.strategy} ({type(sampler).__name__}, {type(pruner).__name__}), "
-        f"{n_trials} trials, {job.max_parallel_jobs} at once, {direction} {job.objective_metric}")  # fmt: skip
+        f"{n_trials} trials, {job.max_parallel_jobs} at once, {direction} {job.objective_metric}"
+        + (f"; {n_trials - remaining} done before this run was resumed" if trials.records else ""))  # fmt: skip
+    objective = trial_objective(backend, job, run, trials, spaces, say)
+    if remaining > 0:
+        optimize(study, objective, remaining, job.max_parallel_jobs, backend, trials)
+    return finish(store, run, job, model_name, trials.records, started, sampler, pruner)
+
+
+class Trials:
+    """The study's record: trials.json and trials.csv rewritten whenever a trial starts or
+    ends, so a resumed run knows which finished and which to continue."""
+
+    def __init__(self, store: Store, run: RunTree, model_name: str) -> None:
+        self.store, self.run, self.model_name = store, run, model_name
+        self.records = {t["number"]: t for t in earlier_trials(store, run, model_name)}
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()  # the driver is stopping: trials end as Interrupted
+        self.last_number = max(self.records, default=0)
+
+    def record(self, record: dict) -> None:
+        with self.lock:
+            self.records[record["number"]] = record
+            save_trials(self.store, self.run, self.model_name, self.records)
+
+    def next_number(self) -> int:
+        with self.lock:
+            self.last_number += 1
+            return self.last_number
+
+
+def reseed(study, spaces: dict, trials: Trials) -> int:
+    """A resumed run: the finished trials become the study's first trials again (the samplers
+    and pruners learn from them, Grid does not repeat them); an unfinished one is run again
+    under its number with its values, so it continues from its checkpoint. Returns how many
+    had finished."""
+    import optuna
+
+    states = {"Completed": optuna.trial.TrialState.COMPLETE, "Stopped": optuna.trial.TrialState.PRUNED,
+              "Failed": optuna.trial.TrialState.FAIL}  # fmt: skip
+    finished = 0
+    for number, record in sorted(trials.records.items()):
+        params = {k: _typed(spaces[k], v) for k, v in record["hyperparameters"].items()}
+        if record["status"] in states:
+            finished += 1
+            completed = record["status"] == "Completed"
+            study.add_trial(optuna.trial.create_trial(
+                params=params, distributions=spaces, state=states[record["status"]],
+                value=record["objective"] if completed else None,
+                intermediate_values={int(k): v for k, v in record.get("epochs", {}).items()},
+            ))  # fmt: skip
+        else:  # Running or Interrupted when the driver stopped
+            study.enqueue_trial(params, user_attrs={"number": number})
+    return finished
+
+
+def optimize(study, objective, n_trials: int, parallel: int, backend, trials: Trials) -> None:
+    """`study.optimize` in a thread of its own, so that a Ctrl-C reaches the driver at once:
+    optuna's thread pool would otherwise wait for every running trial to end. On one, the
+    running trials are stopped (they checkpoint), recorded as interrupted, and no new one
+    starts; the interrupt then goes on up."""
+    done, failure = threading.Event(), []
+
+    def run() -> None:
+        try:
+            study.optimize(objective, n_trials=n_trials, n_jobs=parallel,
+                           catch=(TrialFailed, TrialInterrupted))  # fmt: skip
+        except BaseException as e:  # noqa: BLE001 -- handed to the driver's thread below
+            failure.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="tuning", daemon=True).start()
+    try:
+        done.wait()  # an Event, not Thread.join: see run_hosts in pipeline/container.py
+    except BaseException:
+        trials.stopping.set()  # the trials see it and stop the study: no new one starts
+        backend.stop()
+        done.wait()
+        raise
+    if failure:
+        raise failure[0]
+
+
+def trial_objective(backend, job: TuningJob, run: RunTree, trials: Trials, spaces: dict, say):
+    """What one trial does: a training job with the sampled values, its objective read live
+    from its log and reported to the pruner, its outcome recorded."""
+    import optuna
+
+    model_name = job.trial.hyperparameters["model_name"]
+    objective_regex = re.compile(job.trial.metric_definitions[job.objective_metric])
 
     def objective(trial) -> float:
+        if trials.stopping.is_set():
+            trial.study.stop()
+            raise TrialInterrupted("the driver is stopping")
         values = {name: value_of(suggest(trial, name, space)) for name, space in spaces.items()}
-        number = trial.number + 1
+        number = trial.user_attrs.get("number") or trials.next_number()
         prefix = run.trial(model_name, number)
         trial_job = dataclasses.replace(
             job.trial,
@@ -150,7 +233,10 @@ def run_local_tuning(backend, job: TuningJob, store: Store, run: RunTree) -> Job
             instance_count=1,
             max_restarts=0,
         )
-        reported: dict[int, float] = {}
+        record = {"number": number, "job_name": trial_job.name, "status": "Running", "hyperparameters": values,
+                  "objective": None, "epochs": {}, "seconds": None, "stop_reason": None,
+                  "model": trial_job.model_prefix, "output": trial_job.output_prefix}  # fmt: skip
+        trials.record(record)
         verdict: dict[str, str] = {}
 
         def watch(line: str) -> bool:
@@ -158,7 +244,7 @@ def run_local_tuning(backend, job: TuningJob, store: Store, run: RunTree) -> Job
             if not (epoch and found):
                 return False
             step, value = int(epoch.group(1)), float(found.group(1))
-            reported[step] = value
+            record["epochs"][step] = value
             trial.report(value, step)
             if trial.should_prune():
                 verdict["stopped"] = (
@@ -169,19 +255,20 @@ def run_local_tuning(backend, job: TuningJob, store: Store, run: RunTree) -> Job
 
         result = backend.run_training(trial_job, watch=watch)
         status = "Stopped" if verdict else result.status
-        record = {"number": number, "job_name": trial_job.name, "status": status, "hyperparameters": values,
-                  "objective": result.metrics.get(job.objective_metric) if status == "Completed" else None,
-                  "epochs": reported, "seconds": result.seconds,
-                  "stop_reason": verdict.get("stopped") or result.failure_reason,
-                  "model": trial_job.model_prefix, "output": trial_job.output_prefix}  # fmt: skip
-        with lock:
-            records[number] = record
-            save_trials(store, run, model_name, records)
+        if trials.stopping.is_set() and status != "Completed":
+            status = "Interrupted"  # continued from its checkpoint when the run is resumed
+        elif status not in ("Completed", "Stopped"):
+            status = "Failed"
+        record.update(status=status, seconds=result.seconds,
+                      objective=result.metrics.get(job.objective_metric) if status == "Completed" else None,
+                      stop_reason=verdict.get("stopped") or result.failure_reason)  # fmt: skip
+        trials.record(record)
+        if status == "Interrupted":
+            trial.study.stop()
+            raise TrialInterrupted(f"trial {number} interrupted")
         if status == "Stopped":
-            for key in store.list_keys(
-                trial_job.checkpoint_prefix
-            ):  # a stopped trial never resumes
-                store.delete(key)
+            for key in trials.store.list_keys(trial_job.checkpoint_prefix):  # never resumed
+                trials.store.delete(key)
             say(f"trial {number} stopped: {record['stop_reason']}")
             raise optuna.TrialPruned(record["stop_reason"])
         if status != "Completed" or record["objective"] is None:
@@ -190,15 +277,7 @@ def run_local_tuning(backend, job: TuningJob, store: Store, run: RunTree) -> Job
         say(f"trial {number}: {job.objective_metric}={record['objective']:.4f} {values}")
         return record["objective"]
 
-    remaining = n_trials - len(records)
-    try:
-        if remaining > 0:
-            study.optimize(objective, n_trials=remaining, n_jobs=job.max_parallel_jobs,
-                           catch=(TrialFailed,))  # fmt: skip
-    except BaseException:  # the driver is stopping: the running trials stop, no new one starts
-        backend.stop()
-        raise
-    return finish(store, run, job, model_name, records, started, sampler, pruner)
+    return objective
 
 
 def _typed(space, value: str):
@@ -216,7 +295,7 @@ def earlier_trials(store: Store, run: RunTree, model_name: str) -> list[dict]:
         record = json.loads(store.get_bytes(run.tuning(model_name) + "trials.json"))
     except NotFound:
         return []
-    return [t for t in record["trials"] if t["status"] in ("Completed", "Stopped", "Failed")]
+    return record["trials"]
 
 
 def save_trials(store: Store, run: RunTree, model_name: str, records: dict[int, dict]) -> None:

@@ -22,7 +22,7 @@ import datasets
 import numpy as np
 import pandas as pd
 import torch
-from scipy.stats import binomtest
+from scipy.stats import binomtest, bootstrap
 from sklearn.metrics import (
     accuracy_score,
     confusion_matrix,
@@ -163,6 +163,23 @@ def mcnemar(correct_a: np.ndarray, correct_b: np.ndarray) -> dict:
     }
 
 
+def accuracy_difference_ci(
+    correct_a: np.ndarray, correct_b: np.ndarray, seed: int = 0
+) -> list[float]:
+    """A 95% paired bootstrap interval of accuracy(a) - accuracy(b): test rows resampled with
+    replacement, both models judged on the same resampled rows (scipy's percentile bootstrap)."""
+    if correct_a.size < 2 or (correct_a == correct_b).all():
+        difference = float(correct_a.mean() - correct_b.mean()) if correct_a.size else 0.0
+        return [difference, difference]  # nothing varies between resamples
+    result = bootstrap(
+        (correct_a.astype(float), correct_b.astype(float)),
+        lambda a, b, axis: a.mean(axis=axis) - b.mean(axis=axis),
+        paired=True, vectorized=True, n_resamples=2000, confidence_level=0.95,
+        method="percentile", rng=np.random.default_rng(seed),
+    )  # fmt: skip
+    return [float(result.confidence_interval.low), float(result.confidence_interval.high)]
+
+
 def main() -> None:
     args = parse_args()
     names = [n for n in args.model_names.split(",") if n]
@@ -226,18 +243,22 @@ def main() -> None:
                 "models": [a, b], "agree": int(agree.sum()), "disagree": int((~agree).sum()),
                 "agree_and_right": int((agree & (predictions[a] == y_true)).sum()),
                 "accuracy_difference": performance[a]["accuracy"] - performance[b]["accuracy"],
+                "accuracy_difference_ci95": accuracy_difference_ci(predictions[a] == y_true, predictions[b] == y_true),
                 "mcnemar": mcnemar(predictions[a] == y_true, predictions[b] == y_true),
             })  # fmt: skip
         comparison = {
             "test": "McNemar's exact test (two-sided binomial on discordant rows)",
+            "interval": "95% paired bootstrap (2000 resamples of the test rows) of the accuracy difference",
+            "winner": str(table.index[0]),  # by test macro-F1
             "pairs": pairs,
         }
         (out / "comparison.json").write_text(json.dumps(comparison, indent=2))
         print(table.to_string(float_format=lambda x: f"{x:.4f}"))
         for pair in pairs:
-            m = pair["mcnemar"]
+            m, (low, high) = pair["mcnemar"], pair["accuracy_difference_ci95"]
             print(f"{pair['models'][0]} vs {pair['models'][1]}: agree on {pair['agree']}/{len(y_true)} rows; "
-                  f"McNemar p={m['p_value']:.4g} ({'significant' if m['significant_at_0.05'] else 'not significant'} at 0.05)")  # fmt: skip
+                  f"McNemar p={m['p_value']:.4g} ({'significant' if m['significant_at_0.05'] else 'not significant'} at 0.05); "
+                  f"accuracy difference {pair['accuracy_difference']:+.4f}, 95% CI [{low:+.4f}, {high:+.4f}]")  # fmt: skip
     write_step_metadata(
         processing_output("report"),
         {

@@ -80,7 +80,8 @@ def write_settings(path: Path, store: str, **overrides: dict[str, str]) -> Path:
             else:
                 parser.set(section, key, value)
     for section in parser.sections():  # the demo's per-model settings are not for small tests
-        if section.startswith("training.") and section not in overrides:
+        per_model = section.startswith(("training.", "tuning.hyperparameters."))
+        if per_model and section not in overrides:
             parser.remove_section(section)
     with open(path, "w") as f:
         parser.write(f)

@@ -56,6 +56,14 @@ BROKEN = {
         ["[models] MODEL_NAMES: name at least one model"],
     ),
     "unknown section": ({"trainer": {"EPOCHS": "1"}}, ["[trainer]: unknown section"]),
+    "tuning ranges of no model": (
+        {"tuning.hyperparameters.cnn": {"LEARNING_RATE": "0.1->0.2"}},
+        ["[tuning.hyperparameters.cnn]: 'cnn' is not in [models] MODEL_NAMES"],
+    ),
+    "a model's range out of bounds": (
+        {"tuning.hyperparameters.bow": {"WEIGHT_DECAY": "0.1->50"}},
+        ["[tuning.hyperparameters.bow] WEIGHT_DECAY: 50.0"],
+    ),
     "fractions": ({"data": {"TEST_FRACTION": "0.3"}}, ["must sum to 1"]),
 }
 
@@ -93,6 +101,45 @@ def test_every_problem_is_reported_at_once(tmp_path):
     assert (
         "[experiment] BACKEND: must be 'local', 'sagemaker' or 'emulated' (got 'cloud')" in message
     )  # the allowed values are named
+
+
+def test_each_model_has_its_own_tuning_ranges(tmp_path):
+    from pipeline.driver import build_jobs, resolve_sources
+    from pipeline.paths import ExperimentTree
+    from pipeline.store import LocalStore
+
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw/labels.csv").write_text("id,label\n")
+    path = write_settings(tmp_path / "settings.ini", str(tmp_path / "store"), experiment={"JOB": "tune"},
+                          data={"RAW_DATA": str(tmp_path / "raw")}, **{"tuning.hyperparameters.bow": {"LEARNING_RATE": "1e-3->3e-2 log", "BATCH_SIZE": "32"}})  # fmt: skip
+    settings = load_settings(path, env={"SMPIPE__TUNING_HYPERPARAMETERS_BOW__EPOCHS": "2,4"})
+    # The model's own keys replace the shared ones, a constant included; the rest is shared.
+    assert settings.tuning_space("bow") == (
+        {"batch_size": "32"},
+        {
+            "learning_rate": Interval(1e-3, 3e-2, integer=False, log=True),
+            "epochs": Categorical(("2", "4")),
+        },
+    )
+    assert settings.tuning_space("minilm") == ({}, dict(settings.tunables))
+    tree = ExperimentTree(settings.experiment.name)
+    steps = ["reconcile", "prepare", "train"]
+    sources = resolve_sources(settings, LocalStore(settings.store_uri()), tree, steps)
+    jobs = {
+        j.trial.hyperparameters["model_name"]: j
+        for j in build_jobs(settings, steps, tree.run(1), sources)
+        if j.kind == "tuning"
+    }
+    assert jobs["bow"].ranges == settings.tuning_space("bow")[1]
+    assert jobs["bow"].trial.hyperparameters["batch_size"] == "32"
+    assert jobs["minilm"].ranges["learning_rate"] == Interval(2e-5, 2e-4, integer=False, log=True)
+    # Grid is checked per model, each problem said once, at the section it comes from.
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, env={"SMPIPE__TUNING__STRATEGY": "Grid"})
+    assert info.value.problems == [
+        "[tuning.hyperparameters] LEARNING_RATE: STRATEGY = Grid takes categorical options only (x,y,z), not 2e-05->0.0002 log",
+        "[tuning.hyperparameters.bow] LEARNING_RATE: STRATEGY = Grid takes categorical options only (x,y,z), not 0.001->0.03 log",
+    ]
 
 
 def test_environment_overrides_keys(tmp_path):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import csv
 import json
+import signal
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -116,10 +118,13 @@ def test_bayesian_search_of_six_trials_two_at_once_promotes_the_best(tmp_path):
 
 def test_early_stopping_stops_a_trial_that_falls_behind(tmp_path):
     # One good learning rate and two that learn nothing in three epochs, one trial at a time.
+    # The seeded sampler (SEED = 42) visits the good one first, so the others have a median
+    # to fall behind.
     record, store = tune(tmp_path, STRATEGY="Grid", MAX_JOBS="3", MAX_PARALLEL_JOBS="1", EARLY_STOPPING="Auto",
-                         hyperparameters={"LEARNING_RATE": "0.05,0.000001,0.0000001", "EPOCHS": "3"})  # fmt: skip
+                         hyperparameters={"LEARNING_RATE": "0.000001,0.05,0.0000001", "EPOCHS": "3"})  # fmt: skip
     details = record["steps"]["tune"]["details"]["models"]["tiny"]
     assert details["pruner"] == "MedianPruner"
+    assert details["trials"][0]["hyperparameters"]["learning_rate"] == "0.05", "seeded order"
     stopped = [t for t in details["trials"] if t["status"] == "Stopped"]
     assert stopped and details["stopped_early"] == len(stopped)
     for t in stopped:
@@ -154,15 +159,75 @@ def test_a_failing_trial_is_recorded_and_only_all_failing_fails_the_step(tmp_pat
     assert not store.list_keys("reviews/runs/0002/models/")
 
 
-def test_hyperband_runs_as_hyperband(tmp_path):
-    record, store = tune(tmp_path, STRATEGY="Hyperband", MAX_JOBS="3", MAX_PARALLEL_JOBS="2", EARLY_STOPPING="Off",
-                         hyperparameters={"LEARNING_RATE": "0.001->0.1 log", "EPOCHS": "3"})  # fmt: skip
-    details = record["steps"]["tune"]["details"]["models"]["tiny"]
-    assert (details["ran_as"], details["sampler"], details["pruner"]) == (
-        "Hyperband",
-        "TPESampler",
-        "HyperbandPruner",
-    )
-    assert len(details["trials"]) == 3 and details["best"]["status"] == "Completed"
-    # Every trial reported its epochs to the pruner as it went.
-    assert all(t["epochs"] for t in details["trials"] if t["status"] != "Failed")
+def test_hyperband_stops_trials_that_fall_behind_at_a_rung():
+    """The study Hyperband runs as (our pruner settings, over epochs), fed the epochs a trial
+    reports: the trials whose learning rate is too small are stopped after their first epoch,
+    the good ones never. (The stopping itself is the one early stopping uses, tested above.)"""
+    import optuna
+
+    from pipeline.config import Interval
+    from pipeline.tuning import distributions, search
+
+    job = SimpleNamespace(  # what search() reads of a TuningJob
+        strategy="Hyperband", max_jobs=12, early_stopping="Off",
+        ranges={"learning_rate": Interval(1e-4, 1e-1, integer=False, log=True)},
+        trial=SimpleNamespace(hyperparameters={"epochs": "9"}),
+    )  # fmt: skip
+    sampler, pruner, n_trials = search(job, seed=42)
+    study = optuna.create_study(direction="maximize", sampler=sampler, pruner=pruner)
+    space = distributions(job.ranges)["learning_rate"]
+
+    def objective(t):
+        good = t.suggest_float("learning_rate", space.low, space.high, log=True) > 1e-2
+        for epoch in range(1, 10):
+            t.report((0.9 if good else 0.3) * epoch / 9, epoch)
+            if t.should_prune():
+                raise optuna.TrialPruned()
+        return 0.9 if good else 0.3
+
+    study.optimize(objective, n_trials=n_trials)
+    pruned = [t for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
+    assert pruned and all(t.params["learning_rate"] <= 1e-2 for t in pruned)
+    assert all(len(t.intermediate_values) < 9 for t in pruned)
+
+
+@pytest.mark.slow
+def test_an_interrupted_study_resumes_with_its_finished_trials(tmp_path):
+    from tests.reliability.test_lifecycle import Driver
+
+    path = tuning_settings(tmp_path, STRATEGY="Grid", MAX_JOBS="3", MAX_PARALLEL_JOBS="1")
+    write_settings(path, str(tmp_path / "store"), experiment={"USER_FUNCTIONS": "reviews_tuning", "NAME": "reviews", "JOB": "tune"},
+                   data={"RAW_DATA": str(tmp_path / "raw")}, models={"MODEL_NAMES": "tiny"},
+                   training={"MAX_SEQUENCE_LENGTH": "12"},
+                   tuning={"STRATEGY": "Grid", "MAX_JOBS": "3", "MAX_PARALLEL_JOBS": "1", "EARLY_STOPPING": "Off"},
+                   **{"tuning.hyperparameters": {"LEARNING_RATE": "0.05,0.02,0.01", "EPOCHS": "3", "BATCH_SIZE": None}})  # fmt: skip
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    trials_json = tmp_path / "store/reviews/runs/0001/tuning/tiny/trials.json"
+    driver = Driver(path, tmp, "--steps", "reconcile,prepare,train")
+    driver.wait_for("-002-")  # the second trial has started...
+    driver.wait_for("] epoch=2 ")  # ...and checkpointed an epoch
+    driver.proc.send_signal(signal.SIGTERM)
+    assert driver.finish() == 130, driver.output
+    before = {t["number"]: t for t in json.loads(trials_json.read_text())["trials"]}
+    assert [before[n]["status"] for n in sorted(before)] == ["Completed", "Interrupted"]
+    assert (tmp_path / "store/reviews/runs/0001/checkpoints/tiny-trial-002").exists()
+
+    again = Driver(path, tmp, "--resume", "1")
+    assert again.finish() == 0, again.output
+    after = {t["number"]: t for t in json.loads(trials_json.read_text())["trials"]}
+    assert [after[n]["status"] for n in sorted(after)] == ["Completed"] * 3
+    assert after[1] == before[1]  # told to the sampler again, not run again
+    # The interrupted trial went on from its checkpoint with its own values; Grid still
+    # visited each option exactly once.
+    assert after[2]["hyperparameters"] == before[2]["hyperparameters"]
+    log = next((tmp_path / "store/reviews/runs/0001/logs").glob("*tune-tiny-002*.log")).read_text()
+    assert "resumed from" in log
+    assert sorted(t["hyperparameters"]["learning_rate"] for t in after.values()) == [
+        "0.01",
+        "0.02",
+        "0.05",
+    ]
+    assert "1 done before this run was resumed" in again.output
+    record = json.loads((tmp_path / "store/reviews/runs/0001/metadata.json").read_text())
+    assert record["status"] == "completed" and record["model_artifacts"]["tiny"]

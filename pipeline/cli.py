@@ -1,0 +1,245 @@
+"""`smpipe`: the command line. `python run_pipeline.py settings.ini` is `smpipe run settings.ini`.
+
+argparse, as Accelerate's and transformers' own command lines: no dependency, and `--help`
+answers before anything heavy is imported. Tables are drawn with rich.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+EXAMPLES = """\
+examples:
+  smpipe run settings.ini                        reconcile, prepare, train, test: a new run
+  smpipe run settings.ini --steps train,inference   reuse the newest data
+  smpipe run settings.ini --resume 3             continue run 3 where it stopped
+  smpipe plan settings.ini --show-requests       the jobs (and SageMaker requests), nothing run
+  smpipe runs settings.ini                       the experiment's runs
+  smpipe compare settings.ini 3 5                two runs side by side
+  smpipe report settings.ini 5                   rebuild run 5's report.html
+"""
+
+
+def _interrupt(signum, _frame):
+    # SIGTERM ends the run the way Ctrl-C does: jobs stopped, the run marked interrupted.
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(
+        prog="smpipe",
+        description="Finetune and compare text classifiers on SageMaker (or here) from one settings.ini.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = root.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=text, description=text, epilog=EXAMPLES,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        sub.add_argument("settings", help="the settings.ini of the experiment")
+        return sub
+
+    run = command("run", "run the pipeline: a new run_num, or --resume one")
+    plan = command(
+        "plan", "print the jobs a run would launch, their inputs and outputs; launch nothing"
+    )
+    for sub in (run, plan):
+        sub.add_argument("--backend", choices=["local", "sagemaker", "emulated"],
+                         help="overrides [experiment] BACKEND; emulated: SageMaker's requests sent to an "
+                              "embedded moto and every job played on this machine")  # fmt: skip
+        sub.add_argument("--steps", help="comma-separated subset of reconcile,prepare,train,inference; "
+                                         "skipped steps reuse the newest complete outputs of the experiment")  # fmt: skip
+        sub.add_argument("--no-cache", action="store_true",
+                         help="compute reconcile and prepare even when an earlier run computed them from "
+                              "the same inputs (raw data, user functions, settings, code)")  # fmt: skip
+        sub.add_argument("--resume", type=int, metavar="RUN_NUM",
+                         help="continue a failed, interrupted or abandoned run in place: its completed "
+                              "steps are kept and training resumes from its checkpoints")  # fmt: skip
+        sub.add_argument("--show-requests", action="store_true",
+                         help="also print the SageMaker request each job becomes")  # fmt: skip
+    run.add_argument("--dry-run", action="store_true", help="the same as `smpipe plan`")
+    loud = run.add_mutually_exclusive_group()
+    loud.add_argument("-q", "--quiet", action="store_true",
+                      help="only what went wrong and the summary; job output stays in the job logs")  # fmt: skip
+    loud.add_argument("-v", "--verbose", action="store_true",
+                      help="every line of every job, library warnings included")  # fmt: skip
+    command("runs", "list the experiment's runs: status, models, test macro-F1, data, duration")
+    compare = command(
+        "compare", "two runs side by side: metrics, per-label F1, settings that differ"
+    )
+    compare.add_argument("first", type=int, metavar="RUN_NUM")
+    compare.add_argument("second", type=int, metavar="RUN_NUM")
+    report = command("report", "rebuild a run's report.html (the newest run by default)")
+    report.add_argument("run_num", type=int, nargs="?", metavar="RUN_NUM")
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from pipeline.config import ConfigError
+    from pipeline.driver import PipelineError
+    from pipeline.history import HistoryError
+    from pipeline.store import StoreError
+    from steps.user_code import UserFunctionError
+
+    try:
+        if args.command in ("run", "plan"):
+            return run_command(args)
+        return {"runs": runs_command, "compare": compare_command, "report": report_command}[
+            args.command
+        ](args)
+    except (ConfigError, UserFunctionError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (PipelineError, StoreError, HistoryError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: its jobs were stopped; the run is marked interrupted and its completed "
+              "outputs stay", file=sys.stderr)  # fmt: skip
+        return 130
+
+
+def open_experiment(path: str, backend: str | None = None):
+    """The settings (environment overrides applied) and the store they name, checked."""
+    from pipeline.config import ConfigError, load_settings
+    from pipeline.store import open_store
+
+    env = dict(os.environ)
+    if backend:
+        env["SMPIPE__EXPERIMENT__BACKEND"] = backend
+    settings = load_settings(path, env)
+    if settings.experiment.backend == "emulated":  # never a real AWS endpoint
+        from pipeline.emulated_backend import open_emulated_store
+
+        store = open_emulated_store(settings)
+    else:
+        store = open_store(settings.store_uri(), settings.experiment.region)
+    unreachable = store.problems()  # checked before anything is written
+    if unreachable:
+        raise ConfigError(unreachable, settings.source)
+    return settings, store
+
+
+def run_command(args) -> int:
+    import logging
+
+    from pipeline.driver import parse_steps, run_pipeline
+
+    # The driver's own lines (plan, summary) as plain text on the terminal; job output is
+    # streamed by the backend with a [job] prefix.
+    quiet = getattr(args, "quiet", False)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    logging.getLogger("smpipe").setLevel(logging.WARNING if quiet else logging.INFO)
+    signal.signal(signal.SIGTERM, _interrupt)
+    settings, store = open_experiment(args.settings, args.backend)
+    steps = parse_steps(args.steps)
+    dry_run = args.command == "plan" or getattr(args, "dry_run", False)
+    record = run_pipeline(settings, store, steps, dry_run=dry_run, show_requests=args.show_requests,
+                          resume=args.resume, use_cache=not args.no_cache,
+                          echo=open(os.devnull, "w") if quiet else None)  # fmt: skip
+    if quiet and record:
+        from pipeline.driver import summary_lines
+
+        print("\n".join(summary_lines(record, store.uri_of(record["artifact_uri"]))))
+    return 0
+
+
+def _console():
+    from rich.console import Console
+
+    # A pipe or a log file gets plain text at a width that keeps rows on one line.
+    return Console(width=None if sys.stdout.isatty() else 160)
+
+
+def runs_command(args) -> int:
+    from rich.table import Table
+
+    from pipeline.history import age, run_rows
+    from pipeline.paths import ExperimentTree
+
+    settings, store = open_experiment(args.settings)
+    rows = run_rows(store, ExperimentTree(settings.experiment.name))
+    console = _console()
+    if not rows:
+        console.print(f"no runs of {settings.experiment.name!r} in {store.uri}")
+        return 0
+    table = Table(title=f"runs of {settings.experiment.name!r} in {store.uri}")
+    for column in ("run", "status", "models", "test macro-F1", "data", "took", "started"):
+        table.add_column(column, justify="right" if column in ("took",) else "left")
+    for row in rows:
+        f1 = ", ".join(
+            f"{m} {v:.4f}" for m, v in sorted(row["macro_f1"].items(), key=lambda kv: -kv[1])
+        )
+        data = (
+            f"{row['data_version']:04d} {row['snapshot'][:8]}"
+            if row["snapshot"] and row["data_version"]
+            else ""
+        )
+        took = f"{row['seconds']:.0f}s" if row["seconds"] is not None else ""
+        table.add_row(row["run"], row["status"] or "", ", ".join(row["models"]), f1, data, took, age(row["started"]))  # fmt: skip
+    console.print(table)
+    return 0
+
+
+def compare_command(args) -> int:
+    from rich.table import Table
+
+    from pipeline.history import compare_runs
+    from pipeline.paths import ExperimentTree
+
+    settings, store = open_experiment(args.settings)
+    result = compare_runs(store, ExperimentTree(settings.experiment.name), args.first, args.second)
+    a, b = result["runs"]
+    console = _console()
+    for model, metrics in result["models"].items():
+        table = Table(title=f"{model}: test metrics, run {a} vs {b}")
+        for column in ("metric", a, b, "difference"):
+            table.add_column(column, justify="left" if column == "metric" else "right")
+        for metric, (x, y) in metrics.items():
+            table.add_row(metric, f"{x:.4f}", f"{y:.4f}", f"{y - x:+.4f}")
+        for label, (x, y) in result["per_label"][model].items():
+            diff = f"{y - x:+.4f}" if x is not None and y is not None else ""
+            table.add_row(f"F1 {label}", _num(x), _num(y), diff)
+        console.print(table)
+    for run, models in result["only_in"].items():
+        if models and result["comparable"]:
+            console.print(f"only run {run} tested {', '.join(models)}")
+    if result["settings"]:
+        console.print(f"settings that differ (run {a} -> run {b}):")
+        for line in result["settings"]:
+            console.print(f"  {line}", markup=False)
+    else:
+        console.print(f"runs {a} and {b} ran with the same settings")
+    if not result["comparable"]:
+        print(
+            f"error: not comparing the metrics of runs {a} and {b}: {result['why']}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _num(x: float | None) -> str:
+    return "" if x is None else f"{x:.4f}"
+
+
+def report_command(args) -> int:
+    from pipeline.paths import ExperimentTree
+    from pipeline.report import write_report
+    from pipeline.runs import existing_run_nums
+
+    settings, store = open_experiment(args.settings)
+    tree = ExperimentTree(settings.experiment.name)
+    run_num = args.run_num or (existing_run_nums(store, tree) or [None])[-1]
+    if run_num is None:
+        from pipeline.history import HistoryError
+
+        raise HistoryError(f"no runs of {settings.experiment.name!r} in {store.uri}")
+    key = write_report(store, tree, run_num)
+    print(f"report of run {run_num:04d}: {store.uri_of(key)}")
+    return 0

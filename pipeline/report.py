@@ -1,0 +1,159 @@
+"""report.html: one run on one self-contained page, readable offline.
+
+Everything comes from the run tree (Metadata, settings.ini, the data snapshot's record, each
+model's history and curves, the inference results, the tuning trials); images are inlined as
+data: URIs and the page loads nothing (no script, no font, no CDN). The driver writes it when a
+run ends; `smpipe report settings.ini [run_num]` writes it again.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import io
+import json
+from pathlib import Path
+
+from pipeline.history import age
+from pipeline.paths import ExperimentTree, run_label
+from pipeline.store import NotFound, Store, artifact_key
+
+TEMPLATE = Path(__file__).with_name("report.html.j2")
+# The page's sections, in order: (id, title). The browser test checks each one rendered.
+SECTIONS = (
+    ("summary", "Summary"),
+    ("data", "Data"),
+    ("training", "Training"),
+    ("results", "Test results"),
+    ("comparison", "Comparison"),
+    ("tuning", "Tuning"),
+    ("timings", "Timings"),
+    ("settings", "Settings"),
+    ("metadata", "Metadata"),
+)
+
+
+def _json(store: Store, key: str):
+    try:
+        return json.loads(store.get_bytes(key))
+    except (NotFound, ValueError):
+        return None
+
+
+def _image(store: Store, key: str) -> str | None:
+    try:
+        return "data:image/png;base64," + base64.b64encode(store.get_bytes(key)).decode()
+    except NotFound:
+        return None
+
+
+def _csv(store: Store, key: str) -> list[dict]:
+    try:
+        return list(csv.DictReader(io.StringIO(store.get_bytes(key).decode())))
+    except NotFound:
+        return []
+
+
+def context(store: Store, tree: ExperimentTree, run_num: int) -> dict:
+    """What the page shows, read from the run tree; a part the run never made is None."""
+    run = tree.run(run_num)
+    record = _json(store, run.metadata)
+    if record is None:
+        raise NotFound(store.uri_of(run.metadata))
+    steps = record.get("steps") or {}
+    train = steps.get("train") or steps.get("tune") or {}
+    trained = (train.get("details") or {}).get("models") or {}
+    inference = (steps.get("inference") or {}).get("details") or {}
+    version = record.get("data_version")
+    data = tree.data(version) if isinstance(version, int) else None
+    snapshot = None
+    for source in ([data] if data else []) + ([tree.data(v) for v in _reconciled_version(record)]):
+        snapshot = snapshot or _json(store, source.snapshot_info)
+    models = []
+    results = run.inference if inference else None
+    for name in record.get("model_artifacts") or sorted(record.get("holdout_performance") or {}):
+        recorded = (record.get("model_artifacts") or {}).get(name)
+        where = ((recorded and artifact_key(store, recorded)) or run.model(name) + "model").rstrip(
+            "/"
+        ) + "/"
+        details = trained.get(name) or {}
+        per_label = _csv(store, f"{results}{name}/per_label.csv") if results else []
+        models.append({
+            "name": name, "where": store.uri_of(where), "details": details,
+            "history": details.get("history") or _json(store, where + "history.json") or [],
+            "curves": _image(store, where + "curves.png"),
+            "performance": (record.get("holdout_performance") or {}).get(name),
+            "per_label": sorted(per_label, key=lambda r: -float(r["f1"])),
+            "confusion": _image(store, f"{results}{name}/confusion_matrix.png") if results else None,
+            "tuning": _tuning(store, run, name, train.get("step") == "tune"),
+        })  # fmt: skip
+    comparison = inference.get("comparison")
+    if comparison and models:  # records of older runs did not name the winner
+        comparison = {"winner": max(models, key=lambda m: (m["performance"] or {}).get("macro_f1", -1))["name"],
+                      **comparison}  # fmt: skip
+    try:
+        settings = store.get_bytes(run.settings).decode()
+    except NotFound:
+        settings = record.get("settings") or ""
+    return {
+        "sections": SECTIONS,
+        "record": record,
+        "title": f"{record.get('experiment_name')} run {run_label(run_num)}",
+        "started": age(record.get("start_time")),
+        "artifact_uri": store.uri_of(run.prefix),
+        "snapshot": snapshot,
+        "splits": (_json(store, run.report("prepare") + "step_metadata.json") or {}).get(
+            "split_sizes"
+        ),
+        "data_steps": record.get("data_steps") or {},
+        "models": models,
+        "ranked": sorted(
+            [m for m in models if m["performance"]], key=lambda m: -m["performance"]["macro_f1"]
+        ),
+        "comparison": comparison,
+        "timings": [
+            {
+                "step": name,
+                **{
+                    k: section.get(k)
+                    for k in ("status", "time_taken", "memory_usage", "restarts", "job_names")
+                },
+            }
+            for name, section in steps.items()
+        ],  # fmt: skip
+        "settings": settings,
+        "metadata": json.dumps(record, indent=2),
+    }
+
+
+def _reconciled_version(record: dict) -> list[int]:
+    reconciled = (record.get("sources") or {}).get("reconciled")
+    label = reconciled.rstrip("/").rsplit("/", 1)[-1] if reconciled else ""
+    return [int(label)] if label.isdigit() else []
+
+
+def _tuning(store: Store, run, model: str, tuned: bool) -> dict | None:
+    if not tuned:
+        return None
+    record = _json(store, run.tuning_record(model)) or {}
+    return {"record": record, "trials": record.get("trials") or [],
+            "chart": _image(store, run.tuning(model) + "trials.png")}  # fmt: skip
+
+
+def render(values: dict) -> str:
+    import jinja2
+
+    # Records of older runs lack newer fields: a missing one renders empty.
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.ChainableUndefined,
+                             trim_blocks=True, lstrip_blocks=True)  # fmt: skip
+    env.filters["num"] = lambda x, digits=4: (
+        "" if x is None or isinstance(x, jinja2.Undefined) else f"{float(x):.{digits}f}"
+    )
+    return env.from_string(TEMPLATE.read_text()).render(**values)
+
+
+def write_report(store: Store, tree: ExperimentTree, run_num: int) -> str:
+    """Render run `run_num`'s report.html into its run tree; returns its key."""
+    key = tree.run(run_num).report_html
+    store.put_bytes(key, render(context(store, tree, run_num)).encode())
+    return key

@@ -1,0 +1,130 @@
+"""Content-addressed data steps: unchanged inputs reuse the earlier output, any change to what
+a data step reads computes it again, and two drivers with the same key end with one indexed,
+complete output."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from pipeline.config import load_settings
+from pipeline.driver import parse_steps, run_pipeline
+from pipeline.paths import ExperimentTree
+from pipeline.store import LocalStore, is_complete
+from tests.conftest import write_settings
+from tests.test_user_functions import REVIEWS, write_module, write_reviews
+
+TREE = ExperimentTree("reviews")
+
+
+def data_run(
+    tmp_path, module="reviews_cache", steps="reconcile,prepare", use_cache=True, **training
+):
+    path = write_settings(
+        tmp_path / "settings.ini", str(tmp_path / "store"),
+        experiment={"USER_FUNCTIONS": module, "NAME": "reviews"},
+        data={"RAW_DATA": str(tmp_path / "raw")}, models={"MODEL_NAMES": "tiny"},
+        training={"MAX_SEQUENCE_LENGTH": "12", **training},
+    )  # fmt: skip
+    settings = load_settings(path, env={})
+    store = LocalStore(settings.store_uri())
+    record = run_pipeline(settings, store, parse_steps(steps), echo=sys.stdout, use_cache=use_cache)
+    return record, store
+
+
+def verdicts(record) -> dict[str, tuple[str, int | None]]:
+    """step -> (computed | reused | skipped, the data version reused)."""
+    return {s: (e["status"], e["data_version"]) for s, e in record["data_steps"].items()}
+
+
+def test_unchanged_inputs_reuse_and_each_change_recomputes(tmp_path, caplog):
+    caplog.set_level("INFO", logger="smpipe")
+    write_module(tmp_path, "reviews_cache", REVIEWS)
+    write_reviews(tmp_path / "raw")
+    first, store = data_run(tmp_path)
+    assert verdicts(first) == {"reconcile": ("computed", None), "prepare": ("computed", None)}
+    assert len(store.list_keys("reviews/cache/reconcile/")) == 1
+
+    # Nothing the data steps read changed (load_model did): both reused, no new data
+    # version, the run says where from.
+    write_module(
+        tmp_path, "reviews_cache", REVIEWS.replace("Tiny(len(id2label))", "Tiny(len(label2id))")
+    )
+    second, _ = data_run(tmp_path)
+    assert verdicts(second) == {"reconcile": ("reused", 1), "prepare": ("reused", 1)}
+    assert second["data_version"] == 1 and "reconcile" not in second["steps"]
+    assert store.list_children("reviews/data/") == ["0001"]
+    assert "reusing prepared" in caplog.text and "(cache: same inputs" in caplog.text
+
+    # A function the data steps do not call (load_model): still reused.
+    write_module(
+        tmp_path, "reviews_cache", REVIEWS.replace("Tiny(len(id2label))", "Tiny(len(label2id))")
+    )
+    assert verdicts(data_run(tmp_path)[0])["prepare"] == ("reused", 1)
+
+    # One character of encode: reconcile reused, prepare computed into this run's version.
+    write_module(
+        tmp_path, "reviews_cache", REVIEWS.replace("[0] * (max_length", "[0]*(max_length", 1)
+    )
+    third, _ = data_run(tmp_path)
+    assert verdicts(third) == {"reconcile": ("reused", 1), "prepare": ("computed", None)}
+    assert third["data_version"] == third["model_version"]
+    # ...and its prepared data records the snapshot it was made from (data 0001's).
+    made_from = json.loads(store.get_bytes(TREE.data(third["model_version"]).prepared_from))
+    assert made_from["snapshot_hash"] == first["data_snapshot_hash"] == third["data_snapshot_hash"]
+
+    # MAX_SEQUENCE_LENGTH (prepare's argument): prepare computed, reconcile reused.
+    fourth, _ = data_run(tmp_path, MAX_SEQUENCE_LENGTH="10")
+    assert verdicts(fourth) == {"reconcile": ("reused", 1), "prepare": ("computed", None)}
+
+    # One character of the raw data: both computed.
+    raw = tmp_path / "raw/reviews.jsonl"
+    raw.write_text(raw.read_text().replace("great", "greet", 1))
+    fifth, _ = data_run(tmp_path)
+    assert verdicts(fifth) == {"reconcile": ("computed", None), "prepare": ("computed", None)}
+
+    # --no-cache: computed although the inputs are those of the fifth run.
+    sixth, _ = data_run(tmp_path, use_cache=False)
+    assert verdicts(sixth) == {"reconcile": ("computed", None), "prepare": ("computed", None)}
+    assert "--no-cache" in sixth["data_steps"]["prepare"]["note"]
+
+    # The earlier output indexed for a key is what a later run gets; training reads it.
+    seventh, _ = data_run(tmp_path, steps="reconcile,prepare,train", EPOCHS="1")
+    made = fifth["model_version"]
+    assert verdicts(seventh) == {"reconcile": ("reused", made), "prepare": ("reused", made)}
+    assert seventh["model_lineage"]["tiny"]["data_version"] == made
+    assert seventh["model_lineage"]["tiny"]["data_snapshot_hash"] == fifth["data_snapshot_hash"]
+
+
+@pytest.mark.slow
+def test_two_drivers_with_the_same_key_end_with_one_indexed_complete_output(tmp_path):
+    from tests.reliability.test_lifecycle import Driver
+
+    write_module(tmp_path, "reviews_race", REVIEWS)
+    write_reviews(tmp_path / "raw")
+    path = write_settings(tmp_path / "settings.ini", str(tmp_path / "store"),
+                          experiment={"USER_FUNCTIONS": "reviews_race", "NAME": "reviews"},
+                          data={"RAW_DATA": str(tmp_path / "raw")}, models={"MODEL_NAMES": "tiny"},
+                          training={"MAX_SEQUENCE_LENGTH": "12"})  # fmt: skip
+    (tmp_path / "tmp").mkdir()
+    drivers = [Driver(path, tmp_path / "tmp", "--steps", "reconcile,prepare") for _ in range(2)]
+    assert [d.finish() for d in drivers] == [0, 0], [d.output for d in drivers]
+    store = LocalStore(tmp_path / "store")
+    records = [json.loads(store.get_bytes(TREE.run(n).metadata)) for n in (1, 2)]
+    assert all(r["status"] == "completed" for r in records)
+    # Both computed (neither could see the other's output), into their own versions...
+    assert [r["data_steps"]["prepare"]["status"] for r in records] == ["computed", "computed"]
+    for n in (1, 2):
+        assert all(is_complete(store, TREE.data(n).split(s)) for s in ("train", "test", "labels"))
+    # ...the index names exactly one of them, and a third run reuses that one.
+    (index,) = store.list_keys("reviews/cache/prepare/")
+    indexed = json.loads(store.get_bytes(index))["data_version"]
+    assert indexed in (1, 2)
+    loser = records[2 - indexed]  # the other run says whose output was indexed
+    assert "another run indexed the same inputs first" in loser["data_steps"]["prepare"]["note"]
+    third = Driver(path, tmp_path / "tmp", "--steps", "reconcile,prepare")
+    assert third.finish() == 0 and "(cache: same inputs" in third.output
+    record = json.loads(store.get_bytes(TREE.run(3).metadata))
+    assert record["data_steps"]["prepare"]["data_version"] == indexed

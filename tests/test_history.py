@@ -1,0 +1,114 @@
+"""What users keep: `smpipe runs` and `smpipe compare` on a store with three runs (the third on
+other data), and each run's report.html opened in a real browser."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import pytest
+
+from pipeline import cli
+from pipeline.config import load_settings
+from pipeline.driver import parse_steps, run_pipeline
+from pipeline.paths import ExperimentTree
+from pipeline.report import SECTIONS
+from pipeline.store import LocalStore
+from tests.conftest import write_settings
+from tests.test_user_functions import REVIEWS, write_module, write_reviews
+
+TREE = ExperimentTree("reviews")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def three_runs(tmp_path_factory):
+    """Run 1: two models on the reviews. Run 2: the same data, one more epoch. Run 3: other
+    reviews (another snapshot)."""
+    tmp = tmp_path_factory.mktemp("history")
+    write_module(tmp, "reviews_history", REVIEWS)
+    write_reviews(tmp / "raw")
+
+    def run(steps: str | None, epochs: str, models: str = "tiny") -> dict:
+        path = write_settings(tmp / "settings.ini", str(tmp / "store"),
+                              experiment={"USER_FUNCTIONS": "reviews_history", "NAME": "reviews"},
+                              data={"RAW_DATA": str(tmp / "raw")}, models={"MODEL_NAMES": models},
+                              training={"MAX_SEQUENCE_LENGTH": "12", "EPOCHS": epochs, "LEARNING_RATE": "0.05"})  # fmt: skip
+        loaded = load_settings(path, env={})
+        return run_pipeline(loaded, LocalStore(tmp / "store"), parse_steps(steps), echo=sys.stdout)
+
+    records = [run(None, "2", models="tiny, small"), run("train,inference", "3")]
+    shutil.rmtree(tmp / "raw")
+    write_reviews(tmp / "raw", n=60, seed=11)
+    records.append(run(None, "3"))
+    return tmp, records
+
+
+def test_runs_lists_every_run(three_runs, capsys):
+    tmp, records = three_runs
+    assert cli.main(["runs", str(tmp / "settings.ini")]) == 0
+    out = capsys.readouterr().out
+    for record in records:
+        assert f"{record['model_version']:04d}" in out and record["data_snapshot_hash"][:8] in out
+        for model, performance in record["holdout_performance"].items():
+            assert f"{model} {performance['macro_f1']:.4f}" in out
+    assert out.count("completed") == 3
+
+
+def test_compare_on_the_same_data_and_refused_on_other_data(three_runs, capsys):
+    tmp, records = three_runs
+    assert cli.main(["compare", str(tmp / "settings.ini"), "1", "2"]) == 0
+    out = capsys.readouterr().out
+    first, second = (records[i]["holdout_performance"]["tiny"]["macro_f1"] for i in (0, 1))
+    assert f"{first:.4f}" in out and f"{second:.4f}" in out and f"{second - first:+.4f}" in out
+    assert "F1 positive" in out  # per-label F1 of both runs
+    assert "[training] EPOCHS: 2 -> 3" in out  # the settings that differ
+    assert "only run 0001 tested small" in out
+
+    # Run 3 was tested on other reviews: no metric is set against run 1's.
+    assert cli.main(["compare", str(tmp / "settings.ini"), "1", "3"]) == 1
+    captured = capsys.readouterr()
+    assert (
+        "their test sets differ" in captured.err
+        and records[2]["data_snapshot_hash"][:12] in captured.err
+    )
+    assert "macro_f1" not in captured.out and "[training] EPOCHS: 2 -> 3" in captured.out
+
+
+@pytest.mark.skipif(
+    CHROMIUM is None, reason="Debian's chromium is not installed (`make browser` installs it)"
+)
+def test_the_report_renders_every_section_offline_in_chromium(three_runs):
+    from playwright.sync_api import sync_playwright
+
+    tmp, records = three_runs
+    store = LocalStore(tmp / "store")
+    page_path = store.root / TREE.run(1).report_html
+    # The driver wrote it when the run ended; `smpipe report` writes it again, the same.
+    written = page_path.read_bytes()
+    assert cli.main(["report", str(tmp / "settings.ini"), "1"]) == 0
+    assert len(page_path.read_bytes()) == len(written)
+
+    flags = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync"]  # fmt: skip
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=flags)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        requests: list[str] = []
+        page.on("request", lambda request: requests.append(request.url))
+        page.goto(page_path.as_uri())
+        for section_id, title in SECTIONS:
+            section = page.locator(f"section#{section_id}")
+            assert section.is_visible() and section.locator("h2").inner_text() == title
+            assert len(section.inner_text()) > len(title) + 10, section_id
+        # Every picture decoded from the page itself: curves and confusion matrices.
+        sizes = page.eval_on_selector_all("img", "imgs => imgs.map(i => i.naturalWidth)")
+        assert len(sizes) == 4 and all(w > 100 for w in sizes)
+        summary = page.locator("section#summary").inner_text()
+        winner = records[0]["steps"]["inference"]["details"]["comparison"]["winner"]
+        assert f"{winner} has the higher test macro-F1" in summary and "McNemar p" in summary
+        rows = page.locator("section#results table").first.locator("tr").count()
+        assert rows == 1 + 3  # header and the reviews' three labels
+        browser.close()
+    # Nothing but the file itself was requested: no script, font, stylesheet or CDN.
+    assert requests == [page_path.as_uri()]
