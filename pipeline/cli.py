@@ -128,24 +128,34 @@ def open_experiment(path: str, backend: str | None = None):
 def run_command(args) -> int:
     import logging
 
-    from pipeline.driver import parse_steps, run_pipeline
+    from pipeline.console import Display
+    from pipeline.driver import parse_steps, run_pipeline, summary_lines
 
-    # The driver's own lines (plan, summary) as plain text on the terminal; job output is
-    # streamed by the backend with a [job] prefix.
-    quiet = getattr(args, "quiet", False)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    logging.getLogger("smpipe").setLevel(logging.WARNING if quiet else logging.INFO)
+    quiet, verbose = getattr(args, "quiet", False), getattr(args, "verbose", False)
+    logger = logging.getLogger("smpipe")
+    logger.setLevel(logging.WARNING if quiet else logging.INFO)
+    logger.propagate = False
+    # The driver's lines and every job's output go through one display (live on a terminal,
+    # plain lines elsewhere); --quiet keeps job output in the job logs only.
+    display = Display(sys.stdout, verbose=verbose)
+    logger.handlers = [display.handler()]
+    echo = open(os.devnull, "w") if quiet else display
     signal.signal(signal.SIGTERM, _interrupt)
     settings, store = open_experiment(args.settings, args.backend)
     steps = parse_steps(args.steps)
     dry_run = args.command == "plan" or getattr(args, "dry_run", False)
-    record = run_pipeline(settings, store, steps, dry_run=dry_run, show_requests=args.show_requests,
-                          resume=args.resume, use_cache=not args.no_cache,
-                          echo=open(os.devnull, "w") if quiet else None)  # fmt: skip
+    try:
+        record = run_pipeline(settings, store, steps, dry_run=dry_run, show_requests=args.show_requests,
+                              resume=args.resume, use_cache=not args.no_cache, echo=echo)  # fmt: skip
+    finally:
+        display.close()
     if quiet and record:
-        from pipeline.driver import summary_lines
-
-        print("\n".join(summary_lines(record, store.uri_of(record["artifact_uri"]))))
+        where = (
+            store.uri_of(record["artifact_uri"])
+            if "://" not in record["artifact_uri"]
+            else record["artifact_uri"]
+        )
+        print("\n".join(summary_lines(record, where)))
     return 0
 
 

@@ -405,6 +405,25 @@ def job_step(job) -> str:
     return job.step if job.kind == "processing" else "train"
 
 
+def job_label(job) -> str:
+    """What the user calls a job: its step, and its model for training and tuning."""
+    if job.kind == "processing":
+        return job.step
+    trial = job.trial if job.kind == "tuning" else job
+    return f"{job_step(job)} {trial.hyperparameters['model_name']}"
+
+
+def launched(job, run_job) -> JobResult:
+    """`run_job(job)`, said when it starts and ends (the live display follows these)."""
+    label = job_label(job)
+    log.info(f"{label}: started ({job.kind} job {job.name})", extra={"event": ("started", label)})
+    result = run_job(job)
+    status = result.status.lower()
+    log.info(f"{label}: {status} in {result.seconds:.1f}s",
+             extra={"event": ("ended", label, status, result.seconds)})  # fmt: skip
+    return result
+
+
 def describe(job, settings: Settings, store: Store) -> dict:
     """The request a job becomes on SageMaker (the local backend plays this same request)."""
     build = {"processing": processing_request, "training": training_request,
@@ -415,7 +434,8 @@ def describe(job, settings: Settings, store: Store) -> dict:
 
 def log_plan(jobs: list, settings: Settings, store: Store, show_requests: bool = False) -> None:
     log.info(
-        f"plan for experiment {settings.experiment.name!r} on the {settings.experiment.backend} backend, store {store.uri}:"
+        f"plan for experiment {settings.experiment.name!r} on the {settings.experiment.backend} backend, store {store.uri}:",
+        extra={"event": ("plan", [job_label(j) for j in jobs])},
     )
     for i, job in enumerate(jobs, 1):
         trial = job.trial if job.kind == "tuning" else job
@@ -593,7 +613,7 @@ def execute(
     try:
         for job in jobs:
             if job.kind == "processing":
-                result = backend.run_processing(job)
+                result = launched(job, backend.run_processing)
                 _processing_section(store, run, job, result, base, sources)
             elif job is training[0]:
                 trained_on = lineage(store, sources.prepared, sources.data_version)
@@ -766,7 +786,7 @@ def _train(store: Store, run: RunTree, backend, jobs: list, trained_on: dict) ->
                 details[name][model] = before.details.get(name, {}).get(model)
             log.info(f"{model}: trained before this run was resumed ({trial.model_prefix})")
             continue
-        result = backend.run_tuning(job) if job.kind == "tuning" else backend.run_training(job)
+        result = launched(job, backend.run_tuning if job.kind == "tuning" else backend.run_training)
         results.append(result)
         if result.status != "Completed":
             md.write_section(store, run, _section(step, results, details))
@@ -859,21 +879,27 @@ def summary_lines(record: dict, run_uri: str) -> list[str]:
                          f"{p['rows']:>6}{took:>9}{str(t.get('best_epoch', '-')):>12}  {where}")  # fmt: skip
         comparison = (record["steps"].get("inference") or {}).get("details", {}).get("comparison")
         for pair in (comparison or {}).get("pairs", []):
-            lines.append("  " + verdict(pair, comparison.get("winner")))
+            lines.append("  " + verdict(pair))
     lines.append(
         f"\nrun {run_label(record['model_version'])} {record['status']} in {record['time_taken']:.0f}s: {run_uri}"
     )
     return lines
 
 
-def verdict(pair: dict, winner: str | None) -> str:
-    """One line on a pair of models: who won, by how much, and whether it is significant."""
+def verdict(pair: dict) -> str:
+    """One line on a pair of models: which is ahead in test accuracy, by how much, and
+    whether that is significant."""
     a, b = pair["models"]
-    m = pair["mcnemar"]
-    significant = m["significant_at_0.05"]
-    ci = pair.get("accuracy_difference_ci95")
-    interval = f", 95% CI [{ci[0]:+.4f}, {ci[1]:+.4f}]" if ci else ""
-    best = winner if winner in (a, b) else (a if pair["accuracy_difference"] >= 0 else b)
-    return (f"{best} wins {a} vs {b}: accuracy difference {pair['accuracy_difference']:+.4f}{interval}; "
-            f"McNemar p={m['p_value']:.3g}, {'significant' if significant else 'not significant'} at 0.05"
-            f"{'' if significant else ' (they disagree on too few rows to tell)'}")  # fmt: skip
+    m, ci = pair["mcnemar"], pair.get("accuracy_difference_ci95")
+    ahead = a if pair["accuracy_difference"] >= 0 else b
+    behind = b if ahead == a else a
+    # accuracy(ahead) - accuracy(behind), and its interval, whichever way the pair is ordered
+    sign = 1 if ahead == a else -1
+    interval = ""
+    if ci:
+        low, high = sorted((sign * ci[0], sign * ci[1]))
+        interval = f", 95% CI [{low:+.4f}, {high:+.4f}]"
+    how = f"accuracy {sign * pair['accuracy_difference']:+.4f}{interval}; McNemar p={m['p_value']:.3g}"
+    if m["significant_at_0.05"]:
+        return f"{ahead} beats {behind}: {how}, significant at 0.05"
+    return f"{ahead} vs {behind}: no significant difference ({ahead} ahead by {how})"

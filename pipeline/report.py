@@ -87,6 +87,10 @@ def context(store: Store, tree: ExperimentTree, run_num: int) -> dict:
             "confusion": _image(store, f"{results}{name}/confusion_matrix.png") if results else None,
             "tuning": _tuning(store, run, name, train.get("step") == "tune"),
         })  # fmt: skip
+    # The prepare report of the run that made the data (an earlier run's when it was reused).
+    reports = [_json(store, tree.run(n).report("prepare") + "step_metadata.json")
+               for n in [run_num] + ([version] if isinstance(version, int) else [])]  # fmt: skip
+    splits = next((r["split_sizes"] for r in reports if r and "split_sizes" in r), None)
     comparison = inference.get("comparison")
     if comparison and models:  # records of older runs did not name the winner
         comparison = {"winner": max(models, key=lambda m: (m["performance"] or {}).get("macro_f1", -1))["name"],
@@ -102,9 +106,7 @@ def context(store: Store, tree: ExperimentTree, run_num: int) -> dict:
         "started": age(record.get("start_time")),
         "artifact_uri": store.uri_of(run.prefix),
         "snapshot": snapshot,
-        "splits": (_json(store, run.report("prepare") + "step_metadata.json") or {}).get(
-            "split_sizes"
-        ),
+        "splits": splits,
         "data_steps": record.get("data_steps") or {},
         "models": models,
         "ranked": sorted(

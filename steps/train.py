@@ -322,6 +322,8 @@ def train_epoch(job: Job) -> None:
     # The epoch's loss sum and batch count stay on the device: no host sync per micro-batch.
     running = torch.tensor(state.epoch_loss, dtype=torch.float64, device=accelerator.device)
     log_every = max(1, job.sampler.steps_per_epoch // 10)  # about ten progress lines an epoch
+    per_step = job.sampler.per_device * job.accumulation * accelerator.num_processes
+    last_line = (time.time(), state.step)  # examples/s since the last progress line
     model.train()
     for batch in job.train_loader:
         if state.step >= job.total_steps:
@@ -345,8 +347,12 @@ def train_epoch(job: Job) -> None:
         before, state.epoch_loss = state.epoch_loss, running.tolist()
         check_finite(job, before)
         if state.step % log_every == 0:
+            now = time.time()
+            rate = (state.step - last_line[1]) * per_step / max(now - last_line[0], 1e-9)
+            last_line = (now, state.step)
             accelerator.print(
-                f"step={state.step}/{job.total_steps} epoch={state.epoch + 1} loss={loss.item():.4f}"
+                f"step={state.step}/{job.total_steps} epoch={state.epoch + 1} loss={loss.item():.4f} "
+                f"examples/s={rate:.1f}"
             )
         if interrupted(accelerator):
             checkpoint(job)

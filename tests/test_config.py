@@ -20,6 +20,14 @@ def test_shipped_settings_validate():
     assert settings.tunables["learning_rate"] == Interval(2e-5, 2e-4, integer=False, log=True)
     assert settings.tunables["batch_size"] == Categorical(("16", "32"))
     assert set(settings.metric_definitions) == set(METRICS)  # every printed metric, one regex each
+    # The tuning example: each model its own learning rates; MiniLM's trials short.
+    assert settings.tuning_space("bow")[1]["learning_rate"] == Interval(
+        1e-3, 3e-2, integer=False, log=True
+    )
+    assert settings.tuning_space("minilm") == (
+        {"epochs": "1", "max_steps": "10", "batch_size": "16"},
+        {"learning_rate": Interval(2e-5, 2e-4, integer=False, log=True)},
+    )
 
 
 def test_tunable_syntax():

@@ -37,7 +37,9 @@ def three_runs(tmp_path_factory):
         loaded = load_settings(path, env={})
         return run_pipeline(loaded, LocalStore(tmp / "store"), parse_steps(steps), echo=sys.stdout)
 
-    records = [run(None, "2", models="tiny, small"), run("train,inference", "3")]
+    # Run 2 trains one model only, one epoch longer: reconcile is reused (the cache), prepare
+    # runs again (the models are one of its inputs).
+    records = [run(None, "2", models="tiny, small"), run(None, "3")]
     shutil.rmtree(tmp / "raw")
     write_reviews(tmp / "raw", n=60, seed=11)
     records.append(run(None, "3"))
@@ -46,6 +48,13 @@ def three_runs(tmp_path_factory):
 
 def test_runs_lists_every_run(three_runs, capsys):
     tmp, records = three_runs
+    # Run 2 reused run 1's data steps, and its model records that data as its own.
+    assert {s: e["status"] for s, e in records[1]["data_steps"].items()} == {
+        "reconcile": "reused",
+        "prepare": "reused",
+    }
+    assert records[1]["model_lineage"]["tiny"]["data_version"] == 1
+    assert records[1]["data_snapshot_hash"] == records[0]["data_snapshot_hash"]
     assert cli.main(["runs", str(tmp / "settings.ini")]) == 0
     out = capsys.readouterr().out
     for record in records:

@@ -111,6 +111,10 @@ def test_bayesian_search_of_six_trials_two_at_once_promotes_the_best(tmp_path):
     # The objective read off the log is the best epoch's F1 the trial itself recorded.
     report = json.loads((store.root / best["output"] / "step_metadata.json").read_text())
     assert abs(report["best_validation_f1"] - best["objective"]) < 1e-6
+    # The run's report shows the search: strategy, each trial, the chart.
+    page = (store.root / "reviews/runs/0001/report.html").read_text()
+    assert "Bayesian (TPESampler, NopPruner)" in page
+    assert page.count("<td>Completed</td>") == 6 and 'alt="tiny tuning trials"' in page
     # Inference ran on the promoted model, unchanged.
     assert record["steps"]["inference"]["details"]["models_from"] == "reviews/runs/0001/models/"
     assert "tiny" in record["holdout_performance"]
