@@ -132,30 +132,29 @@ def run_command(args) -> int:
     from pipeline.driver import parse_steps, run_pipeline, summary_lines
 
     quiet, verbose = getattr(args, "quiet", False), getattr(args, "verbose", False)
-    logger = logging.getLogger("smpipe")
-    logger.setLevel(logging.WARNING if quiet else logging.INFO)
-    logger.propagate = False
-    # The driver's lines and every job's output go through one display (live on a terminal,
-    # plain lines elsewhere); --quiet keeps job output in the job logs only.
-    display = Display(sys.stdout, verbose=verbose)
-    logger.handlers = [display.handler()]
-    echo = open(os.devnull, "w") if quiet else display
     signal.signal(signal.SIGTERM, _interrupt)
     settings, store = open_experiment(args.settings, args.backend)
     steps = parse_steps(args.steps)
     dry_run = args.command == "plan" or getattr(args, "dry_run", False)
+    # The driver's lines and every job's output go through one display (live on a terminal,
+    # plain lines elsewhere); --quiet keeps job output in the job logs only. The logger is
+    # put back as it was afterwards (main() may be called again in the same process).
+    display = Display(sys.stdout, verbose=verbose)
+    logger = logging.getLogger("smpipe")
+    before = (logger.handlers, logger.propagate, logger.level)
+    logger.handlers, logger.propagate = [display.handler()], False
+    logger.setLevel(logging.WARNING if quiet else logging.INFO)
     try:
-        record = run_pipeline(settings, store, steps, dry_run=dry_run, show_requests=args.show_requests,
-                              resume=args.resume, use_cache=not args.no_cache, echo=echo)  # fmt: skip
+        with open(os.devnull, "w") as devnull:
+            record = run_pipeline(settings, store, steps, dry_run=dry_run, show_requests=args.show_requests,
+                                  resume=args.resume, use_cache=not args.no_cache,
+                                  echo=devnull if quiet else display)  # fmt: skip
     finally:
         display.close()
+        logger.handlers, logger.propagate = before[0], before[1]
+        logger.setLevel(before[2])
     if quiet and record:
-        where = (
-            store.uri_of(record["artifact_uri"])
-            if "://" not in record["artifact_uri"]
-            else record["artifact_uri"]
-        )
-        print("\n".join(summary_lines(record, where)))
+        print("\n".join(summary_lines(record, record["artifact_uri"])))
     return 0
 
 
