@@ -52,13 +52,14 @@ class Recorder:
         return self.backend
 
 
-def test_train_two_models_on_two_emulated_hosts_agrees_with_local(
-    staged, bucket, tmp_path, monkeypatch
-):
+def test_train_on_two_emulated_hosts_agrees_with_local(staged, bucket, tmp_path, monkeypatch):
+    # The baseline: torchrun across two emulated hosts is the same path for any model, and
+    # MiniLM's two-model run is test_pipeline's (on two hosts it cost 80 s more here).
     monkeypatch.setenv("WANDB_API_KEY", SECRET)
     settings = emulated_settings(
-        tmp_path, bucket, tracking={"WANDB_SECRET_ID": "smpipe/wandb", "WANDB_MODE": "disabled"}
-    )
+        tmp_path, bucket, models={"MODEL_NAMES": "bow"},
+        tracking={"WANDB_SECRET_ID": "smpipe/wandb", "WANDB_MODE": "disabled"},
+    )  # fmt: skip
     recorder, echo = Recorder(), io.StringIO()
     record = run_pipeline(settings, staged, parse_steps(None), echo=echo, make_backend=recorder)
     log = echo.getvalue()
@@ -77,14 +78,13 @@ def test_train_two_models_on_two_emulated_hosts_agrees_with_local(
     for key in staged.list_keys("test-exp/"):
         assert SECRET.encode() not in staged.get_bytes(key), key
     # SageMaker's output layout was adopted into the same run tree the local backend writes.
-    for model in ("minilm", "bow"):
+    for model in ("bow",):
         download_dir(staged, run1.model(model) + "model/", tmp_path / model)
         assert (tmp_path / model / "model.torchscript.pt").exists()
         assert staged.list_keys(run1.training_output)  # model.tar.gz, output.tar.gz per job
     assert staged.get_bytes(run1.log(record["steps"]["train"]["job_names"][0])).count(b"step=") > 3
 
-    # The same job on the local backend, same data and seed: the same test metrics (the
-    # baseline's: MiniLM twice more would double the test's time for the same point).
+    # The same job on the local backend, same data and seed: the same test metrics.
     local = emulated_settings(
         tmp_path, bucket, experiment={"BACKEND": "local"}, models={"MODEL_NAMES": "bow"}
     )
@@ -94,7 +94,7 @@ def test_train_two_models_on_two_emulated_hosts_agrees_with_local(
 
 
 def test_tune_emulated(staged, bucket, tmp_path):
-    # One model on one host per trial: two models on two emulated hosts are the test above's.
+    # One host per trial: two emulated hosts are the test above's.
     settings = emulated_settings(
         tmp_path, bucket, experiment={"JOB": "tune"}, models={"MODEL_NAMES": "bow"},
         training={"USE_DISTRIBUTED": "false", "INSTANCE_COUNT": "1"},

@@ -48,13 +48,12 @@ def three_runs(tmp_path_factory):
 
 def test_runs_lists_every_run(three_runs, capsys):
     tmp, records = three_runs
-    # Run 2 reused run 1's data steps, and its model records that data as its own.
-    assert {s: e["status"] for s, e in records[1]["data_steps"].items()} == {
-        "reconcile": "reused",
-        "prepare": "reused",
-    }
-    assert records[1]["model_lineage"]["tiny"]["data_version"] == 1
-    assert records[1]["data_snapshot_hash"] == records[0]["data_snapshot_hash"]
+    verdicts = {s: e["status"] for s, e in records[1]["data_steps"].items()}
+    assert verdicts == {"reconcile": "reused", "prepare": "computed"}
+    # Its model was trained on its own prepared data, made from run 1's snapshot.
+    lineage = records[1]["model_lineage"]["tiny"]
+    assert lineage["data_version"] == 2
+    assert lineage["data_snapshot_hash"] == records[0]["data_snapshot_hash"]
     assert cli.main(["runs", str(tmp / "settings.ini")]) == 0
     out = capsys.readouterr().out
     for record in records:

@@ -199,12 +199,12 @@ def test_hyperband_stops_trials_that_fall_behind_at_a_rung():
 def test_an_interrupted_study_resumes_with_its_finished_trials(tmp_path):
     from tests.reliability.test_lifecycle import Driver
 
-    path = tuning_settings(tmp_path, STRATEGY="Grid", MAX_JOBS="3", MAX_PARALLEL_JOBS="1")
+    path = tuning_settings(tmp_path, STRATEGY="Grid", MAX_JOBS="2", MAX_PARALLEL_JOBS="1")
     write_settings(path, str(tmp_path / "store"), experiment={"USER_FUNCTIONS": "reviews_tuning", "NAME": "reviews", "JOB": "tune"},
                    data={"RAW_DATA": str(tmp_path / "raw")}, models={"MODEL_NAMES": "tiny"},
                    training={"MAX_SEQUENCE_LENGTH": "12"},
-                   tuning={"STRATEGY": "Grid", "MAX_JOBS": "3", "MAX_PARALLEL_JOBS": "1", "EARLY_STOPPING": "Off"},
-                   **{"tuning.hyperparameters": {"LEARNING_RATE": "0.05,0.02,0.01", "EPOCHS": "3", "BATCH_SIZE": None}})  # fmt: skip
+                   tuning={"STRATEGY": "Grid", "MAX_JOBS": "2", "MAX_PARALLEL_JOBS": "1", "EARLY_STOPPING": "Off"},
+                   **{"tuning.hyperparameters": {"LEARNING_RATE": "0.05,0.02", "EPOCHS": "3", "BATCH_SIZE": None}})  # fmt: skip
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     trials_json = tmp_path / "store/reviews/runs/0001/tuning/tiny/trials.json"
@@ -220,18 +220,14 @@ def test_an_interrupted_study_resumes_with_its_finished_trials(tmp_path):
     again = Driver(path, tmp, "--resume", "1")
     assert again.finish() == 0, again.output
     after = {t["number"]: t for t in json.loads(trials_json.read_text())["trials"]}
-    assert [after[n]["status"] for n in sorted(after)] == ["Completed"] * 3
+    assert [after[n]["status"] for n in sorted(after)] == ["Completed"] * 2
     assert after[1] == before[1]  # told to the sampler again, not run again
     # The interrupted trial went on from its checkpoint with its own values; Grid still
     # visited each option exactly once.
     assert after[2]["hyperparameters"] == before[2]["hyperparameters"]
     log = next((tmp_path / "store/reviews/runs/0001/logs").glob("*tune-tiny-002*.log")).read_text()
     assert "resumed from" in log
-    assert sorted(t["hyperparameters"]["learning_rate"] for t in after.values()) == [
-        "0.01",
-        "0.02",
-        "0.05",
-    ]
+    assert sorted(t["hyperparameters"]["learning_rate"] for t in after.values()) == ["0.02", "0.05"]
     assert "1 done before this run was resumed" in again.output
     record = json.loads((tmp_path / "store/reviews/runs/0001/metadata.json").read_text())
     assert record["status"] == "completed" and record["model_artifacts"]["tiny"]
