@@ -311,6 +311,13 @@ class Containers:
             except ProcessLookupError:
                 pass
 
+    def _register(self, pid: int, job: str) -> None:
+        with self._lock:
+            self._running[pid] = job
+            late = self.stopping  # stop() came while this one was starting: it stops too
+        if late:
+            os.killpg(pid, signal.SIGTERM)
+
     def was_stopped(self, job: str) -> bool:
         with self._lock:
             return any(job.startswith(prefix) for prefix in self._stopped if prefix)
@@ -352,11 +359,7 @@ class Containers:
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: stop() reaches every process
         )
-        with self._lock:
-            self._running[proc.pid] = job
-            late = self.stopping  # stop() came while this one was starting: it stops too
-        if late:
-            os.killpg(proc.pid, signal.SIGTERM)
+        self._register(proc.pid, job)
         peak = {"rss": 0.0}
         done = threading.Event()
         watcher = threading.Thread(target=_watch_memory, args=(proc.pid, peak, done), daemon=True)

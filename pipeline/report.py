@@ -65,10 +65,11 @@ def context(store: Store, tree: ExperimentTree, run_num: int) -> dict:
     trained = (train.get("details") or {}).get("models") or {}
     inference = (steps.get("inference") or {}).get("details") or {}
     version = record.get("data_version")
-    data = tree.data(version) if isinstance(version, int) else None
-    snapshot = None
-    for source in ([data] if data else []) + ([tree.data(v) for v in _reconciled_version(record)]):
-        snapshot = snapshot or _json(store, source.snapshot_info)
+    # The snapshot of the run's data version, or of the one its prepared data was made from.
+    versions = ([version] if isinstance(version, int) else []) + _reconciled_version(record)
+    snapshot = next(
+        filter(None, (_json(store, tree.data(v).snapshot_info) for v in versions)), None
+    )
     models = []
     results = run.inference if inference else None
     for name in record.get("model_artifacts") or sorted(record.get("holdout_performance") or {}):

@@ -180,6 +180,42 @@ def accuracy_difference_ci(
     return [float(result.confidence_interval.low), float(result.confidence_interval.high)]
 
 
+def compare(
+    names: list[str], performance: dict, predictions: dict, y_true: np.ndarray, out: Path
+) -> dict:
+    """Every pair of models on the same test rows: agreement, the accuracy difference with
+    its bootstrap interval, McNemar's test; comparison.csv and comparison.json."""
+    table = (
+        pd.DataFrame(performance).T.rename_axis("model").sort_values("macro_f1", ascending=False)
+    )
+    table["rows"] = table["rows"].astype(int)
+    table.to_csv(out / "comparison.csv", float_format="%.4f")
+    pairs = []
+    for a, b in itertools.combinations(names, 2):
+        agree = predictions[a] == predictions[b]
+        pairs.append({
+            "models": [a, b], "agree": int(agree.sum()), "disagree": int((~agree).sum()),
+            "agree_and_right": int((agree & (predictions[a] == y_true)).sum()),
+            "accuracy_difference": performance[a]["accuracy"] - performance[b]["accuracy"],
+            "accuracy_difference_ci95": accuracy_difference_ci(predictions[a] == y_true, predictions[b] == y_true),
+            "mcnemar": mcnemar(predictions[a] == y_true, predictions[b] == y_true),
+        })  # fmt: skip
+    comparison = {
+        "test": "McNemar's exact test (two-sided binomial on discordant rows)",
+        "interval": "95% paired bootstrap (2000 resamples of the test rows) of the accuracy difference",
+        "winner": str(table.index[0]),  # by test macro-F1
+        "pairs": pairs,
+    }
+    (out / "comparison.json").write_text(json.dumps(comparison, indent=2))
+    print(table.to_string(float_format=lambda x: f"{x:.4f}"))
+    for pair in pairs:
+        m, (low, high) = pair["mcnemar"], pair["accuracy_difference_ci95"]
+        print(f"{pair['models'][0]} vs {pair['models'][1]}: agree on {pair['agree']}/{len(y_true)} rows; "
+              f"McNemar p={m['p_value']:.4g} ({'significant' if m['significant_at_0.05'] else 'not significant'} at 0.05); "
+              f"accuracy difference {pair['accuracy_difference']:+.4f}, 95% CI [{low:+.4f}, {high:+.4f}]")  # fmt: skip
+    return comparison
+
+
 def main() -> None:
     args = parse_args()
     names = [n for n in args.model_names.split(",") if n]
@@ -227,38 +263,7 @@ def main() -> None:
         )
         print(per_label.to_string(index=False, float_format=lambda x: f"{x:.4f}"))
 
-    comparison = None
-    if len(names) > 1:
-        table = (
-            pd.DataFrame(performance)
-            .T.rename_axis("model")
-            .sort_values("macro_f1", ascending=False)
-        )
-        table["rows"] = table["rows"].astype(int)
-        table.to_csv(out / "comparison.csv", float_format="%.4f")
-        pairs = []
-        for a, b in itertools.combinations(names, 2):
-            agree = predictions[a] == predictions[b]
-            pairs.append({
-                "models": [a, b], "agree": int(agree.sum()), "disagree": int((~agree).sum()),
-                "agree_and_right": int((agree & (predictions[a] == y_true)).sum()),
-                "accuracy_difference": performance[a]["accuracy"] - performance[b]["accuracy"],
-                "accuracy_difference_ci95": accuracy_difference_ci(predictions[a] == y_true, predictions[b] == y_true),
-                "mcnemar": mcnemar(predictions[a] == y_true, predictions[b] == y_true),
-            })  # fmt: skip
-        comparison = {
-            "test": "McNemar's exact test (two-sided binomial on discordant rows)",
-            "interval": "95% paired bootstrap (2000 resamples of the test rows) of the accuracy difference",
-            "winner": str(table.index[0]),  # by test macro-F1
-            "pairs": pairs,
-        }
-        (out / "comparison.json").write_text(json.dumps(comparison, indent=2))
-        print(table.to_string(float_format=lambda x: f"{x:.4f}"))
-        for pair in pairs:
-            m, (low, high) = pair["mcnemar"], pair["accuracy_difference_ci95"]
-            print(f"{pair['models'][0]} vs {pair['models'][1]}: agree on {pair['agree']}/{len(y_true)} rows; "
-                  f"McNemar p={m['p_value']:.4g} ({'significant' if m['significant_at_0.05'] else 'not significant'} at 0.05); "
-                  f"accuracy difference {pair['accuracy_difference']:+.4f}, 95% CI [{low:+.4f}, {high:+.4f}]")  # fmt: skip
+    comparison = compare(names, performance, predictions, y_true, out) if len(names) > 1 else None
     write_step_metadata(
         processing_output("report"),
         {
