@@ -7,6 +7,7 @@ import csv
 import json
 import signal
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -213,8 +214,11 @@ def test_an_interrupted_study_resumes_with_its_finished_trials(tmp_path):
     tmp.mkdir()
     trials_json = tmp_path / "store/reviews/runs/0001/tuning/tiny/trials.json"
     driver = Driver(path, tmp, "--steps", "reconcile,prepare,train")
-    driver.wait_for("-002-")  # the second trial has started...
-    driver.wait_for("] epoch=2 ")  # ...and checkpointed an epoch
+    # The second trial has checkpointed an epoch (its own line: the first trial had one too).
+    end = time.time() + 240
+    while not any("-002-" in line and "] epoch=1 " in line for line in driver.lines):
+        assert driver.proc.poll() is None and time.time() < end, driver.output
+        time.sleep(0.05)
     driver.proc.send_signal(signal.SIGTERM)
     assert driver.finish() == 130, driver.output
     before = {t["number"]: t for t in json.loads(trials_json.read_text())["trials"]}
@@ -229,8 +233,9 @@ def test_an_interrupted_study_resumes_with_its_finished_trials(tmp_path):
     # The interrupted trial went on from its checkpoint with its own values; Grid still
     # visited each option exactly once.
     assert after[2]["hyperparameters"] == before[2]["hyperparameters"]
-    log = next((tmp_path / "store/reviews/runs/0001/logs").glob("*tune-tiny-002*.log")).read_text()
-    assert "resumed from" in log
+    # Its log before the stop and its log after (a resumed job is a new job, a new name).
+    logs = list((tmp_path / "store/reviews/runs/0001/logs").glob("*tune-tiny-002*.log"))
+    assert len(logs) == 2 and any("resumed from" in log.read_text() for log in logs)
     assert sorted(t["hyperparameters"]["learning_rate"] for t in after.values()) == ["0.02", "0.05"]
     assert "1 done before this run was resumed" in again.output
     record = json.loads((tmp_path / "store/reviews/runs/0001/metadata.json").read_text())
