@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 INPUTS_FILE = "inputs.json"  # in the labels channel: {model: {"keys", "pad", "sequence"}}
@@ -42,10 +44,11 @@ def pad_value(key: str, tokenizer) -> int:
 
 def check_encoded(
     encoded, rows: int, keys: list[str], where: str
-) -> tuple[dict[str, list], list[str], list[int]]:
-    """The columns `keys` names from one batch of `encode`'s output, the columns dropped, and
-    each row's real length. Raises ValueError naming `where` (the user's encode) on any shape
-    that could not be batched."""
+) -> tuple[dict[str, pa.Array], list[str], list[int]]:
+    """The columns `keys` names from one batch of `encode`'s output, as Arrow arrays, the
+    columns dropped, and each row's real length. Raises ValueError naming `where` (the user's
+    encode) on any shape that could not be batched. Checked column by column in Arrow: a
+    Python loop over every row and token cost a tenth of encoding short texts."""
     if not isinstance(encoded, Mapping) or not encoded:
         raise TypeError(
             f"{where} must return a mapping of column name to per-row values (a dict or the "
@@ -56,40 +59,79 @@ def check_encoded(
         raise ValueError(
             f"{where} returned no {missing} (ordered_input_keys names them; it returned {list(encoded)})"
         )
-    columns = {k: _as_list(encoded[k]) for k in keys}
+    columns = {k: _as_array(encoded[k], k, rows, where) for k in keys}
     dropped = [k for k in encoded if k not in keys]
-    lengths = [0] * rows
-    for key, values in columns.items():
-        if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != rows:
-            got = len(values) if isinstance(values, Sequence) else type(values).__name__
+    sequence_keys = [k for k in keys if pa.types.is_list(columns[k].type)]
+    if not sequence_keys:
+        return columns, dropped, [0] * rows
+    row_lengths = {k: pc.list_value_length(columns[k]).to_numpy(zero_copy_only=False)
+                   for k in sequence_keys}  # fmt: skip
+    lengths = row_lengths[sequence_keys[0]]
+    for k in sequence_keys[1:]:
+        unequal = np.flatnonzero(row_lengths[k] != lengths)
+        if len(unequal):
+            i = int(unequal[0])
             raise ValueError(
-                f"{where} returned {got} values for {key!r} for a batch of {rows} rows"
+                f"{where} returned inputs of different lengths for one row: "
+                f"{ {key: int(row_lengths[key][i]) for key in sequence_keys} }"
             )
-    sequence_keys = [k for k in keys if rows and isinstance(columns[k][0], Sequence)]
-    for i in range(rows):
-        row_lengths = {k: len(columns[k][i]) for k in sequence_keys}
-        if sequence_keys and len(set(row_lengths.values())) != 1:
+    if rows and lengths.min() == 0:
+        raise ValueError(
+            f"{where} returned an empty sequence for row {int(np.argmin(lengths))} of a batch"
+        )
+    if "attention_mask" in sequence_keys:
+        lengths = _masked_lengths(columns["attention_mask"], lengths)
+    return columns, dropped, lengths.tolist()
+
+
+def _as_array(values, key: str, rows: int, where: str) -> pa.Array:
+    """One input's values for a batch: a number per row, or a flat sequence of numbers."""
+    values = _as_list(values)
+    if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != rows:
+        got = len(values) if isinstance(values, Sequence) else type(values).__name__
+        raise ValueError(f"{where} returned {got} values for {key!r} for a batch of {rows} rows")
+    try:
+        array = pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        rows_are = [isinstance(v, Sequence) and not isinstance(v, str) for v in values]
+        if any(
+            is_row and any(isinstance(x, Sequence) for x in v)
+            for is_row, v in zip(rows_are, values, strict=True)
+        ):
             raise ValueError(
-                f"{where} returned inputs of different lengths for one row: {row_lengths}"
-            )
-        for k in keys:
-            is_sequence = isinstance(columns[k][i], Sequence)
-            if is_sequence != (k in sequence_keys):
-                raise ValueError(f"{where} returned {k!r} as a sequence for some rows only")
-            if is_sequence and any(isinstance(x, Sequence) for x in columns[k][i][:1]):
-                raise ValueError(f"{where} returned nested sequences for {k!r} (one row, one list)")
-        if sequence_keys:
-            lengths[i] = next(iter(row_lengths.values()))
-            if lengths[i] == 0:
-                raise ValueError(f"{where} returned an empty sequence for row {i} of a batch")
-            mask = columns.get("attention_mask")
-            if mask is not None and "attention_mask" in sequence_keys:
-                # Right-padded rows (the tokenizers' default) are as long as their mask says;
-                # a left-padded row keeps its stored length.
-                real = int(sum(mask[i]))
-                if 0 < real < lengths[i] and not any(mask[i][real:]) and all(mask[i][:real]):
-                    lengths[i] = real
-    return columns, dropped, lengths
+                f"{where} returned nested sequences for {key!r} (one row, one list)"
+            ) from e
+        if any(rows_are):
+            raise ValueError(f"{where} returned {key!r} as a sequence for some rows only") from e
+        raise ValueError(f"{where} returned values for {key!r} that are not numbers ({e})") from e
+    if array.null_count or (pa.types.is_list(array.type) and array.flatten().null_count):
+        raise ValueError(f"{where} returned None among the values for {key!r}")
+    item = array.type.value_type if pa.types.is_list(array.type) else array.type
+    if pa.types.is_list(item) or pa.types.is_large_list(item):
+        raise ValueError(f"{where} returned nested sequences for {key!r} (one row, one list)")
+    if not (pa.types.is_integer(item) or pa.types.is_floating(item) or pa.types.is_boolean(item)):
+        raise ValueError(f"{where} returned values of type {item} for {key!r}, not numbers")
+    return array
+
+
+def _masked_lengths(mask: pa.ListArray, lengths: np.ndarray) -> np.ndarray:
+    """Right-padded rows (the tokenizers' default) are as long as their attention mask says:
+    ones, then zeros. A row whose mask has another shape (left-padded) keeps its length."""
+    values = mask.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = mask.offsets.to_numpy()
+    starts = offsets[:-1] - offsets[0]
+    real = np.add.reduceat(values, starts) if len(values) else np.zeros(len(lengths), np.int64)
+    # Ones then zeros: every value 0 or 1, and no step up inside a row.
+    step_up = np.zeros(len(values), bool)
+    step_up[1:] = values[1:] > values[:-1]
+    step_up[starts] = False
+    bad = (
+        np.add.reduceat(step_up | (values > 1) | (values < 0), starts) > 0
+        if len(values)
+        else real > 0
+    )
+    right_padded = ~bad & (real > 0) & (real < lengths)
+    return np.where(right_padded, real, lengths)
 
 
 def write_inputs(directory: Path, inputs: dict) -> None:
@@ -109,20 +151,31 @@ def read_inputs(directory: Path, model_name: str, keys: list[str]) -> dict:
     return info
 
 
+def read_split(directory: Path) -> pa.Table:
+    """A split prepare saved with `datasets.Dataset.save_to_disk`, read the way
+    `datasets.load_from_disk` reads it (its Arrow stream files, memory-mapped, in the order
+    state.json lists them), without importing datasets: 0.6 s of every training job."""
+    state = Path(directory) / "state.json"
+    if not state.exists():
+        raise FileNotFoundError(f"{state} is missing: {directory} is not a split prepare saved")
+    files = [Path(directory) / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+    return pa.concat_tables(pa.ipc.open_stream(pa.memory_map(str(f))).read_all() for f in files)
+
+
 class Batches:
     """One model's rows held in memory, padded per batch: a DataLoader's `collate_fn` over
     row indices. Each batch is padded to its longest row (rounded up to `multiple_of`)."""
 
-    def __init__(self, dataset, model_name: str, keys: list[str], inputs: dict,
+    def __init__(self, table: pa.Table, model_name: str, keys: list[str], inputs: dict,
                  max_length: int | None = None, multiple_of: int = 1, labels: bool = True):  # fmt: skip
         self.keys, self.multiple_of, self.max_length = keys, multiple_of, max_length
         self.pad = {k: inputs["pad"][k] for k in keys}
         self.sequence = set(inputs["sequence"])
-        self.columns = {k: dataset[f"{model_name}_{k}"] for k in keys}
-        self.lengths = np.asarray(dataset[length_column(model_name)], dtype=np.int64)
+        self.columns = {k: table.column(f"{model_name}_{k}").to_pylist() for k in keys}
+        self.lengths = np.asarray(table.column(length_column(model_name)), dtype=np.int64)
         if max_length:
             self.lengths = np.minimum(self.lengths, max_length)
-        self.labels = torch.tensor(dataset["label_id"]) if labels else None
+        self.labels = torch.tensor(table.column("label_id").to_pylist()) if labels else None
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -146,7 +199,18 @@ class Batches:
         return batch
 
 
-def by_length(lengths: np.ndarray, batch_size: int) -> list[list[int]]:
-    """Batches of row indices sorted by length (longest first): evaluation pads least."""
+def by_length(
+    lengths: np.ndarray, batch_size: int, max_tokens: int | None = None
+) -> list[list[int]]:
+    """Batches of row indices sorted by length (longest first): evaluation pads least. With
+    `max_tokens`, a batch also holds at most that many tokens (rows x its longest row)."""
     order = np.argsort(-np.asarray(lengths), kind="stable")
-    return [order[i : i + batch_size].tolist() for i in range(0, len(order), batch_size)]
+    if not max_tokens:
+        return [order[i : i + batch_size].tolist() for i in range(0, len(order), batch_size)]
+    batches, start = [], 0
+    while start < len(order):
+        width = max(1, int(lengths[order[start]]))  # the longest row of the batch comes first
+        rows = max(1, min(batch_size, max_tokens // width))
+        batches.append(order[start : start + rows].tolist())
+        start += rows
+    return batches

@@ -8,6 +8,7 @@ import textwrap
 
 import datasets
 import numpy as np
+import pyarrow as pa
 import pytest
 from transformers import AutoTokenizer
 
@@ -15,7 +16,7 @@ from pipeline.config import load_settings
 from pipeline.driver import PipelineError, parse_steps, run_pipeline
 from pipeline.paths import ExperimentTree
 from pipeline.store import LocalStore
-from steps.batching import Batches, by_length, check_encoded
+from steps.batching import Batches, by_length, check_encoded, read_split
 from steps.checkpointing import ResumableBatchSampler
 from tests.conftest import write_settings
 from user_functions import minilm_path
@@ -110,9 +111,9 @@ def ids_of(n: int) -> list[int]:
     return [101] + [1000 + j for j in range(n - 2)] + [102]
 
 
-def rows_of(lengths: list[int]) -> datasets.Dataset:
+def rows_of(lengths: list[int]) -> pa.Table:
     ids = [ids_of(n) for n in lengths]
-    return datasets.Dataset.from_dict({
+    return pa.table({
         "m_input_ids": ids, "m_attention_mask": [[1] * len(i) for i in ids],
         "m__length": lengths, "label_id": [i % 2 for i in range(len(lengths))],
     })  # fmt: skip
@@ -227,3 +228,30 @@ def test_mixed_precision_is_resolved_for_the_device():
     with pytest.raises(ValueError, match="fp16 needs a GPU"):
         mixed_precision("fp16", num_gpus=0)
     assert mixed_precision("no", num_gpus=1) == "no"
+
+
+def test_a_split_reads_as_datasets_reads_it(tmp_path):
+    """Training and inference read prepare's splits without datasets: the same rows, in the
+    same order, over every shard save_to_disk wrote."""
+    table = rows_of([int(n) for n in np.random.default_rng(2).integers(1, 40, size=301)])
+    datasets.Dataset(table).save_to_disk(str(tmp_path / "split"), num_shards=3)
+    assert len(list((tmp_path / "split").glob("*.arrow"))) == 3
+    assert (
+        read_split(tmp_path / "split").to_pylist()
+        == datasets.load_from_disk(str(tmp_path / "split")).to_list()
+    )
+    with pytest.raises(FileNotFoundError, match="not a split prepare saved"):
+        read_split(tmp_path)
+
+
+def test_inference_passes_hold_a_token_budget_and_every_row_once():
+    lengths = np.random.default_rng(4).integers(1, 300, size=500)
+    batches = by_length(lengths, 64, max_tokens=1024)
+    assert sorted(i for b in batches for i in b) == list(range(500))
+    for batch in batches:
+        width = lengths[batch].max()
+        assert len(batch) <= 64 and (len(batch) * width <= 1024 or len(batch) == 1)
+        assert width == lengths[batch[0]]  # longest first: the batch's width is its first row's
+    # Short rows fill the batch size; rows longer than the budget go one by one.
+    assert len(by_length(np.full(100, 8), 64, max_tokens=1024)[0]) == 64
+    assert {len(b) for b in by_length(np.full(10, 2000), 64, max_tokens=1024)} == {1}

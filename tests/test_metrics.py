@@ -4,11 +4,18 @@ MetricDefinitions and every local trial's), and the check of a user's own regex.
 from __future__ import annotations
 
 import re
+import warnings
 
+import hypothesis
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from sklearn.metrics import accuracy_score, f1_score
 
 from pipeline.config import ConfigError, load_settings
 from steps.metrics import DEFINITIONS, METRICS, SAMPLE_LINE, metric_line
+from steps.train import accuracy_and_f1
 from tests.conftest import write_settings
 
 
@@ -55,3 +62,18 @@ def test_a_users_own_definition_is_added_beside_the_defaults(tmp_path):
                              "tuning": {"OBJECTIVE_METRIC": "f1"}})  # fmt: skip
     settings = load_settings(path, {})
     assert set(settings.metric_definitions) == {*METRICS, "f1"}
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 6), st.integers(0, 7)), min_size=1, max_size=80),
+)
+@hypothesis.settings(max_examples=300, deadline=None)
+def test_validation_accuracy_and_f1_are_scikit_learns(pairs):
+    """Training counts them itself (sklearn.metrics costs every job 1.2 s to import); they must
+    be the numbers scikit-learn gives, labels missing on one side included."""
+    reference, predicted = (np.array(side) for side in zip(*pairs, strict=True))
+    got = accuracy_and_f1(reference, predicted)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sklearn warns where a label is never predicted
+        assert got["f1"] == f1_score(reference, predicted, average="macro")
+    assert got["accuracy"] == accuracy_score(reference, predicted)
