@@ -1,17 +1,20 @@
 """Speed against the ecosystem's own tools, every figure a ratio to a baseline measured in the
-same process, interleaved, after warm-up, median of --repeat runs, same model (MiniLM), rows,
-batch size, steps and threads on both sides:
+same process, interleaved, after warm-up, same model (MiniLM), rows, batch size, steps and
+threads on both sides. Rates are medians of --repeat runs (training, jobs) or --rounds
+(inference, prepare); a ratio is the median of the ratios taken within each round, since this
+machine's speed drifts within a minute:
 
 1. training: our training job's loop (steps/train.py) against the Hugging Face `Trainer` with
    `DataCollatorWithPadding` and `group_by_length=True`, on long texts (BBC articles) and
    short ones (their lead sentences), both at MAX_SEQUENCE_LENGTH 128;
-2. inference: our inference step's batching (steps/inference.py over the TorchScript export)
-   against `transformers.pipeline("text-classification")` and a one-row-at-a-time loop;
+2. inference: our inference step's batching (steps/inference.py over the TorchScript export,
+   64 rows a batch, each pass held to its MAX_TOKENS_PER_PASS) against
+   `transformers.pipeline("text-classification")` at batch size 64 and a one-row-at-a-time loop;
 3. preparation: our prepare's encode (steps/prepare.py) against one tokenizer call over the
    whole column (the floor) and an unbatched per-row `datasets.map`;
 4. orchestration: what the local backend adds to a job, and `run_pipeline.py --help` start-up.
 
-    python bench/speed.py [--rows N] [--steps N] [--repeat N]
+    python bench/speed.py [--rows N] [--steps N] [--repeat N] [--rounds N]
 
 Prints a table and writes bench/results.json. Checkpoint cost: bench/checkpoint_cost.py.
 """
@@ -85,6 +88,13 @@ def texts(rows: int) -> dict[str, tuple[list[str], list[int]]]:
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def paired_ratio(ours: list[float], theirs: list[float]) -> float:
+    """The median over rounds of theirs / ours (times measured back to back in each round):
+    this machine's speed drifts by up to 2x within a minute, and a ratio taken within a
+    round cancels the drift that a ratio of medians keeps."""
+    return median([t / o for o, t in zip(ours, theirs, strict=True)])
 
 
 # -- 1. training ---------------------------------------------------------------------------
@@ -210,7 +220,8 @@ def bench_training(corpora, tokenizer, steps: int, repeat: int, work: Path) -> d
         flops = median([6 * params * x["tokens"] / x["seconds"] for x in ours])
         out[kind] = {
             "ours_examples_per_s": rate["ours"], "trainer_examples_per_s": rate["trainer"],
-            "ratio": rate["ours"] / rate["trainer"],
+            "ratio": paired_ratio([x["seconds"] / x["examples"] for x in ours],
+                                  [x["seconds"] / x["examples"] for x in theirs]),
             "ours_real_tokens_per_s": tokens["ours"], "trainer_real_tokens_per_s": tokens["trainer"],
             "ours_real_token_share": ours[0]["real_tokens"] / ours[0]["tokens"],
             "trainer_real_token_share": theirs[0]["real_tokens"] / theirs[0]["tokens"],
@@ -383,8 +394,8 @@ def bench_inference(corpora, tokenizer, repeat: int, work: Path, batch_size: int
         rate = {name: len(text) / median(times[1:]) for name, times in runs.items()}
         out[kind] = {
             **{f"{name}_examples_per_s": r for name, r in rate.items()},
-            "ratio_vs_pipeline": rate["ours"] / rate["pipeline"],
-            "ratio_vs_one_at_a_time": rate["ours"] / rate["one_at_a_time"],
+            "ratio_vs_pipeline": paired_ratio(runs["ours"][1:], runs["pipeline"][1:]),
+            "ratio_vs_one_at_a_time": paired_ratio(runs["ours"][1:], runs["one_at_a_time"][1:]),
             "identical_predictions": True,
         }
     return out
@@ -426,9 +437,8 @@ def bench_prepare(corpora, tokenizer, repeat: int) -> dict:
             runs["unbatched_map"].append(time.perf_counter() - started)
         rate = {name: len(text) / median(times[1:]) for name, times in runs.items()}
         out[kind] = {**{f"{name}_rows_per_s": r for name, r in rate.items()},
-                     "ratio_vs_one_call": rate["ours"] / rate["one_call"],
-                     "ratio_vs_load_and_one_call": rate["ours"] / rate["load_and_one_call"],
-                     "ratio_vs_unbatched_map": rate["ours"] / rate["unbatched_map"]}  # fmt: skip
+                     **{f"ratio_vs_{name}": paired_ratio(runs["ours"][1:], runs[name][1:])
+                        for name in ("one_call", "load_and_one_call", "unbatched_map")}}  # fmt: skip
     return out
 
 
@@ -506,7 +516,12 @@ def main() -> None:
         help="texts per corpus for prepare (default all 2225)",
     )
     parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps (default 8)")
-    parser.add_argument("--repeat", type=int, default=3, help="repetitions, median (default 3)")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="training and job repetitions, median (default 3)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=9, help="inference and prepare rounds, median (default 9)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     work = Path(tempfile.mkdtemp(prefix="smpipe-speed-"))
@@ -523,8 +538,8 @@ def main() -> None:
         "training": bench_training(
             texts(args.train_rows), tokenizer, args.steps, args.repeat, work
         ),
-        "inference": bench_inference(corpora, tokenizer, args.repeat, work),
-        "prepare": bench_prepare(texts(args.prepare_rows), tokenizer, args.repeat),
+        "inference": bench_inference(corpora, tokenizer, args.rounds, work),
+        "prepare": bench_prepare(texts(args.prepare_rows), tokenizer, args.rounds),
         "orchestration": bench_orchestration(args.repeat, work),
         "training_job_fixed_cost": bench_fixed_cost(
             tokenizer, texts(args.rows)["long"], args.steps, args.repeat, work
@@ -533,8 +548,8 @@ def main() -> None:
     (ROOT / "bench/results.json").write_text(json.dumps(results, indent=2))
     t, i, p, o = (results[k] for k in ("training", "inference", "prepare", "orchestration"))
     print(f"\nspeed: MiniLM, max length {MAX_LENGTH}, batch {BATCH}, texts per corpus: training "
-          f"{args.train_rows}, inference {args.rows}, prepare {args.prepare_rows}; "
-          f"median of {args.repeat} (bench/results.json)")  # fmt: skip
+          f"{args.train_rows}, inference {args.rows}, prepare {args.prepare_rows}; median of "
+          f"{args.repeat} (training, jobs) or {args.rounds} rounds (bench/results.json)")  # fmt: skip
     print(f"  {'measure':<52}{'long':>10}{'short':>10}")
     rows = [
         ("training examples/s, ours", t, "ours_examples_per_s", "{:.1f}"),

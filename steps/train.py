@@ -125,6 +125,7 @@ class Job:
     sampler: ckpt.ResumableBatchSampler
     train_loader: DataLoader
     val_batches: Batches
+    inputs: dict  # this model's padding values and sequence inputs (labels/inputs.json)
     per_device: int
     accumulation: int
     total_steps: int
@@ -139,18 +140,33 @@ class Job:
     last_finite: tuple[int, float] | None = None  # (optimizer step, its mean loss)
 
 
-def set_up(hp: dict, env: TrainingEnv) -> Job:
-    model_name = hp["model_name"]
-    functions = load_user_functions(os.environ["SMPIPE_USER_FUNCTIONS"])
-    keys = list(call(functions, "ordered_input_keys", model_name))
+def optimizer_for(model: torch.nn.Module, hp: dict, total_steps: int):
+    """AdamW without weight decay on biases and norms, linear warmup then linear decay (the
+    Trainer's defaults): the optimizer, its scheduler, and which AdamW implementation runs."""
+    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "norm.weight")
+    named = list(model.named_parameters())
+    groups = [
+        {
+            "params": [p for n, p in named if not n.endswith(no_decay)],
+            "weight_decay": hp["weight_decay"],
+        },
+        {"params": [p for n, p in named if n.endswith(no_decay)], "weight_decay": 0.0},
+    ]
+    optimizer, kind = adamw(groups, hp["learning_rate"])
+    warmup = int(hp["warmup_ratio"] * total_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / max(1, warmup)
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor), kind
+
+
+def accelerator_for(hp: dict, env: TrainingEnv, accumulation: int) -> tuple[Accelerator, str, bool]:
+    """Accelerate for this job: the device, mixed precision, wandb, and gradient accumulation
+    by step count. Returns it, the precision applied, and whether wandb logs."""
     on_gpu = env.num_gpus > 0
-
-    # How the wanted batch splits into devices and accumulation: the per-device batch never
-    # exceeds what one device can hold, and accumulation makes up the rest.
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    accumulation = math.ceil(hp["batch_size"] / (world * hp["max_per_device_batch_size"]))
-    per_device = math.ceil(hp["batch_size"] / (world * accumulation))
-
     wandb_on = hp["wandb_mode"] != "disabled"
     if wandb_on:
         # The settings' mode wins over the environment: a key that happens to be set must not
@@ -172,6 +188,22 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
             num_steps=accumulation, sync_with_dataloader=False
         ),
     )
+    return accelerator, precision, wandb_on
+
+
+def set_up(hp: dict, env: TrainingEnv) -> Job:
+    model_name = hp["model_name"]
+    functions = load_user_functions(os.environ["SMPIPE_USER_FUNCTIONS"])
+    keys = list(call(functions, "ordered_input_keys", model_name))
+    on_gpu = env.num_gpus > 0
+
+    # How the wanted batch splits into devices and accumulation: the per-device batch never
+    # exceeds what one device can hold, and accumulation makes up the rest.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    accumulation = math.ceil(hp["batch_size"] / (world * hp["max_per_device_batch_size"]))
+    per_device = math.ceil(hp["batch_size"] / (world * accumulation))
+
+    accelerator, precision, wandb_on = accelerator_for(hp, env, accumulation)
     set_seed(hp["seed"])
 
     labels_dir = env.channels["labels"]
@@ -205,23 +237,7 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
     total_steps = sampler.steps_per_epoch * hp["epochs"]
     if hp["max_steps"]:
         total_steps = min(total_steps, hp["max_steps"])
-    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "norm.weight")
-    groups = [
-        {"params": [p for n, p in model.named_parameters() if not n.endswith(no_decay)],
-         "weight_decay": hp["weight_decay"]},
-        {"params": [p for n, p in model.named_parameters() if n.endswith(no_decay)],
-         "weight_decay": 0.0},
-    ]  # fmt: skip
-    optimizer, optimizer_kind = adamw(groups, hp["learning_rate"])
-    warmup = int(hp["warmup_ratio"] * total_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: (
-            (s + 1) / max(1, warmup)
-            if s < warmup
-            else max(0.0, (total_steps - s) / max(1, total_steps - warmup))
-        ),
-    )
+    optimizer, scheduler, optimizer_kind = optimizer_for(model, hp, total_steps)
     # The train loader is not prepared: the resumable sampler shards it itself, per rank.
     model, optimizer = accelerator.prepare(model, optimizer)
     compiled = False
@@ -243,7 +259,7 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
     )
     return Job(hp=hp, env=env, accelerator=accelerator, keys=keys, id2label=id2label, model=model,
                optimizer=optimizer, scheduler=scheduler, state=state, sampler=sampler,
-               train_loader=train_loader, val_batches=val, per_device=per_device,
+               train_loader=train_loader, val_batches=val, inputs=inputs, per_device=per_device,
                accumulation=accumulation, total_steps=total_steps, wandb_on=wandb_on,
                settings=settings)  # fmt: skip
 
@@ -570,8 +586,7 @@ def finish(job: Job) -> None:
     (model_dir / "id2label.json").write_text(
         json.dumps({str(k): v for k, v in job.id2label.items()}, indent=2)
     )
-    inputs = read_inputs(env.channels["labels"], model_name, job.keys)
-    exports = export_programs(final, job.keys, inputs, job.val_batches, model_dir)
+    exports = export_programs(final, job.keys, job.inputs, job.val_batches, model_dir)
     accelerator.print(f"TorchScript export: {exports['torchscript']}")
     accelerator.print(f"torch.export program: {exports['exported']}")
     # The last metric line is the best epoch's: a tuner reading the final value sees the model it gets.
