@@ -80,11 +80,13 @@ def predict(name: str, test: pa.Table, batch_size: int, model_format: str):
     return logits.argmax(-1).numpy(), torch.softmax(logits, -1).max(-1).values.numpy()
 
 
-# Tokens in one forward pass at most (rows x width; BATCH_SIZE rows at most). On a CPU a
-# 128-token row already fills the matrix units, and a pass whose activations outgrow the
-# cache is slower per row. MiniLM on 2 cores, 64 rows, interleaved, median of 12, rows/s in
-# passes of 64 / 32 / 16 / 8 rows: 46 / 47 / 55 / 53 at 128 tokens, 103 / 120 / 122 / - at
-# 64 tokens, 213 / 232 / 232 / 218 at 32 tokens.
+# Tokens in one forward pass at most (rows x width; BATCH_SIZE rows at most). 64 rows of 128
+# tokens make attention tensors of 50 MB, above the largest threshold at which glibc's malloc
+# maps big blocks (32 MB): each is mapped and unmapped on every pass and its pages faulted in
+# again. MiniLM, 2 cores, a fresh process, 7 rounds: 39 rows/s in passes of 64 rows, 49 in
+# passes of 1024 tokens (1.17x the transformers pipeline at batch size 64, paired), 51 for
+# both when malloc is told to keep big blocks. A 128-token row already fills a CPU's matrix
+# units, so the smaller passes cost nothing else.
 MAX_TOKENS_PER_PASS = 1024
 
 
