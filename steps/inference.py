@@ -226,15 +226,8 @@ def compare(
     return comparison
 
 
-def main() -> None:
-    args = parse_args()
-    names = [n for n in args.model_names.split(",") if n]
-    test = read_split(processing_input("test"))
-    id2label = {
-        int(k): v
-        for k, v in json.loads((processing_input("labels") / "id2label.json").read_text()).items()
-    }
-    # A model is only ever tested on data labelled the way its training data was.
+def check_labels_match(names: list[str], id2label: dict[int, str]) -> None:
+    """A model is only ever tested on data labelled the way its training data was."""
     for name in names:
         own = model_dir(name) / "id2label.json"
         if own.exists() and json.loads(own.read_text()) != {str(k): v for k, v in id2label.items()}:
@@ -242,6 +235,44 @@ def main() -> None:
                 f"model {name!r} was trained on labels {sorted(json.loads(own.read_text()).values())}, "
                 f"but the test data has {sorted(id2label.values())}: they cannot be compared"
             )
+
+
+def write_results(folder: Path, name: str, y_true, y_pred, confidence, ids: list, id2label) -> dict:
+    """One model's per-label table, overall scores, confusion matrix and predictions."""
+    per_label, overall = statistics(y_true, y_pred, id2label)
+    folder.mkdir(parents=True, exist_ok=True)
+    per_label.to_csv(folder / "per_label.csv", index=False, float_format="%.4f")
+    (folder / "overall.json").write_text(json.dumps(overall, indent=2))
+    label_names = [id2label[i] for i in sorted(id2label)]
+    cm = confusion_matrix(y_true, y_pred, labels=sorted(id2label))
+    pd.DataFrame(cm, index=label_names, columns=label_names).to_csv(folder / "confusion_matrix.csv")
+    plot_confusion(
+        cm, label_names, folder / "confusion_matrix.png", f"{name}: test confusion matrix"
+    )
+    pd.DataFrame(
+        {
+            "id": ids,
+            "label": [id2label[i] for i in y_true],
+            "predicted": [id2label[i] for i in y_pred],
+            "confidence": confidence,
+            "correct": y_true == y_pred,
+        }
+    ).to_csv(folder / "predictions.csv", index=False)
+    print(
+        f"{name}: accuracy={overall['accuracy']:.4f} macro_f1={overall['macro_f1']:.4f} "
+        f"weighted_f1={overall['weighted_f1']:.4f}"
+    )
+    print(per_label.to_string(index=False, float_format=lambda x: f"{x:.4f}"))
+    return overall
+
+
+def main() -> None:
+    args = parse_args()
+    names = [n for n in args.model_names.split(",") if n]
+    test = read_split(processing_input("test"))
+    labels_file = processing_input("labels") / "id2label.json"
+    id2label = {int(k): v for k, v in json.loads(labels_file.read_text()).items()}
+    check_labels_match(names, id2label)
     out = processing_output("results")
     y_true = np.asarray(test.column("label_id"))
     ids = test.column("id").to_pylist() if "id" in test.column_names else list(range(len(test)))
@@ -250,28 +281,9 @@ def main() -> None:
     for name in names:
         y_pred, confidence = predict(name, test, args.batch_size, args.model_format)
         predictions[name] = y_pred
-        per_label, overall = statistics(y_true, y_pred, id2label)
-        performance[name] = overall
-        folder = out / name
-        folder.mkdir(parents=True, exist_ok=True)
-        per_label.to_csv(folder / "per_label.csv", index=False, float_format="%.4f")
-        (folder / "overall.json").write_text(json.dumps(overall, indent=2))
-        label_names = [id2label[i] for i in sorted(id2label)]
-        cm = confusion_matrix(y_true, y_pred, labels=sorted(id2label))
-        pd.DataFrame(cm, index=label_names, columns=label_names).to_csv(
-            folder / "confusion_matrix.csv"
+        performance[name] = write_results(
+            out / name, name, y_true, y_pred, confidence, ids, id2label
         )
-        plot_confusion(
-            cm, label_names, folder / "confusion_matrix.png", f"{name}: test confusion matrix"
-        )
-        pd.DataFrame({
-            "id": ids, "label": [id2label[i] for i in y_true], "predicted": [id2label[i] for i in y_pred],
-            "confidence": confidence, "correct": y_true == y_pred,
-        }).to_csv(folder / "predictions.csv", index=False)  # fmt: skip
-        print(
-            f"{name}: accuracy={overall['accuracy']:.4f} macro_f1={overall['macro_f1']:.4f} weighted_f1={overall['weighted_f1']:.4f}"
-        )
-        print(per_label.to_string(index=False, float_format=lambda x: f"{x:.4f}"))
 
     comparison = compare(names, performance, predictions, y_true, out) if len(names) > 1 else None
     write_step_metadata(

@@ -225,15 +225,24 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
         )
 
     sampler = ckpt.ResumableBatchSampler(
-        len(train), per_device, accumulation, accelerator.num_processes,
-        accelerator.process_index, hp["seed"], lengths=train.lengths if hp["group_by_length"] else None,
-    )  # fmt: skip
+        len(train),
+        per_device,
+        accumulation,
+        accelerator.num_processes,
+        accelerator.process_index,
+        hp["seed"],
+        lengths=train.lengths if hp["group_by_length"] else None,
+    )
     # The loader gets a generator of its own: creating an iterator must not draw from the
     # global RNG, or a job resumed mid-epoch would see different dropout than the one it replaces.
     train_loader = DataLoader(
-        range(len(train)), batch_sampler=sampler, collate_fn=train, generator=torch.Generator(),
-        pin_memory=on_gpu, num_workers=2 if on_gpu else 0,
-    )  # fmt: skip
+        range(len(train)),
+        batch_sampler=sampler,
+        collate_fn=train,
+        generator=torch.Generator(),
+        pin_memory=on_gpu,
+        num_workers=2 if on_gpu else 0,
+    )
     total_steps = sampler.steps_per_epoch * hp["epochs"]
     if hp["max_steps"]:
         total_steps = min(total_steps, hp["max_steps"])
@@ -244,12 +253,23 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
     if hp["compile"]:
         model, compiled = torch.compile(model, dynamic=True), True
     # The gradient scaler exists only under fp16 mixed precision (Accelerate owns it); None otherwise.
-    state = ckpt.State(model=accelerator.unwrap_model(model, keep_torch_compile=False), optimizer=optimizer, scheduler=scheduler,
-                       sampler=sampler, seed=hp["seed"], run_name=env.job_name, scaler=accelerator.scaler)  # fmt: skip
+    state = ckpt.State(
+        model=accelerator.unwrap_model(model, keep_torch_compile=False),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        sampler=sampler,
+        seed=hp["seed"],
+        run_name=env.job_name,
+        scaler=accelerator.scaler,
+    )
     others = [m for m in hp["model_names"].split(",") if m and m != model_name]
-    settings = {"mixed_precision": precision, "optimizer": f"AdamW ({optimizer_kind})",
-                "compile": compiled, "group_by_length": hp["group_by_length"],
-                "pad_to_multiple_of": pad_to["multiple_of"]}  # fmt: skip
+    settings = {
+        "mixed_precision": precision,
+        "optimizer": f"AdamW ({optimizer_kind})",
+        "compile": compiled,
+        "group_by_length": hp["group_by_length"],
+        "pad_to_multiple_of": pad_to["multiple_of"],
+    }
     accelerator.print(
         f"model={model_name} job_kind={hp['job_kind']}"
         f"{f' (comparison with {len(others)} other model(s))' if others else ''} processes={accelerator.num_processes} "
@@ -257,11 +277,26 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
         f"effective_batch={per_device * accelerator.num_processes * accumulation} (wanted {hp['batch_size']}) "
         + " ".join(f"{k}={v}" for k, v in settings.items())
     )
-    return Job(hp=hp, env=env, accelerator=accelerator, keys=keys, id2label=id2label, model=model,
-               optimizer=optimizer, scheduler=scheduler, state=state, sampler=sampler,
-               train_loader=train_loader, val_batches=val, inputs=inputs, per_device=per_device,
-               accumulation=accumulation, total_steps=total_steps, wandb_on=wandb_on,
-               settings=settings)  # fmt: skip
+    return Job(
+        hp=hp,
+        env=env,
+        accelerator=accelerator,
+        keys=keys,
+        id2label=id2label,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        state=state,
+        sampler=sampler,
+        train_loader=train_loader,
+        val_batches=val,
+        inputs=inputs,
+        per_device=per_device,
+        accumulation=accumulation,
+        total_steps=total_steps,
+        wandb_on=wandb_on,
+        settings=settings,
+    )
 
 
 def resume(job: Job) -> None:
@@ -276,9 +311,13 @@ def resume(job: Job) -> None:
                 f"checkpoint {candidate} could not be loaded ({type(e).__name__}: {e}); trying the previous one"
             )
             continue
-        job.resumed_from = {"checkpoint": str(candidate), "step": state.step, "epoch": state.epoch,
-                            "batch_in_epoch": state.batch_in_epoch,
-                            "seconds": round(time.time() - started, 3)}  # fmt: skip
+        job.resumed_from = {
+            "checkpoint": str(candidate),
+            "step": state.step,
+            "epoch": state.epoch,
+            "batch_in_epoch": state.batch_in_epoch,
+            "seconds": round(time.time() - started, 3),
+        }
         accelerator.print(
             f"resumed from {candidate} at step {state.step} (epoch {state.epoch}, batch {state.batch_in_epoch})"
         )
@@ -303,7 +342,7 @@ def checkpoint(job: Job, new_best: dict | None = None) -> None:
     job.checkpoint_seconds.append(
         ckpt.save_checkpoint(
             job.accelerator, job.env.checkpoint_dir, job.state, new_best, job.hp["keep_checkpoints"]
-        )  # fmt: skip
+        )
     )
 
 
@@ -387,8 +426,9 @@ def train_epoch(job: Job) -> None:
     job.loop_seconds += time.time() - loop_started
 
 
-def evaluate(model, batches: Batches, keys: list[str], accelerator: Accelerator,
-             batch_size: int) -> dict:  # fmt: skip
+def evaluate(
+    model, batches: Batches, keys: list[str], accelerator: Accelerator, batch_size: int
+) -> dict:
     """Validation rows split across processes, each process's rows sorted by length and padded
     per batch; per-row results gathered on every process. The unwrapped model runs, so
     processes with one batch more or less never wait on each other."""
@@ -447,9 +487,14 @@ def end_epoch(job: Job) -> None:
         .sum(0)
     )
     train_loss = (losses[0] / losses[1].clamp(min=1)).item()
-    record = {"epoch": state.epoch + 1, "step": state.step, "train_loss": train_loss, **scores,
-              "learning_rate": job.scheduler.get_last_lr()[0],
-              "seconds": round(time.time() - job.epoch_started, 3)}  # fmt: skip
+    record = {
+        "epoch": state.epoch + 1,
+        "step": state.step,
+        "train_loss": train_loss,
+        **scores,
+        "learning_rate": job.scheduler.get_last_lr()[0],
+        "seconds": round(time.time() - job.epoch_started, 3),
+    }
     state.history.append(record)
     accelerator.print(metric_line(record))
     accelerator.log({k: v for k, v in record.items() if k != "epoch"}, step=state.step)
@@ -523,9 +568,13 @@ def compare(program, checks: list[tuple[list, torch.Tensor]]) -> dict:
             diffs.append((eager - got).abs().max().item())
             same &= bool((eager.argmax(-1) == got.argmax(-1)).all())
             widths.append(int(args[0].shape[-1]) if args[0].dim() > 1 else 1)
-    return {"rows_checked": sum(len(eager) for _, eager in checks), "widths": widths,
-            "max_abs_diff": max(diffs), "same_predictions": same,
-            "passed": bool(max(diffs) < 1e-4 and same)}  # fmt: skip
+    return {
+        "rows_checked": sum(len(eager) for _, eager in checks),
+        "widths": widths,
+        "max_abs_diff": max(diffs),
+        "same_predictions": same,
+        "passed": bool(max(diffs) < 1e-4 and same),
+    }
 
 
 def export_programs(
@@ -578,11 +627,18 @@ def finish(job: Job) -> None:
     if job.best_weights is not None:
         final.load_state_dict(job.best_weights)
     final = final.float().eval().cpu()
-    save_final_model(final, model_dir, {
-        "model_name": model_name, "id2label": job.id2label, "ordered_input_keys": job.keys,
-        "best_epoch": state.best_epoch, "best_validation_f1": state.best_metric,
-        "max_sequence_length": hp["max_sequence_length"],
-    })  # fmt: skip
+    save_final_model(
+        final,
+        model_dir,
+        {
+            "model_name": model_name,
+            "id2label": job.id2label,
+            "ordered_input_keys": job.keys,
+            "best_epoch": state.best_epoch,
+            "best_validation_f1": state.best_metric,
+            "max_sequence_length": hp["max_sequence_length"],
+        },
+    )
     (model_dir / "id2label.json").write_text(
         json.dumps({str(k): v for k, v in job.id2label.items()}, indent=2)
     )
@@ -600,18 +656,32 @@ def finish(job: Job) -> None:
     plot_curves(state.history, model_dir / "curves.png", f"{model_name} ({env.job_name})")
     gpu = None
     if torch.cuda.is_available():
-        gpu = {"devices": torch.cuda.device_count(),
-               "max_memory_allocated_mb": torch.cuda.max_memory_allocated() / 2**20}  # fmt: skip
-    write_step_metadata(env.output_data_dir, {
-        "model_name": model_name, "best_epoch": state.best_epoch, "best_validation_f1": state.best_metric,
-        "history": state.history, "trace_check": exports["torchscript"], "exports": exports,
-        "resumed_from": job.resumed_from, "steps": state.step, "processes": accelerator.num_processes,
-        "per_device_batch": job.per_device, "accumulation": job.accumulation, **job.settings,
-        "checkpoints_written": len(job.checkpoint_seconds),
-        "checkpoint_seconds_total": round(sum(job.checkpoint_seconds), 3),
-        "seconds": round(time.time() - job.started, 3), "train_loop_seconds": round(job.loop_seconds, 3),
-        "gpu_usage": gpu,
-    })  # fmt: skip
+        gpu = {
+            "devices": torch.cuda.device_count(),
+            "max_memory_allocated_mb": torch.cuda.max_memory_allocated() / 2**20,
+        }
+    write_step_metadata(
+        env.output_data_dir,
+        {
+            "model_name": model_name,
+            "best_epoch": state.best_epoch,
+            "best_validation_f1": state.best_metric,
+            "history": state.history,
+            "trace_check": exports["torchscript"],
+            "exports": exports,
+            "resumed_from": job.resumed_from,
+            "steps": state.step,
+            "processes": accelerator.num_processes,
+            "per_device_batch": job.per_device,
+            "accumulation": job.accumulation,
+            **job.settings,
+            "checkpoints_written": len(job.checkpoint_seconds),
+            "checkpoint_seconds_total": round(sum(job.checkpoint_seconds), 3),
+            "seconds": round(time.time() - job.started, 3),
+            "train_loop_seconds": round(job.loop_seconds, 3),
+            "gpu_usage": gpu,
+        },
+    )
     accelerator.end_training()
 
 
