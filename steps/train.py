@@ -191,18 +191,67 @@ def accelerator_for(hp: dict, env: TrainingEnv, accumulation: int) -> tuple[Acce
     return accelerator, precision, wandb_on
 
 
+def batch_split(hp: dict) -> tuple[int, int]:
+    """How the wanted batch splits into devices and accumulation: the per-device batch never
+    exceeds what one device can hold, and accumulation makes up the rest."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    accumulation = math.ceil(hp["batch_size"] / (world * hp["max_per_device_batch_size"]))
+    return math.ceil(hp["batch_size"] / (world * accumulation)), accumulation
+
+
+def loader_for(
+    train: Batches,
+    hp: dict,
+    per_device: int,
+    accumulation: int,
+    accelerator: Accelerator,
+    on_gpu: bool,
+) -> tuple[ckpt.ResumableBatchSampler, DataLoader]:
+    """This rank's training batches: the resumable sampler (grouped by length, sharded per
+    rank) and the loader that pads each batch."""
+    sampler = ckpt.ResumableBatchSampler(
+        len(train),
+        per_device,
+        accumulation,
+        accelerator.num_processes,
+        accelerator.process_index,
+        hp["seed"],
+        lengths=train.lengths if hp["group_by_length"] else None,
+    )
+    # The loader gets a generator of its own: creating an iterator must not draw from the
+    # global RNG, or a job resumed mid-epoch would see different dropout than the one it replaces.
+    train_loader = DataLoader(
+        range(len(train)),
+        batch_sampler=sampler,
+        collate_fn=train,
+        generator=torch.Generator(),
+        pin_memory=on_gpu,
+        num_workers=2 if on_gpu else 0,
+    )
+    return sampler, train_loader
+
+
+def announce(
+    accelerator: Accelerator, hp: dict, per_device: int, accumulation: int, settings: dict
+) -> None:
+    """The job's first line: the model, how the batch splits, and what was applied."""
+    others = [m for m in hp["model_names"].split(",") if m and m != hp["model_name"]]
+    accelerator.print(
+        f"model={hp['model_name']} job_kind={hp['job_kind']}"
+        f"{f' (comparison with {len(others)} other model(s))' if others else ''} processes={accelerator.num_processes} "
+        f"per_device_batch={per_device} accumulation={accumulation} "
+        f"effective_batch={per_device * accelerator.num_processes * accumulation} (wanted {hp['batch_size']}) "
+        + " ".join(f"{k}={v}" for k, v in settings.items())
+    )
+
+
 def set_up(hp: dict, env: TrainingEnv) -> Job:
     model_name = hp["model_name"]
     functions = load_user_functions(os.environ["SMPIPE_USER_FUNCTIONS"])
     keys = list(call(functions, "ordered_input_keys", model_name))
     on_gpu = env.num_gpus > 0
 
-    # How the wanted batch splits into devices and accumulation: the per-device batch never
-    # exceeds what one device can hold, and accumulation makes up the rest.
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    accumulation = math.ceil(hp["batch_size"] / (world * hp["max_per_device_batch_size"]))
-    per_device = math.ceil(hp["batch_size"] / (world * accumulation))
-
+    per_device, accumulation = batch_split(hp)
     accelerator, precision, wandb_on = accelerator_for(hp, env, accumulation)
     set_seed(hp["seed"])
 
@@ -224,25 +273,7 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
             f"{functions.module}.load_model must return a torch.nn.Module, got {type(model).__name__}"
         )
 
-    sampler = ckpt.ResumableBatchSampler(
-        len(train),
-        per_device,
-        accumulation,
-        accelerator.num_processes,
-        accelerator.process_index,
-        hp["seed"],
-        lengths=train.lengths if hp["group_by_length"] else None,
-    )
-    # The loader gets a generator of its own: creating an iterator must not draw from the
-    # global RNG, or a job resumed mid-epoch would see different dropout than the one it replaces.
-    train_loader = DataLoader(
-        range(len(train)),
-        batch_sampler=sampler,
-        collate_fn=train,
-        generator=torch.Generator(),
-        pin_memory=on_gpu,
-        num_workers=2 if on_gpu else 0,
-    )
+    sampler, train_loader = loader_for(train, hp, per_device, accumulation, accelerator, on_gpu)
     total_steps = sampler.steps_per_epoch * hp["epochs"]
     if hp["max_steps"]:
         total_steps = min(total_steps, hp["max_steps"])
@@ -262,7 +293,6 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
         run_name=env.job_name,
         scaler=accelerator.scaler,
     )
-    others = [m for m in hp["model_names"].split(",") if m and m != model_name]
     settings = {
         "mixed_precision": precision,
         "optimizer": f"AdamW ({optimizer_kind})",
@@ -270,13 +300,7 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
         "group_by_length": hp["group_by_length"],
         "pad_to_multiple_of": pad_to["multiple_of"],
     }
-    accelerator.print(
-        f"model={model_name} job_kind={hp['job_kind']}"
-        f"{f' (comparison with {len(others)} other model(s))' if others else ''} processes={accelerator.num_processes} "
-        f"per_device_batch={per_device} accumulation={accumulation} "
-        f"effective_batch={per_device * accelerator.num_processes * accumulation} (wanted {hp['batch_size']}) "
-        + " ".join(f"{k}={v}" for k, v in settings.items())
-    )
+    announce(accelerator, hp, per_device, accumulation, settings)
     return Job(
         hp=hp,
         env=env,
