@@ -18,7 +18,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -132,7 +132,9 @@ class Training(Section):
     weight_decay: float = Field(0.01, ge=0, le=10)
     max_steps: int = Field(0, ge=0, le=HUGE)
     use_distributed: bool = False
-    processes_per_host: int = Field(1, ge=1, le=64)
+    # auto: one process per GPU of the instance (SageMaker's framework containers launch that
+    # many; SM_NUM_GPUS), one on an instance without GPUs.
+    processes_per_host: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
     instance_type: str = "ml.g5.xlarge"
     instance_count: int = Field(1, ge=1, le=100)
     use_spot: bool = False
@@ -145,6 +147,10 @@ class Training(Section):
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     group_by_length: bool = True
     compile: bool = False
+    # Processes that read and pad training batches beside each training process (the
+    # DataLoader's num_workers, as TrainingArguments.dataloader_num_workers). auto: 2 on a GPU,
+    # where the next batch is made while the GPU computes; 0 on a CPU, whose cores compute.
+    dataloader_num_workers: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -204,6 +210,15 @@ class Tracking(Section):
         return names
 
 
+class Hub(Section):
+    # HF_HUB_OFFLINE=1 (and TRANSFORMERS_OFFLINE, HF_DATASETS_OFFLINE) in every job: models
+    # and tokenizers load from local files only. Off: a job may download from the Hub.
+    offline: bool = False
+    # An AWS Secrets Manager secret holding a Hugging Face token (gated or private models),
+    # read inside sagemaker and emulated jobs as the wandb key is; locally HF_TOKEN is used.
+    token_secret_id: str = ""
+
+
 class Settings(BaseModel):
     """The whole validated settings file."""
 
@@ -216,6 +231,7 @@ class Settings(BaseModel):
     tuning: Tuning
     inference: Inference
     tracking: Tracking
+    hub: Hub
     # [training.<model>]: what one model trains with, [training] with its overrides applied.
     model_training: dict[str, Training] = {}
     # [tuning.hyperparameters]: constants override [training]; tunables are searched.
@@ -279,6 +295,7 @@ class Settings(BaseModel):
             "mixed_precision": t.mixed_precision,
             "group_by_length": str(t.group_by_length).lower(),
             "compile": str(t.compile).lower(),
+            "dataloader_num_workers": t.dataloader_num_workers,
         }
         if job_kind == "tuning":
             hps.update(self.tuning_space(model_name)[0])
@@ -293,6 +310,7 @@ SECTIONS: dict[str, type[Section]] = {
     "tuning": Tuning,
     "inference": Inference,
     "tracking": Tracking,
+    "hub": Hub,
 }
 FREE_SECTIONS = ("tuning.hyperparameters", "tuning.metric_definitions")
 HP, HP_ENV = "tuning.hyperparameters", "tuning_hyperparameters_"
@@ -521,6 +539,7 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
         for m in (parsed["models"].model_names if "models" in parsed else [])
     }
     problems += _across_sections(parsed, spaces, model_tunables, metrics)
+    problems += _sagemaker_limits(parsed, spaces, model_tunables, metrics)
     if problems:
         raise ConfigError(problems, str(path))
     return Settings(
@@ -687,6 +706,12 @@ def _across_sections(
             problems.append(
                 "[experiment] IMAGE_URI: the sagemaker backend needs the image built from docker/"
             )
+        tracking = parsed.get("tracking")
+        if tracking and tracking.wandb_mode == "online" and not tracking.wandb_secret_id:
+            problems.append(
+                "[tracking] WANDB_MODE = online on the sagemaker backend needs WANDB_SECRET_ID: "
+                "a SageMaker job has no WANDB_API_KEY of its own (set the secret, or WANDB_MODE = offline)"
+            )
     if "experiment" in parsed and parsed["experiment"].job == "tune":
         grid = "tuning" in parsed and parsed["tuning"].strategy == "Grid"
         for model, (section, tunables) in spaces.items():
@@ -718,7 +743,7 @@ def _across_sections(
         t = parsed["training"]
         if t.instance_count > 1 and not t.use_distributed:
             problems.append("[training] INSTANCE_COUNT > 1 needs USE_DISTRIBUTED = true")
-        if t.max_wait_seconds < t.max_run_seconds:
+        if t.use_spot and t.max_wait_seconds < t.max_run_seconds:
             problems.append(
                 f"[training] MAX_WAIT_SECONDS ({t.max_wait_seconds}) must be at least MAX_RUN_SECONDS "
                 f"({t.max_run_seconds}): SageMaker's MaxWaitTimeInSeconds includes the run"
@@ -737,3 +762,85 @@ def _render_redacted(raw: dict[str, dict[str, str]]) -> str:
     buf = io.StringIO()
     out.write(buf)
     return buf.getvalue()
+
+
+def _sagemaker_limits(
+    parsed: dict[str, Section],
+    spaces: dict[str, tuple[str, dict[str, Tunable]]],
+    own: dict[str, dict[str, Tunable]],
+    metrics: dict[str, str],
+) -> list[str]:
+    """Settings that become fields of a SageMaker request, against the limits of those fields
+    in the service model (pipeline/service_model.py): said here by key, before a plan is made.
+    `smpipe plan` checks the whole requests again."""
+    from pipeline.service_model import check_value, shape
+
+    problems: list[str] = []
+
+    def check(shape_name: str, value, where: str) -> None:
+        for v in check_value(shape_name, value, where):
+            problems.append(f"{where}: {v.value!r} {_said(v.constraint, shape_name)}")
+
+    for section, key, kind in (
+        ("data", "instance_type", "ProcessingInstanceType"),
+        ("inference", "instance_type", "ProcessingInstanceType"),
+        ("training", "instance_type", "TrainingInstanceType"),
+    ):
+        if section in parsed:
+            check(kind, getattr(parsed[section], key), f"[{section}] {key.upper()}")
+    if "experiment" in parsed:
+        e = parsed["experiment"]
+        if e.role_arn:
+            check("RoleArn", e.role_arn, "[experiment] ROLE_ARN")
+        if e.image_uri:
+            check("AlgorithmImage", e.image_uri, "[experiment] IMAGE_URI")
+        # Every job's Environment carries the module's name.
+        check("ProcessingEnvironmentValue", e.user_functions, "[experiment] USER_FUNCTIONS")
+    if "models" in parsed:  # prepare and inference take the list as one ContainerArguments entry
+        joined = ",".join(parsed["models"].model_names)
+        limit = shape("ContainerArgument").metadata["max"]
+        if len(joined) > limit:
+            problems.append(
+                f"[models] MODEL_NAMES: {len(joined)} characters with the commas; SageMaker passes "
+                f"them to a job as one argument of at most {limit}"
+            )
+    for section, key, value in (
+        (
+            "tracking",
+            "WANDB_SECRET_ID",
+            parsed["tracking"].wandb_secret_id if "tracking" in parsed else "",
+        ),
+        (
+            "tracking",
+            "SECRET_VARIABLES",
+            ",".join(parsed["tracking"].secret_variables) if "tracking" in parsed else "",
+        ),
+        ("hub", "TOKEN_SECRET_ID", parsed["hub"].token_secret_id if "hub" in parsed else ""),
+    ):
+        if value:  # each reaches the jobs as one Environment value
+            check("ProcessingEnvironmentValue", value, f"[{section}] {key}")
+    for model, (section, tunables) in spaces.items():
+        for key, value in tunables.items():
+            if isinstance(value, Categorical):  # one problem per section that says it
+                where = section if key in own.get(model, {}) else HP
+                check("ParameterValues", list(value.options), f"[{where}] {key.upper()}")
+    for name, regex in metrics.items():
+        check("MetricName", name, f"[tuning.metric_definitions] {name.upper()}")
+        check("MetricRegex", regex, f"[tuning.metric_definitions] {name.upper()}")
+    if len(metrics) > 20:  # a tuning job's quota (automatic-model-tuning-limits.html)
+        problems.append(
+            f"[tuning.metric_definitions]: {len(metrics)} metrics; SageMaker's tuning jobs take at most 20"
+        )
+    return list(dict.fromkeys(problems))
+
+
+def _said(constraint: str, shape_name: str) -> str:
+    """SageMaker's "Member must ..." as a sentence about a setting."""
+    if constraint.startswith("Member must satisfy enum value set"):
+        hint = (
+            constraint[constraint.rfind("(did you mean") :] if "(did you mean" in constraint else ""
+        )
+        return f"is not a value SageMaker accepts for {shape_name} {hint}".rstrip()
+    return constraint.replace("Member must", "must", 1).replace(
+        "have length less than or equal to", "have at most"
+    )

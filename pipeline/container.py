@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +41,6 @@ from steps.entrypoint import (
     MASTER_ADDR_VARIABLE,
     MASTER_PORT_VARIABLE,
     ML_ROOT_VARIABLE,
-    TRIAL_CHECKPOINTS_VARIABLE,
     redact,
     secret_values,
 )
@@ -77,6 +77,32 @@ def image_env(root: Path) -> dict[str, str]:
     return env
 
 
+# A container of the image starts with what Docker sets in every Linux container (HOME, PATH,
+# HOSTNAME: https://docs.docker.com/engine/containers/run/#environment-variables) and what the
+# base image's ENV adds (pytorch/pytorch: its Python's folder first on PATH, LANG and LC_ALL
+# C.UTF-8); docker/Dockerfile's ENV comes on top (`image_env`), then the request's Environment,
+# then what SageMaker sets. HOME is the job's own, empty folder: root's home in a new container
+# holds no cache (a Hugging Face cache on this machine is not the job's).
+DOCKER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# What this machine needs to run the image's programs at all, passed on when set; nothing a job
+# reads: OpenBLAS's core type, on processors that older OpenBLAS builds misdetect.
+HOST_VARIABLES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+
+
+def fresh_container_env(root: Path) -> dict[str, str]:
+    """The environment of a new container of the image, before its ENV (see above)."""
+    home = root / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    env = {
+        "HOME": str(home),
+        "PATH": f"{Path(sys.executable).parent}:{DOCKER_PATH}",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+    }
+    env.update({k: os.environ[k] for k in HOST_VARIABLES if k in os.environ})
+    return env
+
+
 def in_root(root: Path, container_path: str) -> Path:
     """Where a container path (/opt/ml/...) lies in this job's root."""
     return root / container_path.removeprefix(CONTAINER_ROOT).lstrip("/")
@@ -109,44 +135,134 @@ def fetch_input(store: Store, uri: str, local: Path) -> None:
     verify_dir(local)
 
 
-def sync_checkpoints_up(store: Store, directories: list[Path], prefix: str) -> None:
-    """Mirror the hosts' checkpoint folders to the store, as SageMaker syncs them: every file
-    (the first host's wins), the CURRENT pointers last, and what the job pruned removed."""
-    files: dict[str, Path] = {}
-    for directory in directories:
-        for path in sorted(directory.rglob("*")):
-            rel = path.relative_to(directory).as_posix()
+class CheckpointSync:
+    """/opt/ml/checkpoints kept in step with CheckpointConfig.S3Uri as SageMaker keeps it
+    (https://docs.aws.amazon.com/sagemaker/latest/dg/model-checkpoints.html): when the job
+    starts, everything under the URI is copied into every host's folder; what a host writes
+    there is uploaded, and what it deletes of what it had is deleted in S3. Nothing else is
+    touched: the files of other jobs under the same URI (every trial of a tuning job shares
+    one) stay as they are. Played when the container exits, where SageMaker also syncs while it
+    runs; temporary files of a checkpoint cut short are not uploaded."""
+
+    def __init__(self, store: Store, prefix: str, folders: list[Path]) -> None:
+        self.store, self.prefix, self.folders = store, prefix, folders
+        self.had: dict[Path, dict[str, tuple[int, int]]] = {}
+
+    def _files(self, folder: Path) -> dict[str, tuple[int, int]]:
+        found = {}
+        for path in sorted(folder.rglob("*")):
+            rel = path.relative_to(folder).as_posix()
             if path.is_file() and ".tmp" not in rel and not path.name.startswith("."):
-                files.setdefault(rel, path)
-    if not files:
-        return
-    pointers = [rel for rel in files if rel.rsplit("/", 1)[-1] == "CURRENT"]
-    for rel in [r for r in files if r not in pointers] + pointers:
-        store.upload_file(files[rel], prefix + rel)
-    for key in store.list_keys(prefix):
-        if key[len(prefix) :] not in files:
-            store.delete(key)
+                stat = path.stat()
+                found[rel] = (stat.st_size, stat.st_mtime_ns)
+        return found
 
+    def down(self) -> None:
+        keys = self.store.list_keys(self.prefix)
+        for folder in self.folders:
+            for key in keys:
+                self.store.download_file(key, folder / key[len(self.prefix) :])
+            self.had[folder] = self._files(folder)
 
-def sync_checkpoints_down(store: Store, prefix: str, directory: Path) -> None:
-    for key in store.list_keys(prefix):
-        store.download_file(key, directory / key[len(prefix) :])
+    def up(self) -> None:
+        written: dict[str, Path] = {}  # the first host's file wins, as the first host's model
+        deleted: set[str] = set()
+        for folder in self.folders:
+            now, had = self._files(folder), self.had.get(folder, {})
+            for rel, stamp in now.items():
+                if had.get(rel) != stamp:
+                    written.setdefault(rel, folder / rel)
+            deleted |= set(had) - set(now)
+        pointers = [rel for rel in written if rel.rsplit("/", 1)[-1] == "CURRENT"]
+        for rel in [r for r in written if r not in pointers] + pointers:  # pointers last
+            self.store.upload_file(written[rel], self.prefix + rel)
+        for rel in sorted(deleted - set(written)):
+            self.store.delete(self.prefix + rel)
+        for folder in self.folders:
+            self.had[folder] = self._files(folder)
 
 
 # -- laying out a job root --------------------------------------------------------------------
 
 
-def lay_out_processing(request: dict, root: Path, fetch) -> None:
-    """Inputs downloaded to their LocalPath, output folders made, the job's config written."""
+def processing_job_config(request: dict, arn: str | None) -> dict:
+    """processingjobconfig.json as the developer guide shows it: the request with the job's
+    ARN, and the fields SageMaker fills in where the request left them out (null, or their
+    defaults: S3CompressionType None, S3DownloadMode StartOfJob)
+    (build-your-own-processing-container.html; tests/contract/processing/)."""
+    app = request["AppSpecification"]
+    inputs = [
+        {
+            **item,
+            "S3Input": {
+                "S3CompressionType": "None",
+                "S3DownloadMode": "StartOfJob",
+                **item["S3Input"],
+            },
+        }
+        for item in request.get("ProcessingInputs", [])
+    ]
+    cluster = request["ProcessingResources"]["ClusterConfig"]
+    return {
+        **({"ProcessingJobArn": arn} if arn else {}),  # the local backend's jobs have none
+        "ProcessingJobName": request["ProcessingJobName"],
+        "AppSpecification": {
+            "ImageUri": app["ImageUri"],
+            "ContainerEntrypoint": app.get("ContainerEntrypoint"),
+            "ContainerArguments": app.get("ContainerArguments"),
+        },
+        "Environment": request.get("Environment", {}),
+        "ProcessingInputs": inputs,
+        "ProcessingOutputConfig": {
+            "KmsKeyId": None,
+            **request.get("ProcessingOutputConfig", {"Outputs": []}),
+        },
+        "ProcessingResources": {"ClusterConfig": {"VolumeKmsKeyId": None, **cluster}},
+        "RoleArn": request["RoleArn"],
+        "StoppingCondition": request["StoppingCondition"],
+    }
+
+
+def lay_out_processing(request: dict, root: Path, fetch, arn: str | None = None) -> None:
+    """Inputs downloaded to their LocalPath, output folders made, the job's config written:
+    /opt/ml/config/processingjobconfig.json is the request with the job's ARN
+    (build-your-own-processing-container.html), resourceconfig.json its hosts."""
     for item in request["ProcessingInputs"]:
         s3 = item["S3Input"]
         fetch(s3["S3Uri"], in_root(root, s3["LocalPath"]))
     for item in request["ProcessingOutputConfig"]["Outputs"]:
         in_root(root, item["S3Output"]["LocalPath"]).mkdir(parents=True, exist_ok=True)
     (root / "config").mkdir(parents=True, exist_ok=True)
-    (root / "config/processingjobconfig.json").write_text(json.dumps(request, indent=2))
+    config = processing_job_config(request, arn)
+    (root / "config/processingjobconfig.json").write_text(json.dumps(config, indent=2))
     resource = {"current_host": "algo-1", "hosts": ["algo-1"]}
     (root / "config/resourceconfig.json").write_text(json.dumps(resource, indent=2))
+
+
+# SageMaker's names for a training job's one instance group and its network interface, as
+# resourceconfig.json shows them (your-algorithms-training-algo-running-container.html; the
+# toolkit reads current_group_name: sagemaker-training-toolkit environment.py).
+HOMOGENEOUS_GROUP = "homogeneousCluster"
+NETWORK_INTERFACE = "eth0"
+
+
+def resource_config(request: dict, host: str, hosts: list[str]) -> dict:
+    """/opt/ml/input/config/resourceconfig.json of `host`, as SageMaker writes it."""
+    instance_type = request["ResourceConfig"]["InstanceType"]
+    return {
+        "current_host": host,
+        "current_instance_type": instance_type,
+        "current_group_name": HOMOGENEOUS_GROUP,
+        "hosts": hosts,
+        "instance_groups": [
+            {
+                "instance_group_name": HOMOGENEOUS_GROUP,
+                "instance_type": instance_type,
+                "hosts": hosts,
+            }
+        ],
+        "network_interface_name": NETWORK_INTERFACE,
+    }
 
 
 def lay_out_training(
@@ -164,33 +280,28 @@ def lay_out_training(
             "S3DistributionType": source.get("S3DataDistributionType", "FullyReplicated"),
             "RecordWrapperType": "None",
         }
-    resource = {
-        "current_host": host,
-        "current_instance_type": request["ResourceConfig"]["InstanceType"],
-        "hosts": hosts,
-        "network_interface_name": "lo",
-    }
+    resource = resource_config(request, host, hosts)
     (config / "hyperparameters.json").write_text(json.dumps(hyperparameters, indent=2))
     (config / "resourceconfig.json").write_text(json.dumps(resource, indent=2))
     (config / "inputdataconfig.json").write_text(json.dumps(input_config, indent=2))
+    if request.get("CheckpointConfig"):
+        checkpoint = {"LocalPath": CONTAINER_ROOT + "/checkpoints", **request["CheckpointConfig"]}
+        (config / "checkpointconfig.json").write_text(json.dumps(checkpoint, indent=2))
     for sub in ("model", "output/data", "checkpoints"):
         (root / sub).mkdir(parents=True, exist_ok=True)
 
 
 def training_hosts(request: dict) -> list[str]:
+    """algo-1 ... algo-N (your-algorithms-training-algo-running-container.html)."""
     return [f"algo-{i}" for i in range(1, request["ResourceConfig"]["InstanceCount"] + 1)]
 
 
-def _checkpoint_scope(request: dict, store: Store) -> tuple[str, str]:
-    """(sub-folder of /opt/ml/checkpoints, store prefix) a training job checkpoints to: a
-    tuning trial keeps its own folder, named after it, under the tuning job's prefix."""
-    name = request["TrainingJobName"]
-    sub = name if request.get("Environment", {}).get(TRIAL_CHECKPOINTS_VARIABLE) else ""
-    base = key_of(store, request["CheckpointConfig"]["S3Uri"])
+def checkpoint_prefix(request: dict, store: Store) -> str:
+    uri = request["CheckpointConfig"]["S3Uri"]
+    base = key_of(store, uri)
     if base is None:
-        raise StoreError(f"checkpoints outside the store: {request['CheckpointConfig']['S3Uri']}")
-    prefix = base.rstrip("/") + "/" + (f"{sub}/" if sub else "")
-    return sub, prefix
+        raise StoreError(f"checkpoints outside the store: {uri}")
+    return base.rstrip("/") + "/"
 
 
 @dataclass
@@ -201,15 +312,24 @@ class Played:
 
 
 def play_processing(
-    request: dict, root: Path, store: Store, containers: Containers, *, log, on_line
+    request: dict,
+    root: Path,
+    store: Store,
+    containers: Containers,
+    *,
+    log,
+    on_line,
+    arn: str | None = None,
 ) -> ContainerExit:
     """A processing job as SageMaker runs it: inputs in, the entrypoint with the request's
     ContainerEntrypoint and ContainerArguments, outputs left in their LocalPath."""
     app = request["AppSpecification"]
     if app.get("ContainerEntrypoint", ENTRYPOINT) != ENTRYPOINT:
-        raise ValueError(f"cannot play ContainerEntrypoint {app['ContainerEntrypoint']}: "
-                         f"the image's entrypoint is {ENTRYPOINT}")  # fmt: skip
-    lay_out_processing(request, root, lambda uri, local: fetch_input(store, uri, local))
+        raise ValueError(
+            f"cannot play ContainerEntrypoint {app['ContainerEntrypoint']}: "
+            f"the image's entrypoint is {ENTRYPOINT}"
+        )
+    lay_out_processing(request, root, lambda uri, local: fetch_input(store, uri, local), arn)
     return containers.run(
         root,
         app.get("ContainerArguments", []),
@@ -221,6 +341,9 @@ def play_processing(
     )
 
 
+Restart = Callable[[list["ContainerExit"], int], bool]
+
+
 def play_training(
     request: dict,
     work: Path,
@@ -229,39 +352,42 @@ def play_training(
     *,
     log,
     on_line,
-    max_restarts: int,
+    restart: Restart,
     on_restart=None,
+    arn: str | None = None,
 ) -> Played:
     """A training job as SageMaker runs it: every host laid out and started with `train`,
-    checkpoints synced down before and up after each attempt, and an interrupted job
-    restarted from them up to `max_restarts` times."""
+    checkpoints synced down before and up after each attempt, and the job started again from
+    them while `restart(exits, restarts so far)` says so (a spot job that lost its instance,
+    on SageMaker; an interrupted or killed one, locally)."""
     hosts = training_hosts(request)
     roots = {host: work / host for host in hosts}
     for host, root in roots.items():
         lay_out_training(request, root, host, hosts,
                          lambda uri, local: fetch_input(store, uri, local), request["HyperParameters"])  # fmt: skip
+    # What SageMaker sets in a training container besides the request's Environment
+    # (your-algorithms-training-algo-running-container.html).
     env = {**request.get("Environment", {}), "TRAINING_JOB_NAME": request["TrainingJobName"]}
-    sub, prefix = _checkpoint_scope(request, store)
+    if arn:
+        env["TRAINING_JOB_ARN"] = arn
+    sync = CheckpointSync(
+        store, checkpoint_prefix(request, store), [root / "checkpoints" for root in roots.values()]
+    )
     metrics = {
         m["Name"]: m["Regex"]
         for m in request["AlgorithmSpecification"].get("MetricDefinitions", [])
     }
     restarts = 0
     while True:
-        folders = [root / "checkpoints" / sub for root in roots.values()]
-        for folder in folders:
-            sync_checkpoints_down(store, prefix, folder)
+        sync.down()
         try:
             exits = list(containers.run_hosts(roots, env, on_line=on_line, log=log,
                                               failure_file="/opt/ml/output/failure", metric_regexes=metrics,
                                               job=request["TrainingJobName"]).values())  # fmt: skip
         finally:  # the driver stopping the job too: what it checkpointed reaches the store
-            sync_checkpoints_up(store, folders, prefix)
-        # Restarted like a spot job: interrupted (a checkpoint was written on SIGTERM), or
-        # killed by a signal (out of memory, a node lost): both resume from the checkpoint.
-        again = any(e.interrupted or e.killed for e in exits) and any(e.code != 0 for e in exits)
+            sync.up()
         stopped = containers.stopping or containers.was_stopped(request["TrainingJobName"])
-        if not again or restarts >= max_restarts or stopped:
+        if stopped or all(e.code == 0 for e in exits) or not restart(exits, restarts):
             return Played(exits, roots, restarts)
         restarts += 1
         if on_restart is not None:
@@ -288,27 +414,66 @@ class ContainerExit:
         return self.code < 0 or 128 < self.code <= 128 + 64
 
 
-class Containers:
-    """The entrypoint processes this machine runs for a backend; `stop` ends them all."""
+# StopTrainingJob: "sends the algorithm the SIGTERM signal ... delays job termination for 120
+# seconds" before SIGKILL, as `docker stop -t 120` (API_StopTrainingJob.html); the same window
+# after MaxRuntimeInSeconds (API_StoppingCondition.html).
+STOP_GRACE_SECONDS = 120
 
-    def __init__(self) -> None:
+
+class Containers:
+    """The entrypoint processes this machine runs for a backend; `stop` ends them all.
+
+    `base_env(root)`: what a container starts with before the image's ENV. None: this
+    machine's environment (the local backend runs jobs as the user's own processes); the
+    emulated backend gives a fresh container's (`fresh_container_env`)."""
+
+    def __init__(self, base_env: Callable[[Path], dict[str, str]] | None = None) -> None:
         self._running: dict[int, str] = {}  # pid -> the job it belongs to
         self._lock = threading.Lock()
         self.stopping = False  # set by stop(): nothing is restarted after it
         self._stopped: set[str] = set()  # jobs stopped on request (a pruned trial)
+        self.base_env = base_env
+        self.grace_seconds = STOP_GRACE_SECONDS
 
-    def stop(self, job: str = "") -> None:
-        """SIGTERM to the process group of every running container whose job name starts
-        with `job` (all of them by default): the entrypoint forwards it, the training step
-        checkpoints; what a job still has to say is still read."""
+    def stop(
+        self, job: str = "", signum: int = signal.SIGTERM, *, restartable: bool = False
+    ) -> None:
+        """`signum` to every running container whose job name starts with `job` (all of them
+        by default), as `docker stop` sends it to PID 1: the entrypoint forwards it and the
+        training step checkpoints; what a job still has to say is still read. A container
+        still running `grace_seconds` later is killed, with every process it started.
+        `restartable`: the job is not being stopped (a spot instance taken back), and may be
+        started again."""
         with self._lock:
-            self.stopping = self.stopping or not job
-            self._stopped.add(job)
+            if not restartable:
+                self.stopping = self.stopping or not job
+                self._stopped.add(job)
             pids = [pid for pid, tag in self._running.items() if tag.startswith(job)]
         for pid in pids:
             try:
-                os.killpg(pid, signal.SIGTERM)
+                os.killpg(pid, signum)
             except ProcessLookupError:
+                continue
+            timer = threading.Timer(self.grace_seconds, self._kill, args=(pid,))
+            timer.daemon = True
+            timer.start()
+
+    def _kill(self, pid: int) -> None:
+        """SIGKILL to a container that outlived its grace: the entrypoint and every process
+        under it (the step runs in a session of its own), as Docker kills a container."""
+        import psutil
+
+        with self._lock:
+            if pid not in self._running:
+                return
+        try:
+            tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        for process in tree:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
                 pass
 
     def _register(self, pid: int, job: str) -> None:
@@ -332,15 +497,16 @@ class Containers:
         log,
         on_line=None,
         metric_regexes: dict[str, str] | None = None,
-        inherit: dict[str, str] | None = None,
         job: str = "",
     ) -> ContainerExit:
         """Start `python3 -m steps.entrypoint <arguments>` in `root` and wait for it.
 
-        `env` is the request's Environment; the image's ENV comes on top of `inherit` (this
-        machine's environment), as a container's would. Every line goes to `log` (redacted)
-        and to `on_line` (the job's stream), and is searched with the metric regexes."""
-        full = {**(os.environ if inherit is None else inherit), **image_env(root), **env}
+        `env` is the request's Environment and what SageMaker sets; the image's ENV comes
+        under it and over the base environment, as a container's would. Every line goes to
+        `log` (redacted) and to `on_line` (the job's stream), and is searched with the metric
+        regexes."""
+        base = os.environ if self.base_env is None else self.base_env(root)
+        full = {**base, **image_env(root), **env}
         # The container ends with this process however it ends (SIGKILL included).
         full[DRIVER_PID_VARIABLE] = str(os.getpid())
         secrets = secret_values(full)

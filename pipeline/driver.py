@@ -21,23 +21,23 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline import cache
+from pipeline import cache, service_model
 from pipeline import metadata as md
-from pipeline.config import Settings
+from pipeline.config import ConfigError, Settings
 from pipeline.history import settings_changes
 from pipeline.jobs import (
+    TUNING_JOB_NAME_LIMIT,
     JobFailed,
     JobResult,
     ProcessingJob,
     TrainingJob,
     TuningJob,
     job_name,
-    processing_request,
-    training_request,
-    tuning_request,
+    request_for,
 )
 from pipeline.paths import SPLITS, DataTree, ExperimentTree, RunTree, run_label
 from pipeline.runs import claim_run_num, existing_run_nums, heartbeat, silent_driver
+from pipeline.service_model import as_if_on_s3
 from pipeline.store import (
     NotFound,
     Store,
@@ -47,7 +47,12 @@ from pipeline.store import (
     source_uri,
     upload_dir,
 )
-from steps.entrypoint import EXTRA_SECRETS_VARIABLE, WANDB_SECRET_VARIABLE, secret_values
+from steps.entrypoint import (
+    EXTRA_SECRETS_VARIABLE,
+    HF_TOKEN_SECRET_VARIABLE,
+    WANDB_SECRET_VARIABLE,
+    secret_values,
+)
 from steps.user_code import load_user_functions
 
 # What the driver tells the user; run_pipeline.py sends it to the terminal. Job output
@@ -309,12 +314,24 @@ def log_reused(sources: Sources) -> None:
 # -- every job of a run, described once ------------------------------------------------------
 
 
+# [hub] OFFLINE: the Hugging Face libraries' own switches (huggingface_hub's HF_HUB_OFFLINE,
+# transformers' TRANSFORMERS_OFFLINE, datasets' HF_DATASETS_OFFLINE), set per run in the
+# request's Environment, never baked into the image.
+HUB_OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
 def job_env(settings: Settings) -> dict[str, str]:
+    """The Environment of every job's request: the user functions, the secrets' names, the Hub."""
     env = {"SMPIPE_USER_FUNCTIONS": settings.experiment.user_functions}
     if settings.tracking.secret_variables:
         env[EXTRA_SECRETS_VARIABLE] = ",".join(settings.tracking.secret_variables)
-    if settings.tracking.wandb_secret_id and settings.experiment.backend != "local":
-        env[WANDB_SECRET_VARIABLE] = settings.tracking.wandb_secret_id
+    if settings.experiment.backend != "local":  # a local job has this machine's keys
+        if settings.tracking.wandb_secret_id:
+            env[WANDB_SECRET_VARIABLE] = settings.tracking.wandb_secret_id
+        if settings.hub.token_secret_id:
+            env[HF_TOKEN_SECRET_VARIABLE] = settings.hub.token_secret_id
+    if settings.hub.offline:
+        env.update(dict.fromkeys(HUB_OFFLINE, "1"))
     return env
 
 
@@ -378,7 +395,7 @@ def build_jobs(settings: Settings, steps: list[str], run: RunTree, sources: Sour
                 continue
             tuning = settings.tuning
             jobs.append(TuningJob(
-                name=job_name(name, label, "tune", model, limit=32),
+                name=job_name(name, label, "tune", model, limit=TUNING_JOB_NAME_LIMIT),
                 trial=training_job(settings, run, model, channels, "tuning"),
                 ranges=settings.tuning_space(model)[1], strategy=tuning.strategy,
                 objective_metric=tuning.objective_metric, objective_type=tuning.objective_type,
@@ -424,12 +441,41 @@ def launched(job, run_job) -> JobResult:
     return result
 
 
+def identity(settings: Settings) -> tuple[str, str]:
+    """The image and role a backend's requests name: the settings' on sagemaker, stand-ins
+    where nothing is sent to AWS (a local backend's requests are played here; emulated ones go
+    to moto)."""
+    from pipeline.emulated_backend import EMULATED_IMAGE, EMULATED_ROLE
+    from pipeline.local_backend import LOCAL_IMAGE, LOCAL_ROLE
+
+    e = settings.experiment
+    if e.backend == "local":
+        return LOCAL_IMAGE, LOCAL_ROLE
+    if e.backend == "emulated":
+        return e.image_uri or EMULATED_IMAGE, e.role_arn or EMULATED_ROLE
+    return e.image_uri, e.role_arn
+
+
 def describe(job, settings: Settings, store: Store) -> dict:
-    """The request a job becomes on SageMaker (the local backend plays this same request)."""
-    build = {"processing": processing_request, "training": training_request,
-             "tuning": tuning_request}[job.kind]  # fmt: skip
-    return build(job, settings.experiment.image_uri or "<IMAGE_URI>",
-                 settings.experiment.role_arn or "<ROLE_ARN>", store.uri_of)  # fmt: skip
+    """The request a job becomes on the run's backend (the local backend plays this same
+    request)."""
+    return request_for(job, *identity(settings), store.uri_of)
+
+
+def check_requests(jobs: list, settings: Settings, store: Store) -> None:
+    """Every request of the plan as SageMaker would check it, before anything is written or
+    sent: one ConfigError naming each job, field and constraint (pipeline/service_model.py)."""
+    problems = [
+        problem
+        for job in jobs
+        for problem in service_model.refused(job.kind, as_if_on_s3(describe(job, settings, store)))
+    ]
+    names = [job.name for job in jobs]
+    problems += [
+        f"job name {n} is used twice in the plan" for n in sorted(set(names)) if names.count(n) > 1
+    ]
+    if problems:
+        raise ConfigError(problems, f"{settings.source}: requests SageMaker would refuse")
 
 
 def log_plan(jobs: list, settings: Settings, store: Store, show_requests: bool = False) -> None:
@@ -541,10 +587,12 @@ def run_pipeline(
         data_steps = consult_cache(settings, store, tree, steps, sources, functions, use_cache)
         skipped = {s for s, entry in data_steps.items() if entry.status in ("reused", "skipped")}
         steps = [s for s in steps if s not in skipped]
+    target = run if resume is not None else tree.run("<next run_num>")
+    planned = build_jobs(settings, steps, target, sources)
+    check_requests(planned, settings, store)
     if dry_run:
-        target = run if resume is not None else tree.run("<next run_num>")
         log_reused(sources)
-        log_plan(build_jobs(settings, steps, target, sources), settings, store, show_requests)
+        log_plan(planned, settings, store, show_requests)
         log.info("dry run: nothing was launched or written")
         return None
     mark_abandoned(store, tree)

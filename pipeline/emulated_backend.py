@@ -1,26 +1,26 @@
 """BACKEND = emulated: SageMaker without AWS and without Docker.
 
-The SageMaker backend runs unchanged: it sends the real requests (botocore checks every
-field against the service model) to an embedded moto server, waits on them, reads their
-CloudWatch logs, stops them, adopts their outputs. moto accepts a job and runs nothing;
-this module plays SageMaker's part for each job it accepted:
+The SageMaker backend runs unchanged: it checks each request against SageMaker's service
+model (pipeline/service_model.py), sends it to an embedded moto server, waits on it, reads
+its CloudWatch logs, stops it, adopts its outputs. moto accepts a job and runs nothing; this
+module plays SageMaker's part for each job it accepted, by rules taken from AWS's own
+documentation and published job output, each cited where it is played (the README's table
+lists them, and what is not played):
 
-- lays out the job root from the request (the request's S3 inputs downloaded, the config
-  files SageMaker writes, the request's Environment over the image's ENV from
-  docker/Dockerfile) and starts the image's entrypoint as SageMaker would: `train` on every
-  host (torchrun across them), or the processing request's ContainerEntrypoint and
-  ContainerArguments;
-- writes what the container prints to CloudWatch Logs (`/aws/sagemaker/TrainingJobs`,
-  `<job>/algo-N-<time>`), moves the job through SageMaker's statuses, uploads what SageMaker
-  uploads (model.tar.gz and output.tar.gz under OutputDataConfig, the processing outputs,
-  the checkpoints), and ends the job Completed, Failed (with FailureReason and, for
-  processing, ExitMessage) or Stopped;
-- restarts an interrupted spot job from its checkpoints, as managed spot training does;
+- lays out the job root from the request (its S3 inputs downloaded, the config files
+  SageMaker writes) and starts the image's entrypoint in a new container's environment:
+  `train` on every host (torchrun across them), or the processing request's
+  ContainerEntrypoint and ContainerArguments;
+- writes what the container prints to CloudWatch Logs, moves the job through SageMaker's
+  statuses, uploads what SageMaker uploads (model.tar.gz and output.tar.gz under
+  OutputDataConfig, the processing outputs, the checkpoints), and ends the job Completed,
+  Failed (with FailureReason and, for processing, ExitMessage) or Stopped;
+- refuses a name used before (ResourceInUse), stops a job as the Stop* calls do, restarts a
+  spot job only when its instance is taken back (`Emulator.reclaim`);
 - runs a tuning job's trials as training jobs created in moto (sampled from the request's
-  ParameterRanges: a grid for Grid, at random otherwise), reads their objective with the
-  request's metric regexes and reports the best one.
-
-Only what needs AWS itself stays unchecked: quotas, IAM permissions, VPC, the image in ECR.
+  ParameterRanges: every combination for Grid, at random otherwise), each with SageMaker's
+  `_tuning_objective_metric`, reads their objective with the request's metric regexes,
+  lists them as ListTrainingJobsForHyperParameterTuningJob does and reports the best one.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import tarfile
 import tempfile
 import threading
@@ -42,20 +43,28 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
-from pipeline.container import Containers, in_root, play_processing, play_training
+from pipeline.container import (
+    Containers,
+    fresh_container_env,
+    in_root,
+    play_processing,
+    play_training,
+)
 from pipeline.paths import RunTree
 from pipeline.sagemaker_backend import LOG_GROUPS, SageMakerBackend
+from pipeline.service_model import TUNING_OBJECTIVE
 from pipeline.store import Store, aws_config, key_of
 
 EMULATED_IMAGE = "smpipe:emulated"
 EMULATED_ROLE = "arn:aws:iam::123456789012:role/smpipe-emulated"
 EMULATED_BUCKET = "smpipe-emulated"
-SPOT_RESTARTS = 3  # SageMaker restarts a spot job until MaxWaitTimeInSeconds; here, this often
+CREATE_OPERATIONS = ("CreateProcessingJob", "CreateTrainingJob", "CreateHyperParameterTuningJob")
 
 
 def start_moto(region: str) -> str:
-    """An embedded moto server on a free local port; this process and every job it starts
-    reach it (and nothing else: fake credentials, its endpoint for every AWS service)."""
+    """An embedded moto server on a free local port; this process reaches it (and nothing
+    else: fake credentials, its endpoint for every AWS service). Jobs are given its address and
+    credentials by the Emulator (`plumbing`), nothing else of this process's environment."""
     from moto.server import ThreadedMotoServer
 
     from pipeline.container import free_port
@@ -120,6 +129,26 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def _body(params: dict) -> dict:
+    body = params["body"]
+    return json.loads(body.decode() if isinstance(body, bytes) else body)
+
+
+class _Response:
+    def __init__(self, status_code: int):
+        self.status_code, self.headers = status_code, {}
+
+
+def _ok(parsed: dict):
+    """What a before-call hook returns for a call SageMaker answers and moto does not."""
+    return _Response(200), {**parsed, "ResponseMetadata": {"HTTPStatusCode": 200}}
+
+
+def _error_response(status: int, code: str, message: str):
+    error = {"Error": {"Code": code, "Message": message}}
+    return _Response(status), {**error, "ResponseMetadata": {"HTTPStatusCode": status}}
+
+
 class Emulator:
     """Plays the jobs moto accepts; `backend()` is the SageMaker backend wired to it."""
 
@@ -133,19 +162,41 @@ class Emulator:
         self.logs = boto3.client("logs", region_name=region, config=aws_config())
         self._moto = sagemaker_backends[DEFAULT_ACCOUNT_ID][region]
         self.work_root = Path(work_root or tempfile.mkdtemp(prefix="smpipe-emulated-"))
-        self.containers = Containers()
+        # A job's container sees a new container's environment (pipeline/container.py), the
+        # image's ENV, the request's Environment and what SageMaker sets; and the emulator's
+        # plumbing: where moto is, and credentials as the job's role would give them (AWS
+        # delivers a role's temporary credentials through the container credentials provider,
+        # undocumented for SageMaker; any credentials reach moto). No region: SageMaker
+        # documents none, and a job finds its own from its ARN (steps/entrypoint.py).
+        self.plumbing = {
+            "AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"],
+            "AWS_ACCESS_KEY_ID": "emulated-role",
+            "AWS_SECRET_ACCESS_KEY": "emulated-role",
+            "AWS_SESSION_TOKEN": "emulated-role-session",
+        }
+        self.containers = Containers(
+            base_env=lambda root: fresh_container_env(root) | self.plumbing
+        )
         self.requests: dict[str, dict] = {}  # every request moto accepted, by job name
         self.metrics: dict[str, dict[str, float]] = {}  # training job -> final metrics
+        self.trials: dict[str, list[str]] = {}  # tuning job -> its training jobs, in order
         self._threads: dict[str, threading.Thread] = {}
+        self._pending = threading.local()  # the Create* request being sent from this thread
         self._stopping: set[str] = set()
+        self._reclaimed: set[str] = set()  # spot jobs whose instance AWS took back
         events = self.client.meta.events
         events.register("provide-client-params.sagemaker", self._capture)
-        events.register("after-call.sagemaker.CreateProcessingJob", self._created)
-        events.register("after-call.sagemaker.CreateTrainingJob", self._created)
-        events.register("after-call.sagemaker.CreateHyperParameterTuningJob", self._created)
+        for operation in CREATE_OPERATIONS:
+            # SageMaker refuses a name used before in the account and region; moto overwrites.
+            events.register(f"before-call.sagemaker.{operation}", self._refuse_used_name)
+            events.register(f"after-call.sagemaker.{operation}", self._created)
         # moto has no Stop* calls: SageMaker's part, played here.
         for operation in ("StopProcessingJob", "StopTrainingJob", "StopHyperParameterTuningJob"):
             events.register(f"before-call.sagemaker.{operation}", self._stop)
+        # Nor ListTrainingJobsForHyperParameterTuningJob.
+        events.register(
+            "before-call.sagemaker.ListTrainingJobsForHyperParameterTuningJob", self._list_trials
+        )
 
     def backend(self, run: RunTree, image_uri: str, role_arn: str, echo=None):
         return SageMakerBackend(self.store, run, client=self.client, logs_client=self.logs,
@@ -166,16 +217,15 @@ class Emulator:
     # -- hooks on the client ---------------------------------------------------------------------
 
     def _capture(self, params, model, **_):
-        name = params.get("ProcessingJobName") or params.get("TrainingJobName")
-        name = name or params.get("HyperParameterTuningJobName")
-        if model.name.startswith("Create") and name:
-            self.requests[name] = copy.deepcopy(params)
+        if model.name in CREATE_OPERATIONS:  # kept until SageMaker (moto) accepts it
+            self._pending.request = copy.deepcopy(params)
 
     def _created(self, http_response, parsed, model, **_):
         if http_response.status_code != 200:
             return
         arn = next(v for k, v in parsed.items() if k.endswith("Arn"))
         name = arn.rsplit("/", 1)[-1]
+        self.requests[name] = self._pending.request
         play = {
             "CreateProcessingJob": self._play_processing,
             "CreateTrainingJob": self._play_training,
@@ -186,15 +236,100 @@ class Emulator:
         self._threads[name] = thread
         thread.start()
 
+    def _refuse_used_name(self, model, params, **_):
+        """SageMaker's answer to a name used before: ResourceInUse, "Training job names must
+        be unique within an AWS account and region, and a training job with this name already
+        exists (arn:...)" (CreateTrainingJob's errors, API_CreateTrainingJob.html; the message
+        as AWS sent it: github.com/aws/amazon-sagemaker-examples/pull/3108). A name stays used
+        after its job ends: SageMaker deletes no job."""
+        body = _body(params)
+        name = next((v for k, v in body.items() if k.endswith("JobName")), None)
+        known = {
+            **self._moto.processing_jobs,
+            **self._moto.training_jobs,
+            **self._moto.hyper_parameter_tuning_jobs,
+        }
+        if name not in known:
+            return None
+        kind = {
+            "CreateProcessingJob": "processing job",
+            "CreateTrainingJob": "training job",
+            "CreateHyperParameterTuningJob": "hyper parameter tuning job",
+        }[model.name]
+        arn = getattr(known[name], "arn", None) or name
+        message = (
+            f"{kind.capitalize()} names must be unique within an AWS account and region, "
+            f"and a {kind} with this name already exists ({arn})"
+        )
+        return _error_response(400, "ResourceInUse", message)
+
     def _stop(self, model, params, **_):
-        body = params["body"]
-        name = next(iter(json.loads(body.decode() if isinstance(body, bytes) else body).values()))
+        name = next(iter(_body(params).values()))
         self._stopping.add(name)
         if model.name == "StopHyperParameterTuningJob":
-            for trial in [n for n in self._threads if n.startswith(name + "-")]:
+            for trial in self.trials.get(name, []):
                 self._stopping.add(trial)
-        self.containers.stop(name)  # SIGTERM: the entrypoint forwards it, training checkpoints
-        return (type("Response", (), {"status_code": 200, "headers": {}})(), {})
+        # StopTrainingJob: SIGTERM, SIGKILL 120 s later (API_StopTrainingJob.html); the
+        # entrypoint forwards it, training checkpoints. StopProcessingJob: "SIGINT and SIGKILL"
+        # are what the processing container gets (build-your-own-processing-container.html).
+        signum = signal.SIGINT if model.name == "StopProcessingJob" else signal.SIGTERM
+        self.containers.stop(name, signum)
+        return _ok({})
+
+    def _list_trials(self, params, **_):
+        """ListTrainingJobsForHyperParameterTuningJob: a TrainingJobSummary per trial, with the
+        fields the API reference lists (API_HyperParameterTrainingJobSummary.html)."""
+        name = _body(params)["HyperParameterTuningJobName"]
+        objective = self.requests[name]["HyperParameterTuningJobConfig"][
+            "HyperParameterTuningJobObjective"
+        ]
+        summaries = []
+        for trial in self.trials.get(name, []):
+            job = self._moto.training_jobs[trial]
+            tuned = self.requests[trial]["HyperParameters"]
+            summary = {
+                "TrainingJobName": trial,
+                "TrainingJobArn": job.arn,
+                "TuningJobName": name,
+                "CreationTime": job.creation_time,
+                "TrainingJobStatus": job.training_job_status,
+                "TunedHyperParameters": {
+                    k: v for k, v in tuned.items() if k in self._searched(name)
+                },
+            }
+            if getattr(job, "failure_reason", None):
+                summary["FailureReason"] = job.failure_reason
+            value = self.metrics.get(trial, {}).get(objective["MetricName"])
+            if value is not None:
+                summary["FinalHyperParameterTuningJobObjectiveMetric"] = {
+                    "Type": objective["Type"],
+                    "MetricName": objective["MetricName"],
+                    "Value": value,
+                }
+            summary["ObjectiveStatus"] = "Succeeded" if value is not None else "Failed"
+            summaries.append(summary)
+        return _ok({"TrainingJobSummaries": summaries})
+
+    def _searched(self, name: str) -> set[str]:
+        ranges = self.requests[name]["HyperParameterTuningJobConfig"]["ParameterRanges"]
+        return {r["Name"] for kind in ranges.values() for r in kind}
+
+    def reclaim(self, job: str = "") -> list[str]:
+        """AWS takes a spot instance back: every running spot training job whose name starts
+        with `job` gets SIGTERM and is started again from its checkpoints, while its
+        MaxWaitTimeInSeconds lasts (model-managed-spot-training.html). Returns their names."""
+        names = [
+            name
+            for name, request in self.requests.items()
+            if name.startswith(job)
+            and request.get("EnableManagedSpotTraining")
+            and name in self._moto.training_jobs
+            and self._moto.training_jobs[name].training_job_status == "InProgress"
+        ]
+        for name in names:
+            self._reclaimed.add(name)
+            self.containers.stop(name, restartable=True)
+        return names
 
     # -- moto's records, moved as SageMaker moves them ----------------------------------------
 
@@ -217,8 +352,15 @@ class Emulator:
             job.hyper_parameter_tuning_job_status = "InProgress"
             job.best_training_job = job.OverallBestTrainingJob = None
             job.training_job_status_counters = {
-                k: 0 for k in ("Completed", "InProgress", "RetryableError", "NonRetryableError", "Stopped")
-            }  # fmt: skip
+                k: 0
+                for k in (
+                    "Completed",
+                    "InProgress",
+                    "RetryableError",
+                    "NonRetryableError",
+                    "Stopped",
+                )
+            }
 
     def _end(self, name: str, status: str, reason: str | None = None, exit_message=None) -> None:
         if name in self._moto.processing_jobs:
@@ -250,14 +392,35 @@ class Emulator:
             self._end(name, "Failed", f"ClientError: the emulator could not run the job: {e}")
 
     def _status_after(self, name: str, exits, what: str) -> tuple[str, str | None]:
+        """A job's end as DescribeTrainingJob / DescribeProcessingJob report it: Stopped when
+        it was stopped (on request, or a spot job out of wait time: MaxWaitTimeExceeded),
+        Failed with the container's own reason (AlgorithmError) when it exited non-zero."""
         if all(e.code == 0 for e in exits):
             return "Completed", None
         if name in self._stopping:
             return "Stopped", None
-        if any(e.interrupted for e in exits):
-            return "Failed", f"{what} was interrupted (SIGTERM) and not restarted"
+        if name in self._reclaimed:
+            return "Stopped", f"{what} lost its spot capacity and its MaxWaitTimeInSeconds ran out"
         reason = next((e.reason for e in exits if e.reason), None)
         return "Failed", f"AlgorithmError: {reason or f'exit status {exits[0].code}'}"
+
+    def _spot_restart(self, name: str, request: dict, started: float):
+        """SageMaker starts a job again only when it is a spot job whose instance was taken
+        back, and only while MaxWaitTimeInSeconds (waiting plus running) lasts
+        (model-managed-spot-training.html; API_StoppingCondition.html). A job that fails, is
+        killed for its memory or stops otherwise ends there; RetryStrategy, which retries
+        internal errors, is not requested here."""
+
+        def restart(_exits, _restarts: int) -> bool:
+            if name not in self._reclaimed or not request.get("EnableManagedSpotTraining"):
+                return False
+            wait = request["StoppingCondition"].get("MaxWaitTimeInSeconds", 0)
+            if time.time() - started >= wait:
+                return False
+            self._reclaimed.discard(name)
+            return True
+
+        return restart
 
     # -- the three job kinds ---------------------------------------------------------------------
 
@@ -265,7 +428,13 @@ class Emulator:
         request, root = self.requests[name], self.work_root / name
         stream = LogStream(self.logs, LOG_GROUPS["processing"], f"{name}/algo-1-{int(time.time())}")
         exit_ = play_processing(
-            request, root, self.store, self.containers, log=stream, on_line=None
+            request,
+            root,
+            self.store,
+            self.containers,
+            log=stream,
+            on_line=None,
+            arn=self._moto.processing_jobs[name].arn,
         )
         status, reason = self._status_after(name, [exit_], "the processing job")
         if status == "Completed":
@@ -294,9 +463,17 @@ class Emulator:
             job.secondary_status = "Training"
 
         job.secondary_status = "Training"
-        played = play_training(request, self.work_root / name, self.store, self.containers,
-                               log=log_for, on_line=None, on_restart=restarted,
-                               max_restarts=SPOT_RESTARTS if request.get("EnableManagedSpotTraining") else 0)  # fmt: skip
+        played = play_training(
+            request,
+            self.work_root / name,
+            self.store,
+            self.containers,
+            log=log_for,
+            on_line=None,
+            on_restart=restarted,
+            arn=job.arn,
+            restart=self._spot_restart(name, request, time.time()),
+        )
         metrics: dict[str, float] = {}
         for e in played.exits:
             metrics.update(e.metrics)
@@ -317,31 +494,34 @@ class Emulator:
     def _play_tuning(self, name: str) -> None:
         request, job = self.requests[name], self._moto.hyper_parameter_tuning_jobs[name]
         config, definition = request["HyperParameterTuningJobConfig"], request["TrainingJobDefinition"]  # fmt: skip
-        ranges = ranges_from_request(config["ParameterRanges"])
         static = definition.get("StaticHyperParameters", {})
         limits = config["ResourceLimits"]
-        if config["Strategy"] == "Grid":
-            candidates = grid(ranges)
-        else:
-            import random
-
-            rng = random.Random(int(static.get("seed", 0)))
-            candidates = [sample(ranges, rng) for _ in range(limits["MaxNumberOfTrainingJobs"])]
         counters = job.training_job_status_counters
         lock = threading.Lock()
+        objective = config["HyperParameterTuningJobObjective"]
+        self.trials[name] = []
 
         def trial(index_values) -> tuple[str, dict]:
             index, values = index_values
+            # Trials are named <tuning job>-NNN-<8 hex> (as in the SDK's tests of a real
+            # DescribeHyperParameterTuningJob: sagemaker-python-sdk tests/unit/
+            # tuner_visualize_test_utils.py).
             trial_name = f"{name}-{index:03d}-{uuid.uuid4().hex[:8]}"
             if name in self._stopping:
                 return trial_name, values
             fields = {k: v for k, v in definition.items()
                       if k not in ("StaticHyperParameters", "DefinitionName", "TuningObjective", "HyperParameterRanges")}  # fmt: skip
+            # SageMaker adds the objective's name to every trial's hyperparameters, as is, not
+            # JSON-quoted (automatic-model-tuning-define-ranges.html; the SDK's fixture of a
+            # trial's DescribeTrainingJob: "_tuning_objective_metric": "Validation-accuracy").
+            hyperparameters = {**static, **values, TUNING_OBJECTIVE: objective["MetricName"]}
             with lock:
                 counters["InProgress"] += 1
             self.client.create_training_job(
-                TrainingJobName=trial_name, HyperParameters={**static, **values}, **fields
+                TrainingJobName=trial_name, HyperParameters=hyperparameters, **fields
             )
+            with lock:
+                self.trials[name].append(trial_name)
             self._threads[trial_name].join()
             status = self._moto.training_jobs[trial_name].training_job_status
             with lock:
@@ -353,8 +533,20 @@ class Emulator:
             return trial_name, values
 
         with ThreadPoolExecutor(max_workers=limits["MaxParallelTrainingJobs"]) as pool:
-            trials = list(pool.map(trial, enumerate(candidates, 1)))
-        objective = config["HyperParameterTuningJobObjective"]
+            trials = list(pool.map(trial, enumerate(candidates(config, static), 1)))
+        if name in self._stopping:
+            self._end(name, "Stopped")
+            return
+        best = self._best(name, trials, objective)
+        if best is None:
+            self._end(name, "Failed", "No training job succeeded with an objective metric")
+            return
+        job.best_training_job = job.OverallBestTrainingJob = best
+        self._end(name, "Completed")
+
+    def _best(self, name: str, trials: list[tuple[str, dict]], objective: dict) -> dict | None:
+        """BestTrainingJob, as DescribeHyperParameterTuningJob reports it
+        (API_HyperParameterTrainingJobSummary.html), or None when no trial has an objective."""
         sign = 1 if objective["Type"] == "Maximize" else -1
         scored = [
             (self.metrics[t][objective["MetricName"]], t, values)
@@ -363,22 +555,17 @@ class Emulator:
             and self._moto.training_jobs[t].training_job_status == "Completed"
             and objective["MetricName"] in self.metrics.get(t, {})
         ]
-        if name in self._stopping:
-            self._end(name, "Stopped")
-            return
         if not scored:
-            self._end(name, "Failed", "No training job succeeded with an objective metric")
-            return
+            return None
         value, best, values = max(scored, key=lambda s: sign * s[0])
         trained = self._moto.training_jobs[best]
-        job.best_training_job = job.OverallBestTrainingJob = {
+        return {
             "TrainingJobName": best, "TrainingJobArn": trained.arn, "TuningJobName": name,
             "CreationTime": trained.creation_time, "TrainingJobStatus": "Completed",
             "TunedHyperParameters": values, "ObjectiveStatus": "Succeeded",
             "FinalHyperParameterTuningJobObjectiveMetric": {
                 "Type": objective["Type"], "MetricName": objective["MetricName"], "Value": value},
         }  # fmt: skip
-        self._end(name, "Completed")
 
     # -- what SageMaker uploads --------------------------------------------------------------------
 
@@ -420,6 +607,18 @@ def ranges_from_request(ranges: dict) -> dict:
     for r in ranges.get("CategoricalParameterRanges", []):
         out[r["Name"]] = Categorical(tuple(r["Values"]))
     return out
+
+
+def candidates(config: dict, static: dict) -> list[dict[str, str]]:
+    """The trials' values: every combination for Grid, else MaxNumberOfTrainingJobs draws
+    seeded by the static `seed` (SageMaker's own search is not played)."""
+    import random
+
+    ranges = ranges_from_request(config["ParameterRanges"])
+    if config["Strategy"] == "Grid":
+        return grid(ranges)
+    rng = random.Random(int(static.get("seed", 0)))
+    return [sample(ranges, rng) for _ in range(config["ResourceLimits"]["MaxNumberOfTrainingJobs"])]
 
 
 def sample(tunables: dict, rng) -> dict[str, str]:
@@ -467,16 +666,20 @@ def open_emulated_store(settings) -> Store:
 def emulated_backend(settings, store: Store, run: RunTree, echo=None) -> SageMakerBackend:
     """The SageMaker backend, its requests sent to moto and its jobs played by an Emulator."""
     emulator = Emulator(store, settings.experiment.region)
-    secret_id = settings.tracking.wandb_secret_id
-    if secret_id and os.environ.get("WANDB_API_KEY"):
-        # The secret the jobs would read on AWS, made from this machine's key.
-        secrets = emulator.secrets()
-        try:
-            secrets.create_secret(Name=secret_id, SecretString=os.environ["WANDB_API_KEY"])
-        except secrets.exceptions.ResourceExistsException:
-            pass
+    for secret_id, key in (
+        (settings.tracking.wandb_secret_id, "WANDB_API_KEY"),
+        (settings.hub.token_secret_id, "HF_TOKEN"),
+    ):
+        if secret_id and os.environ.get(key):
+            # The secret the jobs would read on AWS, made from this machine's key: the jobs
+            # themselves never see this machine's environment.
+            secrets = emulator.secrets()
+            try:
+                secrets.create_secret(Name=secret_id, SecretString=os.environ[key])
+            except secrets.exceptions.ResourceExistsException:
+                pass
     backend = emulator.backend(
         run, settings.experiment.image_uri, settings.experiment.role_arn, echo
     )
-    backend.on_close = emulator.close
+    backend.on_close, backend.emulator = emulator.close, emulator
     return backend

@@ -8,6 +8,7 @@ moto and plays the container, the local backend plays it against the store direc
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 from collections.abc import Callable
@@ -21,12 +22,16 @@ from steps.entrypoint import (
 )
 
 JOB_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")  # SageMaker's rule
+# The service model's maximum lengths of TrainingJobName / ProcessingJobName and of
+# HyperParameterTuningJobName (botocore's sagemaker service-2.json; a test reads them there).
+# SageMaker names each trial <tuning job>-NNN-<8 hex>, which fits 63 from 32.
 JOB_NAME_LIMIT = 63
-TUNING_JOB_NAME_LIMIT = 32  # SageMaker appends -NNN-<8 hex> to name each trial
+TUNING_JOB_NAME_LIMIT = 32
 CONTAINER_ROOT = "/opt/ml"
 PROCESSING_CODE = f"{CONTAINER_ROOT}/processing/input/code"
 CHECKPOINT_PATH = f"{CONTAINER_ROOT}/checkpoints"
 VOLUME_GB = 30
+DIGEST_LENGTH = 6
 
 
 def _clean(part: str) -> str:
@@ -34,25 +39,38 @@ def _clean(part: str) -> str:
 
 
 def job_name(
-    experiment: str, run: str, step: str, *detail: str, limit: int = JOB_NAME_LIMIT
+    experiment: str,
+    run: str,
+    step: str,
+    *detail: str,
+    limit: int = JOB_NAME_LIMIT,
+    stamp: str | None = None,
 ) -> str:
     """A valid, traceable job name: experiment, run, step, model, trial, and a time stamp.
 
-    When it is too long the experiment is shortened first, then the details; the run, the
-    step and the stamp are always kept whole."""
-    stamp = time.strftime("%H%M%S", time.gmtime())
+    When it is too long the experiment is shortened first, then the details, and six hex
+    digits of a hash of the whole name are added: names that differ before shortening differ
+    after it (`roberta-base` and `roberta-large` both shorten to `roberta`). SageMaker refuses
+    a name used before in the account and region (ResourceInUse), and a job's CloudWatch log
+    streams are named after it. The run, the step and the stamp are always kept whole."""
+    stamp = stamp or time.strftime("%H%M%S", time.gmtime())
     flexible = [_clean(p) for p in (experiment, *detail)]
     fixed = [_clean(run), _clean(step), stamp]
 
-    def joined() -> str:
-        return "-".join(p for p in [flexible[0], *fixed[:2], *flexible[1:], fixed[2]] if p)
+    def joined(suffix: str = "") -> str:
+        parts = [flexible[0], *fixed[:2], *flexible[1:], fixed[2], suffix]
+        return "-".join(p for p in parts if p)
 
-    while len(joined()) > limit:
+    whole = joined()
+    if len(whole) <= limit:
+        return whole
+    digest = hashlib.sha256(whole.encode()).hexdigest()[:DIGEST_LENGTH]
+    while len(joined(digest)) > limit:
         longest = max(range(len(flexible)), key=lambda i: (len(flexible[i]), i == 0))
         if not flexible[longest]:
             raise ValueError(f"no valid job name fits {limit} characters")
         flexible[longest] = flexible[longest][:-1].rstrip("-")
-    return joined()
+    return joined(digest)
 
 
 @dataclass
@@ -107,6 +125,19 @@ class TuningJob:
     early_stopping: str = "Off"  # Off | Auto
 
     kind = "tuning"
+
+    @property
+    def max_epochs(self) -> int:
+        """The most epochs a trial trains: Hyperband's largest resource, whether EPOCHS is a
+        constant or searched."""
+        from pipeline.config import Categorical
+
+        searched = self.ranges.get("epochs")
+        if searched is None:
+            return int(self.trial.hyperparameters.get("epochs", 1))
+        if isinstance(searched, Categorical):
+            return max(int(float(o)) for o in searched.options)
+        return int(searched.high)
 
 
 # -- the SageMaker requests -----------------------------------------------------------------
@@ -237,6 +268,13 @@ def tuning_request(job: TuningJob, image: str, role: str, uri_of: UriOf) -> dict
     limits = {"MaxParallelTrainingJobs": job.max_parallel_jobs}
     if job.strategy != "Grid":  # a grid search runs every combination; SageMaker counts them
         limits["MaxNumberOfTrainingJobs"] = job.max_jobs
+    # Hyperband's resource is epochs (a trial reports its objective once an epoch). AWS infers
+    # MaxResource from a static `epochs` hyperparameter, and refuses the job when epochs is
+    # searched and none is given (API_HyperbandStrategyConfig.html): it is always given.
+    hyperband = {}
+    if job.strategy == "Hyperband":
+        resources = {"MinResource": 1, "MaxResource": job.max_epochs}
+        hyperband = {"StrategyConfig": {"HyperbandStrategyConfig": resources}}
     definition = _definition(job.trial, image, role, uri_of)
     definition["Environment"][TRIAL_CHECKPOINTS_VARIABLE] = "1"
     definition["StaticHyperParameters"] = {
@@ -253,9 +291,20 @@ def tuning_request(job: TuningJob, image: str, role: str, uri_of: UriOf) -> dict
             "ResourceLimits": limits,
             "ParameterRanges": ranges,
             "TrainingJobEarlyStoppingType": job.early_stopping,
+            **hyperband,
         },
         "TrainingJobDefinition": definition,
     }
+
+
+def request_for(job, image: str, role: str, uri_of: UriOf) -> dict:
+    """The request a job of any kind becomes (the operation: service_model.OPERATIONS)."""
+    build = {
+        "processing": processing_request,
+        "training": training_request,
+        "tuning": tuning_request,
+    }[job.kind]
+    return build(job, image, role, uri_of)
 
 
 # -- what a job reports back ------------------------------------------------------------------

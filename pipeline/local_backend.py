@@ -15,6 +15,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,10 +25,10 @@ from pipeline.jobs import (
     ProcessingJob,
     TrainingJob,
     TuningJob,
-    processing_request,
-    training_request,
+    request_for,
 )
 from pipeline.paths import RunTree
+from pipeline.service_model import as_if_on_s3, refused
 from pipeline.store import Store, upload_dir
 
 WORK_PREFIX = "smpipe-jobs-"
@@ -64,6 +65,14 @@ def result_of(name: str, exits: list, log_key: str, restarts: int = 0) -> JobRes
         log_key=log_key,
         metrics=metrics,
     )
+
+
+def local_restart(exits: list, restarts: int, max_restarts: int) -> bool:
+    """This machine's rule, [training] MAX_RESTARTS: a job that was interrupted (it wrote a
+    checkpoint on SIGTERM) or killed by a signal (the out-of-memory killer) starts again from
+    its checkpoint. SageMaker restarts only a spot job that lost its instance (the emulated
+    backend plays that rule)."""
+    return restarts < max_restarts and any(e.interrupted or e.killed for e in exits)
 
 
 def remove_orphaned_work_roots(echo) -> None:
@@ -113,8 +122,21 @@ class LocalBackend:
 
     # -- the protocol every backend answers ----------------------------------------------------
 
+    def _request(self, job) -> tuple[dict, JobResult | None]:
+        """The request SageMaker would get for `job`, and a Failed result when SageMaker would
+        refuse it: the local backend plays only requests that AWS accepts."""
+        request = request_for(job, LOCAL_IMAGE, LOCAL_ROLE, self.store.uri_of)
+        problems = refused(job.kind, as_if_on_s3(request))
+        if not problems:
+            return request, None
+        now = time.time()
+        reason = "SageMaker would refuse the request: " + "; ".join(problems)
+        return request, JobResult(job.name, "Failed", reason, now, now)
+
     def run_processing(self, job: ProcessingJob) -> JobResult:
-        request = processing_request(job, LOCAL_IMAGE, LOCAL_ROLE, self.store.uri_of)
+        request, refusal = self._request(job)
+        if refusal:
+            return refusal
         root = self.work_root / job.name
         with (
             self._interruptible(job.name, root),
@@ -135,7 +157,9 @@ class LocalBackend:
     def run_training(self, job: TrainingJob, watch=None) -> JobResult:
         """`watch(line)`, if given, sees every line the job prints; when it returns True the
         job is stopped (SIGTERM: it checkpoints and exits) and not restarted."""
-        request = training_request(job, LOCAL_IMAGE, LOCAL_ROLE, self.store.uri_of)
+        request, refusal = self._request(job)
+        if refusal:
+            return refusal
         echo = self._say(job.name)
 
         def say(line: str) -> None:
@@ -155,7 +179,7 @@ class LocalBackend:
                 self.containers,
                 log=log,
                 on_line=say,
-                max_restarts=job.max_restarts,
+                restart=lambda exits, restarts: local_restart(exits, restarts, job.max_restarts),
                 on_restart=lambda n: say(
                     f"interrupted or killed; restart {n} of {job.max_restarts}"
                 ),

@@ -1,9 +1,9 @@
 """The SageMaker backend: the jobs' requests sent to SageMaker, waited on, and their outputs
 adopted into the run tree.
 
-Each request is built by pipeline/jobs.py from the job description and sent as it is with a
-boto3 SageMaker client, which checks every field against the service model before anything
-is sent. The image's entrypoint (steps/entrypoint.py) is what SageMaker starts; the code every
+Each request is built by pipeline/jobs.py from the job description, checked against every
+constraint of SageMaker's service model (pipeline/service_model.py: boto3's own check covers
+required members, types and minimum lengths only), and sent as it is. The image's entrypoint (steps/entrypoint.py) is what SageMaker starts; the code every
 job runs is the run's `code/` folder, given to each job as an input. The client, the logs
 client, the image and the role are injected: the emulated backend passes moto's.
 
@@ -29,11 +29,10 @@ from pipeline.jobs import (
     ProcessingJob,
     TrainingJob,
     TuningJob,
-    processing_request,
-    training_request,
-    tuning_request,
+    request_for,
 )
 from pipeline.paths import RunTree
+from pipeline.service_model import refused
 from pipeline.store import Store, key_of, seal_prefix, upload_dir
 
 TERMINAL = ("Completed", "Failed", "Stopped")
@@ -42,6 +41,82 @@ LOG_GROUPS = {
     "processing": "/aws/sagemaker/ProcessingJobs",
 }
 TAIL_LINES = 5
+
+
+def trial_record(summary: dict) -> dict:
+    """What the run keeps of one trial (a TrainingJobSummary of
+    ListTrainingJobsForHyperParameterTuningJob)."""
+    objective = summary.get("FinalHyperParameterTuningJobObjectiveMetric") or {}
+    return {
+        "job_name": summary["TrainingJobName"],
+        "status": summary["TrainingJobStatus"],
+        "hyperparameters": summary.get("TunedHyperParameters", {}),
+        "objective": objective.get("Value"),
+        "failure_reason": summary.get("FailureReason"),
+    }
+
+
+class Trials:
+    """A SageMaker tuning job's trials, seen from the driver. Every trial shares the tuning
+    job's CheckpointConfig.S3Uri, and SageMaker copies everything under it into each new
+    trial (model-checkpoints.html; the API takes one CheckpointConfig per training
+    definition), so each trial checkpoints in a folder named after itself
+    (steps/entrypoint.py) and that folder is removed once the trial has ended: nothing resumes
+    an ended trial, and the trials that start later copy in only what is still running."""
+
+    def __init__(self, backend: SageMakerBackend, job: TuningJob) -> None:
+        self.backend, self.job = backend, job
+        self.tidied: set[str] = set()
+
+    def summaries(self) -> list[dict]:
+        client, found, token = self.backend.client, [], None
+        while True:
+            args = {"HyperParameterTuningJobName": self.job.name, "MaxResults": 100}
+            page = client.list_training_jobs_for_hyper_parameter_tuning_job(
+                **args, **({"NextToken": token} if token else {})
+            )
+            found += page.get("TrainingJobSummaries", [])
+            token = page.get("NextToken")
+            if not token:
+                return found
+
+    def tidy(self, _described: dict) -> list[dict]:
+        """Remove the checkpoints of every trial that has ended; return every trial."""
+        summaries = self.summaries()
+        store, prefix = self.backend.store, self.job.trial.checkpoint_prefix
+        for summary in summaries:
+            name = summary["TrainingJobName"]
+            if summary["TrainingJobStatus"] in TERMINAL and name not in self.tidied:
+                for key in store.list_keys(f"{prefix}{name}/"):
+                    store.delete(key)
+                self.tidied.add(name)
+        return summaries
+
+    def remove_archives(self, keep: str) -> None:
+        """The model and output archives SageMaker left for every trial but `keep`."""
+        store, output = self.backend.store, self.job.trial.sagemaker_output
+        for name in self.tidied - {keep}:
+            for key in store.list_keys(f"{output}{name}/"):
+                store.delete(key)
+
+    def failures(self, summaries: list[dict]) -> str:
+        """Why trials failed, each with the last lines of its log (three trials at most)."""
+        failed = [s for s in summaries if s["TrainingJobStatus"] == "Failed"]
+        said = []
+        for summary in failed[:3]:
+            tail = self.backend.log_tail(summary["TrainingJobName"])
+            said.append(
+                f"trial {summary['TrainingJobName']} failed: {summary.get('FailureReason', 'no reason given')}"
+                + (f" (last log lines: {' | '.join(tail)})" if tail else "")
+            )
+        if len(failed) > 3:
+            said.append(f"{len(failed) - 3} more trials failed")
+        return "; ".join(said)
+
+
+# How long the status of a running job may be unreadable before the driver gives up on it
+# (and says how to look it up); a job's own MaxRuntimeInSeconds is not shortened by this.
+PATIENCE_SECONDS = 15 * 60
 
 
 class SageMakerBackend:
@@ -58,24 +133,21 @@ class SageMakerBackend:
         role_arn: str,
         echo=None,
         poll_seconds: float = 15.0,
+        patience_seconds: float = PATIENCE_SECONDS,
     ) -> None:
         self.store, self.run = store, run
         self.client, self.logs = client, logs_client
         self.image, self.role = image_uri, role_arn
         self.echo = echo if echo is not None else sys.stdout
         self.poll_seconds = poll_seconds
+        self.patience_seconds = patience_seconds
         self._active: dict[str, str] = {}  # job name -> kind, for stop()
         self.on_close = None  # what else ends with the run (the emulator's players)
         self._lock = threading.Lock()
 
     def request(self, job) -> dict:
         """The request a job becomes."""
-        build = {
-            "processing": processing_request,
-            "training": training_request,
-            "tuning": tuning_request,
-        }[job.kind]
-        return build(job, self.image, self.role, self.store.uri_of)
+        return request_for(job, self.image, self.role, self.store.uri_of)
 
     def _say(self, name: str, text: str) -> None:
         print(f"[{name}] {text}", file=self.echo, flush=True)
@@ -110,9 +182,12 @@ class SageMakerBackend:
 
     def run_tuning(self, job: TuningJob) -> JobResult:
         """SageMaker runs the trials and picks the best; the best training job's model lands
-        where a training job's would (job.trial.model_prefix)."""
+        where a training job's would (job.trial.model_prefix). While it runs, each ended
+        trial's checkpoints are removed; when it ends, the other trials' model archives too."""
         request = self.request(job)
-        described, _ = self._submit_and_wait("tuning", job.name, request)
+        trials = Trials(self, job)
+        described, _ = self._submit_and_wait("tuning", job.name, request, on_poll=trials.tidy)
+        summaries = trials.tidy(described) if described.get("Status") in TERMINAL else []
         result = self._result("tuning", job.name, described, [])
         best = described.get("BestTrainingJob") or {}
         config = request["HyperParameterTuningJobConfig"]
@@ -120,17 +195,21 @@ class SageMakerBackend:
             "tuning_job": job.name, "strategy": config["Strategy"], "ran_as": config["Strategy"],
             "objective_metric": job.objective_metric, "objective_type": job.objective_type,
             "best": best or None, "counters": described.get("TrainingJobStatusCounters"),
+            "trials": [trial_record(t) for t in summaries or []],
         }, default=str))  # fmt: skip
         self.store.put_bytes(
             self.run.tuning_record(job.trial.hyperparameters["model_name"]),
             json.dumps(result.details, indent=2).encode(),
         )
-        if result.status != "Completed":
-            return result
-        if not best:
+        if result.status == "Completed" and not best:
             result.status = "Failed"
             result.failure_reason = f"tuning job {job.name} completed with no best training job"
+        if result.status != "Completed":
+            result.failure_reason = "; ".join(
+                filter(None, [result.failure_reason, trials.failures(summaries or [])])
+            )
             return result
+        trials.remove_archives(keep=best["TrainingJobName"])
         from botocore.exceptions import ClientError
 
         try:
@@ -179,7 +258,13 @@ class SageMakerBackend:
         d = self.client.describe_hyper_parameter_tuning_job(HyperParameterTuningJobName=name)
         return {**d, "Status": d["HyperParameterTuningJobStatus"]}
 
-    def _submit_and_wait(self, kind: str, name: str, request: dict) -> tuple[dict, list[str]]:
+    def _submit_and_wait(
+        self, kind: str, name: str, request: dict, on_poll=None
+    ) -> tuple[dict, list[str]]:
+        """Create the job and follow it to its end: its status and log each poll, `on_poll`
+        (a tuning job's housekeeping) after each. An error while following it (throttling
+        beyond botocore's retries, expired credentials, a missing logs: permission) is said and
+        the following goes on: the job runs on SageMaker whatever this process reads of it."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         create = {
@@ -188,6 +273,10 @@ class SageMakerBackend:
             "tuning": self.client.create_hyper_parameter_tuning_job,
         }[kind]
         start = time.time()
+        problems = refused(kind, request)
+        if problems:  # what AWS would answer, said before anything is sent
+            reason = "SageMaker would refuse the request: " + "; ".join(problems)
+            return {"Status": "Failed", "FailureReason": reason, "_start": start}, []
         try:
             create(**request)
         except (ClientError, BotoCoreError) as e:
@@ -197,30 +286,20 @@ class SageMakerBackend:
             self._active[name] = kind
         self._say(name, f"{kind} job created")
         log: list[str] = []
-        tokens: dict[str, str] = {}
-        shown, last_shown = None, 0.0
+        follow = Following(self, kind, name, start)
         try:
             while True:
-                described = self._describe(kind, name)
-                self._read_logs(kind, name, tokens, log)
-                state = (described["Status"], described.get("SecondaryStatus"),
-                         json.dumps(described.get("TrainingJobStatusCounters"), default=str))  # fmt: skip
-                if state != shown or time.time() - last_shown > 60:
-                    elapsed = time.time() - start
-                    extra = f" / {state[1]}" if state[1] else ""
-                    counters = described.get("TrainingJobStatusCounters")
-                    if kind == "tuning" and counters:
-                        extra += (
-                            " (trials: "
-                            + ", ".join(f"{k} {v}" for k, v in counters.items() if v)
-                            + ")"
-                        )
-                    self._say(name, f"{state[0]}{extra}, {elapsed:.0f}s")  # fmt: skip
-                    shown, last_shown = state, time.time()
-                if described["Status"] in TERMINAL:
-                    self._read_logs(kind, name, tokens, log)
+                described = follow.describe()
+                follow.read_logs(log)
+                if described is not None and on_poll is not None:
+                    follow.guarded("tidy its trials", on_poll, described)
+                if described is not None and described["Status"] in TERMINAL:
+                    follow.read_logs(log)
                     break
-                time.sleep(self.poll_seconds)
+                if follow.given_up():
+                    described = follow.lost()
+                    break
+                time.sleep(follow.pause())
         except BaseException:
             # The driver is stopping (Ctrl-C, SIGTERM): so does its job, and what it logged
             # so far is kept with the run.
@@ -265,6 +344,15 @@ class SageMakerBackend:
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") != "ResourceNotFoundException":
                 raise
+
+    def log_tail(self, name: str, lines: int = TAIL_LINES) -> list[str]:
+        """The last lines a training job (a tuning trial) wrote to CloudWatch, or []."""
+        log: list[str] = []
+        try:
+            self._read_logs("training", name, {}, log)
+        except Exception:  # noqa: BLE001 - a tail is a courtesy; the reason is said without it
+            return []
+        return [line for line in log if line.strip()][-lines:]
 
     def _result(self, kind: str, name: str, described: dict, log: list[str]) -> JobResult:
         status = described["Status"]
@@ -319,6 +407,107 @@ class SageMakerBackend:
         except (tarfile.TarError, OSError, ClientError, BotoCoreError) as e:
             result.status = "Failed"
             result.failure_reason = f"the job completed but its output could not be adopted: {e}"
+
+
+class Following:
+    """What the driver reads of one job while it runs, and what it does when reading fails:
+    each kind of failure said once, the pause between polls doubled up to a minute, the logs
+    given up for this job on a permission error, the job given up after PATIENCE_SECONDS of
+    unreadable status (it is asked to stop: nobody would see its end)."""
+
+    def __init__(self, backend: SageMakerBackend, kind: str, name: str, start: float) -> None:
+        self.backend, self.kind, self.name, self.start = backend, kind, name, start
+        self.tokens: dict[str, str] = {}
+        self.shown, self.last_shown = None, 0.0
+        self.failing_since: float | None = None
+        self.last_error = ""
+        self.logs_off = False
+        self.said: set[str] = set()
+
+    def _say_once(self, what: str, error: Exception) -> None:
+        code = getattr(error, "response", {}).get("Error", {}).get("Code", type(error).__name__)
+        if (what, code) not in self.said:
+            self.said.add((what, code))
+            self.backend._say(
+                self.name, f"could not {what}: {error}; the job goes on, and so does the driver"
+            )
+
+    def guarded(self, what: str, call, *args):
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return call(*args)
+        except (ClientError, BotoCoreError) as e:
+            self._say_once(what, e)
+            return None
+
+    def describe(self) -> dict | None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            described = self.backend._describe(self.kind, self.name)
+        except (ClientError, BotoCoreError) as e:
+            self._say_once("read its status", e)
+            self.failing_since = self.failing_since or time.time()
+            self.last_error = str(e)
+            return None
+        self.failing_since = None
+        self._show(described)
+        return described
+
+    def _show(self, described: dict) -> None:
+        state = (
+            described["Status"],
+            described.get("SecondaryStatus"),
+            json.dumps(described.get("TrainingJobStatusCounters"), default=str),
+        )
+        if state == self.shown and time.time() - self.last_shown <= 60:
+            return
+        extra = f" / {state[1]}" if state[1] else ""
+        counters = described.get("TrainingJobStatusCounters")
+        if self.kind == "tuning" and counters:
+            extra += " (trials: " + ", ".join(f"{k} {v}" for k, v in counters.items() if v) + ")"
+        self.backend._say(self.name, f"{state[0]}{extra}, {time.time() - self.start:.0f}s")
+        self.shown, self.last_shown = state, time.time()
+
+    def read_logs(self, log: list[str]) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        if self.logs_off:
+            return
+        try:
+            self.backend._read_logs(self.kind, self.name, self.tokens, log)
+        except (ClientError, BotoCoreError) as e:
+            self._say_once("read its CloudWatch log", e)
+            code = getattr(e, "response", {}).get("Error", {}).get("Code", "")
+            if "AccessDenied" in code or "Unrecognized" in code:
+                self.logs_off = True  # a permission does not come back by asking again
+
+    def pause(self) -> float:
+        if self.failing_since is None:
+            return self.backend.poll_seconds
+        failing = time.time() - self.failing_since
+        return min(60.0, max(self.backend.poll_seconds, failing / 4))
+
+    def given_up(self) -> bool:
+        return (
+            self.failing_since is not None
+            and time.time() - self.failing_since > self.backend.patience_seconds
+        )
+
+    def lost(self) -> dict:
+        self.backend._stop(self.name, self.kind)
+        minutes = (time.time() - self.failing_since) / 60
+        how = {
+            "processing": "describe-processing-job --processing-job-name",
+            "training": "describe-training-job --training-job-name",
+            "tuning": "describe-hyper-parameter-tuning-job --hyper-parameter-tuning-job-name",
+        }[self.kind]
+        return {
+            "Status": "Failed",
+            "FailureReason": f"its status could not be read for {minutes:.0f} minutes ({self.last_error}); "
+            f"it was asked to stop; `aws sagemaker {how} {self.name}` tells how it ended",
+        }
 
 
 def _regular_files(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo | None:

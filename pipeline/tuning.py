@@ -41,6 +41,7 @@ from pathlib import Path
 from pipeline.config import Categorical
 from pipeline.jobs import JobResult, TuningJob, job_name
 from pipeline.paths import RunTree
+from pipeline.service_model import TUNING_OBJECTIVE
 from pipeline.store import NotFound, Store, download_dir, upload_dir
 
 EPOCH = re.compile(r"^epoch=(\d+) ")  # the metric line, not the final "best ..." line
@@ -84,10 +85,9 @@ def search(job: TuningJob, seed: int):
         sampler, trials = optuna.samplers.RandomSampler(seed=seed), job.max_jobs
     else:  # Bayesian, Hyperband
         sampler, trials = optuna.samplers.TPESampler(seed=seed), job.max_jobs
-    epochs = int(job.trial.hyperparameters.get("epochs", 1))
     if job.strategy == "Hyperband":
         pruner = optuna.pruners.HyperbandPruner(
-            min_resource=1, max_resource=max(1, epochs), reduction_factor=3
+            min_resource=1, max_resource=max(1, job.max_epochs), reduction_factor=3
         )
     elif job.early_stopping == "Auto":
         pruner = optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0)
@@ -225,7 +225,13 @@ def trial_objective(backend, job: TuningJob, run: RunTree, trials: Trials, space
         trial_job = dataclasses.replace(
             job.trial,
             name=job_name(run.experiment, run.label, "tune", model_name, f"{number:03d}"),
-            hyperparameters={**job.trial.hyperparameters, **values},
+            # As SageMaker's tuner sends every trial its objective (automatic-model-tuning-define-
+            # ranges.html): the trial's hyperparameters are those of a trial on SageMaker.
+            hyperparameters={
+                **job.trial.hyperparameters,
+                **values,
+                TUNING_OBJECTIVE: job.objective_metric,
+            },
             model_prefix=prefix + "model/",
             output_prefix=prefix + "output/",
             checkpoint_prefix=run.checkpoints(f"{model_name}-trial-{number:03d}"),

@@ -14,10 +14,12 @@ exports the SM_* variables SageMaker's framework containers export, and runs the
 torchrun across every host and process when there are several: `nnodes` and `node_rank` from
 resourceconfig.json, the first host as master). A processing job: exports
 SM_PROCESSING_INPUT_<NAME> / SM_PROCESSING_OUTPUT_<NAME> from config/processingjobconfig.json
-and runs the step. Both: SIGTERM and SIGINT are forwarded to the whole process tree and the
-step is waited for (its checkpoint); a failed step leaves its one-paragraph reason in
-output/failure (training) or output/message (processing), which SageMaker returns as
-FailureReason or ExitMessage; the exit status is the step's.
+and runs the step. Both: SIGTERM and SIGINT go on to the processes that train (not to their
+DataLoader workers, not through torchrun) and the step is waited for (its checkpoint); keys
+named by Secrets Manager secrets are read in the job's own region; a failed step leaves its
+one-paragraph reason in output/failure (training) or output/message (processing), which
+SageMaker returns as FailureReason or ExitMessage; the exit status is the step's (75 when it
+checkpointed on a signal).
 """
 
 from __future__ import annotations
@@ -28,8 +30,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections import deque
 from pathlib import Path
+
+from steps.contract import EXIT_INTERRUPTED
 
 # The image's ENTRYPOINT, exec form: `docker/Dockerfile` must say exactly this (a test checks).
 ENTRYPOINT = ["python3", "-m", "steps.entrypoint"]
@@ -40,8 +46,15 @@ PROCESSES_VARIABLE = "SMPIPE_PROCESSES_PER_HOST"
 # Set on tuning trials: each trial keeps its checkpoints in a folder named after the trial,
 # so trials sharing the tuning job's CheckpointConfig never resume from each other.
 TRIAL_CHECKPOINTS_VARIABLE = "SMPIPE_CHECKPOINT_PER_TRIAL"
-# The wandb key is read from Secrets Manager inside the container, never passed in the request.
+# Keys read from Secrets Manager inside the container, never passed in the request: the
+# variable naming the secret -> the variable its value becomes (and the JSON key it may sit
+# under in the secret, {"WANDB_API_KEY": "..."}).
 WANDB_SECRET_VARIABLE = "SMPIPE_WANDB_SECRET_ID"
+HF_TOKEN_SECRET_VARIABLE = "SMPIPE_HF_TOKEN_SECRET_ID"
+SECRETS_FROM_MANAGER = {
+    WANDB_SECRET_VARIABLE: "WANDB_API_KEY",
+    HF_TOKEN_SECRET_VARIABLE: "HF_TOKEN",
+}
 # Where torchrun's master listens. SageMaker's hosts resolve `algo-1`; a local player that
 # runs several emulated hosts on one machine names the address and a free port instead.
 # Set by a local player (the local and emulated backends): the driver's pid. The container
@@ -170,6 +183,7 @@ def training_variables(root: Path) -> dict[str, str]:
         "SM_RESOURCE_CONFIG": resource,
         "SM_INPUT_DATA_CONFIG": input_config,
     }
+    env.update(distributed_variables(env["SM_NETWORK_INTERFACE_NAME"], len(hosts), gpus))
     for channel in channels:
         env[f"SM_CHANNEL_{env_key(channel)}"] = root / "input/data" / channel
     for key, value in hps.items():
@@ -189,6 +203,22 @@ def training_variables(root: Path) -> dict[str, str]:
         k: v if isinstance(v, str) else (str(v) if isinstance(v, Path) else json.dumps(v))
         for k, v in env.items()
     }
+
+
+def distributed_variables(interface: str, hosts: int, gpus: int) -> dict[str, str]:
+    """What torchrun and NCCL need to be told on SageMaker (a variable already set wins)."""
+    env = {}
+    # torchrun gives its workers 30 s after passing on a SIGTERM before it kills them
+    # (torch.distributed.launcher.api, TORCH_ELASTIC_SHUTDOWN_TIMEOUT); SageMaker gives 120
+    # (API_StopTrainingJob.html). The entrypoint signals the workers itself, so this is for a
+    # torchrun that gets the signal another way (its parent gone).
+    env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "120")
+    # NCCL picks a network interface itself and, on an instance with several, may pick one the
+    # other hosts cannot reach: the one resourceconfig.json names is the one they share
+    # (your-algorithms-training-algo-running-container.html). Set only where NCCL runs.
+    if gpus and hosts > 1 and "NCCL_SOCKET_IFNAME" not in os.environ:
+        env["NCCL_SOCKET_IFNAME"] = interface
+    return env
 
 
 def processing_variables(root: Path) -> dict[str, str]:
@@ -211,25 +241,57 @@ def _in_root(path: str, root: Path) -> str:
     return str(root / path.removeprefix("/opt/ml/")) if path.startswith("/opt/ml/") else path
 
 
-def wandb_key_from_secret() -> dict[str, str]:
-    secret_id = os.environ.get(WANDB_SECRET_VARIABLE)
-    if not secret_id:
+def job_region(root: Path) -> str | None:
+    """The region the job runs in, from its own ARN: SageMaker sets TRAINING_JOB_ARN in a
+    training container and writes ProcessingJobArn into processingjobconfig.json
+    (your-algorithms-training-algo-running-container.html, build-your-own-processing-
+    container.html), but no documented AWS_REGION (sagemaker-training-toolkit issues #12, #207)."""
+    arn = os.environ.get("TRAINING_JOB_ARN", "")
+    config = root / "config/processingjobconfig.json"
+    if not arn and config.exists():
+        arn = json.loads(config.read_text()).get("ProcessingJobArn", "")
+    parts = arn.split(":")
+    return parts[3] if len(parts) > 5 and parts[3] else None
+
+
+def keys_from_secrets(root: Path) -> dict[str, str]:
+    """The keys whose secrets the request names, read from Secrets Manager in the job's own
+    region (a client with no region fails where the container has no AWS_REGION)."""
+    wanted = {v: os.environ[v] for v in SECRETS_FROM_MANAGER if os.environ.get(v)}
+    if not wanted:
         return {}
     import boto3
 
-    value = boto3.client("secretsmanager").get_secret_value(SecretId=secret_id)["SecretString"]
-    try:  # a secret stored as {"WANDB_API_KEY": "..."} or as the bare key
-        value = json.loads(value)["WANDB_API_KEY"]
-    except (ValueError, KeyError, TypeError):
-        pass
-    print(f"wandb: key read from Secrets Manager secret {secret_id!r}", flush=True)
-    return {"WANDB_API_KEY": value}
+    region = (
+        job_region(root) or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    )
+    client = boto3.client("secretsmanager", region_name=region)
+    keys = {}
+    for variable, secret_id in wanted.items():
+        key = SECRETS_FROM_MANAGER[variable]
+        value = client.get_secret_value(SecretId=secret_id)["SecretString"]
+        try:  # a secret stored as {"WANDB_API_KEY": "..."} or as the bare key
+            value = json.loads(value)[key]
+        except (ValueError, KeyError, TypeError):
+            pass
+        keys[key] = value
+        print(f"{key}: read from Secrets Manager secret {secret_id!r}", flush=True)
+    return keys
+
+
+def processes_per_host(env: dict[str, str]) -> int:
+    """PROCESSES_PER_HOST: a number, or auto (one per GPU of the instance, as SageMaker's
+    framework containers launch them; one where there is none)."""
+    wanted = os.environ.get(PROCESSES_VARIABLE, "1")
+    if wanted == "auto":
+        return max(1, int(env.get("SM_NUM_GPUS", "0")))
+    return int(wanted)
 
 
 def training_command(env: dict[str, str]) -> list[str]:
     module = step_module(os.environ.get(STEP_VARIABLE, "train"))
     hosts = json.loads(env["SM_HOSTS"])
-    per_host = int(os.environ.get(PROCESSES_VARIABLE, "1"))
+    per_host = processes_per_host(env)
     if len(hosts) * per_host == 1:
         return [sys.executable, "-m", module]
     master = os.environ.get(MASTER_ADDR_VARIABLE, hosts[0])
@@ -258,14 +320,61 @@ def _die_with_parent() -> None:
         pass
 
 
+def training_processes(proc: subprocess.Popen) -> list[int]:
+    """The processes that train: the step itself, or torchrun's workers (its children). Not
+    their DataLoader workers: a loader worker killed by SIGTERM fails the training process's
+    next batch, and not torchrun, which would give its workers only 30 s before SIGKILL
+    (torch/distributed/elastic/multiprocessing/api.py, `close(..., timeout=30)`) where
+    SageMaker gives 120 (StopTrainingJob)."""
+    if "torch.distributed.run" not in proc.args:
+        return [proc.pid]
+    try:
+        import psutil
+
+        return [child.pid for child in psutil.Process(proc.pid).children()]
+    except Exception:  # noqa: BLE001 - psutil missing or torchrun gone: the step as a whole
+        return [proc.pid]
+
+
+def pass_signals_on(proc: subprocess.Popen) -> None:
+    """SIGTERM and SIGINT to this process go on to the processes that train, each once;
+    torchrun may still be starting workers when one comes, so they are looked for again every
+    second until the step ends."""
+    signalled: dict[object, int] = {}  # pid (or "*": the signal that came) -> signal sent
+
+    def forward(signum, _frame):
+        signalled["*"] = signum
+        for pid in training_processes(proc):
+            if pid not in signalled:
+                signalled[pid] = signum
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    def keep_forwarding() -> None:
+        while proc.poll() is None:
+            time.sleep(1)
+            if "*" in signalled:
+                forward(signalled["*"], None)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    threading.Thread(target=keep_forwarding, daemon=True).start()
+
+
 def run(
     command: list[str], env: dict[str, str], failure: Path, what: str, outputs: list[Path]
 ) -> int:
-    """Run the step in its own process group; forward SIGTERM/SIGINT to all of it; wait.
-    What it prints is passed on with secrets masked, and so are the files it leaves in
-    `outputs` (and the failure file) once it ends."""
+    """Run the step in its own process group and wait; SIGTERM and SIGINT go on to the
+    processes that train (`training_processes`), which checkpoint and exit. What it prints is
+    passed on with secrets masked, and so are the files it leaves in `outputs` (and the
+    failure file) once it ends. A step that checkpointed on a signal exits EXIT_INTERRUPTED,
+    whatever torchrun makes of its workers' status."""
     failure.parent.mkdir(parents=True, exist_ok=True)
     failure.unlink(missing_ok=True)
+    marker = failure.parent / "interrupted"
+    marker.unlink(missing_ok=True)
     secrets = secret_values({**os.environ, **env})
     proc = subprocess.Popen(
         command,
@@ -275,15 +384,7 @@ def run(
         start_new_session=True,
         preexec_fn=_die_with_parent,
     )
-
-    def forward(signum, _frame):
-        try:
-            os.killpg(proc.pid, signum)
-        except ProcessLookupError:
-            pass
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    pass_signals_on(proc)
     tail: deque[str] = deque(maxlen=TAIL_LINES)
     for raw in iter(proc.stdout.readline, b""):
         line = redact(raw.decode("utf-8", errors="replace"), secrets)
@@ -292,7 +393,9 @@ def run(
         if line.strip():
             tail.append(line.rstrip())
     code = proc.wait()
-    if code != 0 and not failure.exists():
+    if code != 0 and marker.exists():  # it checkpointed on the signal: no failure to report
+        code = EXIT_INTERRUPTED  # torchrun reports its workers' 75 as its own failure (1)
+    elif code != 0 and not failure.exists():
         # The step died before it could say why (killed, out of memory, a crash in C code).
         last = " | ".join(list(tail)[-3:]) or "no output"
         failure.write_text(f"{what} exited with status {code}: {last}"[:1024])
@@ -317,14 +420,14 @@ def main(argv: list[str]) -> int:
     root = ml_root()
     follow_driver()
     if argv[:1] == ["train"]:
-        env = {**training_variables(root), **wandb_key_from_secret()}
+        env = {**training_variables(root), **keys_from_secrets(root)}
         Path(env["SM_CHECKPOINT_DIR"]).mkdir(parents=True, exist_ok=True)
         for sub in ("model", "output/data"):
             (root / sub).mkdir(parents=True, exist_ok=True)
         return run(training_command(env), env, Path(env["SM_OUTPUT_FAILURE"]), "the training step",
                    [root / "model"])  # fmt: skip
     if argv[:1] == ["process"] and len(argv) >= 2:
-        env = {**processing_variables(root), **wandb_key_from_secret()}
+        env = {**processing_variables(root), **keys_from_secrets(root)}
         command = [sys.executable, "-m", step_module(argv[1]), *argv[2:]]
         outputs = [Path(v) for k, v in env.items() if k.startswith("SM_PROCESSING_OUTPUT_")]
         return run(command, env, Path(env["SM_OUTPUT_FAILURE"]), f"step {argv[1]}", outputs)

@@ -31,10 +31,19 @@ HYPERPARAMETERS: dict[str, tuple[type, str]] = {
     "mixed_precision": (str, "auto | no | bf16 | fp16 (auto: bf16 or fp16 on a GPU, no on CPU)"),
     "group_by_length": (bool, "batches of rows of similar length (less padding)"),
     "compile": (bool, "torch.compile the model"),
+    "dataloader_num_workers": (
+        str,
+        "loader processes beside each training process; auto: 2 on a GPU, 0 on CPU",
+    ),
 }
 
 # What a job that is not given these gets (a request written by hand, an older driver).
-DEFAULTS = {"mixed_precision": "auto", "group_by_length": True, "compile": False}
+DEFAULTS = {
+    "mixed_precision": "auto",
+    "group_by_length": True,
+    "compile": False,
+    "dataloader_num_workers": "auto",
+}
 
 # The names a tuning job may search over: the ones that change how a model learns (a test
 # checks that each one does). MAX_SEQUENCE_LENGTH is not one: prepare applies it, once.
@@ -47,11 +56,38 @@ TUNABLE = (
 )
 
 
+# Names SageMaker and its Python SDK own, handed to the container beside ours: accepted and
+# recorded, never refused (a container that refuses them fails every tuning trial).
+# - `_tuning_objective_metric`: SageMaker adds it to the hyperparameters of every training job a
+#   tuning job launches, its value the objective's metric name, and it counts toward the limit
+#   of 100 hyperparameters (https://docs.aws.amazon.com/sagemaker/latest/dg/
+#   automatic-model-tuning-define-ranges.html; the SDK's tuner drops it when it reads a trial
+#   back: sagemaker-python-sdk src/sagemaker/tuner.py, `_prepare_init_params_from_job_description`).
+# - `sagemaker_*`: what the SDK's estimators add (`sagemaker_program`, `sagemaker_submit_directory`,
+#   `sagemaker_region`, `sagemaker_job_name`, `sagemaker_container_log_level`, and for tuning
+#   `sagemaker_estimator_class_name`, `sagemaker_estimator_module`: src/sagemaker/estimator.py,
+#   tuner.py), so the image also runs from an SDK Estimator or HyperparameterTuner.
+# SageMaker reserves the leading underscore for itself; no name of ours starts with one.
+RESERVED_PREFIXES = ("_", "sagemaker_")
+
+
+def is_reserved(name: str) -> bool:
+    return name.startswith(RESERVED_PREFIXES)
+
+
+def reserved_hyperparameters(raw: dict[str, object]) -> dict[str, object]:
+    """The hyperparameters SageMaker or its SDK set, as they arrived (recorded with the job)."""
+    return {name: value for name, value in raw.items() if is_reserved(name)}
+
+
 def parse_hyperparameters(raw: dict[str, object]) -> dict[str, object]:
-    """Cast the strings SageMaker hands over into their types; refuse unknown names."""
+    """Cast the strings SageMaker hands over into their types; refuse unknown names (the
+    reserved ones above are left to `reserved_hyperparameters`)."""
     problems = []
     values: dict[str, object] = dict(DEFAULTS)
     for name, value in raw.items():
+        if is_reserved(name):
+            continue
         if name not in HYPERPARAMETERS:
             problems.append(f"unknown hyperparameter {name!r}")
             continue

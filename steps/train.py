@@ -41,7 +41,7 @@ from steps.contract import (
     training_env,
     write_step_metadata,
 )
-from steps.hyperparameters import parse_hyperparameters
+from steps.hyperparameters import parse_hyperparameters, reserved_hyperparameters
 from steps.metrics import metric_line
 from steps.user_code import call, load_user_functions
 
@@ -220,13 +220,19 @@ def loader_for(
     )
     # The loader gets a generator of its own: creating an iterator must not draw from the
     # global RNG, or a job resumed mid-epoch would see different dropout than the one it replaces.
+    workers = hp["dataloader_num_workers"]
+    workers = (2 if on_gpu else 0) if workers == "auto" else int(workers)
     train_loader = DataLoader(
         range(len(train)),
         batch_sampler=sampler,
         collate_fn=train,
         generator=torch.Generator(),
-        pin_memory=on_gpu,
-        num_workers=2 if on_gpu else 0,
+        pin_memory=on_gpu,  # page-locked host memory only where a copy to a GPU follows
+        # SIGTERM is this process's cue to checkpoint; the entrypoint sends it here and not to
+        # the workers. A worker leaves on a SIGTERM from this process (when it exits) and dies
+        # of one from anywhere else, failing the next batch (torch's worker signal handler);
+        # ignoring it would hang the exit, whose cleanup terminates the workers with it.
+        num_workers=workers,
     )
     return sampler, train_loader
 
@@ -704,6 +710,7 @@ def finish(job: Job) -> None:
             "seconds": round(time.time() - job.started, 3),
             "train_loop_seconds": round(job.loop_seconds, 3),
             "gpu_usage": gpu,
+            "sagemaker_hyperparameters": reserved_hyperparameters(env.hyperparameters),
         },
     )
     accelerator.end_training()

@@ -205,3 +205,87 @@ def test_hyperparameters_are_cast_once_and_unknown_ones_refused():
         parse_hyperparameters({"epochs": "2.5", "dropout": "0.1"})
     assert "hyperparameter epochs='2.5' is not a int" in str(info.value)
     assert "unknown hyperparameter 'dropout'" in str(info.value)
+
+
+def test_sagemaker_settings_aws_would_refuse_are_refused_by_key(tmp_path):
+    """What SageMaker refuses of a request, said at the key it comes from: an online wandb
+    run with no key for the job, names and values past the service model's limits."""
+    path = write_settings(
+        tmp_path / "settings.ini", "s3://bucket/root",
+        experiment={"BACKEND": "sagemaker", "ROLE_ARN": "arn:aws:iam::123:role/x", "IMAGE_URI": "i" * 256},
+        data={"INSTANCE_TYPE": "ml.p4d.24xlarge"},  # a training type, not a processing one
+        models={"MODEL_NAMES": ",".join(f"model-{i:02d}-" + "x" * 30 for i in range(8))},
+        tracking={"WANDB_MODE": "online"},
+        hub={"TOKEN_SECRET_ID": "h" * 257},
+        **{"tuning.hyperparameters": {"BATCH_SIZE": ",".join(str(i) for i in range(1, 32))}},
+    )  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, env={})
+    said = "\n".join(info.value.problems)
+    assert "[tracking] WANDB_MODE = online on the sagemaker backend needs WANDB_SECRET_ID" in said
+    assert (
+        "[data] INSTANCE_TYPE: 'ml.p4d.24xlarge' is not a value SageMaker accepts for ProcessingInstanceType"
+        in said
+    )
+    assert (
+        "[experiment] ROLE_ARN: 'arn:aws:iam::123:role/x' must satisfy regular expression pattern"
+        in said
+    )
+    assert "[experiment] IMAGE_URI:" in said and "have at most 255" in said
+    assert "[models] MODEL_NAMES: 319 characters with the commas" in said
+    assert "[hub] TOKEN_SECRET_ID:" in said
+    assert "[tuning.hyperparameters] BATCH_SIZE:" in said and "have at most 30" in said
+
+
+def test_max_wait_is_a_spot_setting(tmp_path):
+    wait = {"MAX_RUN_SECONDS": "7200", "MAX_WAIT_SECONDS": "3600"}
+    path = write_settings(tmp_path / "settings.ini", str(tmp_path / "store"), training=wait)
+    load_settings(path, env={})  # on-demand: MaxWaitTimeInSeconds is not sent
+    path = write_settings(
+        tmp_path / "settings.ini", str(tmp_path / "store"), training={**wait, "USE_SPOT": "true"}
+    )
+    with pytest.raises(
+        ConfigError, match=r"MAX_WAIT_SECONDS \(3600\) must be at least MAX_RUN_SECONDS"
+    ):
+        load_settings(path, env={})
+
+
+def test_hub_access_is_a_setting_of_the_run(tmp_path):
+    from pipeline.driver import HUB_OFFLINE, job_env
+
+    online = load_settings(
+        write_settings(tmp_path / "a.ini", str(tmp_path / "s"), hub={"OFFLINE": "false"}), env={}
+    )
+    assert not set(HUB_OFFLINE) & set(job_env(online))
+    offline = load_settings(
+        write_settings(tmp_path / "b.ini", str(tmp_path / "s"), hub={"OFFLINE": "true"}), env={}
+    )
+    assert {k: job_env(offline)[k] for k in HUB_OFFLINE} == dict.fromkeys(HUB_OFFLINE, "1")
+    # Not in the image: a job of a run that may download can.
+    from pipeline.container import dockerfile_instructions
+
+    env_lines = " ".join(a for i, a in dockerfile_instructions() if i == "ENV")
+    assert not any(name in env_lines for name in HUB_OFFLINE)
+    emulated = load_settings(
+        write_settings(tmp_path / "c.ini", str(tmp_path / "s"), experiment={"BACKEND": "emulated"},
+                       hub={"TOKEN_SECRET_ID": "smpipe/hf"}), env={})  # fmt: skip
+    assert job_env(emulated)["SMPIPE_HF_TOKEN_SECRET_ID"] == "smpipe/hf"
+    local = load_settings(
+        write_settings(tmp_path / "d.ini", str(tmp_path / "s"), hub={"TOKEN_SECRET_ID": "x"}),
+        env={},
+    )
+    assert "SMPIPE_HF_TOKEN_SECRET_ID" not in job_env(local)  # a local job has this machine's token
+
+
+def test_processes_and_loader_workers_default_to_auto(tmp_path):
+    settings = load_settings(write_settings(tmp_path / "settings.ini", str(tmp_path / "s")), env={})
+    assert settings.training.processes_per_host == "auto"
+    assert settings.training_hyperparameters("bow", "training")["dataloader_num_workers"] == "auto"
+    path = write_settings(tmp_path / "settings.ini", str(tmp_path / "s"),
+                          training={"PROCESSES_PER_HOST": "0", "DATALOADER_NUM_WORKERS": "many"})  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, env={})
+    assert {p.split(":")[0] for p in info.value.problems} == {
+        "[training] PROCESSES_PER_HOST",
+        "[training] DATALOADER_NUM_WORKERS",
+    }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import signal
 import subprocess
 import sys
 
@@ -69,7 +70,7 @@ def test_train_on_two_emulated_hosts_agrees_with_local(staged, bucket, tmp_path,
     assert "algo-2: " in log and "processes=2" in log
     assert "InProgress / Training" in log and "Completed / Completed" in log
     # The key reached the jobs through Secrets Manager, and never a request or the store.
-    assert "wandb: key read from Secrets Manager secret 'smpipe/wandb'" in log
+    assert "WANDB_API_KEY: read from Secrets Manager secret 'smpipe/wandb'" in log
     sent = [json.loads(b) for b in recorder.bodies]
     assert {"CreateProcessingJob", "CreateTrainingJob"} <= {
         "CreateProcessingJob" if "ProcessingJobName" in b and "AppSpecification" in b else
@@ -120,14 +121,25 @@ def test_tune_emulated(staged, bucket, tmp_path):
         # The best trial's model is where a training job leaves one, and inference used it.
         assert record["model_artifacts"][model].endswith(f"runs/0001/models/{model}/model/")
         assert model in record["holdout_performance"]
-    # Each trial checkpointed in a folder of its own under the tuning job's prefix.
-    trials = {
-        k.split("/")[5]
-        for k in staged.list_keys(ExperimentTree("test-exp").run(1).checkpoints("bow"))
-    }
-    assert len(trials) == 2 and all(
-        t.startswith(record["steps"]["tune"]["job_names"][0]) for t in trials
-    )
+    # Every trial got SageMaker's reserved hyperparameter, as AWS writes it: the objective's
+    # name, not JSON-quoted (and train.py accepted and recorded it).
+    trials = [
+        json.loads(b)
+        for b in recorder.bodies
+        if '"TrainingJobName"' in b and "AlgorithmSpecification" in b
+    ]
+    assert len(trials) == 2
+    assert all(t["HyperParameters"]["_tuning_objective_metric"] == "validation:f1" for t in trials)
+    best = tune["details"]["models"]["bow"]
+    assert best["sagemaker_hyperparameters"] == {"_tuning_objective_metric": "validation:f1"}
+    assert {t["status"] for t in best["trials"]} == {"Completed"} and len(best["trials"]) == 2
+    # Each trial checkpointed in a folder of its own under the tuning job's one S3Uri, and the
+    # folder went once the trial ended; only the best trial's archives stay.
+    run1 = ExperimentTree("test-exp").run(1)
+    assert staged.list_keys(run1.checkpoints("bow")) == []
+    archives = {k.split("/")[5] for k in staged.list_keys(run1.training_output)}
+    assert archives == {best["best"]["TrainingJobName"]}
+    assert "could not" not in echo.getvalue()  # no error said while following the job
 
 
 def entrypoint_of_a_training_job(command: list[str]) -> bool:
@@ -135,23 +147,60 @@ def entrypoint_of_a_training_job(command: list[str]) -> bool:
     return "steps.entrypoint" in command and command[-1] == "train"
 
 
-def test_sigterm_to_an_emulated_spot_job_checkpoints_and_resumes(staged, bucket, tmp_path):
+class ReclaimAt(io.StringIO):
+    """The echo of an emulated run: once the job reports step `step`, AWS takes the spot
+    instance back (the emulator's reclaim: SIGTERM, then a restart from the checkpoints)."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.step, self.backend, self.reclaimed = step, None, []
+
+    def write(self, text):
+        if not self.reclaimed and self.backend is not None and f"] step={self.step}/" in text:
+            self.reclaimed = self.backend.emulator.reclaim()
+        return super().write(text)
+
+    def make_backend(self, settings, store, run, echo):
+        self.backend = make_backend(settings, store, run, echo)
+        return self.backend
+
+
+def test_a_reclaimed_spot_job_checkpoints_and_resumes(staged, bucket, tmp_path):
     settings = emulated_settings(
         tmp_path, bucket, models={"MODEL_NAMES": "bow"},
         training={"USE_DISTRIBUTED": "false", "INSTANCE_COUNT": "1", "USE_SPOT": "true", "EPOCHS": "6"},
     )  # fmt: skip
     # Step lines reach the driver through CloudWatch polling, seconds late: enough steps are
     # left after step 5 for the signal to land while the job still trains.
-    echo = SigtermAt(step=5, target=entrypoint_of_a_training_job)
-    record = run_pipeline(settings, staged, parse_steps(None), echo=echo)
+    echo = ReclaimAt(step=5)
+    record = run_pipeline(
+        settings, staged, parse_steps(None), echo=echo, make_backend=echo.make_backend
+    )
     log = echo.getvalue()
-    assert echo.sent and record["status"] == "completed"
+    assert echo.reclaimed and record["status"] == "completed"
     assert "SIGTERM: checkpoint written at step" in log
     assert "spot capacity interrupted the job; restart 1" in log
     assert "resumed from" in log
     report = record["steps"]["train"]["details"]["models"]["bow"]
     assert report["resumed_from"]["step"] >= 5
     assert [h["epoch"] for h in report["history"]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_an_emulated_spot_job_killed_otherwise_is_not_restarted(staged, bucket, tmp_path):
+    """SageMaker restarts a spot job only when its instance is taken back: one killed for its
+    memory (SIGKILL) ends Failed, whatever the local backend's MAX_RESTARTS would do."""
+    settings = emulated_settings(
+        tmp_path, bucket, models={"MODEL_NAMES": "bow"},
+        training={"USE_DISTRIBUTED": "false", "INSTANCE_COUNT": "1", "USE_SPOT": "true", "EPOCHS": "6",
+                  "MAX_RESTARTS": "3"},
+    )  # fmt: skip
+    echo = SigtermAt(step=3, target=lambda command: "steps.train" in command, sig=signal.SIGKILL)
+    with pytest.raises(
+        PipelineError,
+        match=r"ended Failed; FailureReason: AlgorithmError: the training step exited with status -9",
+    ):
+        run_pipeline(settings, staged, parse_steps("reconcile,prepare,train"), echo=echo)
+    assert echo.sent and "restart" not in echo.getvalue()
 
 
 FAILING = """

@@ -212,6 +212,57 @@ def test_sigkill_with_two_processes(tmp_path, channels, baseline2):
     assert_same(result(root), baseline2)
 
 
+def loader_workers(entrypoint: int) -> list[psutil.Process]:
+    """DataLoader workers under a job's entrypoint: forks of a training process (same command
+    line), which torchrun's workers are not."""
+    found = []
+    for process in psutil.Process(entrypoint).children(recursive=True):
+        try:
+            command, parent = process.cmdline(), process.parent().cmdline()
+        except psutil.Error:
+            continue
+        if (
+            "steps.train" in command
+            and "torch.distributed.run" not in command + parent
+            and "steps.train" in parent
+        ):
+            found.append(process)
+    return found
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sigterm_to_the_container_with_loader_workers_checkpoints_and_exits_75(
+    tmp_path, channels, processes
+):
+    """The GPU path's loader, on CPU: two DataLoader workers beside each training process.
+    SIGTERM goes to the entrypoint alone, as `docker stop` sends it to PID 1; it reaches the
+    training processes and not their workers (a worker killed by it fails the training
+    process's next batch): the job finishes its step, checkpoints, and exits 75, under
+    torchrun too."""
+    root, env = job_root(tmp_path, channels, {**HPS, "dataloader_num_workers": "2", "epochs": "6"})
+    proc = start(env, processes)
+    seen, workers = [], []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("step=4/"):
+            workers = loader_workers(proc.pid)
+            proc.send_signal(signal.SIGTERM)
+            break
+    seen += proc.stdout.readlines()
+    proc.wait(timeout=120)
+    log = "".join(seen)
+    assert len(workers) == 2 * processes, log[-3000:]
+    assert proc.returncode == 75, log[-3000:]
+    # The step it was in when the signal landed is finished first (which one depends on how
+    # fast this machine reads the job's lines); the job stops long before its end.
+    stopped = re.search(r"SIGTERM: checkpoint written at step (\d+); exiting to be resumed", log)
+    assert stopped and 4 <= int(stopped.group(1)) < 40, log[-3000:]
+    assert "killed by signal" not in log
+    current = ckpt.current_checkpoint(root / "checkpoints")
+    assert current is not None and current.name == f"ckpt-{int(stopped.group(1)):08d}"
+    assert not (root / "output/failure").exists()
+
+
 @pytest.mark.parametrize("processes", [1, 2])
 def test_sigterm_checkpoints_exits_and_the_backend_restarts(tmp_path, channels, processes, request):
     reference = request.getfixturevalue("baseline" if processes == 1 else "baseline2")

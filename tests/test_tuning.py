@@ -176,7 +176,7 @@ def test_hyperband_stops_trials_that_fall_behind_at_a_rung():
     job = SimpleNamespace(  # what search() reads of a TuningJob
         strategy="Hyperband", max_jobs=12, early_stopping="Off",
         ranges={"learning_rate": Interval(1e-4, 1e-1, integer=False, log=True)},
-        trial=SimpleNamespace(hyperparameters={"epochs": "9"}),
+        trial=SimpleNamespace(hyperparameters={"epochs": "9"}), max_epochs=9,
     )  # fmt: skip
     sampler, pruner, n_trials = search(job, seed=42)
     # Hyperband puts trials in brackets by a hash of the study's name: a fixed name, a fixed

@@ -21,6 +21,8 @@ def main():
                 "env": {
                     k: v for k, v in os.environ.items() if k.startswith(("SM_", "PROCESSING_"))
                 },
+                "env_names": sorted(os.environ),
+                "home": os.path.expanduser("~"),
             }
         )
     )
@@ -33,6 +35,14 @@ def main():
     # What a careless job leaves in its files (a debug dump, a tracker's console copy).
     leaked = [os.environ.get(k, "") for k in ("WANDB_API_KEY", "MY_DB_PASSWORD")]
     (out / "debug.log").write_text(f"env: {leaked}\n")
+    if "--hang" in sys.argv:  # a step that takes no notice of SIGTERM or SIGINT
+        import signal
+        import time
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("hanging", flush=True)
+        time.sleep(600)
     if "--fail" in sys.argv:
         raise ValueError("asked to fail" + (f" with {leaked}" if any(leaked) else ""))
 

@@ -11,6 +11,19 @@ from steps.contract import run_step, training_env
 
 def main():
     env = training_env()
+    at_start = sorted(
+        p.relative_to(
+            env.checkpoint_dir.parent
+            if env.checkpoint_dir.parent.name == "checkpoints"
+            else env.checkpoint_dir
+        ).as_posix()
+        for p in (
+            env.checkpoint_dir.parent
+            if env.checkpoint_dir.parent.name == "checkpoints"
+            else env.checkpoint_dir
+        ).rglob("*")
+        if p.is_file()
+    )
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     total = torch.tensor([rank + 1.0])
     if world > 1:
@@ -30,6 +43,8 @@ def main():
         "checkpoint_dir": str(env.checkpoint_dir),
         "job_name": env.job_name,
         "sm_env": sorted(k for k in os.environ if k.startswith("SM_")),
+        "env_names": sorted(os.environ),
+        "checkpoints_at_start": at_start,
     }
     (env.model_dir / f"seen-rank{rank}.json").write_text(json.dumps(seen))
     (env.checkpoint_dir / f"ckpt-rank{rank}.txt").write_text("state")
@@ -38,6 +53,8 @@ def main():
         print("validation:f1=0.750000")
     if world > 1:
         dist.destroy_process_group()
+    if env.hyperparameters.get("fail"):
+        raise ValueError("asked to fail")
 
 
 if __name__ == "__main__":

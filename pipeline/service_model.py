@@ -1,0 +1,398 @@
+"""Every SageMaker request checked as SageMaker checks it, before it is sent, on every backend.
+
+boto3 validates a request before sending it, but only for required members, types and
+minimum lengths (botocore/validate.py: `range_check` reads `min` and nothing else). The
+service model botocore ships (botocore/data/sagemaker/2017-07-24/service-2.json) declares
+every constraint SageMaker itself enforces on input: maximum lengths, patterns, enums,
+numeric ranges, list and map sizes. `check` walks that model from the operation's input
+shape and enforces all of them, then the documented limits the model does not carry
+(`DOCUMENTED`, each with its source). moto's `create_*` check none of this, so without it an
+instance-type typo or a 257-character argument would pass `emulated` and fail on AWS.
+
+Messages are SageMaker's own validation messages ("Value 'x' at 'path' failed to satisfy
+constraint: Member must satisfy regular expression pattern: ..."), with the field path as
+the request writes it (`--show-requests` prints the same request).
+
+Patterns are the service's Java regular expressions, matched against the whole value as
+Java's `String.matches` does (SageMaker's own errors quote them anchored: `^[a-zA-Z0-9](-*
+[a-zA-Z0-9]){0,62}` for a job name). The `regex` package reads their `\\p{L}`-style classes,
+which Python's `re` does not; transformers depends on it already.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+SERVICE = "sagemaker"
+
+
+@dataclass(frozen=True)
+class Violation:
+    path: str  # the field, as the request writes it: ResourceConfig.InstanceType
+    constraint: str  # SageMaker's words: "Member must have length less than or equal to 63"
+    value: Any = None
+
+    def __str__(self) -> str:
+        return f"Value {_shown(self.value)} at '{self.path}' failed to satisfy constraint: {self.constraint}"
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:60] + f"... ({len(str(value))} characters)"
+
+
+@functools.cache
+def service_model():
+    """botocore's SageMaker service model (0.14 s to load; once per process)."""
+    import botocore.session
+
+    return botocore.session.get_session().get_service_model(SERVICE)
+
+
+def shape(name: str):
+    return service_model().shape_for(name)
+
+
+@functools.cache
+def _pattern(text: str):
+    import regex
+
+    # Java writes a code point above U+FFFF as its UTF-16 surrogate pair; Python as itself.
+    text = text.replace("\\uD800\\uDC00-\\uDBFF\\uDFFF", "\\U00010000-\\U0010FFFF")
+    return regex.compile(text)
+
+
+def check(operation: str, request: dict) -> list[Violation]:
+    """Every way `request` breaks what SageMaker accepts for `operation`, or []."""
+    found: list[Violation] = []
+    _walk(service_model().operation_model(operation).input_shape, request, "", found)
+    for rule in DOCUMENTED.get(operation, ()):
+        found += rule(request)
+    return found
+
+
+def check_value(shape_name: str, value: Any, path: str) -> list[Violation]:
+    """One value against one shape of the model (a setting that becomes that field)."""
+    found: list[Violation] = []
+    _walk(shape(shape_name), value, path, found)
+    return found
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+# The Python types a value of each kind of shape may have (bool is an int in Python; not here).
+TYPES = {
+    "structure": dict,
+    "map": dict,
+    "list": (list, tuple),
+    "string": str,
+    "boolean": bool,
+    "integer": int,
+    "long": int,
+    "float": (int, float),
+    "double": (int, float),
+}
+
+
+def _walk(s, value: Any, path: str, found: list[Violation]) -> None:
+    """Every constraint of shape `s` on `value`, and of its members' shapes on its members."""
+    expected = TYPES.get(s.type_name)
+    numeric_bool = s.type_name not in ("boolean", "structure") and isinstance(value, bool)
+    if expected is not None and (not isinstance(value, expected) or numeric_bool):
+        found.append(Violation(path, f"Member must be of type {s.type_name}", value))
+        return
+    check = CHECKS.get(s.type_name)
+    if check is not None:
+        check(s, value, path, found)
+
+
+def _structure(s, value: dict, path: str, found: list[Violation]) -> None:
+    for name in s.required_members:
+        if value.get(name) is None:
+            found.append(Violation(_join(path, name), "Member must not be null"))
+    for name, item in value.items():
+        if name not in s.members:
+            valid = ", ".join(s.members)
+            found.append(Violation(_join(path, name), f"Unknown parameter; valid: {valid}"))
+        elif item is not None:
+            _walk(s.members[name], item, _join(path, name), found)
+
+
+def _list(s, value: list, path: str, found: list[Violation]) -> None:
+    _size(s.metadata, len(value), value, path, found)
+    for i, item in enumerate(value):
+        _walk(s.member, item, f"{path}[{i}]", found)
+
+
+def _map(s, value: dict, path: str, found: list[Violation]) -> None:
+    _size(s.metadata, len(value), value, path, found)
+    for key, item in value.items():
+        _walk(s.key, key, f"{path} (key {key!r})", found)
+        _walk(s.value, item, _join(path, str(key)), found)
+
+
+def _string(s, value: str, path: str, found: list[Violation]) -> None:
+    _size(s.metadata, len(value), value, path, found)
+    if s.enum and value not in s.enum:
+        near = difflib.get_close_matches(value, s.enum, n=1, cutoff=0.8)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        shown = ", ".join(s.enum[:8]) + (f", ... {len(s.enum)} in all" if len(s.enum) > 8 else "")
+        found.append(Violation(path, f"Member must satisfy enum value set: [{shown}]{hint}", value))
+    pattern = s.metadata.get("pattern")
+    if pattern and not _pattern(pattern).fullmatch(value):
+        found.append(
+            Violation(path, f"Member must satisfy regular expression pattern: {pattern}", value)
+        )
+
+
+def _number(s, value: float, path: str, found: list[Violation]) -> None:
+    low, high = s.metadata.get("min"), s.metadata.get("max")
+    if low is not None and value < low:
+        found.append(
+            Violation(path, f"Member must have value greater than or equal to {low}", value)
+        )
+    if high is not None and value > high:
+        found.append(Violation(path, f"Member must have value less than or equal to {high}", value))
+
+
+def _size(md: dict, size: int, value: Any, path: str, found: list[Violation]) -> None:
+    if "min" in md and size < md["min"]:
+        found.append(
+            Violation(path, f"Member must have length greater than or equal to {md['min']}", value)
+        )
+    if "max" in md and size > md["max"]:
+        found.append(
+            Violation(path, f"Member must have length less than or equal to {md['max']}", value)
+        )
+
+
+CHECKS = {
+    "structure": _structure,
+    "list": _list,
+    "map": _map,
+    "string": _string,
+    "integer": _number,
+    "long": _number,
+    "float": _number,
+    "double": _number,
+}
+
+
+# -- what the documentation says and the model does not carry --------------------------------
+# Each rule names its source. Where a page and the model disagree (the HyperParameters value
+# limit: 2500 in the model, 256 in the developer guide's text), the model wins: it is what the
+# service validates with.
+
+MAX_RUNTIME = 28 * 24 * 3600
+# The names Hyperband reads the maximum resource from when StrategyConfig does not give one.
+HYPERBAND_EPOCH_NAMES = ("epochs", "numepochs", "n-epochs", "n_epochs", "num_epochs")
+TUNING_OBJECTIVE = "_tuning_objective_metric"
+
+
+def _stopping(stopping: dict, spot: bool, path: str) -> list[Violation]:
+    found = []
+    run, wait = stopping.get("MaxRuntimeInSeconds"), stopping.get("MaxWaitTimeInSeconds")
+    # StoppingCondition.MaxRuntimeInSeconds: "The default value is 1 day. The maximum value is
+    # 28 days." (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_StoppingCondition.html)
+    if isinstance(run, int) and run > MAX_RUNTIME:
+        found.append(
+            Violation(
+                f"{path}.MaxRuntimeInSeconds",
+                f"Member must have value less than or equal to {MAX_RUNTIME} (28 days)",
+                run,
+            )
+        )
+    # MaxWaitTimeInSeconds, of a managed spot job: "the amount of time spent waiting for Spot
+    # capacity plus the amount of time the job can run. It must be equal to or greater than
+    # MaxRuntimeInSeconds." (API_StoppingCondition.html; the developer guide's spot page says
+    # "larger than": the API reference's "equal to" is taken.)
+    if spot and wait is None:
+        found.append(
+            Violation(
+                f"{path}.MaxWaitTimeInSeconds",
+                "Member must not be null when EnableManagedSpotTraining is true",
+            )
+        )
+    if spot and isinstance(wait, int) and isinstance(run, int) and wait < run:
+        found.append(
+            Violation(
+                f"{path}.MaxWaitTimeInSeconds",
+                f"Member must be greater than or equal to MaxRuntimeInSeconds ({run})",
+                wait,
+            )
+        )
+    return found
+
+
+def _training(request: dict) -> list[Violation]:
+    spot = bool(request.get("EnableManagedSpotTraining"))
+    return _stopping(request.get("StoppingCondition", {}), spot, "StoppingCondition")
+
+
+def _processing(request: dict) -> list[Violation]:
+    found = []
+    # ProcessingS3Input.LocalPath: "an absolute path to the input data and must begin with
+    # /opt/ml/processing/" (https://docs.aws.amazon.com/sagemaker/latest/APIReference/
+    # API_ProcessingS3Input.html); outputs too (build-your-own-processing-container.html).
+    places = [
+        (f"ProcessingInputs[{i}].S3Input.LocalPath", (item.get("S3Input") or {}).get("LocalPath"))
+        for i, item in enumerate(request.get("ProcessingInputs", []))
+    ] + [
+        (
+            f"ProcessingOutputConfig.Outputs[{i}].S3Output.LocalPath",
+            (item.get("S3Output") or {}).get("LocalPath"),
+        )
+        for i, item in enumerate(request.get("ProcessingOutputConfig", {}).get("Outputs", []))
+    ]
+    for path, local in places:
+        if isinstance(local, str) and not local.startswith("/opt/ml/processing/"):
+            found.append(Violation(path, "Member must begin with /opt/ml/processing/", local))
+    return found
+
+
+def _tuning(request: dict) -> list[Violation]:
+    config = request.get("HyperParameterTuningJobConfig", {})
+    definition = request.get("TrainingJobDefinition", {})
+    ranges = config.get("ParameterRanges", {})
+    searched = [r.get("Name") for kind in ranges.values() for r in kind]
+    static = definition.get("StaticHyperParameters", {})
+    found = _stopping(
+        definition.get("StoppingCondition", {}),
+        bool(definition.get("EnableManagedSpotTraining")),
+        "TrainingJobDefinition.StoppingCondition",
+    )
+    # ParameterRanges: the maximum of each list "also the maximum for the hyperparameter tuning
+    # job itself. That is, the sum of the number of hyperparameters for all the ranges can't
+    # exceed the maximum number specified" (https://docs.aws.amazon.com/sagemaker/latest/
+    # APIReference/API_ParameterRanges.html): 30 in all.
+    if len(searched) > 30:
+        found.append(
+            Violation(
+                "HyperParameterTuningJobConfig.ParameterRanges",
+                "Member must have at most 30 hyperparameter ranges in all",
+                len(searched),
+            )
+        )
+    # "You can use up to 100 hyperparameters in total (static + tunable)"; "AMT may add
+    # additional hyperparameters(s) that contribute to the limit of 100 total hyperparameters.
+    # Currently ... SageMaker AI adds _tuning_objective_metric automatically."
+    # (https://docs.aws.amazon.com/sagemaker/latest/dg/automatic-model-tuning-define-ranges.html)
+    total = len(static) + len(set(searched)) + 1
+    if total > 100:
+        found.append(
+            Violation(
+                "TrainingJobDefinition.StaticHyperParameters",
+                f"static + searched hyperparameters + {TUNING_OBJECTIVE} must be at most 100",
+                total,
+            )
+        )
+    found += _tuning_metrics(config, definition)
+    strategy = config.get("Strategy")
+    if strategy == "Hyperband":
+        found += _hyperband(config, static)
+    return found
+
+
+def _tuning_metrics(config: dict, definition: dict) -> list[Violation]:
+    found = []
+    # Automatic model tuning's limits: 20 metrics per tuning job (https://docs.aws.amazon.com/
+    # sagemaker/latest/dg/automatic-model-tuning-limits.html; the API model allows 40). The
+    # objective is read off the log with its own definition (automatic-model-tuning-define-
+    # metrics-variables.html).
+    metrics = definition.get("AlgorithmSpecification", {}).get("MetricDefinitions", [])
+    if len(metrics) > 20:
+        found.append(
+            Violation(
+                "TrainingJobDefinition.AlgorithmSpecification.MetricDefinitions",
+                "Member must have length less than or equal to 20 for a tuning job",
+                len(metrics),
+            )
+        )
+    objective = config.get("HyperParameterTuningJobObjective", {}).get("MetricName")
+    if objective and metrics and objective not in {m.get("Name") for m in metrics}:
+        found.append(
+            Violation(
+                "HyperParameterTuningJobConfig.HyperParameterTuningJobObjective.MetricName",
+                "Member must name one of the MetricDefinitions",
+                objective,
+            )
+        )
+    return found
+
+
+def _hyperband(config: dict, static: dict) -> list[Violation]:
+    """API_HyperbandStrategyConfig.html: "If the value for MaxResource is not provided, and
+    either Hyperband is selected ... SageMaker AI infers the value from the static
+    hyperparameters epochs, numepochs, n-epochs, n_epochs, or num_epochs; if none is given, a
+    validation error is raised"; Hyperband "has its own internal early stopping mechanism" and
+    needs TrainingJobEarlyStoppingType Off (API_HyperParameterTuningJobConfig.html)."""
+    found = []
+    if config.get("TrainingJobEarlyStoppingType", "Off") != "Off":
+        found.append(
+            Violation(
+                "HyperParameterTuningJobConfig.TrainingJobEarlyStoppingType",
+                "Member must be Off for Strategy Hyperband",
+                config["TrainingJobEarlyStoppingType"],
+            )
+        )
+    hyperband = (config.get("StrategyConfig") or {}).get("HyperbandStrategyConfig") or {}
+    if "MaxResource" not in hyperband and not set(HYPERBAND_EPOCH_NAMES) & set(static):
+        found.append(
+            Violation(
+                "HyperParameterTuningJobConfig.StrategyConfig.HyperbandStrategyConfig.MaxResource",
+                "Member must not be null when no static hyperparameter names the epochs "
+                f"({', '.join(HYPERBAND_EPOCH_NAMES)})",
+            )
+        )
+    low, high = hyperband.get("MinResource"), hyperband.get("MaxResource")
+    if isinstance(low, int) and isinstance(high, int) and low > high:
+        found.append(
+            Violation(
+                "HyperParameterTuningJobConfig.StrategyConfig.HyperbandStrategyConfig.MinResource",
+                f"Member must be at most MaxResource ({high})",
+                low,
+            )
+        )
+    return found
+
+
+DOCUMENTED: dict[str, tuple[Callable[[dict], list[Violation]], ...]] = {
+    "CreateTrainingJob": (_training,),
+    "CreateProcessingJob": (_processing,),
+    "CreateHyperParameterTuningJob": (_tuning,),
+}
+
+# The operation each job kind's request is sent with.
+OPERATIONS = {
+    "processing": "CreateProcessingJob",
+    "training": "CreateTrainingJob",
+    "tuning": "CreateHyperParameterTuningJob",
+}
+
+
+def as_if_on_s3(request: dict) -> dict:
+    """A request whose store is a local folder (the local backend's), its folders written as
+    the S3 URIs SageMaker would get: the rest of it is checked as it stands."""
+    if isinstance(request, list):
+        return [as_if_on_s3(item) for item in request]
+    if not isinstance(request, dict):
+        return request
+    return {
+        key: "s3://local-store/" + value.lstrip("/")
+        if key in ("S3Uri", "S3OutputPath") and isinstance(value, str) and "://" not in value
+        else as_if_on_s3(value)
+        for key, value in request.items()
+    }
+
+
+def refused(kind: str, request: dict) -> list[str]:
+    """What SageMaker would refuse in a job's request, each line naming the job and field."""
+    operation = OPERATIONS[kind]
+    name = next((v for k, v in request.items() if k.endswith("JobName")), "?")
+    return [f"{operation} {name}: {v}" for v in check(operation, request)]

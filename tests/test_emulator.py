@@ -1,0 +1,260 @@
+"""The emulated backend plays SageMaker's rules, each from AWS's own sources (the README's
+table): a container's environment, names used once, one checkpoint URI shared by trials,
+reserved hyperparameters, why trials failed; and the SageMaker backend keeps following a job
+through errors reading it. Small probe jobs (tests/jobs/) through the real entrypoint."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from pipeline.config import Categorical
+from pipeline.container import HOST_VARIABLES, dockerfile_instructions
+from pipeline.emulated_backend import Emulator
+from pipeline.jobs import ProcessingJob, TrainingJob, TuningJob
+from pipeline.local_backend import LocalBackend
+from pipeline.paths import ExperimentTree
+from pipeline.store import S3Store, upload_dir
+from steps.entrypoint import TRIAL_CHECKPOINTS_VARIABLE
+from tests.conftest import ship_code
+
+RUN = ExperimentTree("probe").run(1)
+CANARIES = {
+    "HF_TOKEN": "hf_canary_0123456789",
+    "WANDB_API_KEY": "wandb-canary-0123456789",
+    "MY_CANARY": "driver-only",
+    "AWS_REGION": "eu-north-1",
+    "HF_HOME": "/driver/hf-home",
+}
+# What the emulator adds that AWS does not (README: what `emulated` plays): where moto is,
+# credentials as a role gives them, the job root in place of /opt/ml, the driver to follow.
+PLUMBING = {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+            "SMPIPE_ML_ROOT", "SMPIPE_DRIVER_PID", "SMPIPE_MASTER_ADDR", "SMPIPE_MASTER_PORT"}  # fmt: skip
+FRESH_CONTAINER = {"HOME", "PATH", "LANG", "LC_ALL", *HOST_VARIABLES}
+IMAGE_ENV = {
+    token.split("=", 1)[0]
+    for instruction, args in dockerfile_instructions()
+    if instruction == "ENV"
+    for token in args.split()
+}
+
+
+@pytest.fixture
+def store(bucket):
+    store = S3Store(f"s3://{bucket}")
+    ship_code(store)
+    return store
+
+
+@pytest.fixture
+def emulator(store):
+    emulator = Emulator(store, "us-east-1")
+    yield emulator
+    emulator.close()
+
+
+def backend(emulator, echo=None, **kwargs):
+    b = emulator.backend(RUN, "", "", echo or io.StringIO())
+    for key, value in kwargs.items():
+        setattr(b, key, value)
+    return b
+
+
+def probe_processing(name: str, *arguments: str, env=None) -> ProcessingJob:
+    return ProcessingJob(name=name, step="tests.jobs.probe_processing", code="code/",
+                         inputs={"things": "inputs/things/"}, outputs={"seen": f"outputs/{name}/"},
+                         arguments=list(arguments), env=env or {"SMPIPE_USER_FUNCTIONS": "user_functions"})  # fmt: skip
+
+
+def probe_training(name: str, **changes) -> TrainingJob:
+    job = TrainingJob(name=name, step="tests.jobs.probe_training", code="code/", channels={"train": "data/train/"},
+                      hyperparameters={"epochs": "1"}, model_prefix=f"out/{name}/model/",
+                      output_prefix=f"out/{name}/output/", checkpoint_prefix="ckpt/", sagemaker_output="sm/",
+                      env={"SMPIPE_USER_FUNCTIONS": "user_functions"}, instance_type="ml.m5.xlarge",
+                      metric_definitions={"validation:f1": r"validation:f1=([0-9.]+)"})  # fmt: skip
+    for key, value in changes.items():
+        setattr(job, key, value)
+    return job
+
+
+@pytest.fixture
+def inputs(store, tmp_path):
+    (tmp_path / "things").mkdir()
+    (tmp_path / "things/a.txt").write_text("hello")
+    upload_dir(store, tmp_path / "things", "inputs/things/")
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train/rows.txt").write_text("1\n2\n")
+    upload_dir(store, tmp_path / "train", "data/train/")
+
+
+def test_an_emulated_container_sees_nothing_of_the_drivers_environment(
+    store, emulator, inputs, monkeypatch
+):
+    """A real container sees its image's ENV, the request's Environment and what SageMaker
+    sets: no variable of the machine that sent the request (a Hugging Face cache or token,
+    a wandb key, a region)."""
+    for key, value in CANARIES.items():
+        monkeypatch.setenv(key, value)
+    job = probe_processing("env-probe")
+    result = backend(emulator).run_processing(job)
+    assert result.status == "Completed", result.failure_reason
+    seen = json.loads(store.get_bytes("outputs/env-probe/seen.json"))
+    names = set(seen["env_names"])
+    sagemaker = {
+        n for n in names if n.startswith(("SM_PROCESSING_INPUT_", "SM_PROCESSING_OUTPUT_"))
+    }
+    sagemaker |= {"SM_OUTPUT_FAILURE"}  # the entrypoint's own, from processingjobconfig.json
+    allowed = IMAGE_ENV | set(job.env) | sagemaker | PLUMBING | FRESH_CONTAINER
+    assert names <= allowed, sorted(names - allowed)
+    assert not names & set(CANARIES)
+    assert "secret check: None" in store.get_bytes(RUN.log("env-probe")).decode()
+    # Home is the container's own, empty: no cache of this machine's under it.
+    assert seen["home"] != os.path.expanduser("~") and seen["home"].endswith("/home")
+
+    training = probe_training("env-train")
+    result = backend(emulator).run_training(training)
+    assert result.status == "Completed", result.failure_reason
+    seen = json.loads(store.get_bytes(training.model_prefix + "seen-rank0.json"))
+    names = set(seen["env_names"])
+    documented = {"TRAINING_JOB_NAME", "TRAINING_JOB_ARN"}  # and the request's Environment
+    request_env = {"SMPIPE_STEP", "SMPIPE_PROCESSES_PER_HOST", *training.env}
+    exported = {n for n in names if n.startswith("SM_")} | {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT"}
+    assert names <= IMAGE_ENV | request_env | documented | exported | PLUMBING | FRESH_CONTAINER, (
+        sorted(names)
+    )
+    assert not names & set(CANARIES)
+    assert seen["job_name"] == "env-train"
+
+
+def test_a_name_used_before_is_refused_as_aws_refuses_it(store, emulator, inputs):
+    """CreateProcessingJob with a name SageMaker has seen: ResourceInUse (moto overwrites)."""
+    first = backend(emulator).run_processing(probe_processing("same-name"))
+    assert first.status == "Completed", first.failure_reason
+    again = backend(emulator).run_processing(probe_processing("same-name"))
+    assert again.status == "Failed"
+    assert "ResourceInUse" in again.failure_reason
+    assert "names must be unique within an AWS account and region" in again.failure_reason
+
+
+def test_trials_share_one_checkpoint_uri_as_on_sagemaker(store, emulator, inputs):
+    """Everything under CheckpointConfig.S3Uri is copied into a new job's /opt/ml/checkpoints;
+    a job uploads what it writes and deletes only what it deleted: another trial's files under
+    the same URI stay (model-checkpoints.html)."""
+    env = {"SMPIPE_USER_FUNCTIONS": "user_functions", TRIAL_CHECKPOINTS_VARIABLE: "1"}
+    first = backend(emulator).run_training(probe_training("trial-a", env=env))
+    assert first.status == "Completed", first.failure_reason
+    assert store.list_keys("ckpt/") == ["ckpt/trial-a/ckpt-rank0.txt"]
+    second = probe_training("trial-b", env=env)
+    assert backend(emulator).run_training(second).status == "Completed"
+    seen = json.loads(store.get_bytes(second.model_prefix + "seen-rank0.json"))
+    assert seen["checkpoints_at_start"] == ["trial-a/ckpt-rank0.txt"]
+    assert seen["checkpoint_dir"].endswith("checkpoints/trial-b")
+    assert store.list_keys("ckpt/") == [
+        "ckpt/trial-a/ckpt-rank0.txt",
+        "ckpt/trial-b/ckpt-rank0.txt",
+    ]
+
+
+def tuning_job(name: str, fail: bool = False) -> TuningJob:
+    trial = probe_training(name, hyperparameters={"model_name": "probe", "epochs": "1", **({"fail": "1"} if fail else {})},
+                           checkpoint_prefix=f"ckpt/{name}/")  # fmt: skip
+    return TuningJob(name=name, trial=trial, ranges={"learning_rate": Categorical(("0.1", "0.2"))},
+                     strategy="Grid", objective_metric="validation:f1", objective_type="Maximize",
+                     max_jobs=2, max_parallel_jobs=2)  # fmt: skip
+
+
+def test_trials_get_the_objective_and_leave_only_the_best(store, emulator, inputs):
+    job = tuning_job("tune-probe")
+    result = backend(emulator).run_tuning(job)
+    assert result.status == "Completed", result.failure_reason
+    trials = result.details["trials"]
+    assert len(trials) == 2 and {t["status"] for t in trials} == {"Completed"}
+    best = result.details["best"]["TrainingJobName"]
+    seen = json.loads(store.get_bytes(job.trial.model_prefix + "seen-rank0.json"))
+    # As AWS sends it: the objective's name, as is.
+    assert seen["hyperparameters"]["_tuning_objective_metric"] == "validation:f1"
+    assert seen["hyperparameters"]["learning_rate"] in (0.1, 0.2)
+    assert store.list_keys("ckpt/tune-probe/") == []  # every trial ended: its folder went
+    assert {k.split("/")[1] for k in store.list_keys("sm/")} == {best}
+
+
+def test_a_failed_tuning_job_says_why_its_trials_failed(store, emulator, inputs):
+    result = backend(emulator).run_tuning(tuning_job("tune-fail", fail=True))
+    assert result.status == "Failed"
+    reason = result.failure_reason
+    assert "No training job succeeded" in reason
+    assert reason.count("failed: AlgorithmError: probe-train: ValueError: asked to fail") == 2
+    assert "last log lines:" in reason
+
+
+class Flaky:
+    """Answers a botocore call with an error the first `times` times (throttling beyond
+    botocore's own retries, a permission missing)."""
+
+    def __init__(self, code: str, times: int):
+        self.code, self.times = code, times
+
+    def __call__(self, **_):
+        from pipeline.emulated_backend import _error_response
+
+        if self.times <= 0:
+            return None
+        self.times -= 1
+        return _error_response(400, self.code, f"{self.code} (injected)")
+
+
+def test_following_a_job_goes_on_through_errors_reading_it(store, emulator, inputs):
+    echo = io.StringIO()
+    b = backend(emulator, echo, poll_seconds=0.2)
+    b.client.meta.events.register(
+        "before-call.sagemaker.DescribeProcessingJob", Flaky("ThrottlingException", 3)
+    )
+    b.logs.meta.events.register(
+        "before-call.logs.DescribeLogStreams", Flaky("AccessDeniedException", 100)
+    )
+    result = b.run_processing(probe_processing("flaky"))
+    assert result.status == "Completed", result.failure_reason
+    said = echo.getvalue()
+    assert said.count("could not read its status") == 1 and "ThrottlingException" in said
+    assert said.count("could not read its CloudWatch log") == 1 and "AccessDeniedException" in said
+
+
+def test_a_job_whose_status_cannot_be_read_is_given_up_and_stopped(store, emulator, inputs):
+    echo = io.StringIO()
+    emulator.containers.grace_seconds = 1  # the stop it is sent ends it quickly
+    b = backend(emulator, echo, poll_seconds=0.2, patience_seconds=1.5)
+    b.client.meta.events.register(
+        "before-call.sagemaker.DescribeProcessingJob", Flaky("ExpiredTokenException", 10**6)
+    )
+    result = b.run_processing(probe_processing("lost", "--hang"))
+    assert result.status == "Failed"
+    assert "status could not be read for" in result.failure_reason
+    assert (
+        "aws sagemaker describe-processing-job --processing-job-name lost" in result.failure_reason
+    )
+    assert "stop requested" in echo.getvalue()
+
+
+def test_a_container_that_ignores_its_stop_is_killed_after_the_grace(store, tmp_path, inputs):
+    """StopTrainingJob / StopProcessingJob: the signal, then SIGKILL when the grace is over
+    (120 s on SageMaker; 1 s here)."""
+    local = LocalBackend(store, RUN, echo=io.StringIO(), work_root=str(tmp_path / "work"))
+    local.containers.grace_seconds = 1
+    results = []
+    thread = threading.Thread(
+        target=lambda: results.append(local.run_processing(probe_processing("hang", "--hang")))
+    )
+    started = time.time()
+    thread.start()
+    while not local.containers._running and time.time() - started < 60:
+        time.sleep(0.1)
+    time.sleep(3)  # the step is up and ignoring signals
+    local.containers.stop()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and results[0].status != "Completed"
+    assert time.time() - started < 60
