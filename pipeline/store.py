@@ -171,7 +171,17 @@ class LocalStore:
         shutil.copyfile(src, path)
 
     def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+        """The file, and the folders it leaves empty: a key prefix with no keys under it does
+        not exist in S3, and a listing of this store must not show one either."""
+        path = self._path(key)
+        path.unlink(missing_ok=True)
+        for folder in path.parents:
+            if folder == self.root or not folder.is_relative_to(self.root):
+                break
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (or gone): the folders above it are not empty either
+                break
 
 
 def aws_config(**extra):

@@ -144,3 +144,17 @@ def test_stored_files_are_not_private_temporaries(tmp_path):
     assert store.create("c.txt", b"z")
     for key in ("a.txt", "b/f.bin", "c.txt"):
         assert (tmp_path / "store" / key).stat().st_mode & 0o777 == 0o644
+
+
+def test_a_local_store_leaves_no_empty_folders_behind(tmp_path):
+    """As in S3, a prefix with no keys under it is gone: deleting a folder's last file removes
+    the folders it leaves empty (a tuning job's tidied trials leave no empty trees)."""
+    from pipeline.store import LocalStore
+
+    store = LocalStore(tmp_path / "store")
+    store.put_bytes("a/b/c/one.txt", b"1")
+    store.put_bytes("a/keep.txt", b"2")
+    store.delete("a/b/c/one.txt")
+    assert not (tmp_path / "store/a/b").exists() and (tmp_path / "store/a/keep.txt").exists()
+    store.delete("a/keep.txt")
+    assert (tmp_path / "store").is_dir() and not (tmp_path / "store/a").exists()
