@@ -53,7 +53,7 @@ from steps.entrypoint import (
     WANDB_SECRET_VARIABLE,
     secret_values,
 )
-from steps.user_code import load_user_functions
+from steps.user_code import load_user_functions, local_modules
 
 # What the driver tells the user; run_pipeline.py sends it to the terminal. Job output
 # streams separately, through the backend's `echo`.
@@ -531,20 +531,25 @@ def make_backend(settings: Settings, store: Store, run: RunTree, echo):
 
 
 def ship_code(settings: Settings, store: Store, prefix: str) -> None:
-    """The code every job of the run runs: steps/ and the user functions module, as they are
-    now. Jobs receive it as an input; the image holds none of it."""
+    """The code every job of the run runs: steps/ and the user functions module with the
+    modules beside it that it imports, as they are now. Jobs receive it as an input; the image
+    holds none of it."""
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    module = settings.experiment.user_functions.split(".")[0]
     with tempfile.TemporaryDirectory(prefix="smpipe-code-") as tmp:
         shutil.copytree(PROJECT_ROOT / "steps", Path(tmp, "steps"), ignore=ignore)
-        for base in (Path(settings.base_dir), PROJECT_ROOT):
-            if (base / module).is_dir():
-                shutil.copytree(base / module, Path(tmp, module), ignore=ignore)
-                break
-            if (base / f"{module}.py").is_file():
-                shutil.copy2(base / f"{module}.py", Path(tmp, f"{module}.py"))
-                break
+        for name, path in user_code(settings).items():
+            if path.is_dir():
+                shutil.copytree(path, Path(tmp, name), ignore=ignore)
+            else:
+                shutil.copy2(path, Path(tmp, path.name))
         upload_dir(store, tmp, prefix)
+
+
+def user_code(settings: Settings) -> dict[str, Path]:
+    """The user's modules a run ships: USER_FUNCTIONS, found beside the settings file (or in
+    this project: the demo's), and its local imports."""
+    bases = [Path(settings.base_dir), PROJECT_ROOT]
+    return local_modules(settings.experiment.user_functions, bases)
 
 
 def upload_raw(settings: Settings, store: Store, tree: ExperimentTree) -> None:

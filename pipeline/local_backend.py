@@ -146,10 +146,19 @@ class LocalBackend:
                 request, root, self.store, self.containers, log=log, on_line=self._say(job.name)
             )
         result = result_of(job.name, [exit_], self._upload_log(job.name))
+        outputs = {
+            job.outputs[o["OutputName"]]: in_root(root, o["S3Output"]["LocalPath"])
+            for o in request["ProcessingOutputConfig"]["Outputs"]
+        }
+        empty = [prefix for prefix, local in outputs.items() if not any(local.rglob("*"))]
+        if result.status == "Completed" and empty:  # nothing to cache or reuse: a failure
+            where = ", ".join(self.store.uri_of(p) for p in empty)
+            result.status, result.failure_reason = (
+                "Failed",
+                f"the job completed but wrote nothing to {where}",
+            )
         if result.status == "Completed":
-            for output in request["ProcessingOutputConfig"]["Outputs"]:
-                local = in_root(root, output["S3Output"]["LocalPath"])
-                prefix = job.outputs[output["OutputName"]]
+            for prefix, local in outputs.items():
                 upload_dir(self.store, local, prefix, {"job_name": job.name})
         self._cleanup(root, result)
         return result

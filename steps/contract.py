@@ -75,11 +75,24 @@ def failure_file() -> Path | None:
     return Path(value) if value else None
 
 
+# Written when a step's main() has returned: a step that exits 0 without it (os._exit in user
+# code) ended before its work was done, and the entrypoint fails the job.
+FINISHED = "finished"
+
+
+def finished_marker() -> Path | None:
+    failure = failure_file()
+    return failure.parent / FINISHED if failure else None
+
+
 def run_step(step: str, main) -> None:
     """Run a step's main(); on an exception write SageMaker's failure file (the reason the
     driver shows the user) and exit non-zero with the traceback in the log."""
     try:
         main()
+        marker = finished_marker()  # each host's container has its own: its first process
+        if marker is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            marker.write_text(step)
     except SystemExit:
         raise
     except BaseException as e:  # noqa: BLE001 - every failure must reach the failure file

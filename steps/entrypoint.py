@@ -35,7 +35,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from steps.contract import EXIT_INTERRUPTED
+from steps.contract import EXIT_INTERRUPTED, FINISHED
 
 # The image's ENTRYPOINT, exec form: `docker/Dockerfile` must say exactly this (a test checks).
 ENTRYPOINT = ["python3", "-m", "steps.entrypoint"]
@@ -373,8 +373,9 @@ def run(
     whatever torchrun makes of its workers' status."""
     failure.parent.mkdir(parents=True, exist_ok=True)
     failure.unlink(missing_ok=True)
-    marker = failure.parent / "interrupted"
+    marker, finished = failure.parent / "interrupted", failure.parent / FINISHED
     marker.unlink(missing_ok=True)
+    finished.unlink(missing_ok=True)
     secrets = secret_values({**os.environ, **env})
     proc = subprocess.Popen(
         command,
@@ -393,6 +394,12 @@ def run(
         if line.strip():
             tail.append(line.rstrip())
     code = proc.wait()
+    if code == 0 and not finished.exists():  # os._exit(0) in user code, say
+        code = 1
+        failure.write_text(
+            f"{what} exited with status 0 before it finished its work (os._exit in user code?)"
+        )
+    finished.unlink(missing_ok=True)
     if code != 0 and marker.exists():  # it checkpointed on the signal: no failure to report
         code = EXIT_INTERRUPTED  # torchrun reports its workers' 75 as its own failure (1)
     elif code != 0 and not failure.exists():

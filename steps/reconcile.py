@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import math
 import os
 
 import datasets
@@ -30,17 +31,66 @@ def content_hash(dataset: datasets.Dataset) -> str:
     return h.hexdigest()
 
 
+def is_blank(label) -> bool:
+    """No label: None, NaN (pandas' and numpy's missing value), or an empty string."""
+    if label is None:
+        return True
+    if isinstance(label, float):
+        return math.isnan(label)
+    return isinstance(label, str) and not label.strip()
+
+
 def drop_blank_labels(dataset: datasets.Dataset) -> tuple[datasets.Dataset, list[str]]:
-    """Rows whose label is missing or blank are not a class named '': they are dropped, and
-    reported by id (or row number) with the rest of what reconcile dropped."""
+    """Rows whose label is missing or blank are not a class named '' or 'nan': they are
+    dropped, and reported by id (or row number) with the rest of what reconcile dropped."""
     labels = dataset["label"]
-    blank = [i for i, label in enumerate(labels) if label is None or not label.strip()]
+    blank = [i for i, label in enumerate(labels) if is_blank(label)]
     if not blank:
         return dataset, []
     ids = dataset["id"] if "id" in dataset.column_names else None
     names = [str(ids[i]) if ids is not None else f"row {i}" for i in blank]
     keep = sorted(set(range(len(labels))) - set(blank))
     return dataset.select(keep), names
+
+
+def named_labels(dataset: datasets.Dataset) -> datasets.Dataset:
+    """A ClassLabel column as its names (datasets' own cast would give the ids as strings);
+    its missing value (-1) becomes None, a blank label."""
+    feature = dataset.features["label"]
+    if not isinstance(feature, datasets.ClassLabel):
+        return dataset
+    names = [feature.int2str(i) if i is not None and i >= 0 else None for i in dataset["label"]]
+    return dataset.remove_columns("label").add_column("label", names)
+
+
+def check_result(result, module: str) -> tuple[datasets.Dataset, dict]:
+    """reconcile's return value as the contract has it, or an error naming the function."""
+    dataset, dropped = result if isinstance(result, tuple) and len(result) == 2 else (result, {})
+    where = f"{module}.reconcile"
+    if not isinstance(dataset, datasets.Dataset):
+        raise TypeError(f"{where} must return a datasets.Dataset, got {type(dataset).__name__}")
+    if "label" not in dataset.column_names:
+        raise ValueError(f"{where} returned no 'label' column (columns: {dataset.column_names})")
+    label_type = dataset.features["label"]
+    if not isinstance(label_type, datasets.Value | datasets.ClassLabel):
+        raise TypeError(
+            f"{where} returned labels of type {label_type}: a label is one string (or number) per row"
+        )
+    if not isinstance(dropped, dict) or not all(
+        isinstance(ids, list | tuple | set) for ids in dropped.values()
+    ):
+        raise TypeError(
+            f"{where} must return (dataset, {{reason: [ids dropped]}}); its second value is "
+            f"{type(dropped).__name__}"
+            + (
+                f" of {type(next(iter(dropped.values()))).__name__}"
+                if isinstance(dropped, dict) and dropped
+                else ""
+            )
+        )
+    if len(dataset) == 0:
+        raise ValueError(f"{where} returned no rows")
+    return dataset, dropped
 
 
 def main() -> None:
@@ -53,24 +103,14 @@ def main() -> None:
         raise RuntimeError(f"the raw data folder is empty: {raw_dir}")
     formats = collections.Counter(p.suffix.lstrip(".") or "none" for p in files)
 
-    result = call(functions, "reconcile", raw_dir)
-    dataset, dropped = result if isinstance(result, tuple) else (result, {})
-    if not isinstance(dataset, datasets.Dataset):
-        raise TypeError(
-            f"{functions.module}.reconcile must return a datasets.Dataset, got {type(dataset).__name__}"
-        )
-    if "label" not in dataset.column_names:
-        raise ValueError(
-            f"{functions.module}.reconcile returned no 'label' column (columns: {dataset.column_names})"
-        )
-    if len(dataset) == 0:
-        raise ValueError(f"{functions.module}.reconcile returned no rows")
+    dataset, dropped = check_result(call(functions, "reconcile", raw_dir), functions.module)
+    dataset = named_labels(dataset)
+    dataset, blank = drop_blank_labels(dataset)
     dataset = (
         dataset.cast_column("label", datasets.Value("string"))
         if dataset.features["label"].dtype != "string"
         else dataset
     )
-    dataset, blank = drop_blank_labels(dataset)
     if blank:
         dropped = {**dropped, "blank_label": blank}
     if len(dataset) == 0:

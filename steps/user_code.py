@@ -6,11 +6,13 @@ wrong signature is reported by name up front; the steps call it again inside the
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 # name -> the parameters it must take, in order, and what it does.
@@ -62,6 +64,13 @@ def load_user_functions(module_name: str, search_path: str | None = None) -> Use
                 [f"Could not import module '{module_name}'"], module_name
             ) from None
         raise UserFunctionError([f"importing '{module_name}' failed: {e}"], module_name) from e
+    except SystemExit as e:  # sys.exit() at import: the module ends the process, silently
+        raise UserFunctionError(
+            [
+                f"importing '{module_name}' called sys.exit({e.code!r}): a user module must not end the process"
+            ],
+            module_name,
+        ) from None
     except Exception as e:  # a user module that raises on import
         raise UserFunctionError(
             [f"importing '{module_name}' raised {type(e).__name__}: {e}"], module_name
@@ -96,10 +105,57 @@ def load_user_functions(module_name: str, search_path: str | None = None) -> Use
 
 
 def call(functions: UserFunctions, name: str, *args):
-    """Call a user function; an exception inside it names the function."""
+    """Call a user function; an exception inside it names the function, and so does a
+    sys.exit() (of any code: a step that ends without its output has failed)."""
     try:
         return getattr(functions, name)(*args)
+    except SystemExit as e:
+        raise RuntimeError(
+            f"user function {functions.module}.{name} called sys.exit({e.code!r}): "
+            "a user function must return (or raise), not end the process"
+        ) from None
     except Exception as e:
         raise RuntimeError(
             f"user function {functions.module}.{name} raised {type(e).__name__}: {e}"
         ) from e
+
+
+def local_modules(module_name: str, bases: list[Path]) -> dict[str, Path]:
+    """The files the user's code is made of, as a job needs them: the module (a file, or a
+    package folder) and every module beside it that it imports, from any of its files and any
+    depth of them (imports inside functions too), transitively. Name -> its file or folder.
+    Modules found nowhere in `bases` are libraries, installed in the image."""
+    top = module_name.split(".")[0]
+    base = next((b for b in bases if (b / top).is_dir() or (b / f"{top}.py").is_file()), None)
+    if base is None:
+        return {}
+    found: dict[str, Path] = {}
+    todo = [top]
+    while todo:
+        name = todo.pop()
+        # A folder is a module of the user's only as a package (an __init__.py): a folder of
+        # data that happens to share a library's name is not shipped as code.
+        package = base / name
+        is_package = package.is_dir() and (name == top or (package / "__init__.py").is_file())
+        path = package if is_package else base / f"{name}.py"
+        if name in found or name in ("steps", "pipeline") or not path.exists():
+            continue
+        found[name] = path
+        for source in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            todo += imported_names(source)
+    return found
+
+
+def imported_names(source: Path) -> list[str]:
+    """The top-level names a Python file imports absolutely, wherever the import stands."""
+    try:
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError):
+        return []
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name.split(".")[0] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module.split(".")[0])
+    return names

