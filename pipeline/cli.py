@@ -28,6 +28,17 @@ def _interrupt(signum, _frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def run_number(text: str) -> int:
+    """A run_num as the run tree numbers them: 1 and up (0001 is 1)."""
+    try:
+        number = int(text)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a run number (1, 2, ...; 0003 is 3)")
+    return number
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(
         prog="smpipe",
@@ -56,7 +67,7 @@ def parser() -> argparse.ArgumentParser:
         sub.add_argument("--no-cache", action="store_true",
                          help="compute reconcile and prepare even when an earlier run computed them from "
                               "the same inputs (raw data, user functions, settings, code)")  # fmt: skip
-        sub.add_argument("--resume", type=int, metavar="RUN_NUM",
+        sub.add_argument("--resume", type=run_number, metavar="RUN_NUM",
                          help="continue a failed, interrupted or abandoned run in place: its completed "
                               "steps are kept and training resumes from its checkpoints")  # fmt: skip
         sub.add_argument("--show-requests", action="store_true",
@@ -71,10 +82,10 @@ def parser() -> argparse.ArgumentParser:
     compare = command(
         "compare", "two runs side by side: metrics, per-label F1, settings that differ"
     )
-    compare.add_argument("first", type=int, metavar="RUN_NUM")
-    compare.add_argument("second", type=int, metavar="RUN_NUM")
+    compare.add_argument("first", type=run_number, metavar="RUN_NUM")
+    compare.add_argument("second", type=run_number, metavar="RUN_NUM")
     report = command("report", "rebuild a run's report.html (the newest run by default)")
-    report.add_argument("run_num", type=int, nargs="?", metavar="RUN_NUM")
+    report.add_argument("run_num", type=run_number, nargs="?", metavar="RUN_NUM")
     return root
 
 
@@ -161,8 +172,9 @@ def run_command(args) -> int:
 def _console():
     from rich.console import Console
 
-    # A pipe or a log file gets plain text at a width that keeps rows on one line.
-    return Console(width=None if sys.stdout.isatty() else 160)
+    # A pipe or a log file gets plain text at a width that keeps rows on one line. No markup:
+    # labels, model names and paths are the user's, and "[bold]" or "[/x]" in one is text.
+    return Console(width=None if sys.stdout.isatty() else 160, markup=False)
 
 
 def runs_command(args) -> int:
@@ -221,7 +233,7 @@ def compare_command(args) -> int:
     if result["settings"]:
         console.print(f"settings that differ (run {a} -> run {b}):")
         for line in result["settings"]:
-            console.print(f"  {line}", markup=False)
+            console.print(f"  {line}")
     else:
         console.print(f"runs {a} and {b} ran with the same settings")
     if not result["comparable"]:
@@ -244,11 +256,14 @@ def report_command(args) -> int:
 
     settings, store = open_experiment(args.settings)
     tree = ExperimentTree(settings.experiment.name)
-    run_num = args.run_num or (existing_run_nums(store, tree) or [None])[-1]
-    if run_num is None:
+    runs = existing_run_nums(store, tree)
+    run_num = args.run_num or (runs or [None])[-1]
+    if run_num not in runs:
         from pipeline.history import HistoryError
 
-        raise HistoryError(f"no runs of {settings.experiment.name!r} in {store.uri}")
+        there = f"runs {runs[0]}-{runs[-1]}" if runs else "no runs"
+        what = f"no run {run_num:04d}" if run_num else "no runs"
+        raise HistoryError(f"{what} of {settings.experiment.name!r} in {store.uri} ({there})")
     key = write_report(store, tree, run_num)
     print(f"report of run {run_num:04d}: {store.uri_of(key)}")
     return 0

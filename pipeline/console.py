@@ -55,7 +55,7 @@ class Display:
             from rich.console import Console
             from rich.live import Live
 
-            self.console = Console(file=self.stream)
+            self.console = Console(file=self.stream, markup=False)  # user strings are text
             self._live = Live(console=self.console, refresh_per_second=4, get_renderable=self._render,
                               transient=False, redirect_stdout=False)  # fmt: skip
 

@@ -1,0 +1,51 @@
+"""What the command line says of unusual input: labels and model names that look like rich
+markup are printed as they are, and run numbers that name no run are refused by number."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline import cli
+from pipeline.paths import ExperimentTree
+from pipeline.store import LocalStore
+from tests.conftest import write_settings
+
+LABELS = ["[bold red]sports", "tech[/x]", "plain"]
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    """Two finished runs of one model on the same data, written as a run writes them."""
+    path = write_settings(tmp_path / "settings.ini", str(tmp_path / "store"))
+    store, tree = LocalStore(tmp_path / "store"), ExperimentTree("test-exp")
+    for n, f1 in ((1, 0.5), (2, 0.75)):
+        run = tree.run(n)
+        performance = {"[b]model": {"accuracy": f1, "macro_f1": f1, "weighted_f1": f1}}
+        store.put_bytes(run.metadata, json.dumps({"status": "completed", "model_version": n,
+                        "holdout_performance": performance, "data_snapshot_hash": "abc"}).encode())  # fmt: skip
+        rows = "label,f1\n" + "".join(f'"{label}",{f1}\n' for label in LABELS)
+        store.put_bytes(f"{run.inference}[b]model/per_label.csv", rows.encode())
+        store.put_bytes(run.settings, b"[training]\nEPOCHS = 2\n")
+    return path
+
+
+def test_labels_that_look_like_markup_are_printed_as_they_are(two_runs, capsys):
+    assert cli.main(["compare", str(two_runs), "1", "2"]) == 0
+    out = capsys.readouterr().out
+    for label in LABELS:
+        assert f"F1 {label}" in out
+    assert "[b]model: test metrics, run 0001 vs 0002" in out
+
+
+def test_run_numbers_that_name_no_run_are_refused(two_runs, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["report", str(two_runs), "0"])
+    assert exited.value.code == 2
+    assert "'0' is not a run number" in capsys.readouterr().err
+    assert cli.main(["report", str(two_runs), "99"]) == 1
+    err = capsys.readouterr().err
+    assert "no run 0099 of 'test-exp'" in err and "(runs 1-2)" in err
+    assert cli.main(["compare", str(two_runs), "1", "7"]) == 1
+    assert "run 0007 of 'test-exp' has no Metadata" in capsys.readouterr().err
