@@ -185,6 +185,18 @@ class CheckpointSync:
 # -- laying out a job root --------------------------------------------------------------------
 
 
+class InputMissing(RuntimeError):
+    """An input of a job that cannot be read: the job fails naming it, as SageMaker fails a
+    job whose data it cannot download (a ClientError)."""
+
+
+def fetch_named(fetch, name: str, uri: str, local: Path) -> None:
+    try:
+        fetch(uri, local)
+    except (NotFound, StoreError) as e:
+        raise InputMissing(f"ClientError: input '{name}' ({uri}) cannot be read: {e}") from None
+
+
 def processing_job_config(request: dict, arn: str | None) -> dict:
     """processingjobconfig.json as the developer guide shows it: the request with the job's
     ARN, and the fields SageMaker fills in where the request left them out (null, or their
@@ -229,7 +241,7 @@ def lay_out_processing(request: dict, root: Path, fetch, arn: str | None = None)
     (build-your-own-processing-container.html), resourceconfig.json its hosts."""
     for item in request["ProcessingInputs"]:
         s3 = item["S3Input"]
-        fetch(s3["S3Uri"], in_root(root, s3["LocalPath"]))
+        fetch_named(fetch, item["InputName"], s3["S3Uri"], in_root(root, s3["LocalPath"]))
     for item in request["ProcessingOutputConfig"]["Outputs"]:
         in_root(root, item["S3Output"]["LocalPath"]).mkdir(parents=True, exist_ok=True)
     (root / "config").mkdir(parents=True, exist_ok=True)
@@ -274,7 +286,12 @@ def lay_out_training(
     input_config = {}
     for channel in request["InputDataConfig"]:
         source = channel["DataSource"]["S3DataSource"]
-        fetch(source["S3Uri"], root / "input/data" / channel["ChannelName"])
+        fetch_named(
+            fetch,
+            channel["ChannelName"],
+            source["S3Uri"],
+            root / "input/data" / channel["ChannelName"],
+        )
         input_config[channel["ChannelName"]] = {
             "TrainingInputMode": channel.get("InputMode", "File"),
             "S3DistributionType": source.get("S3DataDistributionType", "FullyReplicated"),
@@ -329,7 +346,10 @@ def play_processing(
             f"cannot play ContainerEntrypoint {app['ContainerEntrypoint']}: "
             f"the image's entrypoint is {ENTRYPOINT}"
         )
-    lay_out_processing(request, root, lambda uri, local: fetch_input(store, uri, local), arn)
+    try:
+        lay_out_processing(request, root, lambda uri, local: fetch_input(store, uri, local), arn)
+    except InputMissing as e:
+        return ContainerExit.before_start(str(e))
     return containers.run(
         root,
         app.get("ContainerArguments", []),
@@ -362,9 +382,12 @@ def play_training(
     on SageMaker; an interrupted or killed one, locally)."""
     hosts = training_hosts(request)
     roots = {host: work / host for host in hosts}
-    for host, root in roots.items():
-        lay_out_training(request, root, host, hosts,
-                         lambda uri, local: fetch_input(store, uri, local), request["HyperParameters"])  # fmt: skip
+    fetch = lambda uri, local: fetch_input(store, uri, local)  # noqa: E731
+    try:
+        for host, root in roots.items():
+            lay_out_training(request, root, host, hosts, fetch, request["HyperParameters"])
+    except InputMissing as e:
+        return Played([ContainerExit.before_start(str(e))], roots, 0)
     # What SageMaker sets in a training container besides the request's Environment
     # (your-algorithms-training-algo-running-container.html).
     env = {**request.get("Environment", {}), "TRAINING_JOB_NAME": request["TrainingJobName"]}
@@ -406,6 +429,12 @@ class ContainerExit:
     end: float
     peak_rss_mb: float | None
     metrics: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def before_start(cls, reason: str) -> ContainerExit:
+        """A container that never started: its job failed while being laid out."""
+        now = time.time()
+        return cls(code=1, interrupted=False, reason=reason, start=now, end=now, peak_rss_mb=None)
 
     @property
     def killed(self) -> bool:

@@ -401,8 +401,10 @@ class Emulator:
             return "Stopped", None
         if name in self._reclaimed:
             return "Stopped", f"{what} lost its spot capacity and its MaxWaitTimeInSeconds ran out"
-        reason = next((e.reason for e in exits if e.reason), None)
-        return "Failed", f"AlgorithmError: {reason or f'exit status {exits[0].code}'}"
+        reason = next((e.reason for e in exits if e.reason), None) or f"exit status {exits[0].code}"
+        # SageMaker's FailureReason: ClientError for what it could not do for the job (its
+        # data), AlgorithmError for what the container did.
+        return "Failed", reason if reason.startswith("ClientError") else f"AlgorithmError: {reason}"
 
     def _spot_restart(self, name: str, request: dict, started: float):
         """SageMaker starts a job again only when it is a spot job whose instance was taken

@@ -251,6 +251,24 @@ def announce(
     )
 
 
+def check_output_width(accelerator, model, batches, keys, labels: int, module: str) -> None:
+    """One logit per label, checked on two rows before the first step: a model of 10 outputs
+    for 5 labels would train and save, and fail only in inference. In eval mode, so no dropout
+    draws from the seeded RNG and training is what it would have been."""
+    plain = accelerator.unwrap_model(model)
+    rows = batches(list(range(min(2, len(batches)))))
+    was_training = plain.training
+    plain.eval()
+    with torch.no_grad():
+        width = logits_of(plain(**{k: rows[k].to(accelerator.device) for k in keys})).shape[-1]
+    plain.train(was_training)
+    if width != labels:
+        raise ValueError(
+            f"{module}.load_model returned a model with {width} outputs for {labels} labels: "
+            "give it one output per label (num_labels=len(id2label))"
+        )
+
+
 def set_up(hp: dict, env: TrainingEnv) -> Job:
     model_name = hp["model_name"]
     functions = load_user_functions(os.environ["SMPIPE_USER_FUNCTIONS"])
@@ -286,6 +304,7 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
     optimizer, scheduler, optimizer_kind = optimizer_for(model, hp, total_steps)
     # The train loader is not prepared: the resumable sampler shards it itself, per rank.
     model, optimizer = accelerator.prepare(model, optimizer)
+    check_output_width(accelerator, model, val, keys, len(id2label), functions.module)
     compiled = False
     if hp["compile"]:
         model, compiled = torch.compile(model, dynamic=True), True

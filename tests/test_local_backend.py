@@ -149,3 +149,20 @@ def test_secrets_never_reach_the_store(store, tmp_path, monkeypatch):
         assert value not in echo.getvalue()
         for key in store.list_keys(""):
             assert value.encode() not in store.get_bytes(key), key
+
+
+def test_an_input_that_cannot_be_read_fails_the_job_naming_it(store, tmp_path):
+    """A reused split deleted while a run uses it: the job fails naming its input and where it
+    was looked for; no container starts."""
+    result = backend(store, tmp_path).run_processing(probe_processing("probe-missing"))
+    assert result.status == "Failed"
+    assert result.failure_reason.startswith("ClientError: input 'things' (")
+    assert (
+        "inputs/things" in result.failure_reason
+        and "cannot be read: nothing at" in result.failure_reason
+    )
+    training = TrainingJob(name="train-missing", step="tests.jobs.probe_training", code="code/",
+                           channels={"train": "data/gone/"}, hyperparameters={}, model_prefix="out/m/",
+                           output_prefix="out/o/", checkpoint_prefix="out/c/", sagemaker_output="out/s/")  # fmt: skip
+    result = backend(store, tmp_path).run_training(training)
+    assert result.status == "Failed" and "input 'train' (" in result.failure_reason

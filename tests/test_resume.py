@@ -407,3 +407,33 @@ def test_compile_trains_the_same_model_and_exports_it(tmp_path, channels, baseli
     # it learns the marker tokens all the same.
     _, history = result(root)
     assert len(history) == len(baseline[1]) and max(h["f1"] for h in history) > 0.6
+
+
+WIDE = """
+from user_functions import encode, load_tokenizer, ordered_input_keys, reconcile
+from user_functions.baseline import BagOfEmbeddings
+
+
+def load_model(model_name, id2label, label2id):
+    return BagOfEmbeddings(30522, len(id2label) + 5)  # ten outputs for five labels, say
+"""
+
+
+def test_a_model_with_the_wrong_number_of_outputs_is_refused_before_training(tmp_path, channels):
+    """load_model with more outputs than labels: refused by name before the first step, not
+    trained and saved to fail in inference."""
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code/wide_functions.py").write_text(WIDE)
+    root, env = job_root(tmp_path / "root", channels)
+    env = {
+        **env,
+        "SMPIPE_USER_FUNCTIONS": "wide_functions",
+        "PYTHONPATH": f"{tmp_path / 'code'}:{ROOT}",
+    }
+    proc = start(env, 1)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    reason = (root / "output/failure").read_text()
+    assert reason == ("train: ValueError: wide_functions.load_model returned a model with 8 outputs "
+                      "for 3 labels: give it one output per label (num_labels=len(id2label))")  # fmt: skip
+    assert "step=1/" not in out and not list((root / "model").iterdir())
