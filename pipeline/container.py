@@ -358,6 +358,7 @@ def play_processing(
         log=log,
         on_line=on_line,
         job=request["ProcessingJobName"],
+        deadline=time.time() + request["StoppingCondition"]["MaxRuntimeInSeconds"],
     )
 
 
@@ -400,16 +401,19 @@ def play_training(
         m["Name"]: m["Regex"]
         for m in request["AlgorithmSpecification"].get("MetricDefinitions", [])
     }
+    # MaxRuntimeInSeconds covers every attempt of the job (API_StoppingCondition.html).
+    deadline = time.time() + request["StoppingCondition"]["MaxRuntimeInSeconds"]
     restarts = 0
     while True:
         sync.down()
         try:
             exits = list(containers.run_hosts(roots, env, on_line=on_line, log=log,
                                               failure_file="/opt/ml/output/failure", metric_regexes=metrics,
-                                              job=request["TrainingJobName"]).values())  # fmt: skip
+                                              job=request["TrainingJobName"], deadline=deadline).values())  # fmt: skip
         finally:  # the driver stopping the job too: what it checkpointed reaches the store
             sync.up()
         stopped = containers.stopping or containers.was_stopped(request["TrainingJobName"])
+        stopped = stopped or any(e.timed_out for e in exits)
         if stopped or all(e.code == 0 for e in exits) or not restart(exits, restarts):
             return Played(exits, roots, restarts)
         restarts += 1
@@ -429,6 +433,7 @@ class ContainerExit:
     end: float
     peak_rss_mb: float | None
     metrics: dict[str, float] = field(default_factory=dict)
+    timed_out: bool = False  # stopped at its MaxRuntimeInSeconds
 
     @classmethod
     def before_start(cls, reason: str) -> ContainerExit:
@@ -463,6 +468,7 @@ class Containers:
         self._stopped: set[str] = set()  # jobs stopped on request (a pruned trial)
         self.base_env = base_env
         self.grace_seconds = STOP_GRACE_SECONDS
+        self._timed_out: set[int] = set()  # containers stopped by their MaxRuntimeInSeconds
 
     def stop(
         self, job: str = "", signum: int = signal.SIGTERM, *, restartable: bool = False
@@ -479,13 +485,26 @@ class Containers:
                 self._stopped.add(job)
             pids = [pid for pid, tag in self._running.items() if tag.startswith(job)]
         for pid in pids:
-            try:
-                os.killpg(pid, signum)
-            except ProcessLookupError:
-                continue
-            timer = threading.Timer(self.grace_seconds, self._kill, args=(pid,))
-            timer.daemon = True
-            timer.start()
+            self._signal(pid, signum)
+
+    def _signal(self, pid: int, signum: int) -> None:
+        """`signum` to a container, and SIGKILL to it `grace_seconds` later if it still runs."""
+        try:
+            os.killpg(pid, signum)
+        except ProcessLookupError:
+            return
+        timer = threading.Timer(self.grace_seconds, self._kill, args=(pid,))
+        timer.daemon = True
+        timer.start()
+
+    def _time_out(self, pid: int) -> None:
+        """MaxRuntimeInSeconds reached: the container is stopped as StopTrainingJob stops one
+        (API_StoppingCondition.html: SIGTERM, and the same 120 s to save the model)."""
+        with self._lock:
+            if pid not in self._running:
+                return
+            self._timed_out.add(pid)
+        self._signal(pid, signal.SIGTERM)
 
     def _kill(self, pid: int) -> None:
         """SIGKILL to a container that outlived its grace: the entrypoint and every process
@@ -527,8 +546,10 @@ class Containers:
         on_line=None,
         metric_regexes: dict[str, str] | None = None,
         job: str = "",
+        deadline: float | None = None,
     ) -> ContainerExit:
-        """Start `python3 -m steps.entrypoint <arguments>` in `root` and wait for it.
+        """Start `python3 -m steps.entrypoint <arguments>` in `root` and wait for it; at
+        `deadline` (the job's MaxRuntimeInSeconds from its start) it is stopped.
 
         `env` is the request's Environment and what SageMaker sets; the image's ENV comes
         under it and over the base environment, as a container's would. Every line goes to
@@ -555,6 +576,13 @@ class Containers:
             start_new_session=True,  # its own process group: stop() reaches every process
         )
         self._register(proc.pid, job)
+        clock = None
+        if deadline is not None:
+            clock = threading.Timer(
+                max(0.0, deadline - time.time()), self._time_out, args=(proc.pid,)
+            )
+            clock.daemon = True
+            clock.start()
         peak = {"rss": 0.0}
         done = threading.Event()
         watcher = threading.Thread(target=_watch_memory, args=(proc.pid, peak, done), daemon=True)
@@ -580,8 +608,12 @@ class Containers:
         finally:
             done.set()
             watcher.join()
+            if clock is not None:
+                clock.cancel()
             with self._lock:
                 self._running.pop(proc.pid, None)
+                timed_out = proc.pid in self._timed_out
+                self._timed_out.discard(proc.pid)
         marker = failure.parent / "interrupted"
         interrupted = marker.exists()
         marker.unlink(missing_ok=True)
@@ -594,6 +626,7 @@ class Containers:
             end=time.time(),
             peak_rss_mb=round(peak["rss"] / 2**20, 1) if peak["rss"] else None,
             metrics=metrics,
+            timed_out=timed_out,
         )
 
     def run_hosts(

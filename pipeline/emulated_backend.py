@@ -399,6 +399,11 @@ class Emulator:
             return "Completed", None
         if name in self._stopping:
             return "Stopped", None
+        if any(e.timed_out for e in exits):  # SecondaryStatus MaxRuntimeExceeded
+            return (
+                "Stopped",
+                f"MaxRuntimeExceeded: {what} ran past its MaxRuntimeInSeconds and was stopped",
+            )
         if name in self._reclaimed:
             return "Stopped", f"{what} lost its spot capacity and its MaxWaitTimeInSeconds ran out"
         reason = next((e.reason for e in exits if e.reason), None) or f"exit status {exits[0].code}"

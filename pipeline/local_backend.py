@@ -45,6 +45,12 @@ def result_of(name: str, exits: list, log_key: str, restarts: int = 0) -> JobRes
     code = max((e.code for e in exits), key=abs)
     if all(e.code == 0 for e in exits):
         status, reason = "Completed", None
+    elif any(e.timed_out for e in exits):  # SageMaker: Stopped, MaxRuntimeExceeded
+        seconds = round(max(e.end for e in exits) - min(e.start for e in exits))
+        status = "Stopped"
+        reason = (
+            f"MaxRuntimeExceeded: the job was stopped after {seconds} s, its MaxRuntimeInSeconds"
+        )
     elif any(e.interrupted for e in exits):
         status, reason = "Interrupted", "the job was interrupted and saved a checkpoint"
     else:

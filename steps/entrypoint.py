@@ -363,6 +363,36 @@ def pass_signals_on(proc: subprocess.Popen) -> None:
     threading.Thread(target=keep_forwarding, daemon=True).start()
 
 
+def end_leftovers(group: int, grace: float = 2.0) -> None:
+    """SIGTERM to what is left of the step's process group once the step has exited, then
+    SIGKILL to what is still there `grace` seconds later."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(group, signum)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.time() + grace
+        while time.time() < deadline:
+            reap_orphans()
+            try:
+                os.killpg(group, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.05)
+
+
+def reap_orphans() -> None:
+    """As PID 1 of a container, the entrypoint inherits the orphans of what the step started:
+    their exit status is collected so that none stays a zombie (which still counts as alive)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
 def run(
     command: list[str], env: dict[str, str], failure: Path, what: str, outputs: list[Path]
 ) -> int:
@@ -387,13 +417,22 @@ def run(
     )
     pass_signals_on(proc)
     tail: deque[str] = deque(maxlen=TAIL_LINES)
-    for raw in iter(proc.stdout.readline, b""):
-        line = redact(raw.decode("utf-8", errors="replace"), secrets)
-        sys.stdout.write(line)
-        sys.stdout.flush()
-        if line.strip():
-            tail.append(line.rstrip())
+
+    def pump() -> None:
+        for raw in iter(proc.stdout.readline, b""):
+            line = redact(raw.decode("utf-8", errors="replace"), secrets)
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            if line.strip():
+                tail.append(line.rstrip())
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
     code = proc.wait()
+    # The job is the step: what it started and left running ends with it, and the job does
+    # not wait for it (a helper holding the step's output open would keep it open forever).
+    end_leftovers(proc.pid)
+    reader.join(timeout=10)
     if code == 0 and not finished.exists():  # os._exit(0) in user code, say
         code = 1
         failure.write_text(

@@ -211,3 +211,29 @@ def test_modules_beside_the_user_functions_are_shipped(tmp_path, demo_raw):
     assert record["status"] == "completed"
     shipped = sorted(p.name for p in (tmp_path / "store/test-exp/runs/0001/code").iterdir())
     assert {"myfuncs.py", "myhelpers.py", "textprep.py", "steps"} <= set(shipped)
+
+
+def test_a_helper_process_left_running_does_not_keep_the_job_open(store, tmp_path):
+    """reconcile starts a helper that outlives it (and holds its output open): the job ends
+    with the step, and the helper with the job."""
+    import os
+    import time
+
+    pid_file = tmp_path / "helper.pid"
+    started = time.time()
+    job, result = reconcile_job(store, tmp_path, f"""
+        import subprocess
+        import datasets
+
+        def reconcile(raw_dir):
+            helper = subprocess.Popen(["sleep", "90"])
+            open({str(pid_file)!r}, "w").write(str(helper.pid))
+            return datasets.Dataset.from_dict({{"text": ["u", "v"], "label": ["a", "b"]}}), {{}}
+    """)  # fmt: skip
+    assert result.status == "Completed", result.failure_reason
+    assert time.time() - started < 30
+    helper = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        for _ in range(50):
+            os.kill(helper, 0)
+            time.sleep(0.1)
