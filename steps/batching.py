@@ -23,6 +23,17 @@ INPUTS_FILE = "inputs.json"  # in the labels channel: {model: {"keys", "pad", "s
 LENGTH_SUFFIX = "__length"  # `<model>__length`: the row's real length (tokens, padding excluded)
 
 
+# Inputs that are indices or masks, whatever their shape.
+INTEGER_KEYS = (
+    "input_ids",
+    "attention_mask",
+    "token_type_ids",
+    "position_ids",
+    "decoder_input_ids",
+    "decoder_attention_mask",
+)
+
+
 def length_column(model_name: str) -> str:
     return f"{model_name}{LENGTH_SUFFIX}"
 
@@ -111,6 +122,13 @@ def _as_array(values, key: str, rows: int, where: str) -> pa.Array:
         raise ValueError(f"{where} returned nested sequences for {key!r} (one row, one list)")
     if not (pa.types.is_integer(item) or pa.types.is_floating(item) or pa.types.is_boolean(item)):
         raise ValueError(f"{where} returned values of type {item} for {key!r}, not numbers")
+    # Token ids, masks and type ids index embeddings: a float there is a bug upstream, and a
+    # sequence is padded into integers (steps/batching.py), which would cut 1.7 to 1 silently.
+    if pa.types.is_floating(item) and (key in INTEGER_KEYS or pa.types.is_list(array.type)):
+        raise ValueError(
+            f"{where} returned floating-point values for {key!r}: token ids, masks and every "
+            "sequence input are integers"
+        )
     return array
 
 

