@@ -651,6 +651,8 @@ def execute(
     log_reused(sources)
     md.merge(store, run, base)
     jobs = build_jobs(settings, steps, run, sources)
+    if base.resumed_at:
+        clear_partial_outputs(store, run, jobs)
     log_plan(jobs, settings, store)
     if not is_complete(store, run.code):  # a resumed run runs the code it started with
         ship_code(settings, store, run.code)
@@ -792,6 +794,24 @@ def resumed_run(
                           "resumed_at": [*record.get("resumed_at", []), md.iso(time.time())]})  # fmt: skip
     log.info(f"resuming run {run.label} ({record['status']}): {', '.join(remaining)} left")
     return run, base, remaining, sources
+
+
+def clear_partial_outputs(store: Store, run: RunTree, jobs: list) -> None:
+    """A resumed run runs its unfinished data and inference steps again. What their earlier
+    attempt left of their outputs (a driver killed between one output's manifest and the
+    next) is the run's own and was never a result: it is removed, and said, so the step can
+    write its versioned outputs whole. Models are kept: a complete one is not trained again."""
+    for job in jobs:
+        if job.kind != "processing":
+            continue
+        for prefix in job.outputs.values():
+            keys = store.list_keys(prefix)
+            if keys:
+                for key in keys:
+                    store.delete(key)
+                log.info(
+                    f"{job.step}: removed what its unfinished attempt left at {store.uri_of(prefix)}"
+                )
 
 
 def _processing_section(

@@ -12,7 +12,7 @@ import json
 from datetime import datetime
 
 from pipeline.paths import ExperimentTree, run_label
-from pipeline.runs import existing_run_nums
+from pipeline.runs import existing_run_nums, silent_driver
 from pipeline.store import NotFound, Store
 
 METRICS = ("accuracy", "macro_f1", "weighted_f1")
@@ -45,8 +45,11 @@ def run_rows(store: Store, tree: ExperimentTree) -> list[dict]:
             continue
         performance = record.get("holdout_performance") or {}
         models = list(record.get("model_artifacts") or {}) or sorted(performance)
+        status = record.get("status")
+        if status == "running" and silent_driver(store, tree.run(run_num).heartbeat):
+            status = "abandoned"  # the rule the next run applies (pipeline/runs.py)
         rows.append({
-            "run": run_label(run_num), "status": record.get("status"), "models": models,
+            "run": run_label(run_num), "status": status, "models": models,
             "macro_f1": {m: p["macro_f1"] for m, p in performance.items()},
             "data_version": record.get("data_version"), "snapshot": record.get("data_snapshot_hash"),
             "seconds": record.get("time_taken"), "started": record.get("start_time"),

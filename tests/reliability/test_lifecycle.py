@@ -154,3 +154,64 @@ def test_a_training_job_killed_by_a_signal_is_restarted_from_its_checkpoint(tmp_
     assert echo.sent and outcome.status == "Completed", outcome.failure_reason
     assert outcome.restarts == 1 and "interrupted or killed; restart 1 of 1" in log
     assert re.search(r"resumed from \S+ckpt-0*3 at step 3 ", log), log  # CHECKPOINT_EVERY_STEPS=3
+
+
+KILLED_MID_UPLOAD = """
+import os, signal, sys
+
+from pipeline import store
+
+real = store.LocalStore.create
+
+
+def create(self, key, data):  # SIGKILL to this driver as it completes prepare's second output
+    if key.endswith("prepared/validation/_MANIFEST.json"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(self, key, data)
+
+
+store.LocalStore.create = create
+import run_pipeline
+
+sys.exit(run_pipeline.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_resume_after_a_driver_killed_between_two_uploads_completes(tmp_path, demo_raw):
+    """The driver dies after prepare's train split is complete and before its validation
+    split is: `smpipe runs` shows the run abandoned (the heartbeat rule), and --resume runs
+    prepare again over its own partial output and completes."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    settings = settings_for(tmp_path, demo_raw)
+    (tmp_path / "killed.py").write_text(KILLED_MID_UPLOAD)
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(tmp_path / "killed.py"), str(settings), "--steps", "reconcile,prepare"],
+                          cwd=ROOT, env=env, capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+    data = tmp_path / "store/test-exp/data/0001/prepared"
+    assert (data / "train/_MANIFEST.json").exists() and not (
+        data / "validation/_MANIFEST.json"
+    ).exists()
+
+    rows = [line for line in cli_runs(settings).splitlines() if "0001" in line]
+    assert rows and "abandoned" in rows[0], cli_runs(settings)
+
+    again = Driver(settings, tmp, "--resume", "1")
+    assert again.finish() == 0, again.output
+    assert "prepare: removed what its unfinished attempt left at" in again.output
+    assert record(tmp_path)["status"] == "completed"
+    assert (data / "validation/_MANIFEST.json").exists() and (data / "test/_MANIFEST.json").exists()
+
+
+def cli_runs(settings) -> str:
+    import contextlib
+    import io
+
+    from pipeline import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["runs", str(settings)]) == 0
+    return out.getvalue()
