@@ -41,6 +41,7 @@ from pipeline.service_model import as_if_on_s3
 from pipeline.store import (
     NotFound,
     Store,
+    StoreError,
     artifact_key,
     aws_config,
     is_complete,
@@ -689,6 +690,11 @@ def execute(
         log.info(f"run {run.label} interrupted: its jobs were stopped and their logs kept; "
                  f"--resume {run.run_num} continues it")  # fmt: skip
         raise
+    except StoreError as e:  # the store refused a write (full, gone, denied): one paragraph
+        backend.stop()
+        marked = _finish_if_possible(store, run, base, started, str(e))
+        backend.close(succeeded=False)
+        raise PipelineError(f"run {run.label} failed: {e}. {marked}") from None
     except BaseException as e:
         backend.stop()
         _finish(store, run, base, started, "failed", f"{type(e).__name__}: {e}")
@@ -912,6 +918,22 @@ def _finish(
     base.end_time, base.time_taken = md.iso(ended), round(ended - started, 3)
     record = md.merge(store, run, base)
     return record.model_dump()
+
+
+def _finish_if_possible(
+    store: Store, run: RunTree, base: md.Metadata, started: float, reason: str
+) -> str:
+    """Mark the run failed when the store still takes a small write; say what became of it."""
+    try:
+        _finish(store, run, base, started, "failed", reason)
+    except StoreError as e:
+        return (
+            f"It could not be marked failed either ({e}); the next run marks it abandoned once "
+            f"its heartbeat stops, and --resume {run.run_num} continues it."
+        )
+    return (
+        f"It is marked failed at {store.uri_of(run.metadata)}; --resume {run.run_num} continues it."
+    )
 
 
 def write_run_report(store: Store, run: RunTree) -> None:

@@ -29,7 +29,7 @@ from pipeline.jobs import (
 )
 from pipeline.paths import RunTree
 from pipeline.service_model import as_if_on_s3, refused
-from pipeline.store import Store, upload_dir
+from pipeline.store import Store, StoreError, upload_dir
 
 WORK_PREFIX = "smpipe-jobs-"
 OWNER = "driver.json"  # in a work root while its driver runs: who to ask whether it still does
@@ -214,7 +214,10 @@ class LocalBackend:
         try:
             yield
         except BaseException:
-            self._upload_log(name)
+            try:
+                self._upload_log(name)
+            except StoreError:  # the store is what failed (full, say): the first error stands
+                pass
             shutil.rmtree(root, ignore_errors=True)
             raise
 

@@ -8,6 +8,7 @@ a whole one, and a second upload to the same versioned prefix is refused.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -94,17 +95,40 @@ class LocalStore:
     def uri_of(self, key: str) -> str:
         return str(self._path(key))
 
-    @staticmethod
-    def _write_aside(path: Path, data: bytes) -> str:
-        """The body in a hidden temporary beside `path`, flushed to disk; readers skip it."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        os.fchmod(fd, FILE_MODE)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+    def _write_aside(self, path: Path, data: bytes) -> str:
+        """The body in a hidden temporary beside `path`, flushed to disk; readers skip it.
+        A write that fails (a full disk) leaves no temporary behind."""
+        with self._writing(path) as tmp:
+            with open(tmp, "wb") as f:
+                self._fill(f, data)
+                f.flush()
+                os.fsync(f.fileno())
         return tmp
+
+    @contextmanager
+    def _writing(self, path: Path):
+        """A hidden temporary beside `path` to write; removed, and the error said naming the
+        store and the key, when writing it fails."""
+        tmp = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+            os.fchmod(fd, FILE_MODE)
+            os.close(fd)
+            yield tmp
+        except OSError as e:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            full = " (the disk is full)" if e.errno == errno.ENOSPC else ""
+            raise StoreError(
+                f"cannot write {path} in the store {self.root}: {e.strerror or e}{full}"
+            ) from None
+
+    def _fill(self, f, data: bytes) -> None:
+        f.write(data)
+
+    def _copy(self, source, tmp: str) -> None:
+        shutil.copyfile(source, tmp)
 
     def put_bytes(self, key: str, data: bytes) -> None:
         path = self._path(key)
@@ -156,11 +180,8 @@ class LocalStore:
 
     def upload_file(self, path: str | os.PathLike, key: str) -> None:
         dest = self._path(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
-        os.fchmod(fd, FILE_MODE)
-        os.close(fd)
-        shutil.copyfile(path, tmp)
+        with self._writing(dest) as tmp:
+            self._copy(path, tmp)
         os.replace(tmp, dest)
 
     def download_file(self, key: str, path: str | os.PathLike) -> None:

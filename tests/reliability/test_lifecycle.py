@@ -6,6 +6,8 @@ from its checkpoint."""
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import signal
@@ -18,6 +20,7 @@ import psutil
 import pytest
 
 from pipeline.paths import ExperimentTree
+from pipeline.store import LocalStore
 from tests.conftest import ROOT, write_settings
 
 RUN1 = ExperimentTree("test-exp").run(1)
@@ -215,3 +218,64 @@ def cli_runs(settings) -> str:
     with contextlib.redirect_stdout(out):
         assert cli.main(["runs", str(settings)]) == 0
     return out.getvalue()
+
+
+class FullDisk(LocalStore):
+    """A store whose disk fills: writing a checkpoint runs out of space part of the way in,
+    and with `everything` every write after that does too. (A full disk cannot be made here;
+    the real write path, its cleanup and the driver's handling run.)"""
+
+    def __init__(self, root, everything: bool = False):
+        super().__init__(root)
+        self.everything, self.full = everything, False
+
+    def _out_of_space(self, f) -> None:
+        f.write(b"x" * 1000)  # part of it, as a filling disk leaves it
+        self.full = True
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def _fill(self, f, data: bytes) -> None:
+        if self.full and self.everything:
+            self._out_of_space(f)
+        super()._fill(f, data)
+
+    def _copy(self, source, tmp: str) -> None:
+        if "/checkpoints/" in tmp or (self.full and self.everything):
+            with open(tmp, "wb") as f:
+                self._out_of_space(f)
+        super()._copy(source, tmp)
+
+
+def hidden_files(folder) -> list[str]:
+    return [str(p) for p in folder.rglob(".*")]
+
+
+@pytest.mark.parametrize("everything", [False, True], ids=["checkpoint", "every write"])
+def test_a_store_that_fills_fails_the_run_in_one_paragraph_and_leaves_no_temporaries(
+    tmp_path, demo_raw, everything
+):
+    from pipeline.config import load_settings
+    from pipeline.driver import PipelineError, parse_steps, run_pipeline
+
+    path = write_settings(tmp_path / "s.ini", str(tmp_path / "store"), models={"MODEL_NAMES": "bow"},
+                          data={"RAW_DATA": str(demo_raw)}, training={"CHECKPOINT_EVERY_STEPS": "2"})  # fmt: skip
+    settings = load_settings(path, env={})
+    store = FullDisk(tmp_path / "store", everything)
+    with pytest.raises(PipelineError) as failed:
+        run_pipeline(settings, store, parse_steps(None), echo=io.StringIO())
+    said = str(failed.value)
+    assert "\n" not in said and said.startswith("run 0001 failed: cannot write ")
+    assert f"in the store {tmp_path / 'store'}: No space left on device (the disk is full)" in said
+    assert hidden_files(tmp_path / "store") == []
+    if everything:
+        assert (
+            "could not be marked failed either" in said and record(tmp_path)["status"] == "running"
+        )
+        return
+    assert record(tmp_path)["status"] == "failed" and "--resume 1 continues it" in said
+    # Space freed: the run continues where it stopped, and still no temporaries.
+    resumed = run_pipeline(
+        settings, LocalStore(tmp_path / "store"), parse_steps(None), echo=io.StringIO(), resume=1
+    )
+    assert resumed["status"] == "completed"
+    assert hidden_files(tmp_path / "store") == []
