@@ -2,11 +2,11 @@
 
 Each data step's output is keyed by the hash of everything it reads:
 
-    reconcile  the raw data (every file's path and content hash), the source of the user's
-               `reconcile` and of what it uses, the step's own code, its arguments
+    reconcile  the raw data (every file's path and content hash), what the user's
+               `reconcile` can reach in their code, the step's own code, its arguments
     prepare    the reconcile key it reads (or the snapshot's hash when that was reused by
-               --steps), the source of `load_tokenizer`, `encode`, `ordered_input_keys` and
-               of what they use, the step's own code, its arguments (models, MAX_SEQUENCE_LENGTH,
+               --steps), what `load_tokenizer`, `encode`, `ordered_input_keys` can reach,
+               the step's own code, its arguments (models, MAX_SEQUENCE_LENGTH,
                split fractions, seed)
 
 The output itself stays where the run that computed it wrote it (data/<run_num>/), manifested
@@ -16,22 +16,27 @@ again; `--no-cache` always computes. Two drivers that compute the same key at on
 their own complete output, and the index is created conditionally, so it names exactly one of
 them: never a half-written output.
 
-"The source of what they use": the functions and classes of the user's package a function
-refers to, followed transitively, whole modules of that package it refers to, and the
-values of plain module-level names (a dict of paths, say). Library code is identified by the
-package versions in Metadata, not hashed.
+"What they can reach": see `Closure` and `functions_digest`: exact where every reference
+can be followed (source, values by content, imports inside functions), every file of the
+user's shipped code where one cannot, with the reason in the plan. Library code is identified
+by name and the package versions in Metadata, not hashed.
 """
 
 from __future__ import annotations
 
 import ast
 import hashlib
+import importlib
+import importlib.util
 import inspect
 import json
+import re
+import sys
+import textwrap
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import CodeType, FunctionType, ModuleType
+from pathlib import Path, PurePath
+from types import BuiltinFunctionType, CodeType, FunctionType, ModuleType
 
 from pipeline.paths import SPLITS, ExperimentTree
 from pipeline.store import NotFound, Store, file_sha256, is_complete, open_store
@@ -97,49 +102,191 @@ def _names(code: CodeType) -> set[str]:
     return names
 
 
-def functions_digest(functions: list, package: str) -> str:
-    """The source of `functions` and of every function, class or module of `package` they
-    refer to (transitively), and the values of plain module-level names they read."""
-    parts: dict[str, str] = {}
+# Calls whose target is named at run time: what they reach cannot be read off the code.
+DYNAMIC = {"getattr", "globals", "vars", "locals", "eval", "exec", "__import__", "import_module"}
 
-    def own(value) -> bool:
-        name = value.__name__ if isinstance(value, ModuleType) else getattr(value, "__module__", "")
-        return (name or "").split(".")[0] == package
 
-    def visit(obj) -> None:
-        label = f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', obj)}"
-        if isinstance(obj, ModuleType):
-            label = obj.__name__
-        if label in parts:
+class Inexact(Exception):
+    """What a step's code can reach cannot be established exactly (the reason)."""
+
+
+def canonical(value) -> str:
+    """A value's content as text, the same for equal contents whatever their order in a set
+    or dict; Inexact for a value whose content cannot be read (an object's repr is not its
+    content)."""
+    if value is None or isinstance(value, bool | int | float | complex | str | bytes):
+        return repr(value)
+    if isinstance(value, re.Pattern):
+        return f"re.compile({value.pattern!r}, {value.flags})"
+    if isinstance(value, PurePath):
+        return f"Path({str(value)!r})"
+    if isinstance(value, tuple | list):
+        return f"{type(value).__name__}({', '.join(canonical(v) for v in value)})"
+    if isinstance(value, set | frozenset):
+        return f"set({', '.join(sorted(canonical(v) for v in value))})"
+    if isinstance(value, dict):
+        items = sorted(f"{canonical(k)}: {canonical(v)}" for k, v in value.items())
+        return f"dict({', '.join(items)})"
+    raise Inexact(f"a {type(value).__name__}, whose content cannot be read")
+
+
+class Closure:
+    """Everything a step's user functions can reach in the user's code: the source of every
+    function, class and module of it they refer to, transitively (imports inside functions
+    too), the content of every value of it they read (module-level constants, compiled
+    patterns, sets, containers of any size, default arguments, closures). Library code is
+    identified by name; its version is in Metadata. `reasons` says where reachability could
+    not be established exactly."""
+
+    def __init__(self, own: dict[str, Path]) -> None:
+        self.own_roots = [p.resolve() for p in own.values()]
+        self.parts: dict[str, str] = {}
+        self.reasons: list[str] = []
+
+    def is_own(self, obj) -> bool:
+        module = (
+            obj
+            if isinstance(obj, ModuleType)
+            else sys.modules.get(getattr(obj, "__module__", "") or "")
+        )
+        path = getattr(module, "__file__", None)
+        if not path:
+            return False
+        path = Path(path).resolve()
+        return any(path == root or root in path.parents for root in self.own_roots)
+
+    def visit(self, obj) -> None:
+        label = (
+            obj.__name__ if isinstance(obj, ModuleType) else f"{obj.__module__}.{obj.__qualname__}"
+        )
+        if label in self.parts:
             return
         try:
-            parts[label] = (
+            self.parts[label] = (
                 Path(obj.__file__).read_text()
                 if isinstance(obj, ModuleType)
                 else inspect.getsource(obj)
             )
         except (OSError, TypeError):
-            parts[label] = repr(obj)
+            self.reasons.append(f"the source of {label} cannot be read")
             return
-        members = (
+        if isinstance(obj, ModuleType):
+            for name, value in sorted(vars(obj).items()):
+                if not name.startswith("__"):
+                    self.value(f"{label}.{name}", value)
+            return
+        functions = (
             [v for v in vars(obj).values() if isinstance(v, FunctionType)]
             if isinstance(obj, type)
             else [obj]
         )
-        for fn in members:
-            code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
-            for name in sorted(_names(code)) if code else ():
-                value = scope.get(name)
-                if value is None or name.startswith("__"):
-                    continue
-                if own(value) and (isinstance(value, ModuleType | type) or callable(value)):
-                    visit(value)
-                elif isinstance(value, str | int | float | bool | tuple | list | dict | frozenset):
-                    parts[f"{label}:{name}"] = repr(value)[:10_000]
+        for fn in functions:
+            self.function(fn, label)
 
+    def function(self, fn: FunctionType, label: str) -> None:
+        scope = fn.__globals__
+        for name in sorted(_names(fn.__code__)):
+            if name in scope and not name.startswith("__"):
+                self.value(f"{label}:{name}", scope[name])
+            elif name in DYNAMIC:
+                self.reasons.append(
+                    f"{label} calls {name}(), which names what it reaches at run time"
+                )
+        for i, default in enumerate(
+            [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
+        ):
+            self.value(f"{label}:default{i}", default)
+        for i, cell in enumerate(fn.__closure__ or ()):
+            try:
+                self.value(f"{label}:closure{i}", cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        self.local_imports(fn, label)
+
+    def local_imports(self, fn: FunctionType, label: str) -> None:
+        """Modules imported inside a function (the Hugging Face habit: import where used)."""
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        except (OSError, TypeError, SyntaxError):
+            return
+        package = (
+            fn.__module__
+            if hasattr(sys.modules.get(fn.__module__), "__path__")
+            else fn.__module__.rpartition(".")[0]
+        )
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [(alias.name, None) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = (
+                    importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+                    if node.level
+                    else node.module
+                )
+                targets = [(base, alias.name) for alias in node.names]
+            else:
+                continue
+            for module_name, attribute in targets:
+                try:
+                    module = importlib.import_module(module_name)
+                except Exception:  # noqa: BLE001 - not importable here: a library of the image
+                    continue
+                if not self.is_own(module):
+                    continue
+                value = getattr(module, attribute, None) if attribute else module
+                if attribute and value is None:  # `from package import submodule`
+                    try:
+                        value = importlib.import_module(f"{module_name}.{attribute}")
+                    except ImportError:
+                        self.reasons.append(
+                            f"{label} imports {module_name}.{attribute}, which cannot be found"
+                        )
+                        continue
+                self.value(f"{label}:import {module_name}.{attribute or ''}", value)
+
+    def value(self, label: str, value) -> None:
+        if isinstance(value, ModuleType | type | FunctionType | BuiltinFunctionType):
+            if self.is_own(value):
+                self.visit(value)
+            else:  # a library's module, class or function: its version is in Metadata
+                name = getattr(value, "__qualname__", getattr(value, "__name__", ""))
+                self.parts[label] = f"library {getattr(value, '__module__', '')}.{name}"
+            return
+        try:  # data, read whole; an object (a tokenizer built at import, say) is not data
+            self.parts[label] = hashlib.sha256(canonical(value).encode()).hexdigest()
+        except Inexact as e:
+            self.reasons.append(f"{label} is {e}")
+
+
+def all_files_digest(own: dict[str, Path]) -> str:
+    """Every file of the user's shipped code, by path and content: what a step may read when
+    its reach cannot be established exactly."""
+    files = {}
+    for name, path in own.items():
+        for f in sorted(path.rglob("*")) if path.is_dir() else [path]:
+            if f.is_file() and "__pycache__" not in f.parts:
+                files[f"{name}/{f.relative_to(path).as_posix()}" if path.is_dir() else f.name] = (
+                    file_sha256(f)
+                )
+    return digest(*(f"{k} {v}" for k, v in sorted(files.items())))
+
+
+def functions_digest(functions: list, own: dict[str, Path]) -> tuple[str, str | None]:
+    """The digest of what `functions` can reach in the user's code (`own`: its modules, as the
+    run ships them), and None; or, where that cannot be established exactly, the digest of
+    every file of the user's code and why. Data files shipped with the code count either way."""
+    closure = Closure(own)
     for fn in functions:
-        visit(fn)
-    return digest(*(f"{k}\n{parts[k]}" for k in sorted(parts)))
+        closure.visit(fn)
+    data_files = {
+        f"{n}/{f.relative_to(p).as_posix()}": file_sha256(f)
+        for n, p in own.items() if p.is_dir()
+        for f in sorted(p.rglob("*")) if f.is_file() and f.suffix not in (".py", ".pyc")
+    }  # fmt: skip
+    data = [f"data {k} {v}" for k, v in sorted(data_files.items())]
+    if closure.reasons:
+        return digest("whole code", all_files_digest(own), *data), closure.reasons[0]
+    return digest(*(f"{k}\n{closure.parts[k]}" for k in sorted(closure.parts)), *data), None
 
 
 def raw_digest(store: Store, raw: str) -> str | None:
@@ -228,15 +375,20 @@ def plan(
     arguments: dict[str, list[str]],
     functions,
     use_cache: bool,
+    own: dict[str, Path],
 ) -> dict[str, CacheEntry]:
     """The verdict for each data step in `steps`. `raw`: where reconcile reads;
     `snapshot_hash`: the snapshot prepare reads when reconcile is not in `steps`;
-    `arguments`: each step's job arguments; `functions`: the loaded user functions."""
-    package = functions.module.split(".")[0]
+    `arguments`: each step's job arguments; `functions`: the loaded user functions; `own`:
+    the user's modules as the run ships them."""
+    notes: dict[str, str] = {}
 
     def inputs(step: str) -> dict[str, str | None]:
         fns = [getattr(functions, name) for name in CALLS[step]]
-        return {"functions": functions_digest(fns, package), "code": step_code_digest(step),
+        reach, why = functions_digest(fns, own)
+        if why:
+            notes[step] = f"keyed by every file of the user code ({why})"
+        return {"functions": reach, "code": step_code_digest(step),
                 "arguments": json.dumps(arguments.get(step, []))}  # fmt: skip
 
     entries: dict[str, CacheEntry] = {}
@@ -249,4 +401,6 @@ def plan(
             f"snapshot {snapshot_hash}" if snapshot_hash and not upstream else None
         )
         entries["prepare"] = decide(store, tree, "prepare", {"reconciled": reconciled, **inputs("prepare")}, use_cache)  # fmt: skip
+    for step, note in notes.items():
+        entries[step].note = "; ".join(filter(None, [entries[step].note, note]))
     return entries

@@ -287,7 +287,8 @@ def consult_cache(
     arguments = {j.step: j.arguments for j in build_jobs(settings, steps, placeholder, sources)
                  if j.kind == "processing"}  # fmt: skip
     snapshot = snapshot_hash(store, sources.reconciled) if sources.reconciled else None
-    entries = cache.plan(store, tree, steps, sources.raw, snapshot, arguments, functions, use_cache)
+    entries = cache.plan(store, tree, steps, sources.raw, snapshot, arguments, functions, use_cache,
+                         user_code(settings))  # fmt: skip
     prepare, reconcile = entries.get("prepare"), entries.get("reconcile")
     if prepare and prepare.status == "reused" and reconcile and reconcile.status != "reused":
         reconcile.status, reconcile.note = "skipped", "prepare's output for these inputs exists"
@@ -297,7 +298,8 @@ def consult_cache(
             log.info(f"{step} {'is not run' if entry.status == 'skipped' else 'runs'}: {why}")
         if entry.status == "reused":
             data = tree.data(entry.data_version)
-            how = f"{store.uri_of(data.prefix)} (cache: same inputs, key {entry.key[:12]})"
+            note = f"; {entry.note}" if entry.note else ""
+            how = f"{store.uri_of(data.prefix)} (cache: same inputs, key {entry.key[:12]}{note})"
             if step == "reconcile":
                 sources.reconciled, sources.reused["reconciled"] = data, how
             else:

@@ -89,7 +89,7 @@ def test_labels_that_cannot_train_a_classifier_are_named_with_their_counts(
         prepare(tmp_path, raw, models="bow")
 
 
-MANY_LABELS = '''
+MANY_LABELS = """
 import torch
 
 
@@ -128,7 +128,7 @@ def reconcile(raw_dir):
 
 def load_model(model_name, id2label, label2id):
     return Mean(len(id2label))
-'''
+"""
 
 
 @pytest.mark.slow
@@ -149,4 +149,6 @@ def test_a_thousand_labels_are_tested_and_reported_in_proportion_to_rows(tmp_pat
     report = tmp_path / "store/test-exp/runs/0001/report.html"
     assert report.stat().st_size < 5_000_000 and "topic-0999" in report.read_text()
     inference = record["steps"]["inference"]
-    print(f"1,000 labels: inference job {inference['time_taken']:.1f}s, peak {inference['memory_usage']} MB")
+    print(
+        f"1,000 labels: inference job {inference['time_taken']:.1f}s, peak {inference['memory_usage']} MB"
+    )
