@@ -15,8 +15,8 @@ from botocore.exceptions import ConnectionClosedError
 
 import run_pipeline as cli
 from pipeline.config import load_settings
-from pipeline.driver import parse_steps, run_pipeline
-from pipeline.store import MANIFEST, S3Store, StoreError, download_dir
+from pipeline.driver import PipelineError, parse_steps, run_pipeline
+from pipeline.store import MANIFEST, S3Store, download_dir
 from tests.conftest import write_settings
 
 ERRORS = {500: "InternalError", 503: "SlowDown", 403: "AccessDenied"}
@@ -85,10 +85,11 @@ def test_transient_s3_faults_cost_retries_not_artifacts(tmp_path, bucket, demo_r
 
 def test_a_permanent_error_fails_at_once_naming_bucket_and_key(tmp_path, bucket, demo_raw):
     faults = Faults(rate=0.0, deny="/jobs/prepare/")
-    with pytest.raises(StoreError) as e:
+    with pytest.raises(PipelineError) as e:  # the store's error, as the run's one paragraph
         pipeline(tmp_path, bucket, demo_raw, faults, steps="reconcile,prepare")
+    assert str(e.value).startswith("run 0001 failed: ") and "\n" not in str(e.value)
     assert f"s3://{bucket}/root/test-exp/runs/0001/jobs/prepare/" in str(e.value)
-    assert "AccessDenied" in str(e.value)
+    assert "AccessDenied" in str(e.value) and "It is marked failed at" in str(e.value)
     assert len(faults.denied) == 1  # not retried
     store = S3Store(f"s3://{bucket}/root")
     import json
