@@ -32,6 +32,7 @@ from sklearn.metrics import (
 
 from steps.batching import Batches, by_length, read_inputs, read_split
 from steps.contract import processing_input, processing_output, run_step, write_step_metadata
+from steps.model_files import RECORD, read_record, usable_export
 
 
 def parse_args() -> argparse.Namespace:
@@ -49,34 +50,27 @@ def model_dir(name: str) -> Path:
     if not path.is_dir():
         raise FileNotFoundError(f"no model {name!r} in {processing_input('models')}")
     archive = path / "model.tar.gz"  # a SageMaker training output kept as its tarball
-    if archive.exists() and not (path / "model.torchscript.pt").exists():
+    if archive.exists() and not (path / RECORD).exists():
         with tarfile.open(archive) as tar:
             tar.extractall(path, filter="data")
     return path
 
 
-def load_program(directory: Path, model_format: str):
-    """The model as exported by training: TorchScript, or the torch.export program."""
+def load_program(directory: Path, model_format: str, name: str):
+    """The model as exported by training, in `model_format`, if its check passed."""
+    path = usable_export(directory, model_format, name)
     if model_format == "exported":
-        path = directory / "model.pt2"
-        if not path.exists():
-            info = json.loads((directory / "smpipe.json").read_text()).get("exports", {})
-            raise FileNotFoundError(
-                f"{path} is missing: training could not write a torch.export program for this "
-                f"model ({info.get('exported', {}).get('error', 'no reason recorded')}); "
-                "use [inference] MODEL_FORMAT = torchscript"
-            )
         return torch.export.load(str(path)).module()
-    return torch.jit.load(str(directory / "model.torchscript.pt"), map_location="cpu").eval()
+    return torch.jit.load(str(path), map_location="cpu").eval()
 
 
 def predict(name: str, test: pa.Table, batch_size: int, model_format: str):
     """Predicted label ids and their confidence, in the test split's order."""
     directory = model_dir(name)
-    keys = json.loads((directory / "smpipe.json").read_text())["ordered_input_keys"]
+    keys = read_record(directory)["ordered_input_keys"]
     inputs = read_inputs(processing_input("labels"), name, keys)
     batches = Batches(test, name, keys, inputs, labels=False)
-    logits = run_batches(load_program(directory, model_format), batches, keys, batch_size)
+    logits = run_batches(load_program(directory, model_format, name), batches, keys, batch_size)
     return logits.argmax(-1).numpy(), torch.softmax(logits, -1).max(-1).values.numpy()
 
 

@@ -43,6 +43,7 @@ from steps.contract import (
 )
 from steps.hyperparameters import parse_hyperparameters, reserved_hyperparameters
 from steps.metrics import metric_line
+from steps.model_files import EXPORTS, write_record
 from steps.user_code import call, load_user_functions
 
 # Rows in each of the two export check batches (the shortest rows, the longest): a width or
@@ -598,7 +599,7 @@ def save_final_model(model, model_dir: Path, info: dict) -> None:
         )  # config.json + model.safetensors: from_pretrained loads it
     else:
         save_model(model, str(model_dir / "model.safetensors"))  # load with the user's load_model
-    (model_dir / "smpipe.json").write_text(json.dumps(info, indent=2, default=str))
+    write_record(model_dir, info)
 
 
 def check_batches(batches: Batches) -> list[dict]:
@@ -644,13 +645,13 @@ def export_programs(
     # Tracing warns about every Python branch it freezes; the check below is what tells.
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        path = model_dir / "model.torchscript.pt"
+        path = model_dir / EXPORTS["torchscript"]
         torch.jit.trace(wrapper, args, strict=False, check_trace=False).save(str(path))
         results["torchscript"] = {
             "file": path.name,
             **compare(torch.jit.load(str(path)), checks),
         }
-        path = model_dir / "model.pt2"
+        path = model_dir / EXPORTS["exported"]
         try:
             dim = torch.export.Dim.DYNAMIC
             shapes = tuple({0: dim, 1: dim} if k in inputs["sequence"] else {0: dim} for k in keys)
@@ -659,8 +660,9 @@ def export_programs(
             loaded = torch.export.load(str(path)).module()
             results["exported"] = {"file": path.name, **compare(loaded, checks)}
         except Exception as e:  # noqa: BLE001 - recorded; TorchScript remains
-            path.unlink(missing_ok=True)
             results["exported"] = {"passed": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+        if not results["exported"]["passed"]:  # a program that disagrees is never kept
+            path.unlink(missing_ok=True)
     return results
 
 
@@ -676,6 +678,7 @@ def finish(job: Job) -> None:
     if job.best_weights is not None:
         final.load_state_dict(job.best_weights)
     final = final.float().eval().cpu()
+    exports = export_programs(final, job.keys, job.inputs, job.val_batches, model_dir)
     save_final_model(
         final,
         model_dir,
@@ -686,12 +689,12 @@ def finish(job: Job) -> None:
             "best_epoch": state.best_epoch,
             "best_validation_f1": state.best_metric,
             "max_sequence_length": hp["max_sequence_length"],
+            "exports": exports,  # which exports passed their check (steps/model_files.py)
         },
     )
     (model_dir / "id2label.json").write_text(
         json.dumps({str(k): v for k, v in job.id2label.items()}, indent=2)
     )
-    exports = export_programs(final, job.keys, job.inputs, job.val_batches, model_dir)
     accelerator.print(f"TorchScript export: {exports['torchscript']}")
     accelerator.print(f"torch.export program: {exports['exported']}")
     # The last metric line is the best epoch's: a tuner reading the final value sees the model it gets.
