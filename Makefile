@@ -25,12 +25,13 @@ run: install
 	$(PY) run_pipeline.py settings.ini
 
 # Debian's chromium, for the test that opens report.html in a real browser (playwright drives
-# it; it downloads no browser of its own). Where it cannot be installed, that test is skipped
-# and says why.
+# it; it downloads no browser of its own). Where it cannot be installed, `make test` stops
+# here rather than skip that test; `.venv/bin/python -m pytest -m "not browser"` runs the rest.
 browser:
 	@command -v chromium >/dev/null || apt-get install -y -q chromium >/dev/null 2>&1 \
 		|| (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1) \
-		|| echo "chromium could not be installed: the report's browser test will be skipped"
+		|| (echo "chromium could not be installed (apt-get as root): the report's browser test needs it;" \
+		    "run the other tests with: .venv/bin/python -m pytest -m 'not browser'" >&2; exit 1)
 
 test: install browser
 	$(PY) -m pytest -q

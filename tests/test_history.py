@@ -83,11 +83,15 @@ def test_compare_on_the_same_data_and_refused_on_other_data(three_runs, capsys):
     assert "macro_f1" not in captured.out and "[training] EPOCHS: 2 -> 3" in captured.out
 
 
-@pytest.mark.skipif(
-    CHROMIUM is None, reason="Debian's chromium is not installed (`make browser` installs it)"
-)
+@pytest.mark.browser
 def test_the_report_renders_every_section_offline_in_chromium(three_runs):
+    """Fails, never skips, without a browser: `make test` installs chromium (`make browser`);
+    `pytest -m "not browser"` leaves this test out on a machine that cannot have one."""
     from playwright.sync_api import sync_playwright
+
+    if CHROMIUM is None:
+        pytest.fail("Debian's chromium is not installed: `make browser` installs it, "
+                    "or leave this test out with `pytest -m 'not browser'`")  # fmt: skip
 
     tmp, records = three_runs
     store = LocalStore(tmp / "store")
