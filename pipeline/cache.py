@@ -139,6 +139,7 @@ class Closure:
     not be established exactly."""
 
     def __init__(self, own: dict[str, Path]) -> None:
+        self.own_names = set(own)
         self.own_roots = [p.resolve() for p in own.values()]
         self.parts: dict[str, str] = {}
         self.reasons: list[str] = []
@@ -227,6 +228,8 @@ class Closure:
             else:
                 continue
             for module_name, attribute in targets:
+                if module_name.split(".")[0] not in self.own_names:
+                    continue  # a library (transformers, say): not imported here for nothing
                 try:
                     module = importlib.import_module(module_name)
                 except Exception:  # noqa: BLE001 - not importable here: a library of the image
