@@ -764,6 +764,22 @@ def _render_redacted(raw: dict[str, dict[str, str]]) -> str:
     return buf.getvalue()
 
 
+# Settings that become one field of a SageMaker request: (section, key, the field's shape in
+# the service model, how the request writes the value). Every Environment value of a
+# processing job is at most 256 characters; each of these reaches the jobs as one.
+LIMITED = (
+    ("data", "instance_type", "ProcessingInstanceType", str),
+    ("inference", "instance_type", "ProcessingInstanceType", str),
+    ("training", "instance_type", "TrainingInstanceType", str),
+    ("experiment", "role_arn", "RoleArn", str),
+    ("experiment", "image_uri", "AlgorithmImage", str),
+    ("experiment", "user_functions", "ProcessingEnvironmentValue", str),
+    ("tracking", "wandb_secret_id", "ProcessingEnvironmentValue", str),
+    ("tracking", "secret_variables", "ProcessingEnvironmentValue", ",".join),
+    ("hub", "token_secret_id", "ProcessingEnvironmentValue", str),
+)
+
+
 def _sagemaker_limits(
     parsed: dict[str, Section],
     spaces: dict[str, tuple[str, dict[str, Tunable]]],
@@ -775,58 +791,34 @@ def _sagemaker_limits(
     `smpipe plan` checks the whole requests again."""
     from pipeline.service_model import check_value, shape
 
-    problems: list[str] = []
-
-    def check(shape_name: str, value, where: str) -> None:
-        for v in check_value(shape_name, value, where):
-            problems.append(f"{where}: {v.value!r} {_said(v.constraint, shape_name)}")
-
-    for section, key, kind in (
-        ("data", "instance_type", "ProcessingInstanceType"),
-        ("inference", "instance_type", "ProcessingInstanceType"),
-        ("training", "instance_type", "TrainingInstanceType"),
-    ):
-        if section in parsed:
-            check(kind, getattr(parsed[section], key), f"[{section}] {key.upper()}")
-    if "experiment" in parsed:
-        e = parsed["experiment"]
-        if e.role_arn:
-            check("RoleArn", e.role_arn, "[experiment] ROLE_ARN")
-        if e.image_uri:
-            check("AlgorithmImage", e.image_uri, "[experiment] IMAGE_URI")
-        # Every job's Environment carries the module's name.
-        check("ProcessingEnvironmentValue", e.user_functions, "[experiment] USER_FUNCTIONS")
+    checks = [
+        (f"[{section}] {key.upper()}", kind, write(getattr(parsed[section], key)))
+        for section, key, kind, write in LIMITED
+        if section in parsed and getattr(parsed[section], key)  # empty: not sent
+    ]
+    for model, (section, tunables) in spaces.items():
+        for key, value in tunables.items():
+            if isinstance(value, Categorical):  # one problem per section that says it
+                where = section if key in own.get(model, {}) else HP
+                checks.append((f"[{where}] {key.upper()}", "ParameterValues", list(value.options)))
+    for name, regex in metrics.items():
+        checks.append((f"[tuning.metric_definitions] {name.upper()}", "MetricName", name))
+        checks.append((f"[tuning.metric_definitions] {name.upper()}", "MetricRegex", regex))
+    problems = [
+        f"{where}: {v.value!r} {_said(v.constraint, kind)}"
+        for where, kind, value in checks
+        for v in check_value(kind, value, where)
+    ]
     if "models" in parsed:  # prepare and inference take the list as one ContainerArguments entry
-        joined = ",".join(parsed["models"].model_names)
-        limit = shape("ContainerArgument").metadata["max"]
+        joined, limit = (
+            ",".join(parsed["models"].model_names),
+            shape("ContainerArgument").metadata["max"],
+        )
         if len(joined) > limit:
             problems.append(
                 f"[models] MODEL_NAMES: {len(joined)} characters with the commas; SageMaker passes "
                 f"them to a job as one argument of at most {limit}"
             )
-    for section, key, value in (
-        (
-            "tracking",
-            "WANDB_SECRET_ID",
-            parsed["tracking"].wandb_secret_id if "tracking" in parsed else "",
-        ),
-        (
-            "tracking",
-            "SECRET_VARIABLES",
-            ",".join(parsed["tracking"].secret_variables) if "tracking" in parsed else "",
-        ),
-        ("hub", "TOKEN_SECRET_ID", parsed["hub"].token_secret_id if "hub" in parsed else ""),
-    ):
-        if value:  # each reaches the jobs as one Environment value
-            check("ProcessingEnvironmentValue", value, f"[{section}] {key}")
-    for model, (section, tunables) in spaces.items():
-        for key, value in tunables.items():
-            if isinstance(value, Categorical):  # one problem per section that says it
-                where = section if key in own.get(model, {}) else HP
-                check("ParameterValues", list(value.options), f"[{where}] {key.upper()}")
-    for name, regex in metrics.items():
-        check("MetricName", name, f"[tuning.metric_definitions] {name.upper()}")
-        check("MetricRegex", regex, f"[tuning.metric_definitions] {name.upper()}")
     if len(metrics) > 20:  # a tuning job's quota (automatic-model-tuning-limits.html)
         problems.append(
             f"[tuning.metric_definitions]: {len(metrics)} metrics; SageMaker's tuning jobs take at most 20"

@@ -563,8 +563,6 @@ class Containers:
         failure = in_root(root, failure_file)
         failure.unlink(missing_ok=True)
         (failure.parent / "interrupted").unlink(missing_ok=True)
-        compiled = {k: re.compile(v) for k, v in (metric_regexes or {}).items()}
-        metrics: dict[str, float] = {}
         command = [sys.executable, *ENTRYPOINT[1:], *arguments]
         start = time.time()
         proc = subprocess.Popen(
@@ -577,10 +575,8 @@ class Containers:
         )
         self._register(proc.pid, job)
         clock = None
-        if deadline is not None:
-            clock = threading.Timer(
-                max(0.0, deadline - time.time()), self._time_out, args=(proc.pid,)
-            )
+        if deadline is not None:  # the job's MaxRuntimeInSeconds
+            clock = threading.Timer(max(0.0, deadline - time.time()), self._time_out, (proc.pid,))
             clock.daemon = True
             clock.start()
         peak = {"rss": 0.0}
@@ -588,18 +584,7 @@ class Containers:
         watcher = threading.Thread(target=_watch_memory, args=(proc.pid, peak, done), daemon=True)
         watcher.start()
         try:
-            for raw in iter(proc.stdout.readline, b""):
-                line = redact(raw.decode("utf-8", errors="replace").rstrip("\n"), secrets)
-                log.write(line + "\n")
-                if on_line is not None:
-                    on_line(line)
-                for metric, regex in compiled.items():
-                    m = regex.search(line)
-                    if m:
-                        try:
-                            metrics[metric] = float(m.group(1))
-                        except (ValueError, IndexError):
-                            pass
+            metrics = follow_output(proc, secrets, log, on_line, metric_regexes or {})
             code = proc.wait()
         except BaseException:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -675,6 +660,26 @@ class Containers:
         if errors:
             raise errors[0]
         return exits
+
+
+def follow_output(proc, secrets: list[str], log, on_line, metric_regexes: dict[str, str]) -> dict:
+    """Every line the container prints, redacted, to `log` and `on_line`; the last value each
+    metric regex found (SageMaker reads MetricDefinitions off the log the same way)."""
+    compiled = {k: re.compile(v) for k, v in metric_regexes.items()}
+    metrics: dict[str, float] = {}
+    for raw in iter(proc.stdout.readline, b""):
+        line = redact(raw.decode("utf-8", errors="replace").rstrip("\n"), secrets)
+        log.write(line + "\n")
+        if on_line is not None:
+            on_line(line)
+        for metric, regex in compiled.items():
+            found = regex.search(line)
+            if found:
+                try:
+                    metrics[metric] = float(found.group(1))
+                except (ValueError, IndexError):
+                    pass
+    return metrics
 
 
 def _watch_memory(pid: int, peak: dict, stop: threading.Event) -> None:

@@ -660,13 +660,7 @@ def execute(
     if not is_complete(store, run.code):  # a resumed run runs the code it started with
         ship_code(settings, store, run.code)
     backend = make_backend(settings, store, run, echo)
-    if "reconcile" in steps:
-        sources.reconciled = tree.data(run.run_num)
-    if "prepare" in steps:
-        sources.prepared, sources.data_version = tree.data(run.run_num), run.run_num
-    base.data_version = sources.data_version
-    if sources.prepared is not None and "prepare" not in steps:  # data from an earlier run
-        base.data_snapshot_hash = snapshot_hash(store, sources.prepared)
+    read_own_outputs(store, tree, run, steps, sources, base)
     training = [j for j in jobs if j.kind != "processing"]
     try:
         for job in jobs:
@@ -710,6 +704,20 @@ def execute(
     log_summary(record, where)
     write_run_report(store, run)
     return record
+
+
+def read_own_outputs(
+    store: Store, tree: ExperimentTree, run: RunTree, steps: list[str], sources: Sources, base
+) -> None:
+    """Later steps read what this run's own data steps write; data from an earlier run keeps
+    its snapshot's hash in Metadata."""
+    if "reconcile" in steps:
+        sources.reconciled = tree.data(run.run_num)
+    if "prepare" in steps:
+        sources.prepared, sources.data_version = tree.data(run.run_num), run.run_num
+    base.data_version = sources.data_version
+    if sources.prepared is not None and "prepare" not in steps:
+        base.data_snapshot_hash = snapshot_hash(store, sources.prepared)
 
 
 # -- runs that stopped: abandoned ones marked, failed or interrupted ones resumed ---------------
