@@ -3,14 +3,17 @@ problem, before anything is created; never a traceback or a silent surprise."""
 
 from __future__ import annotations
 
+import json
 import os
-import subprocess
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 import run_pipeline
 from pipeline.config import ConfigError, load_settings
+from pipeline.store import LocalStore
 from tests.conftest import ROOT, write_settings
 
 
@@ -64,20 +67,37 @@ def test_an_unusable_store_is_refused_before_anything_is_written(tmp_path, capsy
 
 
 def test_a_read_only_store_is_refused(tmp_path, capsys):
-    """A folder nobody may write to: by its permission bits, or, for root (who writes through
-    them, and is who CI runs as), by the immutable attribute, which stops root too."""
-    store = tmp_path / "ro"
-    store.mkdir(mode=0o555)
-    immutable = os.geteuid() == 0
-    if immutable:
-        made = subprocess.run(["chattr", "+i", str(store)], capture_output=True, text=True)
-        assert made.returncode == 0, f"chattr +i (root's read-only folder) failed: {made.stderr}"
-    try:
+    """A folder its user may not write to. Root writes through permission bits (and CI runs
+    as root), so there the check runs in a child that has become `nobody`, as any user who is
+    not root meets the folder."""
+    if os.geteuid() != 0:
+        store = tmp_path / "ro"
+        store.mkdir(mode=0o555)
         code, err = cli(write_settings(tmp_path / "s.ini", str(store)), capsys)
+        assert code == 2 and "is not writable" in err
+        return
+    shared = Path(tempfile.mkdtemp(prefix="smpipe-ro-"))  # /tmp: a path nobody can walk
+    try:
+        shared.chmod(0o755)
+        store = shared / "ro"
+        store.mkdir(mode=0o555)
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:  # the child: nobody, asking the store what stops a write
+            os.close(read)
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                os.write(write, json.dumps(LocalStore(store).problems()).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as answer:
+            problems = json.loads(answer.read() or "null")
+        os.waitpid(child, 0)
     finally:
-        if immutable:
-            subprocess.run(["chattr", "-i", str(store)], check=True)
-    assert code == 2 and "is not writable" in err
+        shutil.rmtree(shared, ignore_errors=True)
+    assert problems and f"{store} is not writable (Permission denied in {store})" in problems[0]
 
 
 def test_a_dry_run_creates_no_store_folder(tmp_path, capsys, demo_raw):
