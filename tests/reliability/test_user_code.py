@@ -214,26 +214,27 @@ def test_modules_beside_the_user_functions_are_shipped(tmp_path, demo_raw):
 
 
 def test_a_helper_process_left_running_does_not_keep_the_job_open(store, tmp_path):
-    """reconcile starts a helper that outlives it (and holds its output open): the job ends
-    with the step, and the helper with the job."""
+    """reconcile starts a helper that would outlive it by 90 s (and holds its output open):
+    the job ends with the step, and the helper with the job, before it could finish."""
     import os
+    import sys
     import time
 
-    pid_file = tmp_path / "helper.pid"
-    started = time.time()
+    pid_file, finished = tmp_path / "helper.pid", tmp_path / "helper-finished"
+    helper = f"import time; time.sleep(90); open({str(finished)!r}, 'w').write('slept')"
     job, result = reconcile_job(store, tmp_path, f"""
         import subprocess
         import datasets
 
         def reconcile(raw_dir):
-            helper = subprocess.Popen(["sleep", "90"])
+            helper = subprocess.Popen([{sys.executable!r}, "-c", {helper!r}])
             open({str(pid_file)!r}, "w").write(str(helper.pid))
             return datasets.Dataset.from_dict({{"text": ["u", "v"], "label": ["a", "b"]}}), {{}}
     """)  # fmt: skip
     assert result.status == "Completed", result.failure_reason
-    assert time.time() - started < 30
-    helper = int(pid_file.read_text())
+    helper_pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):
         for _ in range(50):
-            os.kill(helper, 0)
+            os.kill(helper_pid, 0)
             time.sleep(0.1)
+    assert not finished.exists()  # ended, not waited for
