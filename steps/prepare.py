@@ -130,6 +130,19 @@ def clip(batch: dict, limits: dict[str, int]) -> dict:
     }
 
 
+def replace_rows(
+    columns: dict, lengths: list, rows: list[int], again: dict, _extra, again_lengths
+) -> None:
+    """Rows `rows` of one batch's encoded columns and lengths replaced by their encoding again."""
+    for k in columns:
+        patched = columns[k].to_pylist()
+        for j, i in enumerate(rows):
+            patched[i] = again[k][j].as_py()
+        columns[k] = pa.array(patched, columns[k].type)
+    for j, i in enumerate(rows):
+        lengths[i] = again_lengths[j]
+
+
 def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length: int):
     """The user's encode over every row, in batches, checked; the model's columns prefixed with
     its name plus `<model>__length`, and what training needs to pad them (keys, padding values)."""
@@ -167,14 +180,7 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
         short = [i for i in cut if lengths[i] < max_length]
         if short:
             whole = user_encode({k: [v[i] for i in short] for k, v in batch.items()})
-            again, _, again_lengths = check_encoded(whole, len(short), keys, where)
-            for k in columns:
-                patched = columns[k].to_pylist()
-                for j, i in enumerate(short):
-                    patched[i] = again[k][j].as_py()
-                columns[k] = pa.array(patched, columns[k].type)
-            for j, i in enumerate(short):
-                lengths[i] = again_lengths[j]
+            replace_rows(columns, lengths, short, *check_encoded(whole, len(short), keys, where))
         for k, values in columns.items():
             table = table.append_column(f"{model_name}_{k}", values)
         return table.append_column(length_column(model_name), pa.array(lengths, pa.int64()))
