@@ -21,7 +21,7 @@ install: $(STAMP)
 # whole pipeline on the local backend. Each call is a new run_num; nothing is overwritten.
 run: install
 	@test -d $(DEMO_RAW) || $(PY) -m user_functions.demo_data $(DEMO_RAW)
-	$(PY) -m pipeline.stage settings.ini $(DEMO_RAW) --if-empty
+	$(PY) -m pipeline.cli upload settings.ini $(DEMO_RAW) --if-empty
 	$(PY) run_pipeline.py settings.ini
 
 # Debian's chromium, for the test that opens report.html in a real browser (playwright drives

@@ -1,5 +1,5 @@
 """python run_pipeline.py settings.ini [options]: the same as `smpipe run settings.ini [options]`
-(`smpipe --help` lists the other commands: plan, runs, compare, report)."""
+(`smpipe --help` lists the other commands: plan, runs, compare, report, upload)."""
 
 from __future__ import annotations
 

@@ -24,11 +24,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.config import load_settings  # noqa: E402
-from pipeline.driver import parse_steps, run_pipeline, ship_code, training_job  # noqa: E402
-from pipeline.local_backend import LocalBackend  # noqa: E402
-from pipeline.paths import ExperimentTree  # noqa: E402
 from pipeline.stage import stage  # noqa: E402
+
+from pipeline.backends.local import LocalBackend  # noqa: E402
+from pipeline.code_bundle import ship_code  # noqa: E402
+from pipeline.config import load_settings  # noqa: E402
+from pipeline.driver import parse_steps, run_pipeline  # noqa: E402
+from pipeline.paths import ExperimentTree  # noqa: E402
+from pipeline.stages import training_job  # noqa: E402
 from pipeline.store import LocalStore  # noqa: E402
 from user_functions.demo_data import write_demo  # noqa: E402
 
@@ -70,7 +73,7 @@ def main() -> None:
     shipped.set("experiment", "STORE", str(work / "store"))
     shipped.set("models", "MODEL_NAMES", "minilm")
     shipped.set("training", "EPOCHS", "1")
-    shipped.set("training", "MAX_SEQUENCE_LENGTH", str(args.max_length))
+    shipped.set("data", "MAX_SEQUENCE_LENGTH", str(args.max_length))
     shipped.set("tracking", "WANDB_MODE", "disabled")
     shipped.remove_section("training.bow")
     with open(work / "settings.ini", "w") as f:

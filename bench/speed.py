@@ -58,6 +58,7 @@ from steps import train as train_step  # noqa: E402
 from steps.batching import Batches, write_inputs  # noqa: E402
 from steps.contract import TrainingEnv  # noqa: E402
 from steps.hyperparameters import parse_hyperparameters  # noqa: E402
+from steps.prepared_files import encoding_record, write_encoding  # noqa: E402
 from steps.user_code import load_user_functions  # noqa: E402
 from user_functions import minilm_path  # noqa: E402
 from user_functions.demo_data import bbc_articles  # noqa: E402
@@ -115,6 +116,7 @@ def prepared_dir(tokenizer, data: tuple[list[str], list[int]], root: Path) -> di
     write_inputs(root / "labels", {"minilm": {"keys": ["input_ids", "attention_mask"],
                  "pad": {"input_ids": tokenizer.pad_token_id, "attention_mask": 0},
                  "sequence": ["input_ids", "attention_mask"]}})  # fmt: skip
+    write_encoding(root / "labels", encoding_record(MAX_LENGTH, {"minilm": {}}))
     return {c: root / c for c in ("train", "validation", "labels")}
 
 
@@ -122,7 +124,7 @@ def ours_training(channels: dict[str, Path], root: Path, steps: int) -> dict:
     hp = parse_hyperparameters({
         "model_name": "minilm", "model_names": "minilm", "job_kind": "training", "epochs": "1",
         "learning_rate": "1e-4", "batch_size": str(BATCH), "max_per_device_batch_size": str(BATCH),
-        "max_sequence_length": str(MAX_LENGTH), "warmup_ratio": "0.1", "weight_decay": "0.01",
+        "warmup_ratio": "0.1", "weight_decay": "0.01",
         "seed": "42", "checkpoint_every_steps": "0", "keep_checkpoints": "1", "wandb_project": "b",
         "wandb_mode": "disabled", "max_steps": "0",
     })  # fmt: skip
@@ -293,7 +295,7 @@ def bench_fixed_cost(tokenizer, data, steps: int, repeat: int, work: Path) -> di
     validates, checkpoints, keeps the best model by F1, writes TorchScript and torch.export.
     The loop is the training steps alone on every side (ours: train_loop_seconds; the
     Trainer's: its first step's start to its last step's end)."""
-    from pipeline.container import image_env, lay_out_training
+    from pipeline.backends.container import image_env, lay_out_training
     from steps.entrypoint import ENTRYPOINT
 
     channels = prepared_dir(tokenizer, data, work / "fixed-prepared")
@@ -304,7 +306,7 @@ def bench_fixed_cost(tokenizer, data, steps: int, repeat: int, work: Path) -> di
     (work / "trainer.py").write_text(TRAINER_SCRIPT)
     hps = {"model_name": "minilm", "model_names": "minilm", "job_kind": "training", "epochs": "1",
            "learning_rate": "1e-4", "batch_size": str(BATCH), "max_per_device_batch_size": str(BATCH),
-           "max_sequence_length": str(MAX_LENGTH), "warmup_ratio": "0.1", "weight_decay": "0.01",
+           "warmup_ratio": "0.1", "weight_decay": "0.01",
            "seed": "42", "checkpoint_every_steps": "0", "keep_checkpoints": "1", "wandb_project": "b",
            "wandb_mode": "disabled", "max_steps": str(steps)}  # fmt: skip
 
@@ -448,11 +450,13 @@ def bench_prepare(corpora, tokenizer, repeat: int) -> dict:
 def bench_orchestration(repeat: int, work: Path) -> dict:
     import configparser
 
-    from pipeline.config import load_settings
-    from pipeline.driver import build_jobs, ship_code
-    from pipeline.local_backend import LocalBackend
-    from pipeline.paths import ExperimentTree
     from pipeline.stage import stage
+
+    from pipeline.backends.local import LocalBackend
+    from pipeline.code_bundle import ship_code
+    from pipeline.config import load_settings
+    from pipeline.paths import ExperimentTree
+    from pipeline.stages import build_jobs
     from pipeline.store import LocalStore
     from user_functions.demo_data import write_demo
 
@@ -471,7 +475,7 @@ def bench_orchestration(repeat: int, work: Path) -> dict:
     for r in range(repeat):
         run = tree.run(900 + r)
         ship_code(settings, store, run.code)
-        from pipeline.driver import Sources
+        from pipeline.sources import Sources
 
         sources = Sources(raw=tree.raw)
         job = build_jobs(settings, ["reconcile"], run, sources)[0]

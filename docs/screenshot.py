@@ -15,8 +15,15 @@ from pipeline.report import write_report
 from pipeline.runs import existing_run_nums
 
 # As the machine's notes say: without these, Chromium keeps trying to reach Google's hosts.
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def main(settings_path: str, out: str) -> None:

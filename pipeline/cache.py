@@ -58,8 +58,13 @@ class CacheEntry:
     note: str = ""
 
     def record(self) -> dict:
-        return {"status": self.status, "key": self.key, "inputs": self.inputs,
-                "data_version": self.data_version, "note": self.note or None}  # fmt: skip
+        return {
+            "status": self.status,
+            "key": self.key,
+            "inputs": self.inputs,
+            "data_version": self.data_version,
+            "note": self.note or None,
+        }
 
 
 def digest(*parts: str) -> str:
@@ -283,9 +288,11 @@ def functions_digest(functions: list, own: dict[str, Path]) -> tuple[str, str | 
         closure.visit(fn)
     data_files = {
         f"{n}/{f.relative_to(p).as_posix()}": file_sha256(f)
-        for n, p in own.items() if p.is_dir()
-        for f in sorted(p.rglob("*")) if f.is_file() and f.suffix not in (".py", ".pyc")
-    }  # fmt: skip
+        for n, p in own.items()
+        if p.is_dir()
+        for f in sorted(p.rglob("*"))
+        if f.is_file() and f.suffix not in (".py", ".pyc")
+    }
     data = [f"data {k} {v}" for k, v in sorted(data_files.items())]
     if closure.reasons:
         return digest("whole code", all_files_digest(own), *data), closure.reasons[0]
@@ -333,8 +340,9 @@ def lookup(store: Store, tree: ExperimentTree, step: str, key: str) -> int | Non
     return version if complete else None
 
 
-def decide(store: Store, tree: ExperimentTree, step: str, inputs: dict[str, str | None],
-           use_cache: bool) -> CacheEntry:  # fmt: skip
+def decide(
+    store: Store, tree: ExperimentTree, step: str, inputs: dict[str, str | None], use_cache: bool
+) -> CacheEntry:
     """Reuse or compute `step`, whose output is determined by `inputs` (name -> hash or
     value; None: not known, so not cacheable)."""
     unknown = [name for name, value in inputs.items() if value is None]
@@ -357,8 +365,13 @@ def remember(
 ) -> int:
     """Index this run's complete output under its key; returns the version the index names
     (another driver's, when it indexed the same key first)."""
-    record = json.dumps({"data_version": version, "inputs": inputs,
-                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode()  # fmt: skip
+    record = json.dumps(
+        {
+            "data_version": version,
+            "inputs": inputs,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+    ).encode()
     where = index_key(tree, step, key)
     if store.create(where, record):
         return version
@@ -391,19 +404,29 @@ def plan(
         reach, why = functions_digest(fns, own)
         if why:
             notes[step] = f"keyed by every file of the user code ({why})"
-        return {"functions": reach, "code": step_code_digest(step),
-                "arguments": json.dumps(arguments.get(step, []))}  # fmt: skip
+        return {
+            "functions": reach,
+            "code": step_code_digest(step),
+            "arguments": json.dumps(arguments.get(step, [])),
+        }
 
     entries: dict[str, CacheEntry] = {}
     if "reconcile" in steps:
-        entries["reconcile"] = decide(store, tree, "reconcile",
-                                      {"raw": raw_digest(store, raw), **inputs("reconcile")}, use_cache)  # fmt: skip
+        entries["reconcile"] = decide(
+            store,
+            tree,
+            "reconcile",
+            {"raw": raw_digest(store, raw), **inputs("reconcile")},
+            use_cache,
+        )
     if "prepare" in steps:
         upstream = entries.get("reconcile")
         reconciled = (upstream.key if upstream else None) or (
             f"snapshot {snapshot_hash}" if snapshot_hash and not upstream else None
         )
-        entries["prepare"] = decide(store, tree, "prepare", {"reconciled": reconciled, **inputs("prepare")}, use_cache)  # fmt: skip
+        entries["prepare"] = decide(
+            store, tree, "prepare", {"reconciled": reconciled, **inputs("prepare")}, use_cache
+        )
     for step, note in notes.items():
         entries[step].note = "; ".join(filter(None, [entries[step].note, note]))
     return entries

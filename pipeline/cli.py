@@ -10,9 +10,11 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 
 EXAMPLES = """\
 examples:
+  smpipe upload settings.ini ./raw_data          copy raw data into the experiment's raw/
   smpipe run settings.ini                        reconcile, prepare, train, test: a new run
   smpipe run settings.ini --steps train,inference   reuse the newest data
   smpipe run settings.ini --resume 3             continue run 3 where it stopped
@@ -39,18 +41,57 @@ def run_number(text: str) -> int:
     return number
 
 
+def run_options(sub: argparse.ArgumentParser) -> None:
+    """The options `run` and `plan` share: what a run would do is what it does."""
+    sub.add_argument(
+        "--backend",
+        choices=["local", "sagemaker", "emulated"],
+        help="overrides [experiment] BACKEND; emulated: SageMaker's requests sent to an "
+        "embedded moto and every job played on this machine",
+    )
+    sub.add_argument(
+        "--steps",
+        help="comma-separated subset of reconcile,prepare,train,inference; skipped steps "
+        "reuse the newest complete outputs of the experiment",
+    )
+    sub.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="compute reconcile and prepare even when an earlier run computed them from "
+        "the same inputs (raw data, user functions, settings, code)",
+    )
+    sub.add_argument(
+        "--resume",
+        type=run_number,
+        metavar="RUN_NUM",
+        help="continue a failed, interrupted or abandoned run in place: its completed "
+        "steps are kept and training resumes from its checkpoints",
+    )
+    sub.add_argument(
+        "--show-requests",
+        action="store_true",
+        help="also print the SageMaker request each job becomes",
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(
         prog="smpipe",
-        description="Finetune and compare text classifiers on SageMaker (or here) from one settings.ini.",
+        description="Finetune and compare text classifiers on SageMaker (or here) from one "
+        "settings.ini.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = root.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, text: str) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=text, description=text, epilog=EXAMPLES,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        sub = commands.add_parser(
+            name,
+            help=text,
+            description=text,
+            epilog=EXAMPLES,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         sub.add_argument("settings", help="the settings.ini of the experiment")
         return sub
 
@@ -59,25 +100,28 @@ def parser() -> argparse.ArgumentParser:
         "plan", "print the jobs a run would launch, their inputs and outputs; launch nothing"
     )
     for sub in (run, plan):
-        sub.add_argument("--backend", choices=["local", "sagemaker", "emulated"],
-                         help="overrides [experiment] BACKEND; emulated: SageMaker's requests sent to an "
-                              "embedded moto and every job played on this machine")  # fmt: skip
-        sub.add_argument("--steps", help="comma-separated subset of reconcile,prepare,train,inference; "
-                                         "skipped steps reuse the newest complete outputs of the experiment")  # fmt: skip
-        sub.add_argument("--no-cache", action="store_true",
-                         help="compute reconcile and prepare even when an earlier run computed them from "
-                              "the same inputs (raw data, user functions, settings, code)")  # fmt: skip
-        sub.add_argument("--resume", type=run_number, metavar="RUN_NUM",
-                         help="continue a failed, interrupted or abandoned run in place: its completed "
-                              "steps are kept and training resumes from its checkpoints")  # fmt: skip
-        sub.add_argument("--show-requests", action="store_true",
-                         help="also print the SageMaker request each job becomes")  # fmt: skip
+        run_options(sub)
     run.add_argument("--dry-run", action="store_true", help="the same as `smpipe plan`")
     loud = run.add_mutually_exclusive_group()
-    loud.add_argument("-q", "--quiet", action="store_true",
-                      help="only what went wrong and the summary; job output stays in the job logs")  # fmt: skip
-    loud.add_argument("-v", "--verbose", action="store_true",
-                      help="every line of every job, library warnings included")  # fmt: skip
+    loud.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="only what went wrong and the summary; job output stays in the job logs",
+    )
+    loud.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="every line of every job, library warnings included",
+    )
+    upload = command("upload", "copy a folder of raw data into the experiment's raw/ in the store")
+    upload.add_argument("folder", type=Path, help="the raw data: a folder on this machine")
+    upload.add_argument(
+        "--if-empty",
+        action="store_true",
+        help="do nothing when the experiment already has raw data",
+    )
     command("runs", "list the experiment's runs: status, models, test macro-F1, data, duration")
     compare = command(
         "compare", "two runs side by side: metrics, per-label F1, settings that differ"
@@ -92,7 +136,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     from pipeline.config import ConfigError
-    from pipeline.driver import PipelineError
+    from pipeline.errors import PipelineError
     from pipeline.history import HistoryError
     from pipeline.store import StoreError
     from steps.user_code import UserFunctionError
@@ -100,9 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("run", "plan"):
             return run_command(args)
-        return {"runs": runs_command, "compare": compare_command, "report": report_command}[
-            args.command
-        ](args)
+        commands = {
+            "runs": runs_command,
+            "compare": compare_command,
+            "report": report_command,
+            "upload": upload_command,
+        }
+        return commands[args.command](args)
     except (ConfigError, UserFunctionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -110,8 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted: its jobs were stopped; the run is marked interrupted and its completed "
-              "outputs stay", file=sys.stderr)  # fmt: skip
+        print(
+            "interrupted: its jobs were stopped; the run is marked interrupted and its "
+            "completed outputs stay",
+            file=sys.stderr,
+        )
         return 130
 
 
@@ -125,7 +176,7 @@ def open_experiment(path: str, backend: str | None = None):
         env["SMPIPE__EXPERIMENT__BACKEND"] = backend
     settings = load_settings(path, env)
     if settings.experiment.backend == "emulated":  # never a real AWS endpoint
-        from pipeline.emulated_backend import open_emulated_store
+        from pipeline.backends.emulated import open_emulated_store
 
         store = open_emulated_store(settings)
     else:
@@ -139,8 +190,8 @@ def open_experiment(path: str, backend: str | None = None):
 def run_command(args) -> int:
     import logging
 
-    from pipeline.console import Display
-    from pipeline.driver import parse_steps, run_pipeline, summary_lines
+    from pipeline.console import Display, summary_lines
+    from pipeline.driver import parse_steps, run_pipeline
 
     quiet, verbose = getattr(args, "quiet", False), getattr(args, "verbose", False)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -157,9 +208,16 @@ def run_command(args) -> int:
     logger.setLevel(logging.WARNING if quiet else logging.INFO)
     try:
         with open(os.devnull, "w") as devnull:
-            record = run_pipeline(settings, store, steps, dry_run=dry_run, show_requests=args.show_requests,
-                                  resume=args.resume, use_cache=not args.no_cache,
-                                  echo=devnull if quiet else display)  # fmt: skip
+            record = run_pipeline(
+                settings,
+                store,
+                steps,
+                dry_run=dry_run,
+                show_requests=args.show_requests,
+                resume=args.resume,
+                use_cache=not args.no_cache,
+                echo=devnull if quiet else display,
+            )
     finally:
         display.close()
         logger.handlers, logger.propagate = before[0], before[1]
@@ -202,7 +260,15 @@ def runs_command(args) -> int:
             else ""
         )
         took = f"{row['seconds']:.0f}s" if row["seconds"] is not None else ""
-        table.add_row(row["run"], row["status"] or "", ", ".join(row["models"]), f1, data, took, age(row["started"]))  # fmt: skip
+        table.add_row(
+            row["run"],
+            row["status"] or "",
+            ", ".join(row["models"]),
+            f1,
+            data,
+            took,
+            age(row["started"]),
+        )
     console.print(table)
     return 0
 
@@ -267,3 +333,29 @@ def report_command(args) -> int:
     key = write_report(store, tree, run_num)
     print(f"report of run {run_num:04d}: {store.uri_of(key)}")
     return 0
+
+
+def upload_command(args) -> int:
+    """Raw data is the user's: it is copied as it is, never mixed with other data. An
+    experiment whose raw/ holds these very files is left as it is."""
+    from pipeline.errors import PipelineError
+    from pipeline.paths import ExperimentTree
+    from pipeline.sources import check_raw_upload, upload_raw
+
+    settings, store = open_experiment(args.settings)
+    tree = ExperimentTree(settings.experiment.name)
+    if not args.folder.is_dir() or not any(p.is_file() for p in args.folder.rglob("*")):
+        raise PipelineError(f"upload: {args.folder} is not a folder with files in it")
+    if args.if_empty and store.list_keys(tree.raw):
+        print(f"raw data already uploaded at {store.uri_of(tree.raw)}")
+        return 0
+    problems = check_raw_upload(store, tree, args.folder)
+    if problems:
+        raise PipelineError("upload: " + "; ".join(problems))
+    if upload_raw(store, tree, args.folder) == 0:
+        print(f"{store.uri_of(tree.raw)} holds these files already")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

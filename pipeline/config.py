@@ -6,13 +6,16 @@ and what is allowed, so a user fixes the whole file in one go.
 
 Environment variables override keys: `SMPIPE__<SECTION>__<KEY>`, e.g.
 `SMPIPE__TRAINING__EPOCHS=1`, `SMPIPE__TRAINING_BOW__LEARNING_RATE=1e-2` or
-`SMPIPE__TUNING_HYPERPARAMETERS__LEARNING_RATE=1e-5->1e-3` (dots in a section name become underscores).
+`SMPIPE__TUNING_HYPERPARAMETERS__LEARNING_RATE=1e-5->1e-3` (dots in a section name become
+underscores).
 """
 
 from __future__ import annotations
 
 import configparser
+import difflib
 import io
+import logging
 import math
 import os
 import re
@@ -20,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from steps.entrypoint import env_key
-from steps.hyperparameters import HYPERPARAMETERS, TUNABLE
+from steps.hyperparameters import HYPERPARAMETERS, PER_MODEL, TABLE, TUNABLE, Hyperparameter, wire
 from steps.metrics import DEFINITIONS as METRIC_DEFINITIONS
 from steps.metrics import check_definition
 
@@ -31,6 +34,7 @@ ENV_PREFIX = "SMPIPE__"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 NAME_RULE = "letters, digits, '_' or '-', starting with a letter or digit, at most 63 characters"
 SECRET_KEY_RE = re.compile(r"(key|secret|token|password)", re.IGNORECASE)
+log = logging.getLogger("smpipe")
 
 
 class ConfigError(ValueError):
@@ -56,6 +60,23 @@ class Section(BaseModel):
     )
 
 
+def _field(h: Hyperparameter) -> tuple[object, object]:
+    """One row of the hyperparameter table as a pydantic field: type, default, bounds, help."""
+    if h.type is str and h.choices:
+        return Literal[h.choices], Field(h.default, description=h.help)
+    if h.choices:  # a number, or a word in its place ("auto")
+        number = Annotated[h.type, Field(**h.bounds())]
+        return number | Literal[h.choices], Field(h.default, description=h.help)
+    return h.type, Field(h.default, description=h.help, **h.bounds())
+
+
+def hyperparameters_of(section: str) -> type[Section]:
+    """The keys of `section` that are hyperparameters (steps/hyperparameters.py's table), as
+    the base of that section's model."""
+    fields = {h.name: _field(h) for h in TABLE if h.section == section}
+    return create_model(f"{section.title()}Hyperparameters", __base__=Section, **fields)
+
+
 class Experiment(Section):
     name: str
     store: str  # a local directory, or s3://bucket[/prefix]
@@ -78,12 +99,15 @@ class Experiment(Section):
         return value
 
 
-class Data(Section):
+class Data(hyperparameters_of("data")):  # SEED
     raw_data: str = ""  # empty: the experiment's raw/ folder in the store
     train_fraction: float = Field(0.8, gt=0, lt=1)
     validation_fraction: float = Field(0.1, gt=0, lt=1)
     test_fraction: float = Field(0.1, gt=0, lt=1)
-    seed: int = Field(42, ge=0, le=2**32 - 1)  # what numpy's and torch's seeding accept
+    # Tokens per row at most: prepare applies it once, for every model, and records it beside
+    # the prepared data (encoding.json), as Hugging Face's run_glue has max_seq_length among
+    # its data arguments. Training reads it from there.
+    max_sequence_length: int = Field(128, ge=8, le=131_072)
     instance_type: str = "ml.m5.xlarge"
 
 
@@ -117,20 +141,10 @@ class Models(Section):
         return value
 
 
-# Bounds are sanity, not taste: beyond them a job would fail deep inside (an integer
-# overflow, a tensor of 10^14 tokens, a seed numpy refuses) or train nothing useful.
-HUGE = 10**9
+class Training(hyperparameters_of("training")):
+    """[training]: the hyperparameters of the table (how a model learns, how it checkpoints),
+    then the shape of the job."""
 
-
-class Training(Section):
-    epochs: int = Field(3, ge=1, le=10_000)
-    learning_rate: float = Field(5e-5, gt=0, le=10)
-    batch_size: int = Field(32, ge=1, le=65_536)
-    max_per_device_batch_size: int = Field(16, ge=1, le=65_536)
-    max_sequence_length: int = Field(128, ge=8, le=131_072)
-    warmup_ratio: float = Field(0.1, ge=0, lt=1)
-    weight_decay: float = Field(0.01, ge=0, le=10)
-    max_steps: int = Field(0, ge=0, le=HUGE)
     use_distributed: bool = False
     # auto: one process per GPU of the instance (SageMaker's framework containers launch that
     # many; SM_NUM_GPUS), one on an instance without GPUs.
@@ -141,16 +155,7 @@ class Training(Section):
     # SageMaker's limit on MaxRuntimeInSeconds and MaxWaitTimeInSeconds: 28 days.
     max_run_seconds: int = Field(86400, ge=60, le=2_419_200)
     max_wait_seconds: int = Field(172800, ge=60, le=2_419_200)
-    checkpoint_every_steps: int = Field(50, ge=0, le=HUGE)
-    keep_checkpoints: int = Field(2, ge=1, le=1000)
     max_restarts: int = Field(3, ge=0, le=100)
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
-    group_by_length: bool = True
-    compile: bool = False
-    # Processes that read and pad training batches beside each training process (the
-    # DataLoader's num_workers, as TrainingArguments.dataloader_num_workers). auto: 2 on a GPU,
-    # where the next batch is made while the GPU computes; 0 on a CPU, whose cores compute.
-    dataloader_num_workers: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -189,9 +194,7 @@ class Inference(Section):
     model_format: Literal["torchscript", "exported"] = "torchscript"
 
 
-class Tracking(Section):
-    wandb_project: str = "smpipe"
-    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+class Tracking(hyperparameters_of("tracking")):  # WANDB_PROJECT, WANDB_MODE
     # An AWS Secrets Manager secret holding the wandb key, read inside SageMaker jobs.
     wandb_secret_id: str = ""
     # More environment variables whose values are masked wherever a run writes (the wandb,
@@ -273,33 +276,26 @@ class Settings(BaseModel):
         )
 
     def training_hyperparameters(self, model_name: str, job_kind: str) -> dict[str, str]:
-        """What a training job receives: strings, as SageMaker passes them."""
-        t = self.model_training.get(model_name, self.training)
-        hps = {
+        """What a training job receives: every row of the hyperparameter table, from the
+        section that sets it (a tuning trial's constants over them), as strings: SageMaker
+        passes hyperparameters as strings."""
+        run = {
             "model_name": model_name,
             "model_names": ",".join(self.models.model_names),
             "job_kind": job_kind,
-            "epochs": t.epochs,
-            "learning_rate": t.learning_rate,
-            "batch_size": t.batch_size,
-            "max_per_device_batch_size": t.max_per_device_batch_size,
-            "max_sequence_length": t.max_sequence_length,
-            "warmup_ratio": t.warmup_ratio,
-            "weight_decay": t.weight_decay,
-            "max_steps": t.max_steps,
-            "seed": self.data.seed,
-            "checkpoint_every_steps": t.checkpoint_every_steps,
-            "keep_checkpoints": t.keep_checkpoints,
-            "wandb_project": self.tracking.wandb_project,
-            "wandb_mode": self.tracking.wandb_mode,
-            "mixed_precision": t.mixed_precision,
-            "group_by_length": str(t.group_by_length).lower(),
-            "compile": str(t.compile).lower(),
-            "dataloader_num_workers": t.dataloader_num_workers,
+        }
+        sections = {
+            "training": self.model_training.get(model_name, self.training),
+            "data": self.data,
+            "tracking": self.tracking,
+        }
+        hps = {
+            h.name: run[h.name] if h.section == "run" else getattr(sections[h.section], h.name)
+            for h in TABLE
         }
         if job_kind == "tuning":
             hps.update(self.tuning_space(model_name)[0])
-        return {k: str(v) for k, v in hps.items()}
+        return {k: wire(v) for k, v in hps.items()}
 
 
 SECTIONS: dict[str, type[Section]] = {
@@ -314,19 +310,12 @@ SECTIONS: dict[str, type[Section]] = {
 }
 FREE_SECTIONS = ("tuning.hyperparameters", "tuning.metric_definitions")
 HP, HP_ENV = "tuning.hyperparameters", "tuning_hyperparameters_"
-# [training.<model>] may change how one model learns; the rest is shared by every model
-# (one encoding for all, one job shape).
-PER_MODEL = (
-    "epochs",
-    "learning_rate",
-    "batch_size",
-    "max_per_device_batch_size",
-    "warmup_ratio",
-    "weight_decay",
-    "max_steps",
-    "mixed_precision",
-    "compile",
-)
+# Keys that moved: (section, key) -> where they are now and why.
+MOVED = {
+    ("training", "max_sequence_length"): (
+        "moved to [data] MAX_SEQUENCE_LENGTH: prepare applies it once, for every model"
+    ),
+}
 INT_RE = re.compile(r"^[+-]?\d+$")
 
 
@@ -393,7 +382,8 @@ def _read_text(path: Path) -> str:
         line = path.read_bytes()[: e.start].count(b"\n") + 1
         raise ConfigError(
             [
-                f"line {line}: not UTF-8 text (byte {e.object[e.start]:#04x}); save the file as UTF-8"
+                f"line {line}: not UTF-8 text (byte {e.object[e.start]:#04x}); "
+                "save the file as UTF-8"
             ],
             str(path),
         ) from None
@@ -489,6 +479,8 @@ def _pydantic_problems(section: str, error: ValidationError) -> list[str]:
         key = str(e["loc"][0]).upper() if e["loc"] else "?"
         if e["type"] == "missing":
             problems.append(f"[{section}] {key}: required key is missing")
+        elif e["type"] == "extra_forbidden" and (section, key.lower()) in MOVED:
+            problems.append(f"[{section}] {key}: {MOVED[section, key.lower()]}")
         elif e["type"] == "extra_forbidden":
             allowed = ", ".join(k.upper() for k in SECTIONS[section].model_fields)
             problems.append(f"[{section}] {key}: unknown key (allowed: {allowed})")
@@ -521,13 +513,23 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
     problems += _apply_env(raw, dict(os.environ) if env is None else env)
     problems += _unknown_sections(raw)
     parsed = _sections(raw, problems)
+    # [training.<model>] and [tuning.hyperparameters.<model>] of a model not in MODEL_NAMES
+    # are checked as fully as the others, and not applied: a library of per-model settings
+    # that MODEL_NAMES selects from.
+    names = parsed["models"].model_names if "models" in parsed else None
+    for prefix in ("training", HP):
+        _warn_unlisted(_model_sections(raw, prefix), names, path)
     model_training = _per_model(raw, parsed, problems)
     constants, tunables = _tuning_hyperparameters(raw.get(HP, {}), HP, problems)
     model_constants, model_tunables = {}, {}
-    for model, section in _model_sections(raw, HP, parsed, problems).items():
+    for model, section in _model_sections(raw, HP).items():
         model_constants[model], model_tunables[model] = _tuning_hyperparameters(
             raw[section], section, problems
         )
+    if names is not None:
+        model_training = {m: t for m, t in model_training.items() if m in names}
+        model_constants = {m: c for m, c in model_constants.items() if m in names}
+        model_tunables = {m: t for m, t in model_tunables.items() if m in names}
     metrics = _metric_definitions(raw, problems)
     spaces = {
         m: (
@@ -567,22 +569,23 @@ def _unknown_sections(raw: dict[str, dict[str, str]]) -> list[str]:
     ]
 
 
-def _model_sections(
-    raw: dict, prefix: str, parsed: dict[str, Section], problems: list[str]
-) -> dict[str, str]:
-    """model -> its [<prefix>.<model>] section; one naming no model of MODEL_NAMES is refused."""
-    found = {}
-    for section in raw:
-        model = section.removeprefix(prefix + ".")
-        if model == section:
+def _model_sections(raw: dict, prefix: str) -> dict[str, str]:
+    """model -> its [<prefix>.<model>] section."""
+    return {s.removeprefix(prefix + "."): s for s in raw if s.startswith(prefix + ".")}
+
+
+def _warn_unlisted(sections: dict[str, str], names: list[str] | None, path: Path) -> None:
+    """A warning for each per-model section of a model not in MODEL_NAMES, naming the models
+    it may be a misspelling of."""
+    for model, section in sections.items() if names is not None else ():
+        if model in names:
             continue
-        if "models" in parsed and model not in parsed["models"].model_names:
-            problems.append(
-                f"[{section}]: {model!r} is not in [models] MODEL_NAMES ({', '.join(parsed['models'].model_names)})"
-            )
-        else:
-            found[model] = section
-    return found
+        close = difflib.get_close_matches(model, names, n=2)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        log.warning(
+            f"warning: {path}: [{section}] is checked but not applied: {model!r} is not in "
+            f"[models] MODEL_NAMES ({', '.join(names)}){hint}"
+        )
 
 
 def _sections(raw: dict[str, dict[str, str]], problems: list[str]) -> dict[str, Section]:
@@ -599,21 +602,23 @@ def _sections(raw: dict[str, dict[str, str]], problems: list[str]) -> dict[str, 
 def _per_model(raw: dict, parsed: dict[str, Section], problems: list[str]) -> dict[str, Training]:
     """[training.<model>]: [training] with the model's per-model keys applied."""
     model_training: dict[str, Training] = {}
-    for model, section in _model_sections(raw, "training", parsed, problems).items():
+    allowed = ", ".join(k.upper() for k in PER_MODEL)
+    for model, section in _model_sections(raw, "training").items():
         for key in raw[section]:
-            if key not in PER_MODEL:
+            if ("training", key) in MOVED:
+                problems.append(f"[{section}] {key.upper()}: {MOVED['training', key]}")
+            elif key not in PER_MODEL:
                 problems.append(
-                    f"[{section}] {key.upper()}: not a per-model key (allowed: {', '.join(k.upper() for k in PER_MODEL)})"
+                    f"[{section}] {key.upper()}: not a per-model key (allowed: {allowed})"
                 )
         if "training" not in parsed:
             continue
         try:
-            model_training[model] = Training(
-                **{
-                    **raw.get("training", {}),
-                    **{k: v for k, v in raw[section].items() if k in PER_MODEL},
-                }
-            )
+            shared = {
+                k: v for k, v in raw.get("training", {}).items() if ("training", k) not in MOVED
+            }
+            own = {k: v for k, v in raw[section].items() if k in PER_MODEL}
+            model_training[model] = Training(**(shared | own))
         except ValidationError as e:
             problems.extend(
                 p.replace("[training]", f"[{section}]") for p in _pydantic_problems("training", e)
@@ -650,7 +655,7 @@ def _tuning_hyperparameters(
                 f"{where}: takes a single value, not a range (searched: {', '.join(TUNABLE)})"
             )
             continue
-        kind = HYPERPARAMETERS[key][0]
+        kind = HYPERPARAMETERS[key].type
         typed = []
         if isinstance(value, Interval) and kind is int and not value.integer:
             typed.append(f"{where}: {text!r} must have whole-number bounds for an integer")
@@ -687,14 +692,16 @@ def _across_sections(
     metrics: dict[str, str],
 ) -> list[str]:
     """What no one section can check alone. `spaces`: each model's section and searched
-    ranges, `own`: the ranges its own section sets."""
+    ranges, `own`: the ranges its own section sets. Long on purpose: one flat list of rules,
+    each a few lines, read like the list of problems it makes."""
     problems: list[str] = []
     if "data" in parsed:
         d = parsed["data"]
         total = d.train_fraction + d.validation_fraction + d.test_fraction
         if abs(total - 1.0) > 1e-6:
             problems.append(
-                f"[data] TRAIN_FRACTION + VALIDATION_FRACTION + TEST_FRACTION must sum to 1 (got {total:g})"
+                "[data] TRAIN_FRACTION + VALIDATION_FRACTION + TEST_FRACTION must sum to 1 "
+                f"(got {total:g})"
             )
     if "experiment" in parsed and parsed["experiment"].backend == "sagemaker":
         e = parsed["experiment"]
@@ -710,7 +717,8 @@ def _across_sections(
         if tracking and tracking.wandb_mode == "online" and not tracking.wandb_secret_id:
             problems.append(
                 "[tracking] WANDB_MODE = online on the sagemaker backend needs WANDB_SECRET_ID: "
-                "a SageMaker job has no WANDB_API_KEY of its own (set the secret, or WANDB_MODE = offline)"
+                "a SageMaker job has no WANDB_API_KEY of its own (set the secret, or "
+                "WANDB_MODE = offline)"
             )
     if "experiment" in parsed and parsed["experiment"].job == "tune":
         grid = "tuning" in parsed and parsed["tuning"].strategy == "Grid"
@@ -722,7 +730,10 @@ def _across_sections(
             ranges = [(k, v) for k, v in tunables.items() if isinstance(v, Interval)]
             for key, value in ranges if grid else ():
                 where = section if key in own.get(model, {}) else HP
-                problem = f"[{where}] {key.upper()}: STRATEGY = Grid takes categorical options only (x,y,z), not {value.render()}"
+                problem = (
+                    f"[{where}] {key.upper()}: STRATEGY = Grid takes categorical options only "
+                    f"(x,y,z), not {value.render()}"
+                )
                 if problem not in problems:  # a shared range is one problem, not one per model
                     problems.append(problem)
         if (
@@ -731,7 +742,8 @@ def _across_sections(
             and parsed["tuning"].early_stopping == "Auto"
         ):
             problems.append(
-                "[tuning] EARLY_STOPPING: Hyperband stops trials early by itself; set EARLY_STOPPING = Off (SageMaker refuses both)"
+                "[tuning] EARLY_STOPPING: Hyperband stops trials early by itself; set "
+                "EARLY_STOPPING = Off (SageMaker refuses both)"
             )
     if "tuning" in parsed and parsed["tuning"].objective_metric not in metrics:
         problems.append(
@@ -745,8 +757,9 @@ def _across_sections(
             problems.append("[training] INSTANCE_COUNT > 1 needs USE_DISTRIBUTED = true")
         if t.use_spot and t.max_wait_seconds < t.max_run_seconds:
             problems.append(
-                f"[training] MAX_WAIT_SECONDS ({t.max_wait_seconds}) must be at least MAX_RUN_SECONDS "
-                f"({t.max_run_seconds}): SageMaker's MaxWaitTimeInSeconds includes the run"
+                f"[training] MAX_WAIT_SECONDS ({t.max_wait_seconds}) must be at least "
+                f"MAX_RUN_SECONDS ({t.max_run_seconds}): SageMaker's MaxWaitTimeInSeconds "
+                "includes the run"
             )
     return problems
 
@@ -821,7 +834,8 @@ def _sagemaker_limits(
             )
     if len(metrics) > 20:  # a tuning job's quota (automatic-model-tuning-limits.html)
         problems.append(
-            f"[tuning.metric_definitions]: {len(metrics)} metrics; SageMaker's tuning jobs take at most 20"
+            f"[tuning.metric_definitions]: {len(metrics)} metrics; SageMaker's tuning jobs take "
+            "at most 20"
         )
     return list(dict.fromkeys(problems))
 

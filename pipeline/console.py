@@ -1,9 +1,10 @@
 """What a run shows while it goes.
 
 On a terminal: one live display (rich) for the whole run: each job of the plan with its status,
-elapsed time and the rows it processed; for a running training job a bar with its epoch, loss, examples/s and ETA;
-the tuning trials as a table that fills in. The driver's own lines and each epoch's metrics
-print above it; every other job line is in the job's log (`--verbose` shows them all).
+elapsed time and the rows it processed; for a running training job a bar with its epoch, loss,
+examples/s and ETA; the tuning trials as a table that fills in. The driver's own lines and each
+epoch's metrics print above it; every other job line is in the job's log (`--verbose` shows
+them all).
 Anywhere else (CI, a pipe, a log file): plain lines, as they come.
 
 Either way, warnings that dependencies print (deprecations, "this will change in version x")
@@ -21,6 +22,9 @@ import re
 import sys
 import threading
 import time
+
+from pipeline.errors import log
+from pipeline.paths import run_label
 
 JOB_LINE = re.compile(r"^\[(?P<job>[^\]]+)\] (?P<text>.*)$")
 PROGRESS = re.compile(
@@ -56,8 +60,13 @@ class Display:
             from rich.live import Live
 
             self.console = Console(file=self.stream, markup=False)  # user strings are text
-            self._live = Live(console=self.console, refresh_per_second=4, get_renderable=self._render,
-                              transient=False, redirect_stdout=False)  # fmt: skip
+            self._live = Live(
+                console=self.console,
+                refresh_per_second=4,
+                get_renderable=self._render,
+                transient=False,
+                redirect_stdout=False,
+            )
 
     # -- the echo stream ---------------------------------------------------------------------
 
@@ -149,11 +158,19 @@ class Display:
             seconds = job["seconds"]
             if job["status"] == "running" and job["started"]:
                 seconds = time.time() - job["started"]
-            mark, style = {"completed": ("✓", "green"), "failed": ("✗", "red"), "running": ("●", "yellow"),
-                           "interrupted": ("■", "red")}.get(job["status"], ("·", "dim"))  # fmt: skip
+            mark, style = {
+                "completed": ("✓", "green"),
+                "failed": ("✗", "red"),
+                "running": ("●", "yellow"),
+                "interrupted": ("■", "red"),
+            }.get(job["status"], ("·", "dim"))
             note = next((n for name, n in self.notes.items() if _same_job(name, label)), "")
-            steps.add_row(Text.assemble((mark, style), " ", label), Text(job["status"]),
-                          Text(f"{seconds:.0f}s" if seconds else ""), Text(note, style="dim"))  # fmt: skip
+            steps.add_row(
+                Text.assemble((mark, style), " ", label),
+                Text(job["status"]),
+                Text(f"{seconds:.0f}s" if seconds else ""),
+                Text(note, style="dim"),
+            )
         parts = [steps]
         for job, bar in self.bars.items():
             label = next((label for label in self.jobs if _same_job(job, label)), job)
@@ -206,3 +223,65 @@ def _bar(job: str, bar: dict):
 def _clock(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+# -- what a finished run says at the end ---------------------------------------------------------
+
+
+def log_summary(record: dict, run_uri: str) -> None:
+    for line in summary_lines(record, run_uri):
+        log.info(line)
+
+
+def summary_lines(record: dict, run_uri: str) -> list[str]:
+    """What a finished run says at the end: per model its test metrics, training time, best
+    epoch and where its model is; the comparison's winner and whether the win is significant."""
+    performance = record.get("holdout_performance") or {}
+    train = (
+        (record.get("steps") or {}).get("train") or (record.get("steps") or {}).get("tune") or {}
+    )
+    trained = (train.get("details") or {}).get("models") or {}
+    lines = []
+    if performance:
+        lines += [
+            "",
+            "test-set performance",
+            f"  {'model':<14}{'accuracy':>9}{'macro F1':>10}{'weighted F1':>13}{'rows':>6}"
+            f"{'trained':>9}{'best epoch':>12}  model",
+        ]
+        for name, p in sorted(performance.items(), key=lambda kv: -kv[1]["macro_f1"]):
+            t = trained.get(name) or {}
+            took = f"{t['job_seconds']:.0f}s" if t.get("job_seconds") is not None else "-"
+            where = (record.get("model_artifacts") or {}).get(name, "-")
+            lines.append(
+                f"  {name:<14}{p['accuracy']:>9.4f}{p['macro_f1']:>10.4f}{p['weighted_f1']:>13.4f}"
+                f"{p['rows']:>6}{took:>9}{str(t.get('best_epoch', '-')):>12}  {where}"
+            )
+        comparison = (record["steps"].get("inference") or {}).get("details", {}).get("comparison")
+        for pair in (comparison or {}).get("pairs", []):
+            lines.append("  " + verdict(pair))
+    took = f"{record['time_taken']:.0f}s"
+    lines.append(
+        f"\nrun {run_label(record['model_version'])} {record['status']} in {took}: {run_uri}"
+    )
+    return lines
+
+
+def verdict(pair: dict) -> str:
+    """One line on a pair of models: which is ahead in test accuracy, by how much, and
+    whether that is significant."""
+    a, b = pair["models"]
+    m, ci = pair["mcnemar"], pair.get("accuracy_difference_ci95")
+    ahead = a if pair["accuracy_difference"] >= 0 else b
+    behind = b if ahead == a else a
+    # accuracy(ahead) - accuracy(behind), and its interval, whichever way the pair is ordered
+    sign = 1 if ahead == a else -1
+    interval = ""
+    if ci:
+        low, high = sorted((sign * ci[0], sign * ci[1]))
+        interval = f", 95% CI [{low:+.4f}, {high:+.4f}]"
+    difference = sign * pair["accuracy_difference"]
+    how = f"accuracy {difference:+.4f}{interval}; McNemar p={m['p_value']:.3g}"
+    if m["significant_at_0.05"]:
+        return f"{ahead} beats {behind}: {how}, significant at 0.05"
+    return f"{ahead} vs {behind}: no significant difference ({ahead} ahead by {how})"

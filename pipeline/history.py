@@ -40,20 +40,36 @@ def run_rows(store: Store, tree: ExperimentTree) -> list[dict]:
         try:
             record = read_record(store, tree, run_num)
         except HistoryError:  # claimed, Metadata not written yet (or lost)
-            rows.append({"run": run_label(run_num), "status": "claimed", "models": [], "macro_f1": {},
-                         "data_version": None, "snapshot": None, "seconds": None, "started": None})  # fmt: skip
+            rows.append(
+                {
+                    "run": run_label(run_num),
+                    "status": "claimed",
+                    "models": [],
+                    "macro_f1": {},
+                    "data_version": None,
+                    "snapshot": None,
+                    "seconds": None,
+                    "started": None,
+                }
+            )
             continue
         performance = record.get("holdout_performance") or {}
         models = list(record.get("model_artifacts") or {}) or sorted(performance)
         status = record.get("status")
         if status == "running" and silent_driver(store, tree.run(run_num).heartbeat):
             status = "abandoned"  # the rule the next run applies (pipeline/runs.py)
-        rows.append({
-            "run": run_label(run_num), "status": status, "models": models,
-            "macro_f1": {m: p["macro_f1"] for m, p in performance.items()},
-            "data_version": record.get("data_version"), "snapshot": record.get("data_snapshot_hash"),
-            "seconds": record.get("time_taken"), "started": record.get("start_time"),
-        })  # fmt: skip
+        rows.append(
+            {
+                "run": run_label(run_num),
+                "status": status,
+                "models": models,
+                "macro_f1": {m: p["macro_f1"] for m, p in performance.items()},
+                "data_version": record.get("data_version"),
+                "snapshot": record.get("data_snapshot_hash"),
+                "seconds": record.get("time_taken"),
+                "started": record.get("start_time"),
+            }
+        )
     return rows
 
 
@@ -94,12 +110,13 @@ def compare_runs(store: Store, tree: ExperimentTree, a: int, b: int) -> dict:
         untested = [
             run_label(n) for n, r in ((a, first), (b, second)) if not r.get("holdout_performance")
         ]
-        why = f"run {' and '.join(untested)} tested no model (status {', '.join(str(r.get('status')) for r in (first, second))})"
+        statuses = ", ".join(str(r.get("status")) for r in (first, second))
+        why = f"run {' and '.join(untested)} tested no model (status {statuses})"
     elif snapshots[0] != snapshots[1] or None in snapshots:
         why = (
-            f"run {run_label(a)} was tested on data {_data(first)} and run {run_label(b)} on data "
-            f"{_data(second)}: their test sets differ, so a difference in their metrics says nothing "
-            "about the models"
+            f"run {run_label(a)} was tested on data {_data(first)} and run {run_label(b)} on "
+            f"data {_data(second)}: their test sets differ, so a difference in their metrics says "
+            "nothing about the models"
         )
     models: dict[str, dict] = {}
     labels: dict[str, dict] = {}
@@ -107,18 +124,31 @@ def compare_runs(store: Store, tree: ExperimentTree, a: int, b: int) -> dict:
         shared = [m for m in first["holdout_performance"] if m in second["holdout_performance"]]
         for model in shared:
             models[model] = {
-                metric: (first["holdout_performance"][model][metric], second["holdout_performance"][model][metric])
+                metric: (
+                    first["holdout_performance"][model][metric],
+                    second["holdout_performance"][model][metric],
+                )
                 for metric in METRICS
-            }  # fmt: skip
+            }
             f1a, f1b = per_label(store, tree, a, model), per_label(store, tree, b, model)
             labels[model] = {
                 label: (f1a.get(label), f1b.get(label)) for label in sorted(set(f1a) | set(f1b))
             }
     changes = settings_changes(_settings(store, tree, a, first), _settings(store, tree, b, second))
-    return {"runs": [run_label(a), run_label(b)], "comparable": why is None, "why": why,
-            "models": models, "per_label": labels, "settings": changes,
-            "only_in": {run_label(n): sorted(set(r.get("holdout_performance") or {}) - set(o.get("holdout_performance") or {}))
-                        for n, r, o in ((a, first, second), (b, second, first))}}  # fmt: skip
+    return {
+        "runs": [run_label(a), run_label(b)],
+        "comparable": why is None,
+        "why": why,
+        "models": models,
+        "per_label": labels,
+        "settings": changes,
+        "only_in": {
+            run_label(n): sorted(
+                set(r.get("holdout_performance") or {}) - set(o.get("holdout_performance") or {})
+            )
+            for n, r, o in ((a, first, second), (b, second, first))
+        },
+    }
 
 
 def _data(record: dict) -> str:

@@ -13,6 +13,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from steps.entrypoint import (
     ENTRYPOINT,
@@ -149,9 +150,14 @@ def processing_request(job: ProcessingJob, image: str, role: str, uri_of: UriOf)
     """CreateProcessingJob: the image's entrypoint runs `process <step> <arguments>`."""
 
     def s3_input(name: str, uri: str, local: str) -> dict:
-        return {"InputName": name, "S3Input": {
-            "S3Uri": uri, "LocalPath": local, "S3DataType": "S3Prefix",
-            "S3InputMode": "File", "S3DataDistributionType": "FullyReplicated"}}  # fmt: skip
+        s3 = {
+            "S3Uri": uri,
+            "LocalPath": local,
+            "S3DataType": "S3Prefix",
+            "S3InputMode": "File",
+            "S3DataDistributionType": "FullyReplicated",
+        }
+        return {"InputName": name, "S3Input": s3}
 
     inputs = [s3_input("code", uri_of(job.code), PROCESSING_CODE)]
     for name, source in job.inputs.items():
@@ -170,7 +176,7 @@ def processing_request(job: ProcessingJob, image: str, role: str, uri_of: UriOf)
                 "LocalPath": f"{CONTAINER_ROOT}/processing/output/{name}",
                 "S3UploadMode": "EndOfJob",
             },
-        }  # fmt: skip
+        }
         for name, prefix in job.outputs.items()
     ]
     return {
@@ -199,8 +205,12 @@ def _definition(job: TrainingJob, image: str, role: str, uri_of: UriOf) -> dict:
     """What a training job and a tuning job's trials have in common."""
 
     def channel(name: str, prefix: str) -> dict:
-        return {"ChannelName": name, "InputMode": "File", "DataSource": {"S3DataSource": {
-            "S3DataType": "S3Prefix", "S3Uri": uri_of(prefix), "S3DataDistributionType": "FullyReplicated"}}}  # fmt: skip
+        s3 = {
+            "S3DataType": "S3Prefix",
+            "S3Uri": uri_of(prefix),
+            "S3DataDistributionType": "FullyReplicated",
+        }
+        return {"ChannelName": name, "InputMode": "File", "DataSource": {"S3DataSource": s3}}
 
     stopping = {"MaxRuntimeInSeconds": job.max_run_seconds}
     if job.use_spot:
@@ -263,8 +273,10 @@ def tuning_request(job: TuningJob, image: str, role: str, uri_of: UriOf) -> dict
             continue
         kind = "IntegerParameterRanges" if r.integer else "ContinuousParameterRanges"
         low, high = (str(int(r.low)), str(int(r.high))) if r.integer else (str(r.low), str(r.high))
-        ranges[kind].append({"Name": name, "MinValue": low, "MaxValue": high,
-                             "ScalingType": "Logarithmic" if r.log else "Linear"})  # fmt: skip
+        scaling = "Logarithmic" if r.log else "Linear"
+        ranges[kind].append(
+            {"Name": name, "MinValue": low, "MaxValue": high, "ScalingType": scaling}
+        )
     limits = {"MaxParallelTrainingJobs": job.max_parallel_jobs}
     if job.strategy != "Grid":  # a grid search runs every combination; SageMaker counts them
         limits["MaxNumberOfTrainingJobs"] = job.max_jobs
@@ -297,23 +309,66 @@ def tuning_request(job: TuningJob, image: str, role: str, uri_of: UriOf) -> dict
     }
 
 
+@dataclass(frozen=True)
+class Kind:
+    """One kind of job as SageMaker's API names it: its request, and the resource whose name
+    every operation and member on it carries (botocore's sagemaker service-2.json:
+    CreateTrainingJob, DescribeTrainingJob, StopTrainingJob, TrainingJobName,
+    TrainingJobStatus). A client's method is the operation in snake case (botocore.xform_name:
+    create_training_job); the AWS CLI's, in kebab case."""
+
+    build: Callable[..., dict]  # (job, image, role, uri_of) -> the Create* request
+    resource: str  # TrainingJob
+
+    @property
+    def create(self) -> str:
+        return f"Create{self.resource}"
+
+    @property
+    def describe(self) -> str:
+        return f"Describe{self.resource}"
+
+    @property
+    def stop(self) -> str:
+        return f"Stop{self.resource}"
+
+    @property
+    def name_member(self) -> str:
+        return f"{self.resource}Name"
+
+    @property
+    def status_member(self) -> str:
+        return f"{self.resource}Status"
+
+
+KINDS = {
+    "processing": Kind(processing_request, "ProcessingJob"),
+    "training": Kind(training_request, "TrainingJob"),
+    "tuning": Kind(tuning_request, "HyperParameterTuningJob"),
+}
+
+
 def request_for(job, image: str, role: str, uri_of: UriOf) -> dict:
-    """The request a job of any kind becomes (the operation: service_model.OPERATIONS)."""
-    build = {
-        "processing": processing_request,
-        "training": training_request,
-        "tuning": tuning_request,
-    }[job.kind]
-    return build(job, image, role, uri_of)
+    """The request a job of any kind becomes: every backend sends or plays this one."""
+    return KINDS[job.kind].build(job, image, role, uri_of)
 
 
 # -- what a job reports back ------------------------------------------------------------------
+
+# How a job ends, in SageMaker's words and only those: the end states of the TrainingJobStatus,
+# ProcessingJobStatus and HyperParameterTuningJobStatus enums of botocore's sagemaker
+# service-2.json (InProgress | Completed | Failed | Stopping | Stopped, and Deleting ...).
+# "Interrupted" is not one of them: it is a SecondaryStatus of a job still InProgress, a spot
+# job about to restart (DescribeTrainingJob's SecondaryStatus); tests/test_backends.py reads
+# the enums.
+Status = Literal["Completed", "Failed", "Stopped"]
+ENDED: tuple[Status, ...] = get_args(Status)
 
 
 @dataclass
 class JobResult:
     name: str
-    status: str  # Completed | Failed | Interrupted | Stopped
+    status: Status
     failure_reason: str | None
     start_time: float
     end_time: float

@@ -4,7 +4,7 @@
         raw/                                  the user's raw data (input, never written by a run)
         data/<data_version>/                  experiment-level data, shared by later runs
             reconciled/                       snapshot + manifest (hash, rows, label counts, drops)
-            prepared/                         train/ validation/ test/ (save_to_disk), id2label.json,
+            prepared/                         train/ validation/ test/ (save_to_disk), labels/,
                                               from.json (the snapshot it was prepared from)
         cache/<step>/<key>.json               reconcile/prepare: the data version computed from
                                               exactly these inputs (pipeline/cache.py)
@@ -20,7 +20,7 @@
             tuning/<model>/                   trials and the best one
             inference/                        per-model and comparison statistics
             jobs/<step>/                      what each processing job reported (step_metadata.json)
-            code/                             the code every job of the run runs (steps/, user functions)
+            code/                             the code every job runs (steps/, user functions)
             report.html                       the run on one page: settings, data, curves, results
 
 A data_version is the run_num of the run that produced it (`0003`), so data is versioned

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from pipeline.history import age
-from pipeline.paths import ExperimentTree, run_label
+from pipeline.paths import ExperimentTree, RunTree, run_label
 from pipeline.store import NotFound, Store, artifact_key
 
 TEMPLATE = Path(__file__).with_name("report.html.j2")
@@ -67,35 +67,22 @@ def context(store: Store, tree: ExperimentTree, run_num: int) -> dict:
     version = record.get("data_version")
     # The snapshot of the run's data version, or of the one its prepared data was made from.
     versions = ([version] if isinstance(version, int) else []) + _reconciled_version(record)
-    snapshot = next(
-        filter(None, (_json(store, tree.data(v).snapshot_info) for v in versions)), None
-    )
-    models = []
+    snapshots = (_json(store, tree.data(v).snapshot_info) for v in versions)
+    snapshot = next(filter(None, snapshots), None)
     results = run.inference if inference else None
-    for name in record.get("model_artifacts") or sorted(record.get("holdout_performance") or {}):
-        recorded = (record.get("model_artifacts") or {}).get(name)
-        where = ((recorded and artifact_key(store, recorded)) or run.model(name) + "model").rstrip(
-            "/"
-        ) + "/"
-        details = trained.get(name) or {}
-        per_label = _csv(store, f"{results}{name}/per_label.csv") if results else []
-        models.append({
-            "name": name, "where": store.uri_of(where), "details": details,
-            "history": details.get("history") or _json(store, where + "history.json") or [],
-            "curves": _image(store, where + "curves.png"),
-            "performance": (record.get("holdout_performance") or {}).get(name),
-            "per_label": sorted(per_label, key=lambda r: -float(r["f1"])),
-            "confusion": _image(store, f"{results}{name}/confusion_matrix.png") if results else None,
-            "tuning": _tuning(store, run, name, train.get("step") == "tune"),
-        })  # fmt: skip
+    tuned = train.get("step") == "tune"
+    names = record.get("model_artifacts") or sorted(record.get("holdout_performance") or {})
+    models = [_model_view(store, run, record, name, trained, results, tuned) for name in names]
     # The prepare report of the run that made the data (an earlier run's when it was reused).
-    reports = [_json(store, tree.run(n).report("prepare") + "step_metadata.json")
-               for n in [run_num] + ([version] if isinstance(version, int) else [])]  # fmt: skip
+    reports = [
+        _json(store, tree.run(n).report("prepare") + "step_metadata.json")
+        for n in [run_num] + ([version] if isinstance(version, int) else [])
+    ]
     splits = next((r["split_sizes"] for r in reports if r and "split_sizes" in r), None)
     comparison = inference.get("comparison")
     if comparison and models:  # records of older runs did not name the winner
-        comparison = {"winner": max(models, key=lambda m: (m["performance"] or {}).get("macro_f1", -1))["name"],
-                      **comparison}  # fmt: skip
+        best = max(models, key=lambda m: (m["performance"] or {}).get("macro_f1", -1))
+        comparison = {"winner": best["name"], **comparison}
     try:
         settings = store.get_bytes(run.settings).decode()
     except NotFound:
@@ -123,9 +110,38 @@ def context(store: Store, tree: ExperimentTree, run_num: int) -> dict:
                 },
             }
             for name, section in steps.items()
-        ],  # fmt: skip
+        ],
         "settings": settings,
         "metadata": json.dumps(record, indent=2),
+    }
+
+
+def _model_view(
+    store: Store,
+    run: RunTree,
+    record: dict,
+    name: str,
+    trained: dict,
+    results: str | None,
+    tuned: bool,
+) -> dict:
+    """One model's part of the page: where it is, its curves, test results and tuning."""
+    recorded = (record.get("model_artifacts") or {}).get(name)
+    where = (recorded and artifact_key(store, recorded)) or run.model(name) + "model"
+    where = where.rstrip("/") + "/"
+    details = trained.get(name) or {}
+    per_label = _csv(store, f"{results}{name}/per_label.csv") if results else []
+    confusion = _image(store, f"{results}{name}/confusion_matrix.png") if results else None
+    return {
+        "name": name,
+        "where": store.uri_of(where),
+        "details": details,
+        "history": details.get("history") or _json(store, where + "history.json") or [],
+        "curves": _image(store, where + "curves.png"),
+        "performance": (record.get("holdout_performance") or {}).get(name),
+        "per_label": sorted(per_label, key=lambda r: -float(r["f1"])),
+        "confusion": confusion,
+        "tuning": _tuning(store, run, name, tuned),
     }
 
 
@@ -139,16 +155,20 @@ def _tuning(store: Store, run, model: str, tuned: bool) -> dict | None:
     if not tuned:
         return None
     record = _json(store, run.tuning_record(model)) or {}
-    return {"record": record, "trials": record.get("trials") or [],
-            "chart": _image(store, run.tuning(model) + "trials.png")}  # fmt: skip
+    return {
+        "record": record,
+        "trials": record.get("trials") or [],
+        "chart": _image(store, run.tuning(model) + "trials.png"),
+    }
 
 
 def render(values: dict) -> str:
     import jinja2
 
     # Records of older runs lack newer fields: a missing one renders empty.
-    env = jinja2.Environment(autoescape=True, undefined=jinja2.ChainableUndefined,
-                             trim_blocks=True, lstrip_blocks=True)  # fmt: skip
+    env = jinja2.Environment(
+        autoescape=True, undefined=jinja2.ChainableUndefined, trim_blocks=True, lstrip_blocks=True
+    )
     env.filters["num"] = lambda x, digits=4: (
         "" if x is None or isinstance(x, jinja2.Undefined) else f"{float(x):.{digits}f}"
     )

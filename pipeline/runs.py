@@ -4,6 +4,7 @@ live run from one whose driver died without a word.
 A run is taken by creating `runs/<run_num>/CLAIM` with a conditional write (S3 `IfNoneMatch='*'`,
 a hard link on disk, which fails if the name exists). The one that creates it owns the number;
 the others see the create fail and try the next one. Nothing of an existing run is touched.
+A run left `running` by a driver that is gone is marked `abandoned` (`mark_abandoned`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import threading
 import time
 from contextlib import contextmanager
 
+from pipeline.errors import log
 from pipeline.paths import ExperimentTree, parse_run_label
 from pipeline.store import NotFound, Store, StoreError
 
@@ -91,3 +93,25 @@ def silent_driver(store: Store, key: str, now: float | None = None) -> str | Non
     if now - beat["time"] > SILENT_FOR:
         return f"its driver ({beat['host']}, pid {beat['pid']}) has been silent since {when}"
     return None
+
+
+def mark_abandoned(store: Store, tree: ExperimentTree) -> None:
+    """A run left `running` by a driver that died without a word (SIGKILL, power loss) is
+    marked `abandoned`, so nobody waits for it or mistakes it for a live one."""
+    for run_num in existing_run_nums(store, tree):
+        run = tree.run(run_num)
+        try:
+            record = json.loads(store.get_bytes(run.metadata))
+        except (NotFound, ValueError):
+            continue
+        if record.get("status") != "running":
+            continue
+        why = silent_driver(store, run.heartbeat)
+        if why is None:
+            continue
+        record.update(status="abandoned", failure_reason=why, end_time=record.get("end_time"))
+        store.put_bytes(run.metadata, json.dumps(record, indent=2).encode())
+        log.info(
+            f"run {run.label} was left running: {why}; marked abandoned "
+            f"(--resume {run_num} continues it)"
+        )

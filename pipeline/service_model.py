@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.jobs import KINDS
+
 SERVICE = "sagemaker"
 
 
@@ -37,7 +39,8 @@ class Violation:
     value: Any = None
 
     def __str__(self) -> str:
-        return f"Value {_shown(self.value)} at '{self.path}' failed to satisfy constraint: {self.constraint}"
+        value = _shown(self.value)
+        return f"Value {value} at '{self.path}' failed to satisfy constraint: {self.constraint}"
 
 
 def _shown(value: Any) -> str:
@@ -368,14 +371,6 @@ DOCUMENTED: dict[str, tuple[Callable[[dict], list[Violation]], ...]] = {
     "CreateHyperParameterTuningJob": (_tuning,),
 }
 
-# The operation each job kind's request is sent with.
-OPERATIONS = {
-    "processing": "CreateProcessingJob",
-    "training": "CreateTrainingJob",
-    "tuning": "CreateHyperParameterTuningJob",
-}
-
-
 def as_if_on_s3(request: dict) -> dict:
     """A request whose store is a local folder (the local backend's), its folders written as
     the S3 URIs SageMaker would get: the rest of it is checked as it stands."""
@@ -393,6 +388,6 @@ def as_if_on_s3(request: dict) -> dict:
 
 def refused(kind: str, request: dict) -> list[str]:
     """What SageMaker would refuse in a job's request, each line naming the job and field."""
-    operation = OPERATIONS[kind]
+    operation = KINDS[kind].create  # the operation a job of this kind is created with
     name = next((v for k, v in request.items() if k.endswith("JobName")), "?")
     return [f"{operation} {name}: {v}" for v in check(operation, request)]

@@ -68,15 +68,17 @@ def check_encoded(
     missing = [k for k in keys if k not in encoded]
     if missing:
         raise ValueError(
-            f"{where} returned no {missing} (ordered_input_keys names them; it returned {list(encoded)})"
+            f"{where} returned no {missing} (ordered_input_keys names them; it returned "
+            f"{list(encoded)})"
         )
     columns = {k: _as_array(encoded[k], k, rows, where) for k in keys}
     dropped = [k for k in encoded if k not in keys]
     sequence_keys = [k for k in keys if pa.types.is_list(columns[k].type)]
     if not sequence_keys:
         return columns, dropped, [0] * rows
-    row_lengths = {k: pc.list_value_length(columns[k]).to_numpy(zero_copy_only=False)
-                   for k in sequence_keys}  # fmt: skip
+    row_lengths = {
+        k: pc.list_value_length(columns[k]).to_numpy(zero_copy_only=False) for k in sequence_keys
+    }
     lengths = row_lengths[sequence_keys[0]]
     for k in sequence_keys[1:]:
         unequal = np.flatnonzero(row_lengths[k] != lengths)
@@ -182,17 +184,34 @@ def read_split(directory: Path) -> pa.Table:
 
 class Batches:
     """One model's rows held in memory, padded per batch: a DataLoader's `collate_fn` over
-    row indices. Each batch is padded to its longest row (rounded up to `multiple_of`)."""
+    row indices. Each batch is padded to its longest row (rounded up to `multiple_of`).
 
-    def __init__(self, table: pa.Table, model_name: str, keys: list[str], inputs: dict,
-                 max_length: int | None = None, multiple_of: int = 1, labels: bool = True):  # fmt: skip
-        self.keys, self.multiple_of, self.max_length = keys, multiple_of, max_length
+    Rows are used whole: prepare cut them, once. `max_length`, the length prepare recorded
+    (encoding.json), is a check: a longer row means the data is not what prepare wrote, and
+    is an error, never cut here."""
+
+    def __init__(
+        self,
+        table: pa.Table,
+        model_name: str,
+        keys: list[str],
+        inputs: dict,
+        max_length: int | None = None,
+        multiple_of: int = 1,
+        labels: bool = True,
+    ):
+        self.keys, self.multiple_of = keys, multiple_of
         self.pad = {k: inputs["pad"][k] for k in keys}
         self.sequence = set(inputs["sequence"])
         self.columns = {k: table.column(f"{model_name}_{k}").to_pylist() for k in keys}
         self.lengths = np.asarray(table.column(length_column(model_name)), dtype=np.int64)
-        if max_length:
-            self.lengths = np.minimum(self.lengths, max_length)
+        if max_length is not None and len(self.lengths) and self.lengths.max() > max_length:
+            row = int(np.argmax(self.lengths))
+            raise ValueError(
+                f"row {row} of model {model_name!r} has {self.lengths[row]} tokens, more than "
+                f"the {max_length} prepare recorded cutting rows to (encoding.json): the "
+                "prepared data is not what prepare wrote; run prepare again"
+            )
         self.labels = torch.tensor(table.column("label_id").to_pylist()) if labels else None
 
     def __len__(self) -> int:

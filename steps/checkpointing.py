@@ -182,7 +182,8 @@ class State:
         wrong = [k for k in own if k in state["model"] and own[k].shape != state["model"][k].shape]
         if missing or unexpected or wrong:
             raise KeyError(
-                f"checkpoint is for another model: missing {missing[:5]}, unexpected {unexpected[:5]}, other shapes {wrong[:5]}"
+                f"checkpoint is for another model: missing {missing[:5]}, unexpected "
+                f"{unexpected[:5]}, other shapes {wrong[:5]}"
             )
         self.model.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
@@ -293,8 +294,9 @@ def finish_rank_files(directory: Path, tmp: Path, keep: int) -> None:
         shutil.rmtree(directory / name, ignore_errors=True)
 
 
-def save_checkpoint(accelerator, directory: Path, state: State, new_best: dict | None,
-                    keep: int) -> float:  # fmt: skip
+def save_checkpoint(
+    accelerator, directory: Path, state: State, new_best: dict | None, keep: int
+) -> float:
     """Every process takes part: each node's first process makes the directory, every process
     writes its own RNG and loss, the main process writes the State and makes it current. On
     other nodes (multi-node SageMaker) the rank files are renamed into place too; SageMaker

@@ -470,8 +470,13 @@ def main(argv: list[str]) -> int:
         Path(env["SM_CHECKPOINT_DIR"]).mkdir(parents=True, exist_ok=True)
         for sub in ("model", "output/data"):
             (root / sub).mkdir(parents=True, exist_ok=True)
-        return run(training_command(env), env, Path(env["SM_OUTPUT_FAILURE"]), "the training step",
-                   [root / "model"])  # fmt: skip
+        return run(
+            training_command(env),
+            env,
+            Path(env["SM_OUTPUT_FAILURE"]),
+            "the training step",
+            [root / "model"],
+        )
     if argv[:1] == ["process"] and len(argv) >= 2:
         env = {**processing_variables(root), **keys_from_secrets(root)}
         command = [sys.executable, "-m", step_module(argv[1]), *argv[2:]]

@@ -1,59 +1,131 @@
-"""The hyperparameters `steps/train.py` accepts, in one place.
+"""The hyperparameters `steps/train.py` takes: one table, everything else derived from it.
 
-SageMaker hands hyperparameters to a container as strings (hyperparameters.json). This
-table says what each one means and what type it becomes, so the driver can refuse a
-tunable with an unknown name before a job starts and `train.py` can cast once, at the top.
-The driver imports this module; this module imports nothing of the driver.
+Each row names one hyperparameter once: its type, default, bounds, whether a tuning job may
+search it, whether `[training.<model>]` may set it, and what it means. From the table come
+the settings schema (the fields of `[training]`, and `[data] SEED`, `[tracking] WANDB_*`, in
+pipeline/config.py), the strings a training job receives (SageMaker hands hyperparameters to
+a container as strings, in hyperparameters.json: `wire`) and their parsing at the top of
+train.py (`parse_hyperparameters`). The driver imports this module; this module imports
+nothing of the driver.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
-# name -> (type, meaning)
-HYPERPARAMETERS: dict[str, tuple[type, str]] = {
-    "model_name": (str, "which model of MODEL_NAMES this job trains"),
-    "model_names": (str, "every model of the run, comma separated (a comparison job has several)"),
-    "job_kind": (str, "training | tuning: what launched this job"),
-    "epochs": (int, "passes over the training split"),
-    "learning_rate": (float, "peak AdamW learning rate"),
-    "batch_size": (int, "examples per optimizer step, across all processes"),
-    "max_per_device_batch_size": (int, "examples one process can hold; the rest is accumulation"),
-    "max_sequence_length": (int, "tokens per example after truncation"),
-    "warmup_ratio": (float, "share of optimizer steps spent warming the learning rate up"),
-    "weight_decay": (float, "AdamW weight decay"),
-    "seed": (int, "seed of the run: weights, shuffling, dropout"),
-    "checkpoint_every_steps": (int, "optimizer steps between checkpoints; 0 means epoch ends only"),
-    "keep_checkpoints": (int, "how many checkpoints to keep"),
-    "wandb_project": (str, "wandb project name"),
-    "wandb_mode": (str, "offline | online | disabled"),
-    "max_steps": (int, "stop after this many optimizer steps; 0 means no limit"),
-    "mixed_precision": (str, "auto | no | bf16 | fp16 (auto: bf16 or fp16 on a GPU, no on CPU)"),
-    "group_by_length": (bool, "batches of rows of similar length (less padding)"),
-    "compile": (bool, "torch.compile the model"),
-    "dataloader_num_workers": (
-        str,
-        "loader processes beside each training process; auto: 2 on a GPU, 0 on CPU",
-    ),
+# Bounds are sanity, not taste: beyond them a job would fail deep inside (an integer
+# overflow, a tensor of 10^14 tokens, a seed numpy refuses) or train nothing useful.
+HUGE = 10**9
+
+
+@dataclass(frozen=True)
+class Hyperparameter:
+    name: str
+    type: type  # int, float, bool or str: what train.py gets
+    default: object  # None: the driver sets it for every job (section "run")
+    help: str = ""
+    # The settings section that sets it; "run": the driver, from the job it launches.
+    section: str = "training"
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    # The words it takes: the only values of a str, or a word a number may be replaced by.
+    choices: tuple[str, ...] = ()
+    tunable: bool = False  # a tuning job may search it (it changes how a model learns)
+    per_model: bool = False  # [training.<model>] may set it
+
+    def bounds(self) -> dict[str, float]:
+        return {k: v for k in ("ge", "gt", "le", "lt") if (v := getattr(self, k)) is not None}
+
+    def cast(self, value: object) -> object:
+        """The value a job received, as its type; ValueError naming what it must be."""
+        if isinstance(value, str) and value in self.choices:
+            return value
+        if self.type is str and self.choices:
+            raise ValueError(f"is not one of {', '.join(self.choices)}")
+        try:
+            typed = _cast(self.type, value)
+        except (TypeError, ValueError):
+            words = f" or {', '.join(self.choices)}" if self.choices else ""
+            raise ValueError(f"is not a {self.type.__name__}{words}") from None
+        for bound, limit in self.bounds().items():
+            if not _SATISFIED[bound](typed, limit):
+                raise ValueError(f"must be {_SYMBOL[bound]} {limit}")
+        return typed
+
+
+_SATISFIED = {
+    "ge": lambda v, b: v >= b,
+    "gt": lambda v, b: v > b,
+    "le": lambda v, b: v <= b,
+    "lt": lambda v, b: v < b,
 }
+_SYMBOL = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 
-# What a job that is not given these gets (a request written by hand, an older driver).
-DEFAULTS = {
-    "mixed_precision": "auto",
-    "group_by_length": True,
-    "compile": False,
-    "dataloader_num_workers": "auto",
-}
-
-# The names a tuning job may search over: the ones that change how a model learns (a test
-# checks that each one does). MAX_SEQUENCE_LENGTH is not one: prepare applies it, once.
-TUNABLE = (
-    "epochs",
-    "learning_rate",
-    "batch_size",
-    "warmup_ratio",
-    "weight_decay",
+# Defaults are the Hugging Face Trainer's where it has the same idea (learning rate 5e-5,
+# 3 epochs); the shipped settings.ini says where its demo differs (`# demo:`). Aligned by
+# hand: one hyperparameter, two lines.
+H = Hyperparameter
+# fmt: off
+TABLE: tuple[Hyperparameter, ...] = (
+    H("model_name",     str,   None, section="run",
+      help="which model of MODEL_NAMES this job trains"),
+    H("model_names",    str,   None, section="run",
+      help="every model of the run, comma separated (a comparison job has several)"),
+    H("job_kind",       str,   None, section="run", choices=("training", "tuning"),
+      help="what launched this job"),
+    H("epochs",         int,   3,    ge=1, le=10_000, tunable=True, per_model=True,
+      help="passes over the training split"),
+    H("learning_rate",  float, 5e-5, gt=0, le=10, tunable=True, per_model=True,
+      help="peak AdamW learning rate, reached after warmup and decayed linearly to 0"),
+    H("batch_size",     int,   32,   ge=1, le=65_536, tunable=True, per_model=True,
+      help="examples per optimizer step, across all processes"),
+    H("max_per_device_batch_size", int, 16, ge=1, le=65_536, per_model=True,
+      help="examples one process holds at once; gradient accumulation makes up the rest"),
+    H("warmup_ratio",   float, 0.1,  ge=0, lt=1, tunable=True, per_model=True,
+      help="share of optimizer steps spent warming the learning rate up from 0"),
+    H("weight_decay",   float, 0.01, ge=0, le=10, tunable=True, per_model=True,
+      help="AdamW weight decay (not applied to biases and norms)"),
+    H("max_steps",      int,   0,    ge=0, le=HUGE, per_model=True,
+      help="stop after this many optimizer steps; 0 means train every epoch"),
+    H("seed",           int,   42,   section="data", ge=0, le=2**32 - 1,  # numpy's, torch's range
+      help="seed of the split, of weight initialization and of shuffling"),
+    H("checkpoint_every_steps", int, 50, ge=0, le=HUGE,
+      help="a checkpoint every N optimizer steps (0: epoch ends only) and at every epoch end"),
+    H("keep_checkpoints", int, 2, ge=1, le=1000,
+      help="how many checkpoints to keep"),
+    H("wandb_project",  str,   "smpipe", section="tracking",
+      help="wandb project"),
+    H("wandb_mode",     str,   "offline", section="tracking",
+      choices=("offline", "online", "disabled"), help="wins over a WANDB_API_KEY in the env"),
+    H("mixed_precision", str,  "auto", choices=("auto", "no", "bf16", "fp16"), per_model=True,
+      help="auto: bf16 on GPUs that have it, else fp16 with a loss scaler; no on CPU"),
+    H("group_by_length", bool, True,
+      help="batches of rows of similar length (as the Trainer's group_by_length): less padding"),
+    H("compile",        bool,  False, per_model=True,
+      help="torch.compile the model (dynamic shapes)"),
+    H("dataloader_num_workers", int, "auto", ge=0, le=64, choices=("auto",),
+      help="DataLoader processes beside each training process (the Trainer's "
+           "dataloader_num_workers); auto: 2 on a GPU, 0 on a CPU"),
 )
+# fmt: on
+HYPERPARAMETERS: dict[str, Hyperparameter] = {h.name: h for h in TABLE}
+
+# What a job that is not given a hyperparameter gets (a request written by hand).
+DEFAULTS = {h.name: h.default for h in TABLE if h.default is not None}
+# The names a tuning job may search over: the ones that change how a model learns (a test
+# checks that each one does).
+TUNABLE = tuple(h.name for h in TABLE if h.tunable)
+# [training.<model>] may change how one model learns; the rest is shared by every model
+# (one job shape, one checkpointing).
+PER_MODEL = tuple(h.name for h in TABLE if h.per_model)
+
+
+def wire(value: object) -> str:
+    """A value as a training job receives it: a string, booleans as `true`/`false`."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 # Names SageMaker and its Python SDK own, handed to the container beside ours: accepted and
@@ -81,24 +153,25 @@ def reserved_hyperparameters(raw: dict[str, object]) -> dict[str, object]:
 
 
 def parse_hyperparameters(raw: dict[str, object]) -> dict[str, object]:
-    """Cast the strings SageMaker hands over into their types; refuse unknown names (the
-    reserved ones above are left to `reserved_hyperparameters`)."""
+    """Cast the strings SageMaker hands over into their types, within their bounds; refuse
+    unknown names (the reserved ones above are left to `reserved_hyperparameters`)."""
     problems = []
     values: dict[str, object] = dict(DEFAULTS)
     for name, value in raw.items():
         if is_reserved(name):
             continue
         if name not in HYPERPARAMETERS:
-            problems.append(f"unknown hyperparameter {name!r}")
+            problems.append(
+                f"unknown hyperparameter {name!r} (known: {', '.join(HYPERPARAMETERS)})"
+            )
             continue
-        kind = HYPERPARAMETERS[name][0]
         # SageMaker's tuner and some launchers JSON-quote strings ('"0.1"'): unwrap them.
         if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] == '"':
             value = json.loads(value)
         try:
-            values[name] = _cast(kind, value)
-        except (TypeError, ValueError):
-            problems.append(f"hyperparameter {name}={value!r} is not a {kind.__name__}")
+            values[name] = HYPERPARAMETERS[name].cast(value)
+        except ValueError as e:
+            problems.append(f"hyperparameter {name}={value!r} {e}")
     if problems:
         raise ValueError("; ".join(problems))
     return values

@@ -108,14 +108,20 @@ def statistics(
         y_true, y_pred, labels=labels, zero_division=0
     )
     cm = confusion_matrix(y_true, y_pred, labels=labels)
-    per_label = pd.DataFrame({
-        "label": [id2label[i] for i in labels],
-        "precision": precision, "recall": recall, "f1": f1,
-        # per-label accuracy: of this label's rows, the share predicted right (= recall); kept
-        # under its own name because that is what people look for in the table
-        "accuracy": [cm[i, i] / cm[i].sum() if cm[i].sum() else 0.0 for i in range(len(labels))],
-        "support": support.astype(int),
-    }).sort_values("f1", ascending=False, kind="stable")  # fmt: skip
+    rows = cm.sum(axis=1)
+    per_label = pd.DataFrame(
+        {
+            "label": [id2label[i] for i in labels],
+            "precision": precision,
+            "recall": recall,
+            "f1": f1,
+            # per-label accuracy: of this label's rows, the share predicted right (= recall);
+            # kept under its own name because that is what people look for in the table
+            "accuracy": [cm[i, i] / rows[i] if rows[i] else 0.0 for i in range(len(labels))],
+            "support": support.astype(int),
+        }
+    )
+    per_label = per_label.sort_values("f1", ascending=False, kind="stable")
     overall = {
         "rows": int(len(y_true)),
         "accuracy": float(accuracy_score(y_true, y_pred)),
@@ -213,9 +219,13 @@ def accuracy_difference_ci(
     result = bootstrap(
         (correct_a.astype(float), correct_b.astype(float)),
         lambda a, b, axis: a.mean(axis=axis) - b.mean(axis=axis),
-        paired=True, vectorized=True, n_resamples=2000, confidence_level=0.95,
-        method="percentile", rng=np.random.default_rng(seed),
-    )  # fmt: skip
+        paired=True,
+        vectorized=True,
+        n_resamples=2000,
+        confidence_level=0.95,
+        method="percentile",
+        rng=np.random.default_rng(seed),
+    )
     return [float(result.confidence_interval.low), float(result.confidence_interval.high)]
 
 
@@ -232,16 +242,23 @@ def compare(
     pairs = []
     for a, b in itertools.combinations(names, 2):
         agree = predictions[a] == predictions[b]
-        pairs.append({
-            "models": [a, b], "agree": int(agree.sum()), "disagree": int((~agree).sum()),
-            "agree_and_right": int((agree & (predictions[a] == y_true)).sum()),
-            "accuracy_difference": performance[a]["accuracy"] - performance[b]["accuracy"],
-            "accuracy_difference_ci95": accuracy_difference_ci(predictions[a] == y_true, predictions[b] == y_true),
-            "mcnemar": mcnemar(predictions[a] == y_true, predictions[b] == y_true),
-        })  # fmt: skip
+        right_a, right_b = predictions[a] == y_true, predictions[b] == y_true
+        pairs.append(
+            {
+                "models": [a, b],
+                "agree": int(agree.sum()),
+                "disagree": int((~agree).sum()),
+                "agree_and_right": int((agree & right_a).sum()),
+                "accuracy_difference": performance[a]["accuracy"] - performance[b]["accuracy"],
+                "accuracy_difference_ci95": accuracy_difference_ci(right_a, right_b),
+                "mcnemar": mcnemar(right_a, right_b),
+            }
+        )
     comparison = {
         "test": "McNemar's exact test (two-sided binomial on discordant rows)",
-        "interval": "95% paired bootstrap (2000 resamples of the test rows) of the accuracy difference",
+        "interval": (
+            "95% paired bootstrap (2000 resamples of the test rows) of the accuracy difference"
+        ),
         "winner": str(table.index[0]),  # by test macro-F1
         "pairs": pairs,
     }
@@ -249,9 +266,14 @@ def compare(
     print(table.to_string(float_format=lambda x: f"{x:.4f}"))
     for pair in pairs:
         m, (low, high) = pair["mcnemar"], pair["accuracy_difference_ci95"]
-        print(f"{pair['models'][0]} vs {pair['models'][1]}: agree on {pair['agree']}/{len(y_true)} rows; "
-              f"McNemar p={m['p_value']:.4g} ({'significant' if m['significant_at_0.05'] else 'not significant'} at 0.05); "
-              f"accuracy difference {pair['accuracy_difference']:+.4f}, 95% CI [{low:+.4f}, {high:+.4f}]")  # fmt: skip
+        verdict = "significant" if m["significant_at_0.05"] else "not significant"
+        print(
+            f"{pair['models'][0]} vs {pair['models'][1]}: "
+            f"agree on {pair['agree']}/{len(y_true)} rows; "
+            f"McNemar p={m['p_value']:.4g} ({verdict} at 0.05); "
+            f"accuracy difference {pair['accuracy_difference']:+.4f}, "
+            f"95% CI [{low:+.4f}, {high:+.4f}]"
+        )
     return comparison
 
 
@@ -259,9 +281,10 @@ def check_labels_match(names: list[str], id2label: dict[int, str]) -> None:
     """A model is only ever tested on data labelled the way its training data was."""
     for name in names:
         own = model_dir(name) / "id2label.json"
-        if own.exists() and json.loads(own.read_text()) != {str(k): v for k, v in id2label.items()}:
+        trained = json.loads(own.read_text()) if own.exists() else None
+        if trained is not None and trained != {str(k): v for k, v in id2label.items()}:
             raise ValueError(
-                f"model {name!r} was trained on labels {sorted(json.loads(own.read_text()).values())}, "
+                f"model {name!r} was trained on labels {sorted(trained.values())}, "
                 f"but the test data has {sorted(id2label.values())}: they cannot be compared"
             )
 

@@ -1,6 +1,7 @@
 """The metrics a training job reports, once an epoch, in one line of one format.
 
-    epoch=2 step=12 train:loss=0.412345 validation:loss=0.398765 validation:accuracy=0.912345 validation:f1=0.905432
+    epoch=2 step=12 train:loss=0.412345 validation:loss=0.398765
+        validation:accuracy=0.912345 validation:f1=0.905432        (one line, wrapped here)
 
 `steps/train.py` prints it (`metric_line`); the driver reads it back with one regex per
 metric, SageMaker's `MetricDefinitions` (`DEFINITIONS`): a tuning job's objective and every

@@ -4,7 +4,8 @@ them, and `smpipe.json` records which exports passed their check against the eag
     model.safetensors (or a Hugging Face save)  the weights
     model.torchscript.pt                        TorchScript, traced      (MODEL_FORMAT torchscript)
     model.pt2                                   a torch.export program   (MODEL_FORMAT exported)
-    smpipe.json                                 keys, labels, best epoch, and `exports`
+    smpipe.json                                 keys, labels, best epoch, `max_length` (the
+                                                tokens prepare cut rows to), and `exports`
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def usable_export(model_dir: Path, model_format: str, name: str) -> Path:
         reason = "no check was recorded"
     elif check.get("passed") and path.exists():
         return path
+    elif check.get("passed"):
+        reason = f"its check passed, but {path.name} is no longer in {model_dir}"
     else:
         reason = (
             check.get("error")

@@ -6,8 +6,13 @@ all models train and are tested on exactly the same rows. The split is stratifie
 Inputs:  snapshot  the reconciled dataset
 Outputs: train, validation, test  the splits (datasets save_to_disk), with each model's
                    `<model>__length` (tokens per row, padding excluded)
-         labels    id2label.json; inputs.json (per model: input keys, padding values)
+         labels    id2label.json; inputs.json (per model: input keys, padding values);
+                   encoding.json (the length rows were cut to, each model's tokenizer:
+                   steps/prepared_files.py)
          report    step_metadata.json
+
+Rows are cut to `--max-length` tokens here, once ([data] MAX_SEQUENCE_LENGTH): training and
+inference read them whole.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from sklearn.model_selection import train_test_split
 
 from steps.batching import check_encoded, length_column, pad_value, write_inputs
 from steps.contract import processing_input, processing_output, run_step, write_step_metadata
+from steps.prepared_files import encoding_record, write_encoding
 from steps.user_code import call, load_user_functions
 
 
@@ -143,10 +149,40 @@ def replace_rows(
         lengths[i] = again_lengths[j]
 
 
+def tokenizer_identity(tokenizer) -> dict:
+    """Which tokenizer encoded a model's rows: its name or path, its class, and a short hash of
+    what decides its tokens (a fast tokenizer's definition without the truncation and padding
+    that each call sets, else its vocabulary)."""
+    kind = type(tokenizer)
+    identity = {
+        "name_or_path": str(getattr(tokenizer, "name_or_path", "") or ""),
+        "class": f"{kind.__module__}.{kind.__qualname__}",
+    }
+    try:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            definition = json.loads(backend.to_str())
+            definition = json.dumps(
+                {k: v for k, v in definition.items() if k not in ("truncation", "padding")},
+                sort_keys=True,
+            )
+        elif callable(getattr(tokenizer, "get_vocab", None)):
+            definition = json.dumps(tokenizer.get_vocab(), sort_keys=True, default=str)
+        else:
+            return identity
+    except Exception:  # noqa: BLE001 - the hash is a convenience; name and class remain
+        return identity
+    identity["sha256"] = hashlib.sha256(definition.encode()).hexdigest()[:16]
+    return identity
+
+
 def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length: int):
     """The user's encode over every row, in batches, checked; the model's columns prefixed with
-    its name plus `<model>__length`, and what training needs to pad them (keys, padding values)."""
+    its name plus `<model>__length`, what training needs to pad them (keys, padding values),
+    and which tokenizer encoded them. Long on purpose: one pass over the rows, each check
+    beside the part of the encoding it protects."""
     tokenizer = call(functions, "load_tokenizer", model_name)
+    identity = tokenizer_identity(tokenizer)
     keys = list(call(functions, "ordered_input_keys", model_name))
     where = f"{functions.module}.encode (model {model_name!r})"
     dropped: set[str] = set()
@@ -157,7 +193,8 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
     limits = clip_limits(dataset, user_encode, keys, max_length, tokenizer, where)
     for column, limit in limits.items():
         print(
-            f"texts of column {column!r} longer than {limit} characters are cut there before {where}"
+            f"texts of column {column!r} longer than {limit} characters are cut there before "
+            f"{where}"
         )
 
     # The user's encode gets what datasets' batched map gives (columns as Python lists,
@@ -192,9 +229,15 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
         f"{dataset._fingerprint}/{functions.module}/{model_name}/{max_length}".encode()
     ).hexdigest()[:16]
     dataset = dataset.with_format("arrow").map(
-        encode, batched=True, batch_size=1000, desc=f"encode {model_name}",
-        new_fingerprint=fingerprint, load_from_cache_file=False, keep_in_memory=True,
-    ).with_format(None)  # fmt: skip
+        encode,
+        batched=True,
+        batch_size=1000,
+        desc=f"encode {model_name}",
+        new_fingerprint=fingerprint,
+        load_from_cache_file=False,
+        keep_in_memory=True,
+    )
+    dataset = dataset.with_format(None)
     info = {
         "keys": keys,
         "pad": {k: pad_value(k, tokenizer) for k in keys},
@@ -215,7 +258,7 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
             f"{where} returned rows of up to {lengths.max()} tokens; MAX_SEQUENCE_LENGTH is "
             f"{max_length} (pass truncation=True, max_length=max_length to the tokenizer)"
         )
-    return dataset, info
+    return dataset, info, identity
 
 
 def main() -> None:
@@ -233,8 +276,11 @@ def main() -> None:
     # Split first: a data set that cannot be split is refused before any text is encoded.
     splits = stratified_split(dataset["label_id"], id2label, args)
     inputs: dict[str, dict] = {}
+    tokenizers: dict[str, dict] = {}
     for model_name in model_names:
-        dataset, inputs[model_name] = encode_for(dataset, functions, model_name, args.max_length)
+        dataset, inputs[model_name], tokenizers[model_name] = encode_for(
+            dataset, functions, model_name, args.max_length
+        )
     sizes = {}
     for name, indices in splits.items():
         part = dataset.select(indices)
@@ -244,6 +290,8 @@ def main() -> None:
         json.dumps({str(k): v for k, v in id2label.items()}, indent=2)
     )
     write_inputs(processing_output("labels"), inputs)
+    encoding = encoding_record(args.max_length, tokenizers)
+    write_encoding(processing_output("labels"), encoding)
     print(f"splits: {sizes}; labels: {id2label}")
     write_step_metadata(
         processing_output("report"),
@@ -253,6 +301,7 @@ def main() -> None:
             "model_names": model_names,
             "max_length": args.max_length,
             "inputs": inputs,
+            "encoding": encoding,
             "seed": args.seed,
         },
     )

@@ -74,7 +74,8 @@ def check_result(result, module: str) -> tuple[datasets.Dataset, dict]:
     label_type = dataset.features["label"]
     if not isinstance(label_type, datasets.Value | datasets.ClassLabel):
         raise TypeError(
-            f"{where} returned labels of type {label_type}: a label is one string (or number) per row"
+            f"{where} returned labels of type {label_type}: a label is one string (or number) "
+            "per row"
         )
     if not isinstance(dropped, dict) or not all(
         isinstance(ids, list | tuple | set) for ids in dropped.values()

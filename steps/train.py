@@ -7,8 +7,10 @@ resumes from the newest good checkpoint in SM_CHECKPOINT_DIR, and on SIGTERM (a 
 it finishes the current step, writes a checkpoint and exits with EXIT_INTERRUPTED.
 
 Channels: train, validation (datasets save_to_disk, every model's columns prefixed with its
-name, `<model>__length` per row), labels (id2label.json, inputs.json). Every batch is padded
-to its own longest row; training batches are grouped by length. Output: SM_MODEL_DIR gets the
+name, `<model>__length` per row), labels (id2label.json, inputs.json, encoding.json). Rows
+are used whole, as prepare cut them (encoding.json records the length, and the model's
+smpipe.json records it again). Every batch is padded to its own longest row; training
+batches are grouped by length. Output: SM_MODEL_DIR gets the
 best model by validation F1 (safetensors, TorchScript and a torch.export program, curves,
 history); SM_OUTPUT_DATA_DIR gets the Metadata section and the wandb run.
 """
@@ -44,6 +46,7 @@ from steps.contract import (
 from steps.hyperparameters import parse_hyperparameters, reserved_hyperparameters
 from steps.metrics import metric_line
 from steps.model_files import EXPORTS, write_record
+from steps.prepared_files import read_encoding
 from steps.user_code import call, load_user_functions
 
 # Rows in each of the two export check batches (the shortest rows, the longest): a width or
@@ -80,7 +83,8 @@ def logits_of(output) -> torch.Tensor:
 
 
 class LogitsOnly(torch.nn.Module):
-    """Positional inputs in the user's order -> logits: what the exports trace and inference calls."""
+    """Positional inputs in the user's order -> logits: what the exports trace and inference
+    calls."""
 
     def __init__(self, model: torch.nn.Module, keys: list[str]):
         super().__init__()
@@ -127,6 +131,7 @@ class Job:
     train_loader: DataLoader
     val_batches: Batches
     inputs: dict  # this model's padding values and sequence inputs (labels/inputs.json)
+    max_length: int  # the tokens prepare cut rows to (labels/encoding.json)
     per_device: int
     accumulation: int
     total_steps: int
@@ -243,11 +248,13 @@ def announce(
 ) -> None:
     """The job's first line: the model, how the batch splits, and what was applied."""
     others = [m for m in hp["model_names"].split(",") if m and m != hp["model_name"]]
+    comparison = f" (comparison with {len(others)} other model(s))" if others else ""
+    effective = per_device * accelerator.num_processes * accumulation
     accelerator.print(
-        f"model={hp['model_name']} job_kind={hp['job_kind']}"
-        f"{f' (comparison with {len(others)} other model(s))' if others else ''} processes={accelerator.num_processes} "
+        f"model={hp['model_name']} job_kind={hp['job_kind']}{comparison} "
+        f"processes={accelerator.num_processes} "
         f"per_device_batch={per_device} accumulation={accumulation} "
-        f"effective_batch={per_device * accelerator.num_processes * accumulation} (wanted {hp['batch_size']}) "
+        f"effective_batch={effective} (wanted {hp['batch_size']}) "
         + " ".join(f"{k}={v}" for k, v in settings.items())
     )
 
@@ -271,6 +278,9 @@ def check_output_width(accelerator, model, batches, keys, labels: int, module: s
 
 
 def set_up(hp: dict, env: TrainingEnv) -> Job:
+    """Everything training needs, built in order: the user's model, the data, the optimizer,
+    Accelerate's wrapping, the checkpoint to resume. Long on purpose: like Accelerate's
+    `training_function`, it reads top to bottom, each step using the ones before it."""
     model_name = hp["model_name"]
     functions = load_user_functions(os.environ["SMPIPE_USER_FUNCTIONS"])
     keys = list(call(functions, "ordered_input_keys", model_name))
@@ -286,8 +296,9 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
     }
     label2id = {v: k for k, v in id2label.items()}
     inputs = read_inputs(labels_dir, model_name, keys)
+    max_length = read_encoding(labels_dir)["max_length"]
     # On a GPU, widths padded to a multiple of 8 keep the tensor cores' tiles full.
-    pad_to = dict(max_length=hp["max_sequence_length"], multiple_of=8 if on_gpu else 1)
+    pad_to = dict(max_length=max_length, multiple_of=8 if on_gpu else 1)
     train = Batches(read_split(env.channels["train"]), model_name, keys, inputs, **pad_to)
     val = Batches(read_split(env.channels["validation"]), model_name, keys, inputs, **pad_to)
 
@@ -295,7 +306,8 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
     model = call(functions, "load_model", model_name, id2label, label2id)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
-            f"{functions.module}.load_model must return a torch.nn.Module, got {type(model).__name__}"
+            f"{functions.module}.load_model must return a torch.nn.Module, "
+            f"got {type(model).__name__}"
         )
 
     sampler, train_loader = loader_for(train, hp, per_device, accumulation, accelerator, on_gpu)
@@ -309,7 +321,8 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
     compiled = False
     if hp["compile"]:
         model, compiled = torch.compile(model, dynamic=True), True
-    # The gradient scaler exists only under fp16 mixed precision (Accelerate owns it); None otherwise.
+    # The gradient scaler exists only under fp16 mixed precision (Accelerate owns it); None
+    # otherwise.
     state = ckpt.State(
         model=accelerator.unwrap_model(model, keep_torch_compile=False),
         optimizer=optimizer,
@@ -341,6 +354,7 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
         train_loader=train_loader,
         val_batches=val,
         inputs=inputs,
+        max_length=max_length,
         per_device=per_device,
         accumulation=accumulation,
         total_steps=total_steps,
@@ -358,7 +372,8 @@ def resume(job: Job) -> None:
             job.best_weights = ckpt.load_checkpoint(candidate, state, accelerator.process_index)
         except Exception as e:  # a truncated or foreign checkpoint: say which, try the one before
             accelerator.print(
-                f"checkpoint {candidate} could not be loaded ({type(e).__name__}: {e}); trying the previous one"
+                f"checkpoint {candidate} could not be loaded ({type(e).__name__}: {e}); "
+                "trying the previous one"
             )
             continue
         job.resumed_from = {
@@ -369,7 +384,8 @@ def resume(job: Job) -> None:
             "seconds": round(time.time() - started, 3),
         }
         accelerator.print(
-            f"resumed from {candidate} at step {state.step} (epoch {state.epoch}, batch {state.batch_in_epoch})"
+            f"resumed from {candidate} at step {state.step} "
+            f"(epoch {state.epoch}, batch {state.batch_in_epoch})"
         )
         break
     if accelerator.num_processes > 1:
@@ -407,13 +423,15 @@ def check_finite(job: Job, before: list[float]) -> None:
         return
     hp, last = job.hp, job.last_finite
     raise Diverged(
-        f"the training loss is {loss} at optimizer step {job.state.step} (epoch {job.state.epoch + 1}); "
+        f"the training loss is {loss} at optimizer step {job.state.step} "
+        f"(epoch {job.state.epoch + 1}); "
         + (
             f"the last finite loss was {last[1]:.4f} at step {last[0]}. "
             if last
             else "no step had a finite loss. "
         )
-        + f"Lower LEARNING_RATE ({hp['learning_rate']:g}) or WEIGHT_DECAY ({hp['weight_decay']:g}), "
+        + f"Lower LEARNING_RATE ({hp['learning_rate']:g}) or "
+        f"WEIGHT_DECAY ({hp['weight_decay']:g}), "
         "or check the data and load_model; no model of this job is kept"
     )
 
@@ -456,7 +474,8 @@ def train_epoch(job: Job) -> None:
             rate = (state.step - last_line[1]) * per_step / max(now - last_line[0], 1e-9)
             last_line = (now, state.step)
             accelerator.print(
-                f"step={state.step}/{job.total_steps} epoch={state.epoch + 1} loss={loss.item():.4f} "
+                f"step={state.step}/{job.total_steps} epoch={state.epoch + 1} "
+                f"loss={loss.item():.4f} "
                 f"examples/s={rate:.1f}"
             )
         if interrupted(accelerator):
@@ -667,7 +686,9 @@ def export_programs(
 
 
 def finish(job: Job) -> None:
-    """The best model, its exports, curves and the Metadata section (main process)."""
+    """The best model, its exports, curves and the Metadata section (main process). Long on
+    purpose: the end of a training script, one artifact after another, in the order a reader
+    looks for them."""
     accelerator, state, hp, env = job.accelerator, job.state, job.hp, job.env
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
@@ -688,7 +709,7 @@ def finish(job: Job) -> None:
             "ordered_input_keys": job.keys,
             "best_epoch": state.best_epoch,
             "best_validation_f1": state.best_metric,
-            "max_sequence_length": hp["max_sequence_length"],
+            "max_length": job.max_length,  # as prepare recorded it (encoding.json)
             "exports": exports,  # which exports passed their check (steps/model_files.py)
         },
     )
@@ -697,7 +718,8 @@ def finish(job: Job) -> None:
     )
     accelerator.print(f"TorchScript export: {exports['torchscript']}")
     accelerator.print(f"torch.export program: {exports['exported']}")
-    # The last metric line is the best epoch's: a tuner reading the final value sees the model it gets.
+    # The last metric line is the best epoch's: a tuner reading the final value sees the model
+    # it gets.
     best = next(h for h in state.history if h["epoch"] == state.best_epoch)
     accelerator.print("best " + metric_line(best))
     if not exports["torchscript"]["passed"]:  # a model whose export is wrong is never promoted

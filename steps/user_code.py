@@ -19,7 +19,8 @@ from types import ModuleType
 CONTRACT: dict[str, tuple[tuple[str, ...], str]] = {
     "reconcile": (
         ("raw_dir",),
-        "collect the raw data into (datasets.Dataset with a string 'label', {reason: [ids dropped]})",
+        "collect the raw data into (datasets.Dataset with a string 'label', "
+        "{reason: [ids dropped]})",
     ),
     "load_tokenizer": (("model_name",), "the tokenizer or processor of one model"),
     "encode": (
@@ -67,7 +68,8 @@ def load_user_functions(module_name: str, search_path: str | None = None) -> Use
     except SystemExit as e:  # sys.exit() at import: the module ends the process, silently
         raise UserFunctionError(
             [
-                f"importing '{module_name}' called sys.exit({e.code!r}): a user module must not end the process"
+                f"importing '{module_name}' called sys.exit({e.code!r}): a user module must not "
+                "end the process"
             ],
             module_name,
         ) from None
@@ -82,7 +84,8 @@ def load_user_functions(module_name: str, search_path: str | None = None) -> Use
         fn = getattr(module, name, None)
         if fn is None:
             problems.append(
-                f"Module '{module_name}' has no attribute '{name}': expected {_signature(name, params)}, {meaning}"
+                f"Module '{module_name}' has no attribute '{name}': expected "
+                f"{_signature(name, params)}, {meaning}"
             )
             continue
         if not callable(fn):

@@ -67,7 +67,8 @@ def write_settings(path: Path, store: str, **overrides: dict[str, str]) -> Path:
     parser.read(ROOT / "settings.ini")
     small = {
         "experiment": {"STORE": store, "NAME": "test-exp"},
-        "training": {"EPOCHS": "1", "MAX_SEQUENCE_LENGTH": "32", "BATCH_SIZE": "8", "MAX_PER_DEVICE_BATCH_SIZE": "4",
+        "data": {"MAX_SEQUENCE_LENGTH": "32"},
+        "training": {"EPOCHS": "1", "BATCH_SIZE": "8", "MAX_PER_DEVICE_BATCH_SIZE": "4",
                      "CHECKPOINT_EVERY_STEPS": "2", "MAX_RESTARTS": "0"},
         "tracking": {"WANDB_MODE": "disabled"},
     }  # fmt: skip

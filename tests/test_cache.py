@@ -19,14 +19,12 @@ from tests.test_user_functions import REVIEWS, write_module, write_reviews
 TREE = ExperimentTree("reviews")
 
 
-def data_run(
-    tmp_path, module="reviews_cache", steps="reconcile,prepare", use_cache=True, **training
-):
+def data_run(tmp_path, module="reviews_cache", steps="reconcile,prepare", use_cache=True, **data):
     path = write_settings(
         tmp_path / "settings.ini", str(tmp_path / "store"),
         experiment={"USER_FUNCTIONS": module, "NAME": "reviews"},
-        data={"RAW_DATA": str(tmp_path / "raw")}, models={"MODEL_NAMES": "tiny"},
-        training={"MAX_SEQUENCE_LENGTH": "12", **training},
+        data={"RAW_DATA": str(tmp_path / "raw"), "MAX_SEQUENCE_LENGTH": "12", **data},
+        models={"MODEL_NAMES": "tiny"},
     )  # fmt: skip
     settings = load_settings(path, env={})
     store = LocalStore(settings.store_uri())
@@ -99,8 +97,8 @@ def test_two_drivers_with_the_same_key_end_with_one_indexed_complete_output(tmp_
     write_reviews(tmp_path / "raw")
     path = write_settings(tmp_path / "settings.ini", str(tmp_path / "store"),
                           experiment={"USER_FUNCTIONS": "reviews_race", "NAME": "reviews"},
-                          data={"RAW_DATA": str(tmp_path / "raw")}, models={"MODEL_NAMES": "tiny"},
-                          training={"MAX_SEQUENCE_LENGTH": "12"})  # fmt: skip
+                          data={"RAW_DATA": str(tmp_path / "raw"), "MAX_SEQUENCE_LENGTH": "12"},
+                          models={"MODEL_NAMES": "tiny"})  # fmt: skip
     (tmp_path / "tmp").mkdir()
     drivers = [Driver(path, tmp_path / "tmp", "--steps", "reconcile,prepare") for _ in range(2)]
     assert [d.finish() for d in drivers] == [0, 0], [d.output for d in drivers]

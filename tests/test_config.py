@@ -64,9 +64,16 @@ BROKEN = {
         ["[models] MODEL_NAMES: name at least one model"],
     ),
     "unknown section": ({"trainer": {"EPOCHS": "1"}}, ["[trainer]: unknown section"]),
-    "tuning ranges of no model": (
-        {"tuning.hyperparameters.cnn": {"LEARNING_RATE": "0.1->0.2"}},
-        ["[tuning.hyperparameters.cnn]: 'cnn' is not in [models] MODEL_NAMES"],
+    "a model's section not in MODEL_NAMES is still checked": (
+        {"tuning.hyperparameters.cnn": {"LEARNING_RATE": "0.2->0.1"}},
+        ["[tuning.hyperparameters.cnn] LEARNING_RATE: '0.2->0.1': empty interval"],
+    ),
+    "MAX_SEQUENCE_LENGTH moved to [data]": (
+        {"training": {"MAX_SEQUENCE_LENGTH": "64"}, "training.bow": {"MAX_SEQUENCE_LENGTH": "64"}},
+        [
+            "[training] MAX_SEQUENCE_LENGTH: moved to [data] MAX_SEQUENCE_LENGTH",
+            "[training.bow] MAX_SEQUENCE_LENGTH: moved to [data] MAX_SEQUENCE_LENGTH",
+        ],
     ),
     "a model's range out of bounds": (
         {"tuning.hyperparameters.bow": {"WEIGHT_DECAY": "0.1->50"}},
@@ -112,8 +119,9 @@ def test_every_problem_is_reported_at_once(tmp_path):
 
 
 def test_each_model_has_its_own_tuning_ranges(tmp_path):
-    from pipeline.driver import build_jobs, resolve_sources
     from pipeline.paths import ExperimentTree
+    from pipeline.sources import resolve_sources
+    from pipeline.stages import build_jobs
     from pipeline.store import LocalStore
 
     (tmp_path / "raw").mkdir()
@@ -196,8 +204,8 @@ def test_hyperparameters_are_cast_once_and_unknown_ones_refused():
     parsed = parse_hyperparameters(
         {"epochs": "3.0", "learning_rate": '"0.1"', "batch_size": 16, "model_name": "minilm"}
     )
-    assert parsed == {"epochs": 3, "learning_rate": 0.1, "batch_size": 16, "model_name": "minilm",
-                      **DEFAULTS}  # fmt: skip
+    assert parsed == {**DEFAULTS, "epochs": 3, "learning_rate": 0.1, "batch_size": 16,
+                      "model_name": "minilm"}  # fmt: skip
     assert parse_hyperparameters({"compile": "true", "group_by_length": "False"})["compile"] is True
     with pytest.raises(ValueError, match="compile='yes please' is not a bool"):
         parse_hyperparameters({"compile": "yes please"})
@@ -251,7 +259,7 @@ def test_max_wait_is_a_spot_setting(tmp_path):
 
 
 def test_hub_access_is_a_setting_of_the_run(tmp_path):
-    from pipeline.driver import HUB_OFFLINE, job_env
+    from pipeline.stages import HUB_OFFLINE, job_env
 
     online = load_settings(
         write_settings(tmp_path / "a.ini", str(tmp_path / "s"), hub={"OFFLINE": "false"}), env={}
@@ -262,7 +270,7 @@ def test_hub_access_is_a_setting_of_the_run(tmp_path):
     )
     assert {k: job_env(offline)[k] for k in HUB_OFFLINE} == dict.fromkeys(HUB_OFFLINE, "1")
     # Not in the image: a job of a run that may download can.
-    from pipeline.container import dockerfile_instructions
+    from pipeline.backends.container import dockerfile_instructions
 
     env_lines = " ".join(a for i, a in dockerfile_instructions() if i == "ENV")
     assert not any(name in env_lines for name in HUB_OFFLINE)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.container import lay_out_processing, lay_out_training, processing_job_config
+from pipeline.backends.container import lay_out_processing, lay_out_training, processing_job_config
 from steps.entrypoint import (
     ENTRYPOINT,
     ML_ROOT_VARIABLE,

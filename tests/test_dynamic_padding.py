@@ -74,9 +74,9 @@ def test_hugging_face_encode_end_to_end_with_dynamic_padding_and_exports(tmp_pat
     path = write_settings(
         tmp_path / "settings.ini", str(tmp_path / "store"),
         experiment={"USER_FUNCTIONS": "hf_functions", "NAME": "short"},
-        data={"RAW_DATA": str(tmp_path / "raw")}, models={"MODEL_NAMES": "minilm"},
-        training={"EPOCHS": "1", "LEARNING_RATE": "1e-4", "MAX_SEQUENCE_LENGTH": "128",
-                  "BATCH_SIZE": "8", "MAX_PER_DEVICE_BATCH_SIZE": "8"},
+        data={"RAW_DATA": str(tmp_path / "raw"), "MAX_SEQUENCE_LENGTH": "128"},
+        models={"MODEL_NAMES": "minilm"},
+        training={"EPOCHS": "1", "LEARNING_RATE": "1e-4", "BATCH_SIZE": "8", "MAX_PER_DEVICE_BATCH_SIZE": "8"},
     )  # fmt: skip
     settings = load_settings(path, env={})
     store = LocalStore(settings.store_uri())
@@ -91,6 +91,11 @@ def test_hugging_face_encode_end_to_end_with_dynamic_padding_and_exports(tmp_pat
     assert min(lengths) < 8 and max(lengths) > 40
     assert [len(x) for x in train["minilm_input_ids"]] == lengths
     assert "minilm_token_type_ids" not in train.column_names
+    # The length rows were cut to, recorded beside them and again with the model trained on them.
+    store_dir = tmp_path / "store/short"
+    encoding = json.loads((store_dir / "data/0001/prepared/labels/encoding.json").read_text())
+    model = json.loads((store_dir / "runs/0001/models/minilm/model/smpipe.json").read_text())
+    assert encoding["max_length"] == model["max_length"] == 128
     # Both exports match eager on two batches of different widths.
     exports = record["steps"]["train"]["details"]["models"]["minilm"]["exports"]
     for name in ("torchscript", "exported"):

@@ -11,10 +11,11 @@ import sys
 
 import pytest
 
+from pipeline.backends import make_backend
 from pipeline.config import load_settings
-from pipeline.driver import PipelineError, make_backend, parse_steps, run_pipeline
+from pipeline.driver import PipelineError, parse_steps, run_pipeline
 from pipeline.paths import ExperimentTree
-from pipeline.stage import stage
+from pipeline.sources import upload_raw
 from pipeline.store import S3Store, download_dir
 from tests.conftest import ROOT, SigtermAt, write_settings
 
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def staged(bucket, demo_raw):
     store = S3Store(f"s3://{bucket}/root")
-    stage(store, ExperimentTree("test-exp"), demo_raw)
+    upload_raw(store, ExperimentTree("test-exp"), demo_raw)
     return store
 
 

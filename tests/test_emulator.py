@@ -13,11 +13,11 @@ import time
 
 import pytest
 
+from pipeline.backends.container import HOST_VARIABLES, dockerfile_instructions
+from pipeline.backends.emulated import Emulator
+from pipeline.backends.local import LocalBackend
 from pipeline.config import Categorical
-from pipeline.container import HOST_VARIABLES, dockerfile_instructions
-from pipeline.emulated_backend import Emulator
 from pipeline.jobs import ProcessingJob, TrainingJob, TuningJob
-from pipeline.local_backend import LocalBackend
 from pipeline.paths import ExperimentTree
 from pipeline.store import S3Store, upload_dir
 from steps.entrypoint import TRIAL_CHECKPOINTS_VARIABLE
@@ -200,7 +200,7 @@ class Flaky:
         self.code, self.times = code, times
 
     def __call__(self, **_):
-        from pipeline.emulated_backend import _error_response
+        from pipeline.backends.emulated import _error_response
 
         if self.times <= 0:
             return None

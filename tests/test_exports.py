@@ -85,3 +85,27 @@ def test_inference_refuses_an_export_that_failed_its_check(tmp_path):
         ValueError, match="no usable exported export: Unsupported: data-dependent control flow"
     ):
         usable_export(tmp_path, "exported", "minilm")
+
+
+def test_inference_says_why_the_export_it_wants_is_missing(tmp_path):
+    """Through inference's own loader: the reason training recorded, never "no reason"."""
+    from steps.inference import load_program
+
+    write_record(
+        tmp_path,
+        {
+            "exports": {
+                "torchscript": {"file": EXPORTS["torchscript"], "passed": True},
+                "exported": {"passed": False, "error": "Unsupported: data-dependent control flow"},
+            }
+        },
+    )
+    with pytest.raises(ValueError) as refused:
+        load_program(tmp_path, "exported", "minilm")
+    assert str(refused.value) == (
+        "model 'minilm' has no usable exported export: Unsupported: data-dependent control "
+        "flow; [inference] MODEL_FORMAT = torchscript may have one"
+    )
+    # Its check passed, and its file went missing since.
+    with pytest.raises(ValueError, match=r"its check passed, but model\.torchscript\.pt is no"):
+        load_program(tmp_path, "torchscript", "minilm")

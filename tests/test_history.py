@@ -32,8 +32,8 @@ def three_runs(tmp_path_factory):
     def run(steps: str | None, epochs: str, models: str = "tiny") -> dict:
         path = write_settings(tmp / "settings.ini", str(tmp / "store"),
                               experiment={"USER_FUNCTIONS": "reviews_history", "NAME": "reviews"},
-                              data={"RAW_DATA": str(tmp / "raw")}, models={"MODEL_NAMES": models},
-                              training={"MAX_SEQUENCE_LENGTH": "12", "EPOCHS": epochs, "LEARNING_RATE": "0.05"})  # fmt: skip
+                              data={"RAW_DATA": str(tmp / "raw"), "MAX_SEQUENCE_LENGTH": "12"},
+                              models={"MODEL_NAMES": models}, training={"EPOCHS": epochs, "LEARNING_RATE": "0.05"})  # fmt: skip
         loaded = load_settings(path, env={})
         return run_pipeline(loaded, LocalStore(tmp / "store"), parse_steps(steps), echo=sys.stdout)
 

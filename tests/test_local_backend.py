@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from pipeline.backends.local import LocalBackend
 from pipeline.jobs import ProcessingJob, TrainingJob
-from pipeline.local_backend import LocalBackend
 from pipeline.paths import ExperimentTree
 from pipeline.store import LocalStore, S3Store, is_complete, upload_dir
 from tests.conftest import ship_code

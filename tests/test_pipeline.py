@@ -12,7 +12,7 @@ import pytest
 from pipeline.config import load_settings
 from pipeline.driver import PipelineError, parse_steps, run_pipeline
 from pipeline.paths import ExperimentTree
-from pipeline.stage import stage
+from pipeline.sources import upload_raw
 from pipeline.store import S3Store, download_dir, is_complete, read_manifest
 from tests.conftest import ROOT, write_settings
 
@@ -28,7 +28,7 @@ def run(settings_path, steps=None, store=None):
 @pytest.fixture
 def staged(bucket, demo_raw):
     store = S3Store(f"s3://{bucket}/root")
-    stage(store, ExperimentTree("test-exp"), demo_raw)
+    upload_raw(store, ExperimentTree("test-exp"), demo_raw)
     return store
 
 
@@ -36,7 +36,7 @@ def staged(bucket, demo_raw):
 def test_two_models_end_to_end(staged, bucket, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", SECRET)
     path = write_settings(tmp_path / "settings.ini", f"s3://{bucket}/root", tracking={"WANDB_MODE": "offline"},
-                          training={"EPOCHS": "2", "MAX_SEQUENCE_LENGTH": "32", "BATCH_SIZE": "8", "MAX_PER_DEVICE_BATCH_SIZE": "4",
+                          data={"MAX_SEQUENCE_LENGTH": "32"}, training={"EPOCHS": "2", "BATCH_SIZE": "8", "MAX_PER_DEVICE_BATCH_SIZE": "4",
                                     # MiniLM's state is 270 MB: epoch-end checkpoints only, one kept
                                     "CHECKPOINT_EVERY_STEPS": "0", "KEEP_CHECKPOINTS": "1"})  # fmt: skip
     monkeypatch.setenv("WANDB_MODE", "offline")  # never reach wandb's servers from a test

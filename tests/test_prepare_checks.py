@@ -53,7 +53,7 @@ def test_a_left_truncating_tokenizer_gets_its_texts_whole(capsys):
     """The issue's case: the first long text is an html column encode never reads; the text
     column's tokenizer keeps the end of an article. Nothing is cut: the encoded row is the
     article's end, as encoding it whole gives."""
-    out, _ = encode_for(rows(), functions(by_tokenizer, "left"), "m", MAX_LENGTH)
+    out, _, _ = encode_for(rows(), functions(by_tokenizer, "left"), "m", MAX_LENGTH)
     whole = tokenizer("left")([LONG], truncation=True, max_length=MAX_LENGTH)["input_ids"][0]
     assert ids(out, 1) == whole
     assert "word3999" in tokenizer().decode(ids(out, 1))
@@ -67,7 +67,7 @@ def test_a_column_is_cut_only_on_evidence_about_itself(capsys):
     def tail(batch, tok, model_name, max_length):
         return tok([t[-200:] for t in batch["text"]], truncation=True, max_length=max_length)
 
-    out, _ = encode_for(rows(), functions(tail), "m", MAX_LENGTH)
+    out, _, _ = encode_for(rows(), functions(tail), "m", MAX_LENGTH)
     assert (
         ids(out, 1)
         == tokenizer()([LONG[-200:]], truncation=True, max_length=MAX_LENGTH)["input_ids"][0]
@@ -77,7 +77,7 @@ def test_a_column_is_cut_only_on_evidence_about_itself(capsys):
 
 
 def test_the_shortcut_still_cuts_where_it_provably_changes_nothing(capsys):
-    out, _ = encode_for(rows(), functions(by_tokenizer), "m", MAX_LENGTH)
+    out, _, _ = encode_for(rows(), functions(by_tokenizer), "m", MAX_LENGTH)
     whole = tokenizer()([LONG], truncation=True, max_length=MAX_LENGTH)["input_ids"][0]
     assert ids(out, 1) == whole
     said = capsys.readouterr().out
@@ -109,5 +109,5 @@ def test_a_scalar_input_per_row_is_fine_beside_long_texts():
         encoded = dict(tok(batch["text"], truncation=True, max_length=max_length))
         return {**encoded, "n_chars": [len(t) for t in batch["text"]]}
 
-    out, info = encode_for(rows(), functions(with_length, keys=("input_ids", "attention_mask", "n_chars")), "m", MAX_LENGTH)  # fmt: skip
+    out, info, _ = encode_for(rows(), functions(with_length, keys=("input_ids", "attention_mask", "n_chars")), "m", MAX_LENGTH)  # fmt: skip
     assert "n_chars" not in info["sequence"] and out[1]["m_n_chars"] in (4096, len(LONG))

@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.container import free_port, image_env, lay_out_training
+from pipeline.backends.container import free_port, image_env, lay_out_training
+from pipeline.backends.local import LocalBackend
 from pipeline.jobs import TrainingJob
-from pipeline.local_backend import LocalBackend
 from pipeline.paths import ExperimentTree
 from pipeline.store import LocalStore, upload_dir
 from steps import checkpointing as ckpt
@@ -33,11 +33,12 @@ from steps.entrypoint import (
     PROCESSES_VARIABLE,
 )
 from steps.hyperparameters import TUNABLE
+from steps.prepared_files import encoding_record, write_encoding
 from tests.conftest import ROOT, SigtermAt, ship_code
 
 HPS = {
     "model_name": "bow", "model_names": "bow", "job_kind": "training", "epochs": "3", "learning_rate": "0.01",
-    "batch_size": "8", "max_per_device_batch_size": "4", "max_sequence_length": "16", "warmup_ratio": "0.1",
+    "batch_size": "8", "max_per_device_batch_size": "4", "warmup_ratio": "0.1",
     "weight_decay": "0.01", "seed": "5", "checkpoint_every_steps": "3", "keep_checkpoints": "2",
     "wandb_project": "t", "wandb_mode": "disabled", "max_steps": "0",
 }  # fmt: skip
@@ -68,6 +69,7 @@ def channels(tmp_path_factory) -> dict[str, Path]:
     write_inputs(root / "labels", {"bow": {"keys": ["input_ids", "attention_mask"],
                  "pad": {"input_ids": 0, "attention_mask": 0},
                  "sequence": ["input_ids", "attention_mask"]}})  # fmt: skip
+    write_encoding(root / "labels", encoding_record(16, {"bow": {}}))  # rows of 4 to 16 tokens
     return {c: root / c for c in ("train", "validation", "labels")}
 
 

@@ -12,11 +12,12 @@ from pathlib import Path
 import boto3
 import pytest
 
+from pipeline.backends.sagemaker import SageMakerBackend
 from pipeline.config import load_settings
-from pipeline.driver import Sources, build_jobs
 from pipeline.jobs import JOB_NAME_RE, job_name
 from pipeline.paths import ExperimentTree
-from pipeline.sagemaker_backend import SageMakerBackend
+from pipeline.sources import Sources
+from pipeline.stages import build_jobs
 from pipeline.store import S3Store, download_dir, is_complete, read_manifest
 from steps.entrypoint import ENTRYPOINT
 from tests.conftest import write_settings
@@ -277,7 +278,7 @@ def test_outputs_adopted_from_sagemaker_are_read_like_local_ones(tmp_path, bucke
 def test_dockerfile_is_dependencies_and_the_entrypoint_only():
     import tomllib
 
-    from pipeline.container import DOCKERFILE, dockerfile_instructions
+    from pipeline.backends.container import DOCKERFILE, dockerfile_instructions
 
     instructions = dockerfile_instructions()
     entrypoints = [args for kind, args in instructions if kind == "ENTRYPOINT"]

@@ -14,10 +14,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import ConfigError, load_settings
-from pipeline.driver import Sources, build_jobs, check_requests
+from pipeline.driver import check_requests
 from pipeline.jobs import JOB_NAME_LIMIT, JOB_NAME_RE, TUNING_JOB_NAME_LIMIT, job_name
 from pipeline.paths import ExperimentTree
 from pipeline.service_model import as_if_on_s3, check, refused, shape
+from pipeline.sources import Sources
+from pipeline.stages import build_jobs
 from pipeline.store import LocalStore
 from tests.conftest import ROOT, write_settings
 

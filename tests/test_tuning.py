@@ -26,8 +26,7 @@ def tuning_settings(tmp_path, **tuning):
     return write_settings(
         tmp_path / "settings.ini", str(tmp_path / "store"),
         experiment={"USER_FUNCTIONS": "reviews_tuning", "NAME": "reviews", "JOB": "tune"},
-        data={"RAW_DATA": str(tmp_path / "raw")}, models={"MODEL_NAMES": "tiny"},
-        training={"MAX_SEQUENCE_LENGTH": "12"},
+        data={"RAW_DATA": str(tmp_path / "raw"), "MAX_SEQUENCE_LENGTH": "12"}, models={"MODEL_NAMES": "tiny"},
         tuning={"STRATEGY": "Random", "MAX_JOBS": "3", "MAX_PARALLEL_JOBS": "2", "EARLY_STOPPING": "Off", **tuning},
         **{"tuning.hyperparameters": {"LEARNING_RATE": "0.001->0.1 log", "EPOCHS": "1,2", "BATCH_SIZE": None}},
     )  # fmt: skip
@@ -170,8 +169,8 @@ def test_hyperband_stops_trials_that_fall_behind_at_a_rung():
     the good ones never. (The stopping itself is the one early stopping uses, tested above.)"""
     import optuna
 
+    from pipeline.backends.local_tuning import distributions, search
     from pipeline.config import Interval
-    from pipeline.tuning import distributions, search
 
     job = SimpleNamespace(  # what search() reads of a TuningJob
         strategy="Hyperband", max_jobs=12, early_stopping="Off",
@@ -206,8 +205,7 @@ def test_an_interrupted_study_resumes_with_its_finished_trials(tmp_path):
 
     path = tuning_settings(tmp_path, STRATEGY="Grid", MAX_JOBS="2", MAX_PARALLEL_JOBS="1")
     write_settings(path, str(tmp_path / "store"), experiment={"USER_FUNCTIONS": "reviews_tuning", "NAME": "reviews", "JOB": "tune"},
-                   data={"RAW_DATA": str(tmp_path / "raw")}, models={"MODEL_NAMES": "tiny"},
-                   training={"MAX_SEQUENCE_LENGTH": "12"},
+                   data={"RAW_DATA": str(tmp_path / "raw"), "MAX_SEQUENCE_LENGTH": "12"}, models={"MODEL_NAMES": "tiny"},
                    tuning={"STRATEGY": "Grid", "MAX_JOBS": "2", "MAX_PARALLEL_JOBS": "1", "EARLY_STOPPING": "Off"},
                    **{"tuning.hyperparameters": {"LEARNING_RATE": "0.05,0.02", "EPOCHS": "3", "BATCH_SIZE": None}})  # fmt: skip
     tmp = tmp_path / "tmp"

@@ -107,8 +107,8 @@ def test_another_task_runs_through_the_same_pipeline(tmp_path):
     path = write_settings(
         tmp_path / "settings.ini", str(tmp_path / "store"),
         experiment={"USER_FUNCTIONS": "reviews_functions", "NAME": "reviews"},
-        data={"RAW_DATA": str(tmp_path / "raw")}, models={"MODEL_NAMES": "tiny"},
-        training={"EPOCHS": "3", "LEARNING_RATE": "0.05", "MAX_SEQUENCE_LENGTH": "12"},
+        data={"RAW_DATA": str(tmp_path / "raw"), "MAX_SEQUENCE_LENGTH": "12"}, models={"MODEL_NAMES": "tiny"},
+        training={"EPOCHS": "3", "LEARNING_RATE": "0.05"},
     )  # fmt: skip
     settings = load_settings(path, env={})
     record = run_pipeline(

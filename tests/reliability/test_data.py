@@ -138,8 +138,8 @@ def test_a_thousand_labels_are_tested_and_reported_in_proportion_to_rows(tmp_pat
     labels; the whole matrix is in confusion_matrix.csv)."""
     (tmp_path / "many_labels.py").write_text(MANY_LABELS)
     path = write_settings(tmp_path / "s.ini", str(tmp_path / "store"), models={"MODEL_NAMES": "bow"},
-                          experiment={"USER_FUNCTIONS": "many_labels"}, data={"RAW_DATA": str(demo_raw)},
-                          training={"MAX_STEPS": "2", "MAX_SEQUENCE_LENGTH": "16"})  # fmt: skip
+                          experiment={"USER_FUNCTIONS": "many_labels"},
+                          data={"RAW_DATA": str(demo_raw), "MAX_SEQUENCE_LENGTH": "16"}, training={"MAX_STEPS": "2"})  # fmt: skip
     store = LocalStore(tmp_path / "store")
     record = run_pipeline(load_settings(path, {}), store, parse_steps(None), echo=io.StringIO())
     assert record["status"] == "completed" and record["holdout_performance"]["bow"]["rows"] == 1000

@@ -133,8 +133,8 @@ def test_a_killed_driver_takes_its_job_along_and_its_run_is_marked_abandoned(tmp
 def test_a_training_job_killed_by_a_signal_is_restarted_from_its_checkpoint(tmp_path, channels):
     import re
 
+    from pipeline.backends.local import LocalBackend
     from pipeline.jobs import TrainingJob
-    from pipeline.local_backend import LocalBackend
     from pipeline.store import LocalStore, upload_dir
     from tests.conftest import SigtermAt, ship_code
     from tests.test_resume import HPS

@@ -130,7 +130,7 @@ def test_an_indented_line_is_not_appended_to_the_value_above(tmp_path):
         ("training", "EPOCHS", "1e29", "[training] EPOCHS: must be a valid integer"),
         ("training", "EPOCHS", "100000", "[training] EPOCHS: must be less than or equal to 10000"),
         ("data", "SEED", "-5", "[data] SEED: must be greater than or equal to 0"),
-        ("training", "MAX_SEQUENCE_LENGTH", "100000000000000", "[training] MAX_SEQUENCE_LENGTH: must be less"),
+        ("data", "MAX_SEQUENCE_LENGTH", "100000000000000", "[data] MAX_SEQUENCE_LENGTH: must be less"),
         ("training", "LEARNING_RATE", "1e400", "[training] LEARNING_RATE: must be a finite number"),
         ("training", "WEIGHT_DECAY", "inf", "[training] WEIGHT_DECAY: must be a finite number"),
         ("training", "LEARNING_RATE", "nan", "[training] LEARNING_RATE: must be a finite number"),

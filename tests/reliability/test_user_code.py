@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.backends.local import LocalBackend
 from pipeline.jobs import ProcessingJob
-from pipeline.local_backend import LocalBackend
 from pipeline.paths import ExperimentTree
 from pipeline.store import LocalStore, is_complete, upload_dir
 from steps.user_code import UserFunctionError, load_user_functions

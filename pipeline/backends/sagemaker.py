@@ -3,9 +3,11 @@ adopted into the run tree.
 
 Each request is built by pipeline/jobs.py from the job description, checked against every
 constraint of SageMaker's service model (pipeline/service_model.py: boto3's own check covers
-required members, types and minimum lengths only), and sent as it is. The image's entrypoint (steps/entrypoint.py) is what SageMaker starts; the code every
-job runs is the run's `code/` folder, given to each job as an input. The client, the logs
-client, the image and the role are injected: the emulated backend passes moto's.
+required members, types and minimum lengths only), and sent as it is, with the operations
+jobs.KINDS names for its kind. The image's entrypoint (steps/entrypoint.py) is what SageMaker
+starts; the code every job runs is the run's `code/` folder, given to each job as an input.
+The client, the logs client, the image and the role are injected: the emulated backend passes
+moto's.
 
 While a job runs: a progress line when its status changes (and once a minute), its
 CloudWatch log streamed with the job's name in front. When it ends: a job that failed or was
@@ -25,6 +27,8 @@ import time
 from pathlib import Path
 
 from pipeline.jobs import (
+    ENDED,
+    KINDS,
     JobResult,
     ProcessingJob,
     TrainingJob,
@@ -35,7 +39,7 @@ from pipeline.paths import RunTree
 from pipeline.service_model import refused
 from pipeline.store import Store, key_of, seal_prefix, upload_dir
 
-TERMINAL = ("Completed", "Failed", "Stopped")
+TERMINAL = ENDED  # a job's status that no longer changes
 LOG_GROUPS = {
     "training": "/aws/sagemaker/TrainingJobs",
     "processing": "/aws/sagemaker/ProcessingJobs",
@@ -105,8 +109,9 @@ class Trials:
         said = []
         for summary in failed[:3]:
             tail = self.backend.log_tail(summary["TrainingJobName"])
+            why = summary.get("FailureReason", "no reason given")
             said.append(
-                f"trial {summary['TrainingJobName']} failed: {summary.get('FailureReason', 'no reason given')}"
+                f"trial {summary['TrainingJobName']} failed: {why}"
                 + (f" (last log lines: {' | '.join(tail)})" if tail else "")
             )
         if len(failed) > 3:
@@ -149,10 +154,17 @@ class SageMakerBackend:
         """The request a job becomes."""
         return request_for(job, self.image, self.role, self.store.uri_of)
 
-    def _say(self, name: str, text: str) -> None:
-        print(f"[{name}] {text}", file=self.echo, flush=True)
+    def say(self, job_name: str, text: str) -> None:
+        print(f"[{job_name}] {text}", file=self.echo, flush=True)
 
-    # -- the protocol every backend answers ----------------------------------------------------
+    def _call(self, operation: str, **request) -> dict:
+        """The client's method for one of SageMaker's operations (CreateTrainingJob ->
+        create_training_job, as botocore names them)."""
+        from botocore import xform_name
+
+        return getattr(self.client, xform_name(operation))(**request)
+
+    # -- the Backend protocol (pipeline/backends/__init__.py) -----------------------------------
 
     def run_processing(self, job: ProcessingJob) -> JobResult:
         request = self.request(job)
@@ -191,12 +203,17 @@ class SageMakerBackend:
         result = self._result("tuning", job.name, described, [])
         best = described.get("BestTrainingJob") or {}
         config = request["HyperParameterTuningJobConfig"]
-        result.details = json.loads(json.dumps({
-            "tuning_job": job.name, "strategy": config["Strategy"], "ran_as": config["Strategy"],
-            "objective_metric": job.objective_metric, "objective_type": job.objective_type,
-            "best": best or None, "counters": described.get("TrainingJobStatusCounters"),
+        details = {
+            "tuning_job": job.name,
+            "strategy": config["Strategy"],
+            "ran_as": config["Strategy"],
+            "objective_metric": job.objective_metric,
+            "objective_type": job.objective_type,
+            "best": best or None,
+            "counters": described.get("TrainingJobStatusCounters"),
             "trials": [trial_record(t) for t in summaries or []],
-        }, default=str))  # fmt: skip
+        }
+        result.details = json.loads(json.dumps(details, default=str))
         self.store.put_bytes(
             self.run.tuning_record(job.trial.hyperparameters["model_name"]),
             json.dumps(result.details, indent=2).encode(),
@@ -231,16 +248,12 @@ class SageMakerBackend:
             self._stop(name, kind)
 
     def _stop(self, name: str, kind: str) -> None:
-        call = {
-            "processing": ("stop_processing_job", "ProcessingJobName"),
-            "training": ("stop_training_job", "TrainingJobName"),
-            "tuning": ("stop_hyper_parameter_tuning_job", "HyperParameterTuningJobName"),
-        }[kind]
+        api = KINDS[kind]
         try:
-            getattr(self.client, call[0])(**{call[1]: name})
-            self._say(name, "stop requested")
+            self._call(api.stop, **{api.name_member: name})
+            self.say(name, "stop requested")
         except Exception as e:  # noqa: BLE001 - stopping the others matters more
-            self._say(name, f"could not be stopped: {e}")
+            self.say(name, f"could not be stopped: {e}")
 
     def close(self, succeeded: bool) -> None:
         if self.on_close is not None:
@@ -249,14 +262,9 @@ class SageMakerBackend:
     # -- submitting and waiting ------------------------------------------------------------------
 
     def _describe(self, kind: str, name: str) -> dict:
-        if kind == "processing":
-            d = self.client.describe_processing_job(ProcessingJobName=name)
-            return {**d, "Status": d["ProcessingJobStatus"]}
-        if kind == "training":
-            d = self.client.describe_training_job(TrainingJobName=name)
-            return {**d, "Status": d["TrainingJobStatus"]}
-        d = self.client.describe_hyper_parameter_tuning_job(HyperParameterTuningJobName=name)
-        return {**d, "Status": d["HyperParameterTuningJobStatus"]}
+        api = KINDS[kind]
+        described = self._call(api.describe, **{api.name_member: name})
+        return {**described, "Status": described[api.status_member]}
 
     def _submit_and_wait(
         self, kind: str, name: str, request: dict, on_poll=None
@@ -267,24 +275,19 @@ class SageMakerBackend:
         the following goes on: the job runs on SageMaker whatever this process reads of it."""
         from botocore.exceptions import BotoCoreError, ClientError
 
-        create = {
-            "processing": self.client.create_processing_job,
-            "training": self.client.create_training_job,
-            "tuning": self.client.create_hyper_parameter_tuning_job,
-        }[kind]
         start = time.time()
         problems = refused(kind, request)
         if problems:  # what AWS would answer, said before anything is sent
             reason = "SageMaker would refuse the request: " + "; ".join(problems)
             return {"Status": "Failed", "FailureReason": reason, "_start": start}, []
         try:
-            create(**request)
+            self._call(KINDS[kind].create, **request)
         except (ClientError, BotoCoreError) as e:
-            return {"Status": "Failed", "FailureReason": f"SageMaker refused the job: {e}",
-                    "_start": start}, []  # fmt: skip
+            refusal = {"Status": "Failed", "FailureReason": f"SageMaker refused the job: {e}"}
+            return {**refusal, "_start": start}, []
         with self._lock:
             self._active[name] = kind
-        self._say(name, f"{kind} job created")
+        self.say(name, f"{kind} job created")
         log: list[str] = []
         follow = Following(self, kind, name, start)
         try:
@@ -334,8 +337,7 @@ class SageMakerBackend:
                         line = event["message"].rstrip("\n")
                         log.append(line)
                         host = stream_name.split("/", 1)[-1].rsplit("-", 1)[0]
-                        prefix = f"{host}: " if len(streams) > 1 else ""
-                        print(f"[{name}] {prefix}{line}", file=self.echo, flush=True)
+                        self.say(name, f"{host}: {line}" if len(streams) > 1 else line)
                     token = page.get("nextForwardToken")
                     if not page.get("events") or token == args.get("nextToken"):
                         tokens[stream_name] = token or args.get("nextToken", "")
@@ -428,7 +430,7 @@ class Following:
         code = getattr(error, "response", {}).get("Error", {}).get("Code", type(error).__name__)
         if (what, code) not in self.said:
             self.said.add((what, code))
-            self.backend._say(
+            self.backend.say(
                 self.name, f"could not {what}: {error}; the job goes on, and so does the driver"
             )
 
@@ -467,7 +469,7 @@ class Following:
         counters = described.get("TrainingJobStatusCounters")
         if self.kind == "tuning" and counters:
             extra += " (trials: " + ", ".join(f"{k} {v}" for k, v in counters.items() if v) + ")"
-        self.backend._say(self.name, f"{state[0]}{extra}, {time.time() - self.start:.0f}s")
+        self.backend.say(self.name, f"{state[0]}{extra}, {time.time() - self.start:.0f}s")
         self.shown, self.last_shown = state, time.time()
 
     def read_logs(self, log: list[str]) -> None:
@@ -496,17 +498,18 @@ class Following:
         )
 
     def lost(self) -> dict:
+        from botocore import xform_name
+
         self.backend._stop(self.name, self.kind)
         minutes = (time.time() - self.failing_since) / 60
-        how = {
-            "processing": "describe-processing-job --processing-job-name",
-            "training": "describe-training-job --training-job-name",
-            "tuning": "describe-hyper-parameter-tuning-job --hyper-parameter-tuning-job-name",
-        }[self.kind]
+        api = KINDS[self.kind]  # the AWS CLI's spelling of the operation and its name member
+        how = f"{xform_name(api.describe, '-')} --{xform_name(api.name_member, '-')} {self.name}"
         return {
             "Status": "Failed",
-            "FailureReason": f"its status could not be read for {minutes:.0f} minutes ({self.last_error}); "
-            f"it was asked to stop; `aws sagemaker {how} {self.name}` tells how it ended",
+            "FailureReason": (
+                f"its status could not be read for {minutes:.0f} minutes ({self.last_error}); "
+                f"it was asked to stop; `aws sagemaker {how}` tells how it ended"
+            ),
         }
 
 

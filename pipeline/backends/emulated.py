@@ -43,22 +43,35 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pipeline.container import (
+from pipeline.backends.container import (
     Containers,
+    free_port,
     fresh_container_env,
     in_root,
     play_processing,
     play_training,
+    status_after,
 )
+from pipeline.backends.sagemaker import LOG_GROUPS, SageMakerBackend
+from pipeline.jobs import KINDS
 from pipeline.paths import RunTree
-from pipeline.sagemaker_backend import LOG_GROUPS, SageMakerBackend
 from pipeline.service_model import TUNING_OBJECTIVE
 from pipeline.store import Store, aws_config, key_of
 
 EMULATED_IMAGE = "smpipe:emulated"
 EMULATED_ROLE = "arn:aws:iam::123456789012:role/smpipe-emulated"
 EMULATED_BUCKET = "smpipe-emulated"
-CREATE_OPERATIONS = ("CreateProcessingJob", "CreateTrainingJob", "CreateHyperParameterTuningJob")
+KIND_CREATED_BY = {api.create: kind for kind, api in KINDS.items()}  # CreateTrainingJob: training
+# What a tuning job's TrainingJobDefinition holds that a CreateTrainingJob request has no place
+# for (botocore's sagemaker service-2.json: HyperParameterTrainingJobDefinition's members less
+# CreateTrainingJobRequest's); each trial is created with the rest.
+TUNING_ONLY = (
+    "DefinitionName",
+    "HyperParameterRanges",
+    "HyperParameterTuningResourceConfig",
+    "StaticHyperParameters",
+    "TuningObjective",
+)
 
 
 def start_moto(region: str) -> str:
@@ -67,17 +80,19 @@ def start_moto(region: str) -> str:
     credentials by the Emulator (`plumbing`), nothing else of this process's environment."""
     from moto.server import ThreadedMotoServer
 
-    from pipeline.container import free_port
-
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
-    os.environ.update({
-        "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "emulated", "AWS_SECRET_ACCESS_KEY": "emulated",
-        "AWS_DEFAULT_REGION": region,
-    })  # fmt: skip
+    os.environ.update(
+        {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": "emulated",
+            "AWS_SECRET_ACCESS_KEY": "emulated",
+            "AWS_DEFAULT_REGION": region,
+        }
+    )
     os.environ.pop("AWS_SESSION_TOKEN", None)
     os.environ.pop("AWS_PROFILE", None)
     return endpoint
@@ -162,7 +177,7 @@ class Emulator:
         self.logs = boto3.client("logs", region_name=region, config=aws_config())
         self._moto = sagemaker_backends[DEFAULT_ACCOUNT_ID][region]
         self.work_root = Path(work_root or tempfile.mkdtemp(prefix="smpipe-emulated-"))
-        # A job's container sees a new container's environment (pipeline/container.py), the
+        # A job's container sees a new container's environment (backends/container.py), the
         # image's ENV, the request's Environment and what SageMaker sets; and the emulator's
         # plumbing: where moto is, and credentials as the job's role would give them (AWS
         # delivers a role's temporary credentials through the container credentials provider,
@@ -186,22 +201,28 @@ class Emulator:
         self._reclaimed: set[str] = set()  # spot jobs whose instance AWS took back
         events = self.client.meta.events
         events.register("provide-client-params.sagemaker", self._capture)
-        for operation in CREATE_OPERATIONS:
+        for api in KINDS.values():
             # SageMaker refuses a name used before in the account and region; moto overwrites.
-            events.register(f"before-call.sagemaker.{operation}", self._refuse_used_name)
-            events.register(f"after-call.sagemaker.{operation}", self._created)
-        # moto has no Stop* calls: SageMaker's part, played here.
-        for operation in ("StopProcessingJob", "StopTrainingJob", "StopHyperParameterTuningJob"):
-            events.register(f"before-call.sagemaker.{operation}", self._stop)
+            events.register(f"before-call.sagemaker.{api.create}", self._refuse_used_name)
+            events.register(f"after-call.sagemaker.{api.create}", self._created)
+            # moto has no Stop* calls: SageMaker's part, played here.
+            events.register(f"before-call.sagemaker.{api.stop}", self._stop)
         # Nor ListTrainingJobsForHyperParameterTuningJob.
         events.register(
             "before-call.sagemaker.ListTrainingJobsForHyperParameterTuningJob", self._list_trials
         )
 
     def backend(self, run: RunTree, image_uri: str, role_arn: str, echo=None):
-        return SageMakerBackend(self.store, run, client=self.client, logs_client=self.logs,
-                                image_uri=image_uri or EMULATED_IMAGE, role_arn=role_arn or EMULATED_ROLE,
-                                echo=echo, poll_seconds=0.5)  # fmt: skip
+        return SageMakerBackend(
+            self.store,
+            run,
+            client=self.client,
+            logs_client=self.logs,
+            image_uri=image_uri or EMULATED_IMAGE,
+            role_arn=role_arn or EMULATED_ROLE,
+            echo=echo,
+            poll_seconds=0.5,
+        )
 
     def secrets(self):
         import boto3
@@ -217,7 +238,7 @@ class Emulator:
     # -- hooks on the client ---------------------------------------------------------------------
 
     def _capture(self, params, model, **_):
-        if model.name in CREATE_OPERATIONS:  # kept until SageMaker (moto) accepts it
+        if model.name in KIND_CREATED_BY:  # kept until SageMaker (moto) accepts it
             self._pending.request = copy.deepcopy(params)
 
     def _created(self, http_response, parsed, model, **_):
@@ -226,12 +247,13 @@ class Emulator:
         arn = next(v for k, v in parsed.items() if k.endswith("Arn"))
         name = arn.rsplit("/", 1)[-1]
         self.requests[name] = self._pending.request
+        kind = KIND_CREATED_BY[model.name]
         play = {
-            "CreateProcessingJob": self._play_processing,
-            "CreateTrainingJob": self._play_training,
-            "CreateHyperParameterTuningJob": self._play_tuning,
-        }[model.name]
-        self._started(name, model.name)
+            "processing": self._play_processing,
+            "training": self._play_training,
+            "tuning": self._play_tuning,
+        }[kind]
+        self._started(name, kind)
         thread = threading.Thread(target=self._guard, args=(play, name), daemon=True)
         self._threads[name] = thread
         thread.start()
@@ -252,10 +274,10 @@ class Emulator:
         if name not in known:
             return None
         kind = {
-            "CreateProcessingJob": "processing job",
-            "CreateTrainingJob": "training job",
-            "CreateHyperParameterTuningJob": "hyper parameter tuning job",
-        }[model.name]
+            "processing": "processing job",
+            "training": "training job",
+            "tuning": "hyper parameter tuning job",
+        }[KIND_CREATED_BY[model.name]]
         arn = getattr(known[name], "arn", None) or name
         message = (
             f"{kind.capitalize()} names must be unique within an AWS account and region, "
@@ -333,15 +355,15 @@ class Emulator:
 
     # -- moto's records, moved as SageMaker moves them ----------------------------------------
 
-    def _started(self, name: str, operation: str) -> None:
-        if operation == "CreateProcessingJob":
+    def _started(self, name: str, kind: str) -> None:
+        if kind == "processing":
             job, request = self._moto.processing_jobs[name], self.requests[name]
             job.processing_job_status = "InProgress"
             job.processing_start_time = _now()
             # What moto does not keep of the request, SageMaker returns.
             job.environment = request.get("Environment", {})
             job.processing_resources = request["ProcessingResources"]
-        elif operation == "CreateTrainingJob":
+        elif kind == "training":
             job, request = self._moto.training_jobs[name], self.requests[name]
             job.training_job_status, job.secondary_status = "InProgress", "Starting"
             job.algorithm_specification = request["AlgorithmSpecification"]
@@ -391,25 +413,16 @@ class Emulator:
         except Exception as e:  # noqa: BLE001 - becomes the job's FailureReason
             self._end(name, "Failed", f"ClientError: the emulator could not run the job: {e}")
 
-    def _status_after(self, name: str, exits, what: str) -> tuple[str, str | None]:
-        """A job's end as DescribeTrainingJob / DescribeProcessingJob report it: Stopped when
-        it was stopped (on request, or a spot job out of wait time: MaxWaitTimeExceeded),
-        Failed with the container's own reason (AlgorithmError) when it exited non-zero."""
-        if all(e.code == 0 for e in exits):
-            return "Completed", None
-        if name in self._stopping:
-            return "Stopped", None
-        if any(e.timed_out for e in exits):  # SecondaryStatus MaxRuntimeExceeded
-            return (
-                "Stopped",
-                f"MaxRuntimeExceeded: {what} ran past its MaxRuntimeInSeconds and was stopped",
-            )
-        if name in self._reclaimed:
-            return "Stopped", f"{what} lost its spot capacity and its MaxWaitTimeInSeconds ran out"
-        reason = next((e.reason for e in exits if e.reason), None) or f"exit status {exits[0].code}"
-        # SageMaker's FailureReason: ClientError for what it could not do for the job (its
-        # data), AlgorithmError for what the container did.
-        return "Failed", reason if reason.startswith("ClientError") else f"AlgorithmError: {reason}"
+    def _status_after(self, name: str, exits) -> tuple[str, str | None]:
+        """A job's end as DescribeTrainingJob / DescribeProcessingJob report it (status_after),
+        its FailureReason as SageMaker words it: ClientError for what SageMaker could not do
+        for the job (its data), AlgorithmError for what the container did."""
+        status, reason = status_after(
+            exits, stop_requested=name in self._stopping, capacity_lost=name in self._reclaimed
+        )
+        if status == "Failed" and not reason.startswith("ClientError"):
+            reason = f"AlgorithmError: {reason}"
+        return status, reason
 
     def _spot_restart(self, name: str, request: dict, started: float):
         """SageMaker starts a job again only when it is a spot job whose instance was taken
@@ -443,13 +456,13 @@ class Emulator:
             on_line=None,
             arn=self._moto.processing_jobs[name].arn,
         )
-        status, reason = self._status_after(name, [exit_], "the processing job")
+        status, reason = self._status_after(name, [exit_])
         if status == "Completed":
             for output in request["ProcessingOutputConfig"]["Outputs"]:
                 self._upload(
                     in_root(root, output["S3Output"]["LocalPath"]), output["S3Output"]["S3Uri"]
                 )
-        self._end(name, status, reason, exit_message=exit_.reason)  # fmt: skip
+        self._end(name, status, reason, exit_message=exit_.reason)
         shutil.rmtree(root, ignore_errors=True)
 
     def _play_training(self, name: str) -> None:
@@ -462,7 +475,7 @@ class Emulator:
                 streams[host] = LogStream(
                     self.logs, LOG_GROUPS["training"], f"{name}/{host}-{stamp}"
                 )
-            return streams[host]  # fmt: skip
+            return streams[host]
 
         def restarted(count: int) -> None:
             job.secondary_status = "Interrupted"
@@ -488,7 +501,7 @@ class Emulator:
         job.final_metric_data_list = [
             {"MetricName": k, "Value": v, "Timestamp": _now()} for k, v in metrics.items()
         ]
-        status, reason = self._status_after(name, played.exits, "the training job")
+        status, reason = self._status_after(name, played.exits)
         if status == "Completed":
             job.secondary_status = "Uploading"
             base = request["OutputDataConfig"]["S3OutputPath"].rstrip("/") + f"/{name}/output/"
@@ -500,7 +513,8 @@ class Emulator:
 
     def _play_tuning(self, name: str) -> None:
         request, job = self.requests[name], self._moto.hyper_parameter_tuning_jobs[name]
-        config, definition = request["HyperParameterTuningJobConfig"], request["TrainingJobDefinition"]  # fmt: skip
+        config = request["HyperParameterTuningJobConfig"]
+        definition = request["TrainingJobDefinition"]
         static = definition.get("StaticHyperParameters", {})
         limits = config["ResourceLimits"]
         counters = job.training_job_status_counters
@@ -516,8 +530,7 @@ class Emulator:
             trial_name = f"{name}-{index:03d}-{uuid.uuid4().hex[:8]}"
             if name in self._stopping:
                 return trial_name, values
-            fields = {k: v for k, v in definition.items()
-                      if k not in ("StaticHyperParameters", "DefinitionName", "TuningObjective", "HyperParameterRanges")}  # fmt: skip
+            fields = {k: v for k, v in definition.items() if k not in TUNING_ONLY}
             # SageMaker adds the objective's name to every trial's hyperparameters, as is, not
             # JSON-quoted (automatic-model-tuning-define-ranges.html; the SDK's fixture of a
             # trial's DescribeTrainingJob: "_tuning_objective_metric": "Validation-accuracy").
@@ -533,10 +546,7 @@ class Emulator:
             status = self._moto.training_jobs[trial_name].training_job_status
             with lock:
                 counters["InProgress"] -= 1
-                key = {"Completed": "Completed", "Stopped": "Stopped"}.get(
-                    status, "NonRetryableError"
-                )
-                counters[key] += 1  # fmt: skip
+                counters[status if status in ("Completed", "Stopped") else "NonRetryableError"] += 1
             return trial_name, values
 
         with ThreadPoolExecutor(max_workers=limits["MaxParallelTrainingJobs"]) as pool:
@@ -567,12 +577,19 @@ class Emulator:
         value, best, values = max(scored, key=lambda s: sign * s[0])
         trained = self._moto.training_jobs[best]
         return {
-            "TrainingJobName": best, "TrainingJobArn": trained.arn, "TuningJobName": name,
-            "CreationTime": trained.creation_time, "TrainingJobStatus": "Completed",
-            "TunedHyperParameters": values, "ObjectiveStatus": "Succeeded",
+            "TrainingJobName": best,
+            "TrainingJobArn": trained.arn,
+            "TuningJobName": name,
+            "CreationTime": trained.creation_time,
+            "TrainingJobStatus": "Completed",
+            "TunedHyperParameters": values,
+            "ObjectiveStatus": "Succeeded",
             "FinalHyperParameterTuningJobObjectiveMetric": {
-                "Type": objective["Type"], "MetricName": objective["MetricName"], "Value": value},
-        }  # fmt: skip
+                "Type": objective["Type"],
+                "MetricName": objective["MetricName"],
+                "Value": value,
+            },
+        }
 
     # -- what SageMaker uploads --------------------------------------------------------------------
 

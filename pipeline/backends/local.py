@@ -1,10 +1,11 @@
 """The embedded backend: every job is the image's entrypoint, started here as SageMaker would.
 
 A job becomes the same request the SageMaker backend sends (pipeline/jobs.py); the job root
-is laid out from it (pipeline/container.py) and the entrypoint runs in it. Outputs go to the
+is laid out from it (backends/container.py) and the entrypoint runs in it. Outputs go to the
 store as manifested directories; checkpoints are mirrored to the store after each attempt,
 and an interrupted training job is restarted from them up to MAX_RESTARTS times, as
-SageMaker restarts a spot job. Tuning runs here too: its trials are local training jobs.
+SageMaker restarts a spot job. Tuning runs here too (pipeline/backends/local_tuning.py): its
+trials are local training jobs.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipeline.container import Containers, in_root, play_processing, play_training
+from pipeline.backends.container import (
+    Containers,
+    in_root,
+    play_processing,
+    play_training,
+    status_after,
+)
 from pipeline.jobs import (
     JobResult,
     ProcessingJob,
@@ -39,23 +46,12 @@ LOCAL_IMAGE = "local:docker/Dockerfile"
 LOCAL_ROLE = "arn:aws:iam::000000000000:role/local"
 
 
-def result_of(name: str, exits: list, log_key: str, restarts: int = 0) -> JobResult:
-    """How SageMaker would report the job: Completed, Interrupted, or Failed with the step's
-    own reason (or the exit status when it gave none)."""
-    code = max((e.code for e in exits), key=abs)
-    if all(e.code == 0 for e in exits):
-        status, reason = "Completed", None
-    elif any(e.timed_out for e in exits):  # SageMaker: Stopped, MaxRuntimeExceeded
-        seconds = round(max(e.end for e in exits) - min(e.start for e in exits))
-        status = "Stopped"
-        reason = (
-            f"MaxRuntimeExceeded: the job was stopped after {seconds} s, its MaxRuntimeInSeconds"
-        )
-    elif any(e.interrupted for e in exits):
-        status, reason = "Interrupted", "the job was interrupted and saved a checkpoint"
-    else:
-        status = "Failed"
-        reason = next((e.reason for e in exits if e.reason), None) or f"exit status {code}"
+def result_of(
+    name: str, exits: list, log_key: str, *, stop_requested: bool, restarts: int = 0
+) -> JobResult:
+    """The job's result as SageMaker would report it (status_after), with what this machine
+    measured: its peak memory and the metrics its log showed."""
+    status, reason = status_after(exits, stop_requested=stop_requested)
     peaks = [e.peak_rss_mb for e in exits if e.peak_rss_mb]
     metrics: dict[str, float] = {}
     for e in exits:
@@ -63,7 +59,7 @@ def result_of(name: str, exits: list, log_key: str, restarts: int = 0) -> JobRes
     return JobResult(
         name=name,
         status=status,
-        failure_reason=reason,
+        failure_reason=reason or ("stopped on request" if status == "Stopped" else None),
         start_time=min(e.start for e in exits),
         end_time=max(e.end for e in exits),
         peak_memory_mb=round(sum(peaks), 1) if peaks else None,
@@ -93,8 +89,8 @@ def remove_orphaned_work_roots(echo) -> None:
             continue  # not ours, or kept on purpose (a failed job's folder)
         if owner.get("host") == socket.gethostname() and not psutil.pid_exists(owner["pid"]):
             shutil.rmtree(root, ignore_errors=True)
-            print(f"removed {root}: job folders of a driver (pid {owner['pid']}) that is gone",
-                  file=echo, flush=True)  # fmt: skip
+            gone = f"removed {root}: job folders of a driver (pid {owner['pid']}) that is gone"
+            print(gone, file=echo, flush=True)
 
 
 class LocalBackend:
@@ -111,11 +107,15 @@ class LocalBackend:
         (self.work_root / OWNER).write_text(json.dumps(owner))
         self.containers = Containers()
 
-    def _say(self, name: str):
-        def on_line(line: str) -> None:
-            print(f"[{name}] {line}", file=self.echo, flush=True)
+    def say(self, job_name: str, text: str) -> None:
+        print(f"[{job_name}] {text}", file=self.echo, flush=True)
 
-        return on_line
+    def _speaker(self, job_name: str):
+        """`say` for one job: what a container's lines are handed to."""
+        return lambda line: self.say(job_name, line)
+
+    def _stop_requested(self, job_name: str) -> bool:
+        return self.containers.stopping or self.containers.was_stopped(job_name)
 
     def _log_path(self, name: str) -> Path:
         return self.work_root / f"{name}.log"
@@ -126,7 +126,7 @@ class LocalBackend:
             self.store.upload_file(self._log_path(name), key)
         return key
 
-    # -- the protocol every backend answers ----------------------------------------------------
+    # -- the Backend protocol (pipeline/backends/__init__.py) -----------------------------------
 
     def _request(self, job) -> tuple[dict, JobResult | None]:
         """The request SageMaker would get for `job`, and a Failed result when SageMaker would
@@ -149,9 +149,14 @@ class LocalBackend:
             open(self._log_path(job.name), "a", encoding="utf-8") as log,
         ):
             exit_ = play_processing(
-                request, root, self.store, self.containers, log=log, on_line=self._say(job.name)
+                request, root, self.store, self.containers, log=log, on_line=self._speaker(job.name)
             )
-        result = result_of(job.name, [exit_], self._upload_log(job.name))
+        result = result_of(
+            job.name,
+            [exit_],
+            self._upload_log(job.name),
+            stop_requested=self._stop_requested(job.name),
+        )
         outputs = {
             job.outputs[o["OutputName"]]: in_root(root, o["S3Output"]["LocalPath"])
             for o in request["ProcessingOutputConfig"]["Outputs"]
@@ -175,10 +180,9 @@ class LocalBackend:
         request, refusal = self._request(job)
         if refusal:
             return refusal
-        echo = self._say(job.name)
 
         def say(line: str) -> None:
-            echo(line)
+            self.say(job.name, line)
             if watch is not None and watch(line):
                 self.containers.stop(job.name)
 
@@ -199,7 +203,13 @@ class LocalBackend:
                     f"interrupted or killed; restart {n} of {job.max_restarts}"
                 ),
             )
-        result = result_of(job.name, played.exits, self._upload_log(job.name), played.restarts)
+        result = result_of(
+            job.name,
+            played.exits,
+            self._upload_log(job.name),
+            stop_requested=self._stop_requested(job.name),
+            restarts=played.restarts,
+        )
         if result.status == "Completed":
             main = next(iter(played.roots.values()))  # the first host's, as SageMaker keeps
             upload_dir(self.store, main / "model", job.model_prefix, {"job_name": job.name})
@@ -222,7 +232,7 @@ class LocalBackend:
             raise
 
     def run_tuning(self, job: TuningJob) -> JobResult:
-        from pipeline.tuning import run_local_tuning
+        from pipeline.backends.local_tuning import run_local_tuning
 
         return run_local_tuning(self, job, self.store, self.run)
 
@@ -245,4 +255,4 @@ class LocalBackend:
         if result.status == "Completed" or self.containers.stopping:
             shutil.rmtree(root, ignore_errors=True)
         else:
-            self._say(result.name)(f"job directory kept for inspection: {root}")
+            self.say(result.name, f"job directory kept for inspection: {root}")

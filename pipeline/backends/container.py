@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.jobs import Status
 from pipeline.store import (
     NotFound,
     Store,
@@ -45,7 +46,7 @@ from steps.entrypoint import (
     secret_values,
 )
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = PROJECT_ROOT / "docker/Dockerfile"
 CONTAINER_ROOT = "/opt/ml"
 
@@ -365,6 +366,15 @@ def play_processing(
 Restart = Callable[[list["ContainerExit"], int], bool]
 
 
+def training_env(request: dict, arn: str | None) -> dict[str, str]:
+    """What SageMaker sets in a training container besides the request's Environment
+    (your-algorithms-training-algo-running-container.html)."""
+    env = {**request.get("Environment", {}), "TRAINING_JOB_NAME": request["TrainingJobName"]}
+    if arn:
+        env["TRAINING_JOB_ARN"] = arn
+    return env
+
+
 def play_training(
     request: dict,
     work: Path,
@@ -389,30 +399,30 @@ def play_training(
             lay_out_training(request, root, host, hosts, fetch, request["HyperParameters"])
     except InputMissing as e:
         return Played([ContainerExit.before_start(str(e))], roots, 0)
-    # What SageMaker sets in a training container besides the request's Environment
-    # (your-algorithms-training-algo-running-container.html).
-    env = {**request.get("Environment", {}), "TRAINING_JOB_NAME": request["TrainingJobName"]}
-    if arn:
-        env["TRAINING_JOB_ARN"] = arn
+    name = request["TrainingJobName"]
     sync = CheckpointSync(
         store, checkpoint_prefix(request, store), [root / "checkpoints" for root in roots.values()]
     )
-    metrics = {
-        m["Name"]: m["Regex"]
-        for m in request["AlgorithmSpecification"].get("MetricDefinitions", [])
+    metrics = request["AlgorithmSpecification"].get("MetricDefinitions", [])
+    attempt = {
+        "on_line": on_line,
+        "log": log,
+        "failure_file": "/opt/ml/output/failure",
+        "metric_regexes": {m["Name"]: m["Regex"] for m in metrics},
+        "job": name,
+        # MaxRuntimeInSeconds covers every attempt of the job (API_StoppingCondition.html).
+        "deadline": time.time() + request["StoppingCondition"]["MaxRuntimeInSeconds"],
     }
-    # MaxRuntimeInSeconds covers every attempt of the job (API_StoppingCondition.html).
-    deadline = time.time() + request["StoppingCondition"]["MaxRuntimeInSeconds"]
     restarts = 0
     while True:
         sync.down()
         try:
-            exits = list(containers.run_hosts(roots, env, on_line=on_line, log=log,
-                                              failure_file="/opt/ml/output/failure", metric_regexes=metrics,
-                                              job=request["TrainingJobName"], deadline=deadline).values())  # fmt: skip
+            exits = list(
+                containers.run_hosts(roots, training_env(request, arn), **attempt).values()
+            )
         finally:  # the driver stopping the job too: what it checkpointed reaches the store
             sync.up()
-        stopped = containers.stopping or containers.was_stopped(request["TrainingJobName"])
+        stopped = containers.stopping or containers.was_stopped(name)
         stopped = stopped or any(e.timed_out for e in exits)
         if stopped or all(e.code == 0 for e in exits) or not restart(exits, restarts):
             return Played(exits, roots, restarts)
@@ -446,6 +456,41 @@ class ContainerExit:
         """Ended by a signal: the entrypoint itself (a negative status) or its step (the
         entrypoint exits 128 + the signal, as a shell reports it)."""
         return self.code < 0 or 128 < self.code <= 128 + 64
+
+
+def status_after(
+    exits: list[ContainerExit], *, stop_requested: bool, capacity_lost: bool = False
+) -> tuple[Status, str | None]:
+    """How a job whose containers exited so ends, and why: every backend that plays containers
+    reports them through here, as DescribeTrainingJob reports a job (TrainingJobStatus and
+    SecondaryStatus in botocore's sagemaker service-2.json).
+
+    Completed when every container exited 0. Stopped when it was stopped on request (Stop*,
+    the driver stopping, a pruned trial: no reason, as SageMaker gives none), at its
+    MaxRuntimeInSeconds (SecondaryStatus MaxRuntimeExceeded) or when its spot capacity was
+    taken back and MaxWaitTimeInSeconds ran out (MaxWaitTimeExceeded). Otherwise Failed, with
+    the container's own reason (its failure file) or its exit status. A container that was
+    interrupted and checkpointed (exit 75) is Failed too if it was neither stopped nor
+    restarted: SageMaker's Interrupted is a job still InProgress, about to restart, and whether
+    to restart is the backend's rule, asked before this (local_restart; the emulator's spot
+    rule)."""
+    if all(e.code == 0 for e in exits):
+        return "Completed", None
+    if stop_requested:
+        return "Stopped", None
+    if any(e.timed_out for e in exits):
+        seconds = round(max(e.end for e in exits) - min(e.start for e in exits))
+        return "Stopped", (
+            f"MaxRuntimeExceeded: the job was stopped after {seconds} s, its MaxRuntimeInSeconds"
+        )
+    if capacity_lost:
+        lost = "the job lost its spot capacity and its MaxWaitTimeInSeconds ran out"
+        return "Stopped", f"MaxWaitTimeExceeded: {lost}"
+    code = max((e.code for e in exits), key=abs)
+    said = f"exit status {code}"
+    if any(e.interrupted for e in exits):
+        said += ": it was interrupted, saved a checkpoint and was not restarted"
+    return "Failed", next((e.reason for e in exits if e.reason), None) or said
 
 
 # StopTrainingJob: "sends the algorithm the SIGTERM signal ... delays job termination for 120
@@ -555,25 +600,9 @@ class Containers:
         under it and over the base environment, as a container's would. Every line goes to
         `log` (redacted) and to `on_line` (the job's stream), and is searched with the metric
         regexes."""
-        base = os.environ if self.base_env is None else self.base_env(root)
-        full = {**base, **image_env(root), **env}
-        # The container ends with this process however it ends (SIGKILL included).
-        full[DRIVER_PID_VARIABLE] = str(os.getpid())
-        secrets = secret_values(full)
         failure = in_root(root, failure_file)
-        failure.unlink(missing_ok=True)
-        (failure.parent / "interrupted").unlink(missing_ok=True)
-        command = [sys.executable, *ENTRYPOINT[1:], *arguments]
         start = time.time()
-        proc = subprocess.Popen(
-            command,
-            cwd=str(root),
-            env=full,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: stop() reaches every process
-        )
-        self._register(proc.pid, job)
+        proc, secrets = self._start(root, arguments, env, failure, job)
         clock = None
         if deadline is not None:  # the job's MaxRuntimeInSeconds
             clock = threading.Timer(max(0.0, deadline - time.time()), self._time_out, (proc.pid,))
@@ -599,20 +628,39 @@ class Containers:
                 self._running.pop(proc.pid, None)
                 timed_out = proc.pid in self._timed_out
                 self._timed_out.discard(proc.pid)
-        marker = failure.parent / "interrupted"
-        interrupted = marker.exists()
-        marker.unlink(missing_ok=True)
-        reason = failure.read_text().strip() if failure.exists() else None
+        interrupted, reason = _left_in_output(failure, secrets)
         return ContainerExit(
             code=code,
             interrupted=interrupted,
-            reason=redact(reason, secrets) if reason else None,
+            reason=reason,
             start=start,
             end=time.time(),
             peak_rss_mb=round(peak["rss"] / 2**20, 1) if peak["rss"] else None,
             metrics=metrics,
             timed_out=timed_out,
         )
+
+    def _start(
+        self, root: Path, arguments: list[str], env: dict[str, str], failure: Path, job: str
+    ) -> tuple[subprocess.Popen, list[str]]:
+        """The entrypoint started in its environment (see `run`), with what an earlier attempt
+        left in output/ cleared; and the secret values that environment holds."""
+        base = os.environ if self.base_env is None else self.base_env(root)
+        full = {**base, **image_env(root), **env}
+        # The container ends with this process however it ends (SIGKILL included).
+        full[DRIVER_PID_VARIABLE] = str(os.getpid())
+        failure.unlink(missing_ok=True)
+        (failure.parent / "interrupted").unlink(missing_ok=True)
+        proc = subprocess.Popen(
+            [sys.executable, *ENTRYPOINT[1:], *arguments],
+            cwd=str(root),
+            env=full,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: stop() reaches every process
+        )
+        self._register(proc.pid, job)
+        return proc, secret_values(full)
 
     def run_hosts(
         self, roots: dict[str, Path], env: dict[str, str], *, log, on_line=None, **kwargs
@@ -680,6 +728,16 @@ def follow_output(proc, secrets: list[str], log, on_line, metric_regexes: dict[s
                 except (ValueError, IndexError):
                     pass
     return metrics
+
+
+def _left_in_output(failure: Path, secrets: list[str]) -> tuple[bool, str | None]:
+    """What the entrypoint left beside its failure file: whether it was interrupted (and
+    checkpointed: the `interrupted` marker, taken away), and its reason for failing, redacted."""
+    marker = failure.parent / "interrupted"
+    interrupted = marker.exists()
+    marker.unlink(missing_ok=True)
+    reason = failure.read_text().strip() if failure.exists() else None
+    return interrupted, redact(reason, secrets) if reason else None
 
 
 def _watch_memory(pid: int, peak: dict, stop: threading.Event) -> None:

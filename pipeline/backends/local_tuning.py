@@ -37,12 +37,16 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline.config import Categorical
-from pipeline.jobs import JobResult, TuningJob, job_name
+from pipeline.jobs import JobResult, TrainingJob, TuningJob, job_name
 from pipeline.paths import RunTree
 from pipeline.service_model import TUNING_OBJECTIVE
 from pipeline.store import NotFound, Store, download_dir, upload_dir
+
+if TYPE_CHECKING:
+    from pipeline.backends.local import LocalBackend
 
 EPOCH = re.compile(r"^epoch=(\d+) ")  # the metric line, not the final "best ..." line
 
@@ -110,7 +114,9 @@ def value_of(hp: str) -> str:
     return hp if isinstance(hp, str) else f"{hp:.6g}" if isinstance(hp, float) else str(hp)
 
 
-def run_local_tuning(backend, job: TuningJob, store: Store, run: RunTree) -> JobResult:
+def run_local_tuning(
+    backend: LocalBackend, job: TuningJob, store: Store, run: RunTree
+) -> JobResult:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial is reported once, by us
@@ -122,10 +128,16 @@ def run_local_tuning(backend, job: TuningJob, store: Store, run: RunTree) -> Job
     trials = Trials(store, run, model_name)
     started = time.time()
     remaining = n_trials - reseed(study, spaces, trials)
-    say = backend._say(job.name)
-    say(f"tuning {model_name}: {job.strategy} ({type(sampler).__name__}, {type(pruner).__name__}), "
-        f"{n_trials} trials, {job.max_parallel_jobs} at once, {direction} {job.objective_metric}"
-        + (f"; {n_trials - remaining} done before this run was resumed" if trials.records else ""))  # fmt: skip
+
+    def say(text: str) -> None:
+        backend.say(job.name, text)
+
+    how = f"{job.strategy} ({type(sampler).__name__}, {type(pruner).__name__})"
+    resumed = f"; {n_trials - remaining} done before this run was resumed" if trials.records else ""
+    say(
+        f"tuning {model_name}: {how}, {n_trials} trials, {job.max_parallel_jobs} at once, "
+        f"{direction} {job.objective_metric}{resumed}"
+    )
     objective = trial_objective(backend, job, run, trials, spaces, say)
     if remaining > 0:
         optimize(study, objective, remaining, job.max_parallel_jobs, backend, trials)
@@ -161,25 +173,33 @@ def reseed(study, spaces: dict, trials: Trials) -> int:
     had finished."""
     import optuna
 
-    states = {"Completed": optuna.trial.TrialState.COMPLETE, "Stopped": optuna.trial.TrialState.PRUNED,
-              "Failed": optuna.trial.TrialState.FAIL}  # fmt: skip
+    states = {
+        "Completed": optuna.trial.TrialState.COMPLETE,
+        "Stopped": optuna.trial.TrialState.PRUNED,
+        "Failed": optuna.trial.TrialState.FAIL,
+    }
     finished = 0
     for number, record in sorted(trials.records.items()):
         params = {k: _typed(spaces[k], v) for k, v in record["hyperparameters"].items()}
         if record["status"] in states:
             finished += 1
             completed = record["status"] == "Completed"
-            study.add_trial(optuna.trial.create_trial(
-                params=params, distributions=spaces, state=states[record["status"]],
+            earlier = optuna.trial.create_trial(
+                params=params,
+                distributions=spaces,
+                state=states[record["status"]],
                 value=record["objective"] if completed else None,
                 intermediate_values={int(k): v for k, v in record.get("epochs", {}).items()},
-            ))  # fmt: skip
+            )
+            study.add_trial(earlier)
         else:  # Running or Interrupted when the driver stopped
             study.enqueue_trial(params, user_attrs={"number": number})
     return finished
 
 
-def optimize(study, objective, n_trials: int, parallel: int, backend, trials: Trials) -> None:
+def optimize(
+    study, objective, n_trials: int, parallel: int, backend: LocalBackend, trials: Trials
+) -> None:
     """`study.optimize` in a thread of its own, so that a Ctrl-C reaches the driver at once:
     optuna's thread pool would otherwise wait for every running trial to end. On one, the
     running trials are stopped (they checkpoint), recorded as interrupted, and no new one
@@ -188,8 +208,12 @@ def optimize(study, objective, n_trials: int, parallel: int, backend, trials: Tr
 
     def run() -> None:
         try:
-            study.optimize(objective, n_trials=n_trials, n_jobs=parallel,
-                           catch=(TrialFailed, TrialInterrupted))  # fmt: skip
+            study.optimize(
+                objective,
+                n_trials=n_trials,
+                n_jobs=parallel,
+                catch=(TrialFailed, TrialInterrupted),
+            )
         except BaseException as e:  # noqa: BLE001 -- handed to the driver's thread below
             failure.append(e)
         finally:
@@ -197,7 +221,7 @@ def optimize(study, objective, n_trials: int, parallel: int, backend, trials: Tr
 
     threading.Thread(target=run, name="tuning", daemon=True).start()
     try:
-        done.wait()  # an Event, not Thread.join: see run_hosts in pipeline/container.py
+        done.wait()  # an Event, not Thread.join: see run_hosts in backends/container.py
     except BaseException:
         trials.stopping.set()  # the trials see it and stop the study: no new one starts
         backend.stop()
@@ -207,12 +231,13 @@ def optimize(study, objective, n_trials: int, parallel: int, backend, trials: Tr
         raise failure[0]
 
 
-def trial_objective(backend, job: TuningJob, run: RunTree, trials: Trials, spaces: dict, say):
+def trial_objective(
+    backend: LocalBackend, job: TuningJob, run: RunTree, trials: Trials, spaces: dict, say
+):
     """What one trial does: a training job with the sampled values, its objective read live
     from its log and reported to the pruner, its outcome recorded."""
     import optuna
 
-    model_name = job.trial.hyperparameters["model_name"]
     objective_regex = re.compile(job.trial.metric_definitions[job.objective_metric])
 
     def objective(trial) -> float:
@@ -221,53 +246,35 @@ def trial_objective(backend, job: TuningJob, run: RunTree, trials: Trials, space
             raise TrialInterrupted("the driver is stopping")
         values = {name: value_of(suggest(trial, name, space)) for name, space in spaces.items()}
         number = trial.user_attrs.get("number") or trials.next_number()
-        prefix = run.trial(model_name, number)
-        trial_job = dataclasses.replace(
-            job.trial,
-            name=job_name(run.experiment, run.label, "tune", model_name, f"{number:03d}"),
-            # As SageMaker's tuner sends every trial its objective (automatic-model-tuning-define-
-            # ranges.html): the trial's hyperparameters are those of a trial on SageMaker.
-            hyperparameters={
-                **job.trial.hyperparameters,
-                **values,
-                TUNING_OBJECTIVE: job.objective_metric,
-            },
-            model_prefix=prefix + "model/",
-            output_prefix=prefix + "output/",
-            checkpoint_prefix=run.checkpoints(f"{model_name}-trial-{number:03d}"),
-            processes_per_host=1,  # a tuning job's parallelism is across trials
-            instance_count=1,
-            max_restarts=0,
-        )
-        record = {"number": number, "job_name": trial_job.name, "status": "Running", "hyperparameters": values,
-                  "objective": None, "epochs": {}, "seconds": None, "stop_reason": None,
-                  "model": trial_job.model_prefix, "output": trial_job.output_prefix}  # fmt: skip
+        trial_job = trial_training_job(job, run, number, values)
+        record = {
+            "number": number,
+            "job_name": trial_job.name,
+            "status": "Running",
+            "hyperparameters": values,
+            "objective": None,
+            "epochs": {},
+            "seconds": None,
+            "stop_reason": None,
+            "model": trial_job.model_prefix,
+            "output": trial_job.output_prefix,
+        }
         trials.record(record)
         verdict: dict[str, str] = {}
-
-        def watch(line: str) -> bool:
-            epoch, found = EPOCH.match(line), objective_regex.search(line)
-            if not (epoch and found):
-                return False
-            step, value = int(epoch.group(1)), float(found.group(1))
-            record["epochs"][step] = value
-            trial.report(value, step)
-            if trial.should_prune():
-                verdict["stopped"] = (
-                    f"early stopping: {job.objective_metric}={value:.4f} at epoch {step}"
-                )
-                return True
-            return False
-
+        watch = pruning(trial, record, objective_regex, job.objective_metric, verdict)
         result = backend.run_training(trial_job, watch=watch)
         status = "Stopped" if verdict else result.status
         if trials.stopping.is_set() and status != "Completed":
             status = "Interrupted"  # continued from its checkpoint when the run is resumed
         elif status not in ("Completed", "Stopped"):
             status = "Failed"
-        record.update(status=status, seconds=result.seconds,
-                      objective=result.metrics.get(job.objective_metric) if status == "Completed" else None,
-                      stop_reason=verdict.get("stopped") or result.failure_reason)  # fmt: skip
+        completed = status == "Completed"
+        record.update(
+            status=status,
+            seconds=result.seconds,
+            objective=result.metrics.get(job.objective_metric) if completed else None,
+            stop_reason=verdict.get("stopped") or result.failure_reason,
+        )
         trials.record(record)
         if status == "Interrupted":
             trial.study.stop()
@@ -284,6 +291,49 @@ def trial_objective(backend, job: TuningJob, run: RunTree, trials: Trials, space
         return record["objective"]
 
     return objective
+
+
+def pruning(trial, record: dict, objective_regex, metric: str, verdict: dict):
+    """What watches a trial's log: each epoch's objective recorded and reported to the pruner;
+    True (stop the trial) when the pruner says so, with why in `verdict`."""
+
+    def watch(line: str) -> bool:
+        epoch, found = EPOCH.match(line), objective_regex.search(line)
+        if not (epoch and found):
+            return False
+        step, value = int(epoch.group(1)), float(found.group(1))
+        record["epochs"][step] = value
+        trial.report(value, step)
+        if trial.should_prune():
+            verdict["stopped"] = f"early stopping: {metric}={value:.4f} at epoch {step}"
+            return True
+        return False
+
+    return watch
+
+
+def trial_training_job(job: TuningJob, run: RunTree, number: int, values: dict) -> TrainingJob:
+    """Trial `number`: the tuning job's training job with the sampled values, its model,
+    output and checkpoints in folders of its own."""
+    model_name = job.trial.hyperparameters["model_name"]
+    prefix = run.trial(model_name, number)
+    return dataclasses.replace(
+        job.trial,
+        name=job_name(run.experiment, run.label, "tune", model_name, f"{number:03d}"),
+        # As SageMaker's tuner sends every trial its objective (automatic-model-tuning-define-
+        # ranges.html): the trial's hyperparameters are those of a trial on SageMaker.
+        hyperparameters={
+            **job.trial.hyperparameters,
+            **values,
+            TUNING_OBJECTIVE: job.objective_metric,
+        },
+        model_prefix=prefix + "model/",
+        output_prefix=prefix + "output/",
+        checkpoint_prefix=run.checkpoints(f"{model_name}-trial-{number:03d}"),
+        processes_per_host=1,  # a tuning job's parallelism is across trials
+        instance_count=1,
+        max_restarts=0,
+    )
 
 
 def _typed(space, value: str):
@@ -316,9 +366,11 @@ def save_trials(store: Store, run: RunTree, model_name: str, records: dict[int, 
         ["trial", "job_name", "status", "objective", *names, "epochs_run", "seconds", "stop_reason"]
     )
     for t in trials:
-        writer.writerow([t["number"], t["job_name"], t["status"], t["objective"],
-                         *(t["hyperparameters"].get(n) for n in names), len(t["epochs"]), t["seconds"],
-                         t["stop_reason"] or ""])  # fmt: skip
+        searched = [t["hyperparameters"].get(n) for n in names]
+        writer.writerow(
+            [t["number"], t["job_name"], t["status"], t["objective"], *searched]
+            + [len(t["epochs"]), t["seconds"], t["stop_reason"] or ""]
+        )
     store.put_bytes(run.tuning(model_name) + "trials.csv", out.getvalue().encode())
 
 
@@ -328,20 +380,34 @@ def finish(store, run, job, model_name, records, started, sampler, pruner) -> Jo
     sign = 1 if job.objective_type == "Maximize" else -1
     scored = [t for t in trials if t["status"] == "Completed" and t["objective"] is not None]
     best = max(scored, key=lambda t: sign * t["objective"]) if scored else None
-    details = {"tuning_job": job.name, "strategy": job.strategy, "ran_as": job.strategy,
-               "sampler": type(sampler).__name__, "pruner": type(pruner).__name__,
-               "early_stopping": job.early_stopping, "objective_metric": job.objective_metric,
-               "objective_type": job.objective_type, "trials": trials, "best": best,
-               "stopped_early": sum(t["status"] == "Stopped" for t in trials),
-               "failed": sum(t["status"] == "Failed" for t in trials)}  # fmt: skip
+    details = {
+        "tuning_job": job.name,
+        "strategy": job.strategy,
+        "ran_as": job.strategy,
+        "sampler": type(sampler).__name__,
+        "pruner": type(pruner).__name__,
+        "early_stopping": job.early_stopping,
+        "objective_metric": job.objective_metric,
+        "objective_type": job.objective_type,
+        "trials": trials,
+        "best": best,
+        "stopped_early": sum(t["status"] == "Stopped" for t in trials),
+        "failed": sum(t["status"] == "Failed" for t in trials),
+    }
     store.put_bytes(run.tuning_record(model_name), json.dumps(details, indent=2).encode())
     if best is None:
         reasons = "; ".join(
             f"trial {t['number']} {t['status'].lower()}: {t['stop_reason']}" for t in trials
         )
-        return JobResult(name=job.name, status="Failed", start_time=started, end_time=time.time(),
-                         failure_reason=f"no trial of {len(trials)} completed with {job.objective_metric}: {reasons}",
-                         details=details)  # fmt: skip
+        why = f"no trial of {len(trials)} completed with {job.objective_metric}: {reasons}"
+        return JobResult(
+            name=job.name,
+            status="Failed",
+            failure_reason=why,
+            start_time=started,
+            end_time=time.time(),
+            details=details,
+        )
     copy_dir(store, best["model"], job.trial.model_prefix, best["job_name"])
     copy_dir(store, best["output"], job.trial.output_prefix, best["job_name"])
     for t in trials:  # only the best trial's model stays; every trial's record does
@@ -349,8 +415,14 @@ def finish(store, run, job, model_name, records, started, sampler, pruner) -> Jo
             for key in store.list_keys(t["model"]):
                 store.delete(key)
     draw(store, run, model_name, trials, job.objective_metric, sign)
-    return JobResult(name=job.name, status="Completed", failure_reason=None, start_time=started,
-                     end_time=time.time(), details=details)  # fmt: skip
+    return JobResult(
+        name=job.name,
+        status="Completed",
+        failure_reason=None,
+        start_time=started,
+        end_time=time.time(),
+        details=details,
+    )
 
 
 def copy_dir(store: Store, source: str, destination: str, job: str) -> None:
@@ -383,8 +455,10 @@ def draw(
         epochs = sorted((int(k), v) for k, v in t["epochs"].items())
         if epochs:
             style = "--" if t["status"] == "Stopped" else "-"
-            right.plot([e for e, _ in epochs], [v for _, v in epochs], style, marker="o",
-                       label=f"{t['number']} ({t['status'].lower()})")  # fmt: skip
+            label = f"{t['number']} ({t['status'].lower()})"
+            right.plot(
+                [e for e, _ in epochs], [v for _, v in epochs], style, marker="o", label=label
+            )
     right.set(xlabel="epoch", ylabel=metric, title="each trial, by epoch")
     right.legend(fontsize=7)
     from matplotlib.ticker import MaxNLocator

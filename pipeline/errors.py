@@ -1,0 +1,15 @@
+"""The bottom floor every part of the pipeline stands on: the driver's logger and its error.
+
+`log` is what the driver tells the user; `smpipe` (pipeline/cli.py) sends it to the console.
+Job output streams separately, through the backend's `echo`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("smpipe")
+
+
+class PipelineError(RuntimeError):
+    """A step failed or a run cannot start; the message is one paragraph for the user."""

@@ -1,0 +1,399 @@
+"""Where each step of a run reads from, decided before anything is written: the raw data,
+this run's outputs or the newest complete ones of earlier runs, the models an inference-only
+run tests and the data they were trained on; and, for a resumed run, the sources it started
+with.
+
+Every check here reads the store and writes nothing; a problem is one PipelineError naming
+what is missing and where.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from pipeline import metadata as md
+from pipeline.config import Settings
+from pipeline.errors import PipelineError, log
+from pipeline.history import settings_changes
+from pipeline.paths import SPLITS, DataTree, ExperimentTree, RunTree, run_label
+from pipeline.runs import existing_run_nums, silent_driver
+from pipeline.store import NotFound, Store, artifact_key, is_complete
+from steps.prepared_files import ENCODING, parse_encoding
+
+
+@dataclass
+class Sources:
+    """Where each step reads from: this run's outputs or an earlier run's, named up front."""
+
+    raw: str  # store prefix or URI
+    reconciled: DataTree | None = None  # the data version whose snapshot prepare reads
+    prepared: DataTree | None = None  # the data version whose splits train and inference read
+    data_version: int | None = None
+    models: str | None = None  # the models/ folder of the run whose models inference tests
+    reused: dict[str, str] = field(default_factory=dict)  # what was taken from earlier runs
+
+    def record(self) -> dict:
+        """What Metadata keeps, so a resumed run reads exactly what the run started with."""
+        return {
+            "raw": self.raw,
+            "data_version": self.data_version,
+            "models": self.models,
+            "reconciled": self.reconciled.prefix if self.reconciled else None,
+            "prepared": self.prepared.prefix if self.prepared else None,
+        }
+
+    def with_outputs_of(self, steps: list[str], run: RunTree) -> Sources:
+        """Where each step reads once `run`'s own steps have written: their outputs in place
+        of earlier ones (the plan's placeholder run, run_num 0, included)."""
+        tree = ExperimentTree(run.experiment)
+        data = tree.data(run.run_num if run.run_num else run.label)
+        return replace(
+            self,
+            reconciled=data if "reconcile" in steps else self.reconciled,
+            prepared=data if "prepare" in steps else self.prepared,
+            data_version=run.run_num if "prepare" in steps else self.data_version,
+            models=run.models if "train" in steps else self.models,
+        )
+
+    @classmethod
+    def from_record(cls, record: dict, tree: ExperimentTree) -> Sources:
+        def data(prefix: str | None) -> DataTree | None:
+            return tree.data(prefix.rstrip("/").rsplit("/", 1)[-1]) if prefix else None
+
+        return cls(
+            raw=record["raw"],
+            reconciled=data(record["reconciled"]),
+            prepared=data(record["prepared"]),
+            data_version=record["data_version"],
+            models=record["models"],
+        )
+
+
+def newest_data(store: Store, tree: ExperimentTree, kind: str) -> int | None:
+    """The newest data version whose `kind` (reconciled | prepared) is complete."""
+    for version in reversed([int(v) for v in store.list_children(tree.data_root) if v.isdigit()]):
+        data = tree.data(version)
+        if kind == "reconciled" and is_complete(store, data.reconciled):
+            return version
+        if kind == "prepared" and all(is_complete(store, data.split(s)) for s in SPLITS):
+            return version
+    return None
+
+
+def newest_models(
+    store: Store, tree: ExperimentTree, model_names: list[str]
+) -> tuple[int, dict] | None:
+    """The newest run that left a complete model for every name, and its Metadata."""
+    for run_num in reversed(existing_run_nums(store, tree)):
+        try:
+            record = json.loads(store.get_bytes(tree.run(run_num).metadata))
+        except NotFound:
+            continue
+        recorded = record.get("model_artifacts") or {}
+        keys = {m: artifact_key(store, where) for m, where in recorded.items()}
+        if all(keys.get(m) and is_complete(store, keys[m]) for m in model_names):
+            return run_num, {**record, "model_artifacts": keys}
+    return None
+
+
+def read_labels(store: Store, key: str) -> dict[str, str] | None:
+    try:
+        return json.loads(store.get_bytes(key))
+    except NotFound:
+        return None
+
+
+def snapshot_hash(store: Store, data: DataTree) -> str | None:
+    """The hash of the snapshot `data` holds, or that its prepared data was made from."""
+    for key in (data.snapshot_info, data.prepared_from):
+        try:
+            return json.loads(store.get_bytes(key))["snapshot_hash"]
+        except (NotFound, KeyError):
+            continue
+    return None
+
+
+def lineage(store: Store, data: DataTree, version: int) -> dict:
+    """What a model is trained on, recorded beside it: the data version, the hash of its
+    snapshot, and the label map (id -> name)."""
+    snapshot = snapshot_hash(store, data)
+    return {
+        "data_version": version,
+        "data_snapshot_hash": snapshot,
+        "id2label": read_labels(store, data.split("labels") + "id2label.json"),
+    }
+
+
+def check_reused_models(
+    store: Store, tree: ExperimentTree, run_num: int, record: dict, model_names: list[str]
+) -> tuple[DataTree | None, list[str]]:
+    """The data version run `run_num`'s models were trained on, whose test split is the only
+    one they may be tested on; and why not, naming the model, when their label maps differ."""
+    version = record.get("data_version")
+    where = f"run {run_label(run_num)}"
+    if version is None:
+        return None, [
+            f"{where} records no data version for its models, so no test split is known to be "
+            "theirs"
+        ]
+    data = tree.data(version)
+    if not all(is_complete(store, data.split(s)) for s in SPLITS):
+        return None, [
+            f"{where}'s models were trained on data {run_label(version)}, which is no longer "
+            f"complete at {store.uri_of(data.prepared)}"
+        ]
+    labels = read_labels(store, data.split("labels") + "id2label.json")
+    problems = []
+    for model in model_names:
+        own = read_labels(store, record["model_artifacts"][model] + "id2label.json")
+        if own is not None and own != labels:
+            problems.append(
+                f"model {model!r} of {where} knows labels {sorted(own.values())}, but data "
+                f"{run_label(version)} has {sorted((labels or {}).values())}: they cannot be "
+                "compared"
+            )
+    return data, problems
+
+
+def check_raw_data(settings: Settings, store: Store, tree: ExperimentTree) -> list[str]:
+    local_raw = settings.raw_data_uri() and "://" not in settings.raw_data_uri()
+    if local_raw and not any(p.is_file() for p in Path(settings.raw_data_uri()).rglob("*")):
+        return [f"[data] RAW_DATA: {settings.raw_data_uri()} is not a folder with files in it"]
+    if local_raw and settings.experiment.backend != "local":
+        return check_raw_upload(store, tree, Path(settings.raw_data_uri()))
+    if not settings.data.raw_data and not store.list_keys(tree.raw):
+        return [
+            f"no raw data at {store.uri_of(tree.raw)} ([data] RAW_DATA is empty, so the "
+            "experiment's raw/ folder is used)"
+        ]
+    # RAW_DATA in another bucket is checked by the job itself: it may need other credentials.
+    return []
+
+
+def local_files(folder: Path) -> dict[str, Path]:
+    return {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def check_raw_upload(store: Store, tree: ExperimentTree, folder: Path) -> list[str]:
+    """A SageMaker job cannot read a folder on this machine: its files go to the experiment's
+    raw/ first. That is refused when raw/ already holds other data (nothing is mixed)."""
+    there = {k[len(tree.raw) :] for k in store.list_keys(tree.raw)}
+    if there and there != set(local_files(folder)):
+        return [
+            f"[data] RAW_DATA: {folder} would be uploaded to {store.uri_of(tree.raw)}, which "
+            "already holds other files; leave RAW_DATA empty to use those, or use another "
+            "experiment NAME"
+        ]
+    return []
+
+
+def encoded_otherwise(settings: Settings, store: Store, data: DataTree) -> str | None:
+    """Why prepared data cannot be trained on with these settings, or None when it can: it
+    was cut at another [data] MAX_SEQUENCE_LENGTH, or it encodes not every model (training
+    would see rows cut otherwise than inference, or find no rows for a model)."""
+    where = data.split("labels") + ENCODING
+    try:
+        record = parse_encoding(store.get_bytes(where), store.uri_of(where))
+    except NotFound:
+        return f"{store.uri_of(where)} is missing (the data predates the record of its encoding)"
+    except ValueError as e:
+        return str(e)
+    wanted = settings.data.max_sequence_length
+    if record["max_length"] != wanted:
+        return (
+            f"it was cut at {record['max_length']} tokens and [data] MAX_SEQUENCE_LENGTH "
+            f"is {wanted}"
+        )
+    missing = [m for m in settings.models.model_names if m not in record.get("models", {})]
+    if missing:
+        return f"it encodes no rows for {', '.join(missing)}"
+    return None
+
+
+def steps_to_run(
+    settings: Settings, store: Store, tree: ExperimentTree, steps: list[str]
+) -> list[str]:
+    """`steps`, with prepare added when training would reuse prepared data encoded otherwise
+    than the settings say: the data is prepared again (or taken from the cache), never cut
+    again or silently used as it is."""
+    if "train" not in steps or "prepare" in steps:
+        return steps
+    version = newest_data(store, tree, "prepared")
+    if version is None:
+        return steps  # resolve_sources says what is missing
+    why = encoded_otherwise(settings, store, tree.data(version))
+    if why is None:
+        return steps
+    log.info(
+        f"prepare runs: the newest prepared data, {run_label(version)}, cannot be reused: {why}"
+    )
+    at = steps.index("train")
+    return [*steps[:at], "prepare", *steps[at:]]
+
+
+def resolve_sources(
+    settings: Settings, store: Store, tree: ExperimentTree, steps: list[str]
+) -> Sources:
+    """Decide where every step reads from, or say what is missing; writes nothing."""
+    problems = []
+    uploads_raw = settings.experiment.backend != "local" and settings.raw_data_uri()
+    raw = tree.raw if uploads_raw or not settings.raw_data_uri() else settings.raw_data_uri()
+    sources = Sources(raw=raw)
+    newest = f"{store.uri_of(tree.data_root)} holds no complete"
+    if "reconcile" in steps:
+        problems += check_raw_data(settings, store, tree)
+    if "prepare" in steps and "reconcile" not in steps:
+        version = newest_data(store, tree, "reconciled")
+        if version is None:
+            problems.append(f"--steps skips reconcile, but {newest} reconciled snapshot")
+        else:
+            sources.reconciled = tree.data(version)
+            sources.reused["reconciled"] = store.uri_of(sources.reconciled.reconciled)
+    if {"train", "inference"} & set(steps) and "prepare" not in steps:
+        version = newest_data(store, tree, "prepared")
+        if version is None:
+            problems.append(f"--steps skips prepare, but {newest} prepared data")
+        else:
+            sources.prepared = tree.data(version)
+            sources.data_version = version
+            sources.reused["prepared"] = store.uri_of(sources.prepared.prepared)
+    if "inference" in steps and "train" not in steps:
+        problems += reuse_models(settings, store, tree, steps, sources)
+    if problems:
+        raise PipelineError("cannot start: " + "; ".join(problems))
+    return sources
+
+
+def reuse_models(
+    settings: Settings, store: Store, tree: ExperimentTree, steps: list[str], sources: Sources
+) -> list[str]:
+    """An inference-only run tests the newest complete models, on the test split of the data
+    they were trained on (`sources` pointed at both); or why it cannot."""
+    names = settings.models.model_names
+    found = newest_models(store, tree, names)
+    if found is None:
+        return [
+            f"--steps skips train, but no earlier run of {settings.experiment.name!r} has "
+            f"complete models for {', '.join(names)}"
+        ]
+    if "prepare" in steps:
+        return [
+            f"--steps prepares new data but skips train: run {run_label(found[0])}'s models "
+            "would be tested on data they were not trained on; add train, or run inference on "
+            "its own"
+        ]
+    # A model is tested only on the test split of the data version it was trained on.
+    data, mismatched = check_reused_models(store, tree, *found, names)
+    sources.models = tree.run(found[0]).models
+    sources.reused["models"] = f"run {run_label(found[0])}"
+    if data is not None:
+        sources.prepared, sources.data_version = data, found[1]["data_version"]
+        sources.reused["prepared"] = store.uri_of(data.prepared) + " (the models' own data)"
+    return mismatched
+
+
+def log_reused(sources: Sources) -> None:
+    for what, where in sources.reused.items():
+        log.info(f"reusing {what}: {where}")
+
+
+def upload_raw(store: Store, tree: ExperimentTree, folder: Path) -> int:
+    """Raw data on this machine, for jobs that run elsewhere: its files, as they are, into the
+    experiment's raw/, once (nothing is uploaded when raw/ holds these very files already).
+    Returns how many files were uploaded. `check_raw_upload` says first whether raw/ holds
+    other data, which is never mixed in."""
+    there = {k[len(tree.raw) :] for k in store.list_keys(tree.raw)}
+    files = local_files(folder)
+    if there == set(files):
+        return 0
+    for rel, path in files.items():
+        store.upload_file(path, tree.raw + rel)
+    log.info(f"uploaded {len(files)} raw files from {folder} to {store.uri_of(tree.raw)}")
+    return len(files)
+
+
+RESUMABLE = ("failed", "interrupted", "abandoned")
+
+
+def resumed_run(
+    settings: Settings, store: Store, tree: ExperimentTree, run_num: int, steps: list[str] | None
+) -> tuple[RunTree, md.Metadata, list[str], Sources]:
+    """Run `run_num` again where it stopped: its completed steps kept, the rest with the same
+    sources, settings and code; training resumes from the run's checkpoints. `steps`: what
+    --steps asked for (None: not given)."""
+    run = tree.run(run_num)
+    record = stopped_record(store, run)
+    planned = record["planned_steps"]
+    if steps is not None and steps != planned:
+        raise PipelineError(
+            f"--resume continues the steps run {run.label} planned ({','.join(planned)}); "
+            "leave out --steps"
+        )
+    changed = settings_changes(store.get_bytes(run.settings).decode(), settings.applied_ini)
+    if changed:
+        raise PipelineError(
+            f"--resume {run_num}: the settings differ from the ones run {run.label} started with "
+            f"({'; '.join(changed)}); resume with those, or start a new run"
+        )
+    steps_done = record.get("steps", {}).items()
+    done = {name for name, section in steps_done if section.get("status") == "completed"}
+    remaining = [s for s in planned if s not in done and not (s == "train" and "tune" in done)]
+    if not remaining:
+        raise PipelineError(f"--resume {run_num}: every step of run {run.label} completed already")
+    sources = Sources.from_record(record["sources"], tree)
+    for step in ("reconcile", "prepare"):
+        if step in planned and step in done:
+            sources.reused[step] = f"completed by run {run.label}"
+    if "reconcile" in done:
+        sources.reconciled = tree.data(run_num)
+    if "prepare" in done:
+        sources.prepared, sources.data_version = tree.data(run_num), run_num
+    keep = {k: v for k, v in record.items() if k in md.Metadata.model_fields and k != "steps"}
+    resumed_at = [*record.get("resumed_at", []), md.iso(time.time())]
+    again = {"status": "running", "failure_reason": None, "end_time": None}
+    base = md.Metadata(**{**keep, **again, "resumed_at": resumed_at})
+    log.info(f"resuming run {run.label} ({record['status']}): {', '.join(remaining)} left")
+    return run, base, remaining, sources
+
+
+def stopped_record(store: Store, run: RunTree) -> dict:
+    """The Metadata of a run that stopped without completing, which --resume may continue."""
+    resume = f"--resume {run.run_num}"
+    try:
+        record = json.loads(store.get_bytes(run.metadata))
+    except NotFound:
+        raise PipelineError(f"{resume}: no run {run.label} at {store.uri_of(run.prefix)}") from None
+    if record.get("status") == "running":
+        if silent_driver(store, run.heartbeat) is None:
+            raise PipelineError(f"{resume}: run {run.label} is still running (its driver is alive)")
+        record["status"] = "abandoned"
+    if record.get("status") not in RESUMABLE:
+        raise PipelineError(
+            f"{resume}: run {run.label} is {record.get('status')}; only a "
+            f"{', '.join(RESUMABLE)} run can be resumed"
+        )
+    if not record.get("planned_steps") or record.get("sources") is None:
+        raise PipelineError(
+            f"{resume}: run {run.label} was made by an older driver that did not record its plan"
+        )
+    return record
+
+
+def clear_partial_outputs(store: Store, run: RunTree, jobs: list) -> None:
+    """A resumed run runs its unfinished data and inference steps again. What their earlier
+    attempt left of their outputs (a driver killed between one output's manifest and the
+    next) is the run's own and was never a result: it is removed, and said, so the step can
+    write its versioned outputs whole. Models are kept: a complete one is not trained again."""
+    for job in jobs:
+        if job.kind != "processing":
+            continue
+        for prefix in job.outputs.values():
+            keys = store.list_keys(prefix)
+            if keys:
+                for key in keys:
+                    store.delete(key)
+                where = store.uri_of(prefix)
+                log.info(f"{job.step}: removed what its unfinished attempt left at {where}")

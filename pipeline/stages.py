@@ -1,0 +1,425 @@
+"""The pipeline's stages, each declared once: its jobs, the arguments its cache key holds, the
+lines the plan prints for it, and what Metadata keeps of it once its jobs end.
+
+    reconcile -> prepare (processing jobs) -> train | tune (training) -> inference (processing)
+
+The driver loops over `STAGES`: it builds every planned stage's jobs once (`build_jobs`),
+prints them (`plan_lines`), and hands each stage its jobs and the backend (`Stage.run`).
+What a step computes lives in steps/<step>.py, inside the job; a stage is what the driver
+knows of it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from pipeline import cache
+from pipeline import metadata as md
+from pipeline.config import Settings
+from pipeline.errors import log
+from pipeline.jobs import (
+    TUNING_JOB_NAME_LIMIT,
+    JobFailed,
+    JobResult,
+    ProcessingJob,
+    TrainingJob,
+    TuningJob,
+    job_name,
+)
+from pipeline.paths import SPLITS, ExperimentTree, RunTree, run_label
+from pipeline.sources import Sources, lineage, snapshot_hash
+from pipeline.store import NotFound, Store, is_complete, source_uri
+from steps.entrypoint import (
+    EXTRA_SECRETS_VARIABLE,
+    HF_TOKEN_SECRET_VARIABLE,
+    WANDB_SECRET_VARIABLE,
+)
+
+if TYPE_CHECKING:
+    from pipeline.backends import Backend
+
+Job = ProcessingJob | TrainingJob | TuningJob
+
+
+@dataclass
+class RunContext:
+    """What a stage's jobs run against: the run, where its steps read, its Metadata so far."""
+
+    settings: Settings
+    store: Store
+    run: RunTree
+    sources: Sources
+    base: md.Metadata
+    backend: Backend | None  # set once the run is claimed
+
+    @property
+    def tree(self) -> ExperimentTree:
+        return ExperimentTree(self.run.experiment)
+
+
+class Stage(Protocol):
+    name: str  # as --steps and the run's Metadata name it
+
+    def jobs(self, settings: Settings, run: RunTree, sources: Sources) -> list[Job]:
+        """The stage's jobs in `run`, reading from `sources` (this run's outputs included)."""
+
+    def run(self, ctx: RunContext, jobs: list[Job]) -> None:
+        """Launch the jobs on ctx.backend and record them; raise JobFailed when one fails."""
+
+
+# [hub] OFFLINE: the Hugging Face libraries' own switches (huggingface_hub's HF_HUB_OFFLINE,
+# transformers' TRANSFORMERS_OFFLINE, datasets' HF_DATASETS_OFFLINE), set per run in the
+# request's Environment, never baked into the image.
+HUB_OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def job_env(settings: Settings) -> dict[str, str]:
+    """The Environment of every job's request: the user functions, the secrets' names, the Hub."""
+    env = {"SMPIPE_USER_FUNCTIONS": settings.experiment.user_functions}
+    if settings.tracking.secret_variables:
+        env[EXTRA_SECRETS_VARIABLE] = ",".join(settings.tracking.secret_variables)
+    if settings.experiment.backend != "local":  # a local job has this machine's keys
+        if settings.tracking.wandb_secret_id:
+            env[WANDB_SECRET_VARIABLE] = settings.tracking.wandb_secret_id
+        if settings.hub.token_secret_id:
+            env[HF_TOKEN_SECRET_VARIABLE] = settings.hub.token_secret_id
+    if settings.hub.offline:
+        env.update(dict.fromkeys(HUB_OFFLINE, "1"))
+    return env
+
+
+def processing_job(
+    settings: Settings,
+    run: RunTree,
+    step: str,
+    inputs: dict[str, str],
+    outputs: dict[str, str],
+    arguments: dict[str, object] | None = None,
+    instance_type: str | None = None,
+) -> ProcessingJob:
+    """The processing job of `step` in `run`: `arguments` as the step's command line."""
+    return ProcessingJob(
+        name=job_name(settings.experiment.name, run.label, step),
+        step=step,
+        code=run.code,
+        inputs=inputs,
+        outputs=outputs,
+        arguments=[str(a) for pair in (arguments or {}).items() for a in pair],
+        env=job_env(settings),
+        instance_type=instance_type or settings.data.instance_type,
+    )
+
+
+# -- the stages ---------------------------------------------------------------------------------
+
+
+class Reconcile:
+    """Raw data -> one snapshot: the user's rows, deduplicated, with their labels."""
+
+    name = "reconcile"
+
+    def jobs(self, settings: Settings, run: RunTree, sources: Sources) -> list[Job]:
+        outputs = {"snapshot": sources.reconciled.reconciled, "report": run.report(self.name)}
+        return [processing_job(settings, run, self.name, {"raw": sources.raw}, outputs)]
+
+    def run(self, ctx: RunContext, jobs: list[Job]) -> None:
+        (job,) = jobs
+        details = {"raw_path": ctx.base.raw_path, "snapshot": job.outputs["snapshot"]}
+        run_processing(ctx, job, details)
+        ctx.base.data_snapshot_hash = snapshot_hash(ctx.store, ctx.sources.reconciled)
+        index_in_cache(ctx, self.name)
+
+
+class Prepare:
+    """The snapshot -> stratified train, validation and test splits, encoded for every model."""
+
+    name = "prepare"
+
+    def jobs(self, settings: Settings, run: RunTree, sources: Sources) -> list[Job]:
+        d = settings.data
+        # Every argument is part of the cache key (pipeline/cache.py): the same snapshot,
+        # code and arguments give the same splits.
+        arguments = {
+            "--model-names": ",".join(settings.models.model_names),
+            "--max-length": d.max_sequence_length,
+            "--train-fraction": d.train_fraction,
+            "--validation-fraction": d.validation_fraction,
+            "--test-fraction": d.test_fraction,
+            "--seed": d.seed,
+        }
+        inputs = {"snapshot": sources.reconciled.reconciled}
+        outputs = {s: sources.prepared.split(s) for s in SPLITS} | {"report": run.report(self.name)}
+        return [processing_job(settings, run, self.name, inputs, outputs, arguments)]
+
+    def run(self, ctx: RunContext, jobs: list[Job]) -> None:
+        (job,) = jobs
+        run_processing(ctx, job, {})
+        ctx.base.data_snapshot_hash = snapshot_hash(ctx.store, ctx.sources.reconciled)
+        made_from = {
+            "reconciled": ctx.sources.reconciled.prefix,
+            "snapshot_hash": ctx.base.data_snapshot_hash,
+        }
+        ctx.store.put_bytes(ctx.sources.prepared.prepared_from, json.dumps(made_from).encode())
+        index_in_cache(ctx, self.name)
+
+
+class Train:
+    """One training job per model ([experiment] JOB = train), or one tuning job per model
+    (JOB = tune); every model lands at models/<model>/model/ with the data it was trained on."""
+
+    name = "train"
+
+    def jobs(self, settings: Settings, run: RunTree, sources: Sources) -> list[Job]:
+        channels = {c: sources.prepared.split(c) for c in ("train", "validation", "labels")}
+        models = settings.models.model_names
+        if settings.experiment.job == "train":
+            return [training_job(settings, run, m, channels, "training") for m in models]
+        return [tuning_job(settings, run, m, channels) for m in models]
+
+    def run(self, ctx: RunContext, jobs: list[Job]) -> None:
+        store, run = ctx.store, ctx.run
+        step = job_step(jobs[0])
+        trained_on = lineage(store, ctx.sources.prepared, ctx.sources.data_version)
+        results, details = [], {"models": {}, "model_artifacts": {}, "lineage": {}}
+        before = md.read_sections(store, run).get(step)  # a resumed run's models that are done
+        for job in jobs:
+            trial = trial_of(job)
+            model = trial.hyperparameters["model_name"]
+            if before is not None and is_complete(store, trial.model_prefix):
+                for name in details:
+                    details[name][model] = before.details.get(name, {}).get(model)
+                log.info(f"{model}: trained before this run was resumed ({trial.model_prefix})")
+                continue
+            runs = ctx.backend.run_tuning if job.kind == "tuning" else ctx.backend.run_training
+            result = launched(job, runs)
+            results.append(result)
+            if result.status != "Completed":
+                md.write_section(store, run, section(step, results, details))
+                raise JobFailed(result, step)
+            report = read_report(store, trial.output_prefix)
+            took = round(result.seconds, 1)
+            details["models"][model] = {**report, **result.details, "job_seconds": took}
+            details["model_artifacts"][model] = trial.model_prefix
+            details["lineage"][model] = trained_on
+            md.write_section(store, run, section(step, results, details, status="running"))
+        md.write_section(store, run, section(step, results, details))
+
+
+class Inference:
+    """Every model's export on the held-out test split: per-label metrics, the comparison."""
+
+    name = "inference"
+
+    def jobs(self, settings: Settings, run: RunTree, sources: Sources) -> list[Job]:
+        test = sources.prepared
+        arguments = {
+            "--model-names": ",".join(settings.models.model_names),
+            "--batch-size": settings.inference.batch_size,
+            "--model-format": settings.inference.model_format,
+        }
+        inputs = {
+            "test": test.split("test"),
+            "labels": test.split("labels"),
+            "models": sources.models,
+        }
+        outputs = {"results": run.inference, "report": run.report(self.name)}
+        instance = settings.inference.instance_type
+        return [processing_job(settings, run, self.name, inputs, outputs, arguments, instance)]
+
+    def run(self, ctx: RunContext, jobs: list[Job]) -> None:
+        (job,) = jobs
+        details = {
+            "results": job.outputs["results"],
+            "models_from": job.inputs["models"],
+            "data_version": ctx.sources.data_version,
+        }
+        run_processing(ctx, job, details)
+        md.merge(ctx.store, ctx.run, ctx.base)
+
+
+STAGES: tuple[Stage, ...] = (Reconcile(), Prepare(), Train(), Inference())
+STEPS = tuple(stage.name for stage in STAGES)
+
+
+def build_jobs(settings: Settings, steps: list[str], run: RunTree, sources: Sources) -> list[Job]:
+    """Every job the run launches, in order, with its inputs, outputs and resources; the steps
+    that run read what the run's own earlier steps write."""
+    reading = sources.with_outputs_of(steps, run)
+    return [
+        job for stage in STAGES if stage.name in steps for job in stage.jobs(settings, run, reading)
+    ]
+
+
+# -- training and tuning jobs -------------------------------------------------------------------
+
+
+def training_job(settings: Settings, run: RunTree, model: str, channels: dict, kind: str):
+    """A training job of `model` shaped by [training] (and [training.<model>])."""
+    t = settings.model_training.get(model, settings.training)
+    step = "train" if kind == "training" else "tune"
+    return TrainingJob(
+        name=job_name(run.experiment, run.label, step, model),
+        step="train",
+        code=run.code,
+        channels=channels,
+        hyperparameters=settings.training_hyperparameters(model, kind),
+        model_prefix=run.model(model) + "model/",
+        output_prefix=run.model(model) + "output/",
+        checkpoint_prefix=run.checkpoints(model),
+        sagemaker_output=run.training_output,
+        env=job_env(settings),
+        instance_type=t.instance_type,
+        instance_count=t.instance_count,
+        processes_per_host=t.processes_per_host if t.use_distributed else 1,
+        use_spot=t.use_spot,
+        max_run_seconds=t.max_run_seconds,
+        max_wait_seconds=t.max_wait_seconds,
+        max_restarts=t.max_restarts,
+        metric_definitions=settings.metric_definitions,
+    )
+
+
+def tuning_job(settings: Settings, run: RunTree, model: str, channels: dict) -> TuningJob:
+    """A tuning job of `model` over [tuning.hyperparameters] (and its own section)."""
+    tuning = settings.tuning
+    return TuningJob(
+        name=job_name(run.experiment, run.label, "tune", model, limit=TUNING_JOB_NAME_LIMIT),
+        trial=training_job(settings, run, model, channels, "tuning"),
+        ranges=settings.tuning_space(model)[1],
+        strategy=tuning.strategy,
+        objective_metric=tuning.objective_metric,
+        objective_type=tuning.objective_type,
+        max_jobs=tuning.max_jobs,
+        max_parallel_jobs=tuning.max_parallel_jobs,
+        early_stopping=tuning.early_stopping,
+    )
+
+
+def trial_of(job: Job) -> TrainingJob | ProcessingJob:
+    """The training job a tuning job launches for each trial; any other job itself."""
+    return job.trial if job.kind == "tuning" else job
+
+
+def job_step(job: Job) -> str:
+    """The step a job's section of Metadata is named after: train and tune are two."""
+    if job.kind == "tuning":
+        return "tune"
+    return job.step if job.kind == "processing" else "train"
+
+
+def job_label(job: Job) -> str:
+    """What the user calls a job: its step, and its model for training and tuning."""
+    if job.kind == "processing":
+        return job.step
+    return f"{job_step(job)} {trial_of(job).hyperparameters['model_name']}"
+
+
+# -- running and recording ----------------------------------------------------------------------
+
+
+def launched(job: Job, run_job) -> JobResult:
+    """`run_job(job)`, said when it starts and ends (the live display follows these)."""
+    label = job_label(job)
+    log.info(f"{label}: started ({job.kind} job {job.name})", extra={"event": ("started", label)})
+    result = run_job(job)
+    status = result.status.lower()
+    ended = {"event": ("ended", label, status, result.seconds)}
+    log.info(f"{label}: {status} in {result.seconds:.1f}s", extra=ended)
+    return result
+
+
+def run_processing(ctx: RunContext, job: ProcessingJob, details: dict) -> None:
+    """Run a stage's processing job and write its section: the job's own report (its
+    step_metadata.json) with the stage's `details`; raise JobFailed when it did not complete."""
+    result = launched(job, ctx.backend.run_processing)
+    if result.status == "Completed":
+        details = {**read_report(ctx.store, job.outputs["report"]), **details}
+    else:
+        details = {}
+    md.write_section(ctx.store, ctx.run, section(job.step, [result], details))
+    if result.status != "Completed":
+        raise JobFailed(result, job.step)
+
+
+def index_in_cache(ctx: RunContext, step: str) -> None:
+    """A data step's output, indexed under its cache key for later runs to reuse."""
+    entry = ctx.base.data_steps.get(step)
+    if entry and entry.get("key"):
+        run_num = ctx.run.run_num
+        indexed = cache.remember(ctx.store, ctx.tree, step, entry["key"], entry["inputs"], run_num)
+        if indexed != run_num:
+            said = f"another run indexed the same inputs first (data {run_label(indexed)})"
+            entry["note"] = "; ".join(filter(None, [entry.get("note"), said]))
+    md.merge(ctx.store, ctx.run, ctx.base)
+
+
+def section(
+    step: str, results: list[JobResult], details: dict, status: str | None = None
+) -> md.StepSection:
+    """A step's section of Metadata from its jobs' results."""
+    failed = [r for r in results if r.status != "Completed"]
+    peaks = [r.peak_memory_mb for r in results if r.peak_memory_mb is not None]
+    # GPU figures come only from jobs that ran on GPUs and measured them.
+    models = details.get("models", {})
+    gpus = {
+        m: d["gpu_usage"] for m, d in models.items() if isinstance(d, dict) and d.get("gpu_usage")
+    }
+    return md.StepSection(
+        step=step,
+        status=status or ("failed" if failed else "completed"),
+        job_names=[r.name for r in results],
+        failure_reason="; ".join(f"{r.name}: {r.failure_reason}" for r in failed) or None,
+        start_time=md.iso(min(r.start_time for r in results)) if results else None,
+        end_time=md.iso(max(r.end_time for r in results)) if results else None,
+        time_taken=round(sum(r.seconds for r in results), 3) if results else None,
+        memory_usage=max(peaks) if peaks else None,
+        gpu_usage=gpus or None,
+        restarts=sum(r.restarts for r in results),
+        details=details,
+    )
+
+
+def read_report(store: Store, prefix: str) -> dict:
+    """What a job's step wrote of itself (steps/contract.py `write_step_metadata`)."""
+    try:
+        return json.loads(store.get_bytes(prefix + "step_metadata.json"))
+    except NotFound:
+        return {}
+
+
+# -- the plan, as printed -----------------------------------------------------------------------
+
+
+def plan_lines(number: int, job: Job, store: Store) -> list[str]:
+    """What the plan says of one job: its step and model, its inputs and outputs, its search."""
+    trial = trial_of(job)
+    model = trial.hyperparameters.get("model_name") if job.kind != "processing" else None
+    lines = [
+        f"  {number}. {job_step(job)}{f' [{model}]' if model else ''} ({job.kind} job {job.name})"
+    ]
+    if job.kind == "processing":
+        inputs, outputs = job.inputs, job.outputs
+    else:
+        inputs = trial.channels
+        outputs = {
+            "model": trial.model_prefix,
+            "output": trial.output_prefix,
+            "checkpoints": trial.checkpoint_prefix,
+        }
+    for kind, items in (("input", {"code": trial.code, **inputs}), ("output", outputs)):
+        lines += [
+            f"       {kind:6} {name:<12} {source_uri(store, where)}"
+            for name, where in items.items()
+        ]
+    if job.kind == "tuning":
+        searched = (
+            f"{k}={getattr(v, 'options', None) or v.render()}" for k, v in job.ranges.items()
+        )
+        trials = f"{job.max_jobs} trials ({job.max_parallel_jobs} at once)"
+        lines.append(
+            f"       search {job.strategy}, {trials}, early stopping {job.early_stopping}: "
+            + ", ".join(searched)
+        )
+    return lines

@@ -1,0 +1,53 @@
+"""How the prepared data was encoded, recorded beside it: prepare writes it, training reads
+its length from it, and the driver compares it with the settings before reusing the data.
+
+    labels/encoding.json  {"max_length": 128,
+                           "models": {"minilm": {"tokenizer": {"name_or_path", "class",
+                                                               "sha256"}}}}
+
+A length belongs to the data it shaped (nanoGPT keeps block_size in its checkpoint): rows are
+cut once, by prepare, at `max_length` tokens ([data] MAX_SEQUENCE_LENGTH), and nothing after
+cuts them again. Light on imports: the driver reads it too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ENCODING = "encoding.json"  # in prepare's `labels` output, beside id2label.json
+
+
+def encoding_record(max_length: int, tokenizers: dict[str, dict]) -> dict:
+    """What encoding.json holds: the length rows were cut to, and each model's tokenizer."""
+    return {
+        "max_length": int(max_length),
+        "models": {model: {"tokenizer": identity} for model, identity in tokenizers.items()},
+    }
+
+
+def write_encoding(directory: Path, record: dict) -> None:
+    (Path(directory) / ENCODING).write_text(json.dumps(record, indent=2))
+
+
+def parse_encoding(text: str | bytes, where: str = ENCODING) -> dict:
+    """encoding.json's record, its shape checked: ValueError naming `where` otherwise."""
+    try:
+        record = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{where} is not JSON ({e}); run prepare again") from None
+    length = record.get("max_length") if isinstance(record, dict) else None
+    if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+        raise ValueError(f"{where} records no max_length (got {length!r}); run prepare again")
+    return record
+
+
+def read_encoding(directory: Path) -> dict:
+    """The record prepare wrote in `directory` (its labels output, a job's labels channel)."""
+    path = Path(directory) / ENCODING
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} is missing: the prepared data predates the record of its encoding; "
+            "run prepare again"
+        )
+    return parse_encoding(path.read_text(), str(path))
