@@ -24,13 +24,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.stage import stage  # noqa: E402
-
 from pipeline.backends.local import LocalBackend  # noqa: E402
 from pipeline.code_bundle import ship_code  # noqa: E402
 from pipeline.config import load_settings  # noqa: E402
 from pipeline.driver import parse_steps, run_pipeline  # noqa: E402
 from pipeline.paths import ExperimentTree  # noqa: E402
+from pipeline.sources import upload_raw  # noqa: E402
 from pipeline.stages import training_job  # noqa: E402
 from pipeline.store import LocalStore  # noqa: E402
 from user_functions.demo_data import write_demo  # noqa: E402
@@ -81,7 +80,7 @@ def main() -> None:
     settings = load_settings(work / "settings.ini", env={})
     store = LocalStore(settings.store_uri())
     write_demo(work / "raw", per_label=args.per_label)
-    stage(store, ExperimentTree(settings.experiment.name), work / "raw")
+    upload_raw(store, ExperimentTree(settings.experiment.name), work / "raw")
     run_pipeline(settings, store, parse_steps("reconcile,prepare"), echo=io.StringIO())
     data = ExperimentTree(settings.experiment.name).data(1)
 

@@ -450,12 +450,11 @@ def bench_prepare(corpora, tokenizer, repeat: int) -> dict:
 def bench_orchestration(repeat: int, work: Path) -> dict:
     import configparser
 
-    from pipeline.stage import stage
-
     from pipeline.backends.local import LocalBackend
     from pipeline.code_bundle import ship_code
     from pipeline.config import load_settings
     from pipeline.paths import ExperimentTree
+    from pipeline.sources import upload_raw
     from pipeline.stages import build_jobs
     from pipeline.store import LocalStore
     from user_functions.demo_data import write_demo
@@ -470,7 +469,7 @@ def bench_orchestration(repeat: int, work: Path) -> dict:
     store = LocalStore(settings.store_uri())
     tree = ExperimentTree(settings.experiment.name)
     write_demo(work / "raw", per_label=5)
-    stage(store, tree, work / "raw")
+    upload_raw(store, tree, work / "raw")
     overhead = []
     for r in range(repeat):
         run = tree.run(900 + r)

@@ -22,6 +22,7 @@ examples:
   smpipe runs settings.ini                       the experiment's runs
   smpipe compare settings.ini 3 5                two runs side by side
   smpipe report settings.ini 5                   rebuild run 5's report.html
+  smpipe prune settings.ini --keep 3 --yes       remove old runs' bulky files; 3 completed stay
 """
 
 
@@ -38,6 +39,20 @@ def run_number(text: str) -> int:
         number = 0
     if number < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a run number (1, 2, ...; 0003 is 3)")
+    return number
+
+
+def at_least_one(text: str) -> int:
+    """--keep: how many completed runs stay whole; 0 would leave no model at all."""
+    try:
+        number = int(text)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: keep at least 1 completed run (the newest N completed runs, and every "
+            "run after them, are left whole)"
+        )
     return number
 
 
@@ -74,6 +89,23 @@ def run_options(sub: argparse.ArgumentParser) -> None:
     )
 
 
+def loudness(run: argparse.ArgumentParser) -> None:
+    """How much of the jobs' output `run` shows."""
+    loud = run.add_mutually_exclusive_group()
+    loud.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="only what went wrong and the summary; job output stays in the job logs",
+    )
+    loud.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="every line of every job, library warnings included",
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(
         prog="smpipe",
@@ -102,19 +134,7 @@ def parser() -> argparse.ArgumentParser:
     for sub in (run, plan):
         run_options(sub)
     run.add_argument("--dry-run", action="store_true", help="the same as `smpipe plan`")
-    loud = run.add_mutually_exclusive_group()
-    loud.add_argument(
-        "-q",
-        "--quiet",
-        action="store_true",
-        help="only what went wrong and the summary; job output stays in the job logs",
-    )
-    loud.add_argument(
-        "-v",
-        "--verbose",
-        action="store_true",
-        help="every line of every job, library warnings included",
-    )
+    loudness(run)
     upload = command("upload", "copy a folder of raw data into the experiment's raw/ in the store")
     upload.add_argument("folder", type=Path, help="the raw data: a folder on this machine")
     upload.add_argument(
@@ -130,6 +150,16 @@ def parser() -> argparse.ArgumentParser:
     compare.add_argument("second", type=run_number, metavar="RUN_NUM")
     report = command("report", "rebuild a run's report.html (the newest run by default)")
     report.add_argument("run_num", type=run_number, nargs="?", metavar="RUN_NUM")
+    prune = command(
+        "prune",
+        "remove the bulky files (checkpoints, model weights and exports, tuning trials) of the "
+        "runs before the newest N completed ones; their Metadata, settings, logs, metrics and "
+        "reports stay, and data versions are never touched. A dry run unless --yes",
+    )
+    prune.add_argument(
+        "--keep", type=at_least_one, required=True, metavar="N", help="completed runs kept whole"
+    )
+    prune.add_argument("--yes", action="store_true", help="remove them (default: only say what)")
     return root
 
 
@@ -138,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.config import ConfigError
     from pipeline.errors import PipelineError
     from pipeline.history import HistoryError
+    from pipeline.prune import PruneError
     from pipeline.store import StoreError
     from steps.user_code import UserFunctionError
 
@@ -149,12 +180,13 @@ def main(argv: list[str] | None = None) -> int:
             "compare": compare_command,
             "report": report_command,
             "upload": upload_command,
+            "prune": prune_command,
         }
         return commands[args.command](args)
     except (ConfigError, UserFunctionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (PipelineError, StoreError, HistoryError) as e:
+    except (PipelineError, StoreError, HistoryError, PruneError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -238,7 +270,7 @@ def _console():
 def runs_command(args) -> int:
     from rich.table import Table
 
-    from pipeline.history import age, run_rows
+    from pipeline.history import age, human_bytes, run_rows
     from pipeline.paths import ExperimentTree
 
     settings, store = open_experiment(args.settings)
@@ -248,8 +280,8 @@ def runs_command(args) -> int:
         console.print(f"no runs of {settings.experiment.name!r} in {store.uri}")
         return 0
     table = Table(title=f"runs of {settings.experiment.name!r} in {store.uri}")
-    for column in ("run", "status", "models", "test macro-F1", "data", "took", "started"):
-        table.add_column(column, justify="right" if column in ("took",) else "left")
+    for column in ("run", "status", "models", "test macro-F1", "data", "took", "started", "size"):
+        table.add_column(column, justify="right" if column in ("took", "size") else "left")
     for row in rows:
         f1 = ", ".join(
             f"{m} {v:.4f}" for m, v in sorted(row["macro_f1"].items(), key=lambda kv: -kv[1])
@@ -268,6 +300,7 @@ def runs_command(args) -> int:
             data,
             took,
             age(row["started"]),
+            human_bytes(row["bytes"]),
         )
     console.print(table)
     return 0
@@ -332,6 +365,35 @@ def report_command(args) -> int:
         raise HistoryError(f"{what} of {settings.experiment.name!r} in {store.uri} ({there})")
     key = write_report(store, tree, run_num)
     print(f"report of run {run_num:04d}: {store.uri_of(key)}")
+    return 0
+
+
+def prune_command(args) -> int:
+    """What would go (or goes, with --yes), run by run, and the bytes it frees."""
+    from pipeline.history import human_bytes
+    from pipeline.paths import ExperimentTree
+    from pipeline.prune import prune_plan, prune_run
+
+    settings, store = open_experiment(args.settings)
+    tree = ExperimentTree(settings.experiment.name)
+    removals = prune_plan(store, tree, args.keep)
+    if not removals:
+        print(f"nothing to prune: no run before the newest {args.keep} completed holds bulky files")
+        return 0
+    verb = "removed" if args.yes else "would remove"
+    for removal in removals:
+        if args.yes:
+            prune_run(store, removal, args.keep)
+        what = ", ".join(f"{where} {human_bytes(n)}" for where, n in removal.groups.items())
+        print(
+            f"run {removal.run.label} ({removal.status}, {human_bytes(removal.run_bytes)}): "
+            f"{verb} {human_bytes(removal.bytes)} in {len(removal.files)} files: {what}"
+        )
+    freed = human_bytes(sum(r.bytes for r in removals))
+    if args.yes:
+        print(f"freed {freed} in {len(removals)} runs; their Metadata, logs and reports stay")
+    else:
+        print(f"would free {freed} in {len(removals)} runs; nothing was removed (--yes removes it)")
     return 0
 
 

@@ -156,6 +156,9 @@ class Training(hyperparameters_of("training")):
     max_run_seconds: int = Field(86400, ge=60, le=2_419_200)
     max_wait_seconds: int = Field(172800, ge=60, le=2_419_200)
     max_restarts: int = Field(3, ge=0, le=100)
+    # A completed run's checkpoints (resume state: weights, optimizer, scheduler) are removed
+    # when it completes; true keeps them. Failed and interrupted runs always keep theirs.
+    keep_checkpoints_after_run: bool = False
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from pipeline.console import log_summary
 from pipeline.errors import PipelineError, log
 from pipeline.jobs import JobFailed, request_for
 from pipeline.paths import ExperimentTree, RunTree
+from pipeline.prune import remove_checkpoints
 from pipeline.runs import claim_run_num, heartbeat, mark_abandoned
 from pipeline.service_model import as_if_on_s3
 from pipeline.sources import (
@@ -292,9 +293,12 @@ def set_up(
 
 def ended(ctx: RunContext, started: float, status: str, reason: str | None) -> dict:
     """The run's final Metadata written; the backend closed (its leftovers tidied when the run
-    completed); a failed run's report drawn too."""
-    now = time.time()
+    completed); a completed run's checkpoints removed (it will not be resumed), a failed run's
+    report drawn."""
     base = ctx.base
+    if status == "completed" and not ctx.settings.training.keep_checkpoints_after_run:
+        base.checkpoints_removed_bytes = remove_checkpoints(ctx.store, ctx.run)
+    now = time.time()
     base.status, base.failure_reason = status, reason
     base.end_time, base.time_taken = md.iso(now), round(now - started, 3)
     record = md.merge(ctx.store, ctx.run, base).model_dump()

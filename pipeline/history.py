@@ -34,9 +34,10 @@ def read_record(store: Store, tree: ExperimentTree, run_num: int) -> dict:
 
 def run_rows(store: Store, tree: ExperimentTree) -> list[dict]:
     """One row per run, oldest first: status, models, each model's test macro-F1, the data
-    it was tested on, how long it took and when it started."""
+    it was tested on, how long it took, when it started and its size on the store."""
     rows = []
     for run_num in existing_run_nums(store, tree):
+        size = sum(store.list_sizes(tree.run(run_num).prefix).values())
         try:
             record = read_record(store, tree, run_num)
         except HistoryError:  # claimed, Metadata not written yet (or lost)
@@ -50,6 +51,7 @@ def run_rows(store: Store, tree: ExperimentTree) -> list[dict]:
                     "snapshot": None,
                     "seconds": None,
                     "started": None,
+                    "bytes": size,
                 }
             )
             continue
@@ -68,6 +70,7 @@ def run_rows(store: Store, tree: ExperimentTree) -> list[dict]:
                 "snapshot": record.get("data_snapshot_hash"),
                 "seconds": record.get("time_taken"),
                 "started": record.get("start_time"),
+                "bytes": size,
             }
         )
     return rows
@@ -169,3 +172,13 @@ def age(iso: str | None) -> str:
     if not iso:
         return ""
     return datetime.fromisoformat(iso.replace("Z", "+00:00")).strftime("%Y-%m-%d %H:%M")
+
+
+def human_bytes(size: float) -> str:
+    """'347.2 MB': decimal units, as S3's console and the AWS bill count them."""
+    unit = "B"
+    for larger in ("kB", "MB", "GB", "TB"):
+        if size < 999.95:  # what would print as 1000.0 is the next unit's 1.0
+            break
+        size, unit = size / 1000, larger
+    return f"{size:.0f} B" if unit == "B" else f"{size:.1f} {unit}"

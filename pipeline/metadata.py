@@ -88,6 +88,11 @@ class Metadata(BaseModel):
     # reconcile/prepare: computed or reused, the key and what it hashes (pipeline/cache.py)
     data_steps: dict[str, dict] = Field(default_factory=dict)
     resumed_at: list[str] = Field(default_factory=list)  # each --resume of the run
+    # The bytes of checkpoints removed when the run completed (pipeline/prune.py); None while
+    # they are kept: the run did not complete, KEEP_CHECKPOINTS_AFTER_RUN, or the store refused.
+    checkpoints_removed_bytes: int | None = None
+    # `smpipe prune`: when, and what of the run it removed (a prefix of the run -> bytes).
+    pruned: dict | None = None
     steps: dict[str, StepSection] = Field(default_factory=dict)
     _secrets: list[str] = PrivateAttr(default_factory=list)  # values masked when written
 

@@ -4,7 +4,8 @@
         raw/                                  the user's raw data (input, never written by a run)
         data/<data_version>/                  experiment-level data, shared by later runs
             reconciled/                       snapshot + manifest (hash, rows, label counts, drops)
-            prepared/                         train/ validation/ test/ (save_to_disk), labels/,
+            prepared/                         train/ validation/ test/ (save_to_disk), labels/
+                                              (id2label.json, encoding.json: length, tokenizers),
                                               from.json (the snapshot it was prepared from)
         cache/<step>/<key>.json               reconcile/prepare: the data version computed from
                                               exactly these inputs (pipeline/cache.py)
@@ -16,7 +17,8 @@
             heartbeat.json                    the driver, alive: rewritten every 30 s while it runs
             logs/<job_name>.log
             models/<model>/                   model/ (safetensors, TorchScript, curves), output/
-            checkpoints/<model>/              synced training State (spot, restarts)
+            checkpoints/<model>/              synced training State (spot, restarts, --resume);
+                                              removed when the run completes (pipeline/prune.py)
             tuning/<model>/                   trials and the best one
             inference/                        per-model and comparison statistics
             jobs/<step>/                      what each processing job reported (step_metadata.json)
@@ -145,6 +147,15 @@ class RunTree:
 
     def checkpoints(self, model_name: str) -> str:
         return f"{self.prefix}checkpoints/{model_name}/"
+
+    @property
+    def checkpoints_root(self) -> str:
+        """Every model's and every trial's checkpoints (a trial's are `<model>-trial-NNN`)."""
+        return f"{self.prefix}checkpoints/"
+
+    @property
+    def tuning_root(self) -> str:
+        return f"{self.prefix}tuning/"
 
     def tuning(self, model_name: str) -> str:
         return f"{self.prefix}tuning/{model_name}/"

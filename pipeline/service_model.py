@@ -371,6 +371,7 @@ DOCUMENTED: dict[str, tuple[Callable[[dict], list[Violation]], ...]] = {
     "CreateHyperParameterTuningJob": (_tuning,),
 }
 
+
 def as_if_on_s3(request: dict) -> dict:
     """A request whose store is a local folder (the local backend's), its folders written as
     the S3 URIs SageMaker would get: the rest of it is checked as it stands."""

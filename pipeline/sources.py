@@ -375,6 +375,11 @@ def stopped_record(store: Store, run: RunTree) -> dict:
             f"{resume}: run {run.label} is {record.get('status')}; only a "
             f"{', '.join(RESUMABLE)} run can be resumed"
         )
+    if record.get("pruned"):
+        raise PipelineError(
+            f"{resume}: run {run.label} was pruned at {record['pruned'].get('time')} (its "
+            "checkpoints and model weights are gone); start a new run"
+        )
     if not record.get("planned_steps") or record.get("sources") is None:
         raise PipelineError(
             f"{resume}: run {run.label} was made by an older driver that did not record its plan"

@@ -48,6 +48,7 @@ class Store(Protocol):
     def get_bytes(self, key: str) -> bytes: ...
     def exists(self, key: str) -> bool: ...
     def list_keys(self, prefix: str) -> list[str]: ...
+    def list_sizes(self, prefix: str) -> dict[str, int]: ...
     def list_children(self, prefix: str) -> list[str]: ...
     def fingerprints(self, prefix: str) -> dict[str, str]: ...
     def upload_file(self, path: str | os.PathLike, key: str) -> None: ...
@@ -167,6 +168,17 @@ class LocalStore:
                     continue
                 keys.append(Path(dirpath, name).relative_to(self.root).as_posix())
         return sorted(keys)
+
+    def list_sizes(self, prefix: str) -> dict[str, int]:
+        """key -> its size in bytes, for every key list_keys gives (a file gone meanwhile, to a
+        concurrent delete, is left out)."""
+        sizes = {}
+        for key in self.list_keys(prefix):
+            try:
+                sizes[key] = self._path(key).stat().st_size
+            except FileNotFoundError:
+                continue
+        return sizes
 
     def list_children(self, prefix: str) -> list[str]:
         base = self._path(prefix.rstrip("/")) if prefix else self.root
@@ -329,6 +341,17 @@ class S3Store:
                 for obj in page.get("Contents", []):
                     keys.append(obj["Key"][len(self.prefix) :])
         return sorted(keys)
+
+    def list_sizes(self, prefix: str) -> dict[str, int]:
+        """key -> its size in bytes, from the listing itself (ListObjectsV2 gives each
+        object's Size): nothing is downloaded or asked per key."""
+        sizes = {}
+        with self._named("list", prefix):
+            paginator = self.client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
+                for obj in page.get("Contents", []):
+                    sizes[obj["Key"][len(self.prefix) :]] = obj["Size"]
+        return dict(sorted(sizes.items()))
 
     def list_children(self, prefix: str) -> list[str]:
         prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"

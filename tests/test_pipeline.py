@@ -72,7 +72,9 @@ def test_two_models_end_to_end(staged, bucket, tmp_path, monkeypatch):
     id2label = json.loads(store.get_bytes(data1.prepared + "labels/id2label.json"))
     assert sorted(id2label.values()) == ["business", "entertainment", "politics", "sports", "tech"]
 
-    # Per model: checkpoints, curves, TorchScript, loadable weights, history; inference stats.
+    # Per model: curves, TorchScript, loadable weights, history; inference stats. The
+    # checkpoints are gone: a completed run is not resumed.
+    assert store.list_keys(run1.checkpoints_root) == [] and record["checkpoints_removed_bytes"]
     for model in ("minilm", "bow"):
         keys = store.list_keys(run1.model(model) + "model/")
         for name in (
@@ -83,7 +85,6 @@ def test_two_models_end_to_end(staged, bucket, tmp_path, monkeypatch):
             "smpipe.json",
         ):
             assert run1.model(model) + "model/" + name in keys
-        assert store.exists(run1.checkpoints(model) + "CURRENT")
         history = json.loads(store.get_bytes(run1.model(model) + "model/history.json"))
         assert [h["epoch"] for h in history] == [1, 2]
         train = record["steps"]["train"]["details"]["models"][model]

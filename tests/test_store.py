@@ -59,6 +59,18 @@ def test_bytes_round_trip_and_conditional_create(store):
     assert store.list_children("") == ["a"]
 
 
+def test_sizes_come_with_the_listing(store):
+    store.put_bytes("run/a.bin", bytes(1234))
+    store.put_bytes("run/deep/b.bin", bytes(5))
+    store.put_bytes("run/empty", b"")
+    store.put_bytes("other/c.bin", bytes(7))
+    if isinstance(store, LocalStore):  # a write in progress is no key, and has no size
+        (store.root / "run/.a.bin.tmp").write_bytes(bytes(99))
+    assert store.list_sizes("run/") == {"run/a.bin": 1234, "run/deep/b.bin": 5, "run/empty": 0}
+    assert list(store.list_sizes("run/")) == store.list_keys("run/")
+    assert store.list_sizes("nothing/") == {}
+
+
 def test_directory_round_trip_with_manifest(store, tmp_path):
     content = make_tree(tmp_path / "src")
     manifest = upload_dir(store, tmp_path / "src", "data/v1/", {"rows": 5})

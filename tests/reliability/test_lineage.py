@@ -46,6 +46,9 @@ def test_reused_models_are_tested_on_their_own_data_even_in_a_moved_store(demo_r
     path = write_settings(tmp_path / "s.ini", str(store), models={"MODEL_NAMES": "bow"},
                           data={"RAW_DATA": str(demo_raw)})  # fmt: skip
     first = run(path)
+    # A completed run keeps no resume state: its checkpoints went when it completed.
+    assert first["checkpoints_removed_bytes"] > 0
+    assert not (store / TREE.run(1).checkpoints_root).exists()
     assert first["model_lineage"]["bow"]["data_version"] == 1
     assert len(first["model_lineage"]["bow"]["id2label"]) == 5
     assert first["model_artifacts"] == {"bow": "test-exp/runs/0001/models/bow/model/"}
