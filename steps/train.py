@@ -278,9 +278,8 @@ def check_output_width(accelerator, model, batches, keys, labels: int, module: s
 
 
 def set_up(hp: dict, env: TrainingEnv) -> Job:
-    """Everything training needs, built in order: the user's model, the data, the optimizer,
-    Accelerate's wrapping, the checkpoint to resume. Long on purpose: like Accelerate's
-    `training_function`, it reads top to bottom, each step using the ones before it."""
+    """Everything training needs, built in order, as Accelerate's `training_function` builds
+    it: the data, the user's model, the optimizer, Accelerate's wrapping."""
     model_name = hp["model_name"]
     functions = load_user_functions(os.environ["SMPIPE_USER_FUNCTIONS"])
     keys = list(call(functions, "ordered_input_keys", model_name))
@@ -298,9 +297,11 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
     inputs = read_inputs(labels_dir, model_name, keys)
     max_length = read_encoding(labels_dir)["max_length"]
     # On a GPU, widths padded to a multiple of 8 keep the tensor cores' tiles full.
-    pad_to = dict(max_length=max_length, multiple_of=8 if on_gpu else 1)
-    train = Batches(read_split(env.channels["train"]), model_name, keys, inputs, **pad_to)
-    val = Batches(read_split(env.channels["validation"]), model_name, keys, inputs, **pad_to)
+    multiple_of = 8 if on_gpu else 1
+    train, val = (
+        Batches(read_split(env.channels[split]), model_name, keys, inputs, max_length, multiple_of)
+        for split in ("train", "validation")
+    )
 
     # We build the model after seeding so that the seed also controls new weights' initialization.
     model = call(functions, "load_model", model_name, id2label, label2id)
@@ -337,7 +338,7 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
         "optimizer": f"AdamW ({optimizer_kind})",
         "compile": compiled,
         "group_by_length": hp["group_by_length"],
-        "pad_to_multiple_of": pad_to["multiple_of"],
+        "pad_to_multiple_of": multiple_of,
     }
     announce(accelerator, hp, per_device, accumulation, settings)
     return Job(
@@ -686,36 +687,18 @@ def export_programs(
 
 
 def finish(job: Job) -> None:
-    """The best model, its exports, curves and the Metadata section (main process). Long on
-    purpose: the end of a training script, one artifact after another, in the order a reader
-    looks for them."""
+    """The best model, its exports, curves and the Metadata section (main process)."""
     accelerator, state, hp, env = job.accelerator, job.state, job.hp, job.env
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         accelerator.end_training()
         return
-    model_dir, model_name = env.model_dir, hp["model_name"]
     final = accelerator.unwrap_model(job.model, keep_torch_compile=False)
     if job.best_weights is not None:
         final.load_state_dict(job.best_weights)
     final = final.float().eval().cpu()
-    exports = export_programs(final, job.keys, job.inputs, job.val_batches, model_dir)
-    save_final_model(
-        final,
-        model_dir,
-        {
-            "model_name": model_name,
-            "id2label": job.id2label,
-            "ordered_input_keys": job.keys,
-            "best_epoch": state.best_epoch,
-            "best_validation_f1": state.best_metric,
-            "max_length": job.max_length,  # as prepare recorded it (encoding.json)
-            "exports": exports,  # which exports passed their check (steps/model_files.py)
-        },
-    )
-    (model_dir / "id2label.json").write_text(
-        json.dumps({str(k): v for k, v in job.id2label.items()}, indent=2)
-    )
+    exports = export_programs(final, job.keys, job.inputs, job.val_batches, env.model_dir)
+    save_model(job, final, exports)
     accelerator.print(f"TorchScript export: {exports['torchscript']}")
     accelerator.print(f"torch.export program: {exports['exported']}")
     # The last metric line is the best epoch's: a tuner reading the final value sees the model
@@ -726,8 +709,33 @@ def finish(job: Job) -> None:
         raise RuntimeError(
             f"the TorchScript export does not match the eager model: {exports['torchscript']}"
         )
-    (model_dir / "history.json").write_text(json.dumps(state.history, indent=2))
-    plot_curves(state.history, model_dir / "curves.png", f"{model_name} ({env.job_name})")
+    (env.model_dir / "history.json").write_text(json.dumps(state.history, indent=2))
+    title = f"{hp['model_name']} ({env.job_name})"
+    plot_curves(state.history, env.model_dir / "curves.png", title)
+    write_report(job, exports)
+    accelerator.end_training()
+
+
+def save_model(job: Job, final: torch.nn.Module, exports: dict) -> None:
+    """The model as `from_pretrained` loads it, with the record of what it is."""
+    model_dir, state = job.env.model_dir, job.state
+    record = {
+        "model_name": job.hp["model_name"],
+        "id2label": job.id2label,
+        "ordered_input_keys": job.keys,
+        "best_epoch": state.best_epoch,
+        "best_validation_f1": state.best_metric,
+        "max_length": job.max_length,  # as prepare recorded it (encoding.json)
+        "exports": exports,  # which exports passed their check (steps/model_files.py)
+    }
+    save_final_model(final, model_dir, record)
+    labels = {str(k): v for k, v in job.id2label.items()}
+    (model_dir / "id2label.json").write_text(json.dumps(labels, indent=2))
+
+
+def write_report(job: Job, exports: dict) -> None:
+    """The job's section of the run's Metadata (step_metadata.json in output/data)."""
+    accelerator, state, env = job.accelerator, job.state, job.env
     gpu = None
     if torch.cuda.is_available():
         gpu = {
@@ -737,7 +745,7 @@ def finish(job: Job) -> None:
     write_step_metadata(
         env.output_data_dir,
         {
-            "model_name": model_name,
+            "model_name": job.hp["model_name"],
             "best_epoch": state.best_epoch,
             "best_validation_f1": state.best_metric,
             "history": state.history,
@@ -757,7 +765,6 @@ def finish(job: Job) -> None:
             "sagemaker_hyperparameters": reserved_hyperparameters(env.hyperparameters),
         },
     )
-    accelerator.end_training()
 
 
 def training_function(hp: dict, env: TrainingEnv) -> None:
