@@ -277,6 +277,48 @@ def check_output_width(accelerator, model, batches, keys, labels: int, module: s
         )
 
 
+def read_data(env: TrainingEnv, model_name: str, keys: list[str], multiple_of: int):
+    """The label map, the model's input columns, the length prepare cut rows to, and the
+    training and validation rows, padded per batch."""
+    labels_dir = env.channels["labels"]
+    id2label = {
+        int(k): v for k, v in json.loads((labels_dir / "id2label.json").read_text()).items()
+    }
+    inputs = read_inputs(labels_dir, model_name, keys)
+    max_length = read_encoding(labels_dir)["max_length"]
+    train, val = (
+        Batches(read_split(env.channels[split]), model_name, keys, inputs, max_length, multiple_of)
+        for split in ("train", "validation")
+    )
+    return id2label, inputs, max_length, train, val
+
+
+def user_model(functions, model_name: str, id2label: dict[int, str]) -> torch.nn.Module:
+    """The user's load_model, checked to be a torch module."""
+    label2id = {v: k for k, v in id2label.items()}
+    model = call(functions, "load_model", model_name, id2label, label2id)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"{functions.module}.load_model must return a torch.nn.Module, "
+            f"got {type(model).__name__}"
+        )
+    return model
+
+
+def training_state(accelerator, model, optimizer, scheduler, sampler, hp, env) -> ckpt.State:
+    """What a checkpoint holds. The gradient scaler exists only under fp16 mixed precision
+    (Accelerate owns it); None otherwise."""
+    return ckpt.State(
+        model=accelerator.unwrap_model(model, keep_torch_compile=False),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        sampler=sampler,
+        seed=hp["seed"],
+        run_name=env.job_name,
+        scaler=accelerator.scaler,
+    )
+
+
 def set_up(hp: dict, env: TrainingEnv) -> Job:
     """Everything training needs, built in order, as Accelerate's `training_function` builds
     it: the data, the user's model, the optimizer, Accelerate's wrapping."""
@@ -289,27 +331,11 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
     accelerator, precision, wandb_on = accelerator_for(hp, env, accumulation)
     set_seed(hp["seed"])
 
-    labels_dir = env.channels["labels"]
-    id2label = {
-        int(k): v for k, v in json.loads((labels_dir / "id2label.json").read_text()).items()
-    }
-    label2id = {v: k for k, v in id2label.items()}
-    inputs = read_inputs(labels_dir, model_name, keys)
-    max_length = read_encoding(labels_dir)["max_length"]
     # On a GPU, widths padded to a multiple of 8 keep the tensor cores' tiles full.
     multiple_of = 8 if on_gpu else 1
-    train, val = (
-        Batches(read_split(env.channels[split]), model_name, keys, inputs, max_length, multiple_of)
-        for split in ("train", "validation")
-    )
-
+    id2label, inputs, max_length, train, val = read_data(env, model_name, keys, multiple_of)
     # We build the model after seeding so that the seed also controls new weights' initialization.
-    model = call(functions, "load_model", model_name, id2label, label2id)
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(
-            f"{functions.module}.load_model must return a torch.nn.Module, "
-            f"got {type(model).__name__}"
-        )
+    model = user_model(functions, model_name, id2label)
 
     sampler, train_loader = loader_for(train, hp, per_device, accumulation, accelerator, on_gpu)
     total_steps = sampler.steps_per_epoch * hp["epochs"]
@@ -322,17 +348,7 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
     compiled = False
     if hp["compile"]:
         model, compiled = torch.compile(model, dynamic=True), True
-    # The gradient scaler exists only under fp16 mixed precision (Accelerate owns it); None
-    # otherwise.
-    state = ckpt.State(
-        model=accelerator.unwrap_model(model, keep_torch_compile=False),
-        optimizer=optimizer,
-        scheduler=scheduler,
-        sampler=sampler,
-        seed=hp["seed"],
-        run_name=env.job_name,
-        scaler=accelerator.scaler,
-    )
+    state = training_state(accelerator, model, optimizer, scheduler, sampler, hp, env)
     settings = {
         "mixed_precision": precision,
         "optimizer": f"AdamW ({optimizer_kind})",
