@@ -42,10 +42,12 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 # Speed against the Trainer, transformers' pipeline and datasets.map (bench/results.json),
-# then what checkpointing costs. Both print their tables; neither asserts a time.
+# what checkpointing costs, then what a tuning trial spends outside its steps and what a
+# completed run keeps (bench/run_cost.json). Each prints its table; none asserts a time.
 bench: install
 	$(PY) bench/speed.py
 	$(PY) bench/checkpoint_cost.py
+	$(PY) bench/run_cost.py
 
 # docs/report.png: the newest demo run's report.html as a browser shows it (run `make run` first).
 screenshot: install browser

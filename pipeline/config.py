@@ -156,9 +156,30 @@ class Training(hyperparameters_of("training")):
     max_run_seconds: int = Field(86400, ge=60, le=2_419_200)
     max_wait_seconds: int = Field(172800, ge=60, le=2_419_200)
     max_restarts: int = Field(3, ge=0, le=100)
+    # The programs written beside the weights (safetensors, always): torchscript, exported.
+    # Empty: the one [inference] MODEL_FORMAT runs (`Settings.exports`). Each is checked
+    # against the eager model, and written once per model: a tuning study's trials write
+    # none, its best model is exported after it.
+    exports: list[Literal["torchscript", "exported"]] = []
+
+    @field_validator("exports", mode="before")
+    @classmethod
+    def _formats(cls, value):
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
     # A completed run's checkpoints (resume state: weights, optimizer, scheduler) are removed
     # when it completes; true keeps them. Failed and interrupted runs always keep theirs.
     keep_checkpoints_after_run: bool = False
+    # SageMaker managed warm pools: a training job's ResourceConfig.KeepAlivePeriodInSeconds,
+    # how long its instances wait, billed, for the next matching training job (the run's next
+    # model) to start on them without provisioning (train-warm-pools.html). 600: the driver's
+    # adoption of one model's outputs fits before the next job is created; after the run's
+    # last job the pool idles at most that long. 0: none. The range is the service model's
+    # (checked by key: LIMITED). Never sent with spot or tuning jobs (jobs.keep_alive_refused);
+    # nothing to keep on the local backend.
+    keep_alive_seconds: int = 600
 
 
 @dataclass(frozen=True)
@@ -286,6 +307,7 @@ class Settings(BaseModel):
             "model_name": model_name,
             "model_names": ",".join(self.models.model_names),
             "job_kind": job_kind,
+            "exports": self.exports(job_kind),
         }
         sections = {
             "training": self.model_training.get(model_name, self.training),
@@ -299,6 +321,15 @@ class Settings(BaseModel):
         if job_kind == "tuning":
             hps.update(self.tuning_space(model_name)[0])
         return {k: wire(v) for k, v in hps.items()}
+
+    def exports(self, job_kind: str = "training") -> str:
+        """The programs a job writes, as it receives them (steps/hyperparameters.py
+        EXPORT_CHOICES): [training] EXPORTS, or the one MODEL_FORMAT needs; none for a
+        tuning trial, whose study's best model is exported after it (steps/export.py)."""
+        if job_kind == "tuning":
+            return "none"
+        formats = self.training.exports or [self.inference.model_format]
+        return ",".join(f for f in ("torchscript", "exported") if f in formats)
 
 
 SECTIONS: dict[str, type[Section]] = {
@@ -754,6 +785,13 @@ def _across_sections(
             f"(train.py prints {', '.join(METRIC_DEFINITIONS)}; [tuning.metric_definitions] "
             f"defines {', '.join(k for k in metrics if k not in METRIC_DEFINITIONS) or 'no other'})"
         )
+    if "training" in parsed and "inference" in parsed:
+        formats, needed = parsed["training"].exports, parsed["inference"].model_format
+        if formats and needed not in formats:
+            problems.append(
+                f"[training] EXPORTS ({', '.join(formats)}) leaves out {needed}, the program "
+                f"[inference] MODEL_FORMAT runs: add it, or leave EXPORTS empty"
+            )
     if "training" in parsed:
         t = parsed["training"]
         if t.instance_count > 1 and not t.use_distributed:
@@ -787,6 +825,7 @@ LIMITED = (
     ("data", "instance_type", "ProcessingInstanceType", str),
     ("inference", "instance_type", "ProcessingInstanceType", str),
     ("training", "instance_type", "TrainingInstanceType", str),
+    ("training", "keep_alive_seconds", "KeepAlivePeriodInSeconds", int),
     ("experiment", "role_arn", "RoleArn", str),
     ("experiment", "image_uri", "AlgorithmImage", str),
     ("experiment", "user_functions", "ProcessingEnvironmentValue", str),

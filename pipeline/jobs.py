@@ -85,6 +85,7 @@ class ProcessingJob:
     env: dict[str, str] = field(default_factory=dict)
     instance_type: str = "ml.m5.xlarge"
     max_run_seconds: int = 86400
+    model: str = ""  # the model a per-model step works on (export)
 
     kind = "processing"
 
@@ -109,6 +110,7 @@ class TrainingJob:
     max_wait_seconds: int = 172800
     max_restarts: int = 0
     metric_definitions: dict[str, str] = field(default_factory=dict)
+    keep_alive_seconds: int = 0  # [training] KEEP_ALIVE_SECONDS: the warm pool it leaves
 
     kind = "training"
 
@@ -248,13 +250,44 @@ def _definition(job: TrainingJob, image: str, role: str, uri_of: UriOf) -> dict:
     }
 
 
+# SageMaker managed warm pools (https://docs.aws.amazon.com/sagemaker/latest/dg/
+# train-warm-pools.html): a training job whose ResourceConfig has KeepAlivePeriodInSeconds > 0
+# leaves its instances up that long, billed, for the next training job with the same RoleArn,
+# ResourceConfig (InstanceCount, InstanceType, VolumeKmsKeyId, VolumeSizeInGB), VpcConfig and
+# network flags; each job of the chain must ask again. Training jobs only: the Considerations
+# exclude spot instances (and heterogeneous clusters, not sent here), and a tuning job's trials
+# use warm pools by default, with no KeepAlivePeriodInSeconds ("HyperParameterTuningResourceConfig
+# supports the capabilities of ResourceConfig with the exception of KeepAlivePeriodInSeconds",
+# botocore's sagemaker service-2.json). Processing jobs have no such member.
+def keep_alive_refused(job) -> str | None:
+    """Why [training] KEEP_ALIVE_SECONDS is not sent with `job`; None when it is (or is 0)."""
+    trial = job.trial if job.kind == "tuning" else job
+    if job.kind == "processing" or not trial.keep_alive_seconds:
+        return None
+    if job.kind == "tuning":
+        return (
+            "[training] KEEP_ALIVE_SECONDS is not sent with a tuning job: SageMaker reuses "
+            "instances between its trials by itself and takes no KeepAlivePeriodInSeconds there"
+        )
+    if job.use_spot:
+        return (
+            "[training] KEEP_ALIVE_SECONDS is not sent with USE_SPOT = true: SageMaker's warm "
+            "pools cannot be used with spot instances (train-warm-pools.html)"
+        )
+    return None
+
+
 def training_request(job: TrainingJob, image: str, role: str, uri_of: UriOf) -> dict:
-    """CreateTrainingJob: SageMaker runs the image with `train`, as for any training image."""
-    return {
+    """CreateTrainingJob: SageMaker runs the image with `train`, as for any training image;
+    with a warm pool kept after it when [training] KEEP_ALIVE_SECONDS asks for one."""
+    request = {
         "TrainingJobName": job.name,
         "HyperParameters": dict(job.hyperparameters),
         **_definition(job, image, role, uri_of),
     }
+    if job.keep_alive_seconds and keep_alive_refused(job) is None:
+        request["ResourceConfig"]["KeepAlivePeriodInSeconds"] = job.keep_alive_seconds
+    return request
 
 
 def tuning_request(job: TuningJob, image: str, role: str, uri_of: UriOf) -> dict:

@@ -16,7 +16,9 @@
             metadata/<step>.json              one object per step: steps never overwrite each other
             heartbeat.json                    the driver, alive: rewritten every 30 s while it runs
             logs/<job_name>.log
-            models/<model>/                   model/ (safetensors, TorchScript, curves), output/
+            models/<model>/                   model/ (safetensors, the programs EXPORTS names,
+                                              curves), output/; best-trial/ while a tuned
+                                              model waits for its export
             checkpoints/<model>/              synced training State (spot, restarts, --resume);
                                               removed when the run completes (pipeline/prune.py)
             tuning/<model>/                   trials and the best one
@@ -144,6 +146,14 @@ class RunTree:
 
     def model(self, model_name: str) -> str:
         return f"{self.prefix}models/{model_name}/"
+
+    def final_model(self, model_name: str) -> str:
+        """The model as inference runs it: weights, the exported programs, the record."""
+        return f"{self.prefix}models/{model_name}/model/"
+
+    def best_trial_model(self, model_name: str) -> str:
+        """A tuning study's best model before its export; removed once exported."""
+        return f"{self.prefix}models/{model_name}/best-trial/"
 
     def checkpoints(self, model_name: str) -> str:
         return f"{self.prefix}checkpoints/{model_name}/"

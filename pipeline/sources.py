@@ -395,6 +395,8 @@ def clear_partial_outputs(store: Store, run: RunTree, jobs: list) -> None:
     for job in jobs:
         if job.kind != "processing":
             continue
+        if job.step == "export" and is_complete(store, job.outputs["model"]):
+            continue  # a model, exported before: kept
         for prefix in job.outputs.values():
             keys = store.list_keys(prefix)
             if keys:

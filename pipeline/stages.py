@@ -36,6 +36,7 @@ from steps.entrypoint import (
     HF_TOKEN_SECRET_VARIABLE,
     WANDB_SECRET_VARIABLE,
 )
+from steps.model_files import RECORD
 
 if TYPE_CHECKING:
     from pipeline.backends import Backend
@@ -98,10 +99,12 @@ def processing_job(
     outputs: dict[str, str],
     arguments: dict[str, object] | None = None,
     instance_type: str | None = None,
+    model: str = "",
 ) -> ProcessingJob:
-    """The processing job of `step` in `run`: `arguments` as the step's command line."""
+    """The processing job of `step` in `run` (of one `model`, for a per-model step):
+    `arguments` as the step's command line."""
     return ProcessingJob(
-        name=job_name(settings.experiment.name, run.label, step),
+        name=job_name(settings.experiment.name, run.label, step, *filter(None, [model])),
         step=step,
         code=run.code,
         inputs=inputs,
@@ -109,6 +112,7 @@ def processing_job(
         arguments=[str(a) for pair in (arguments or {}).items() for a in pair],
         env=job_env(settings),
         instance_type=instance_type or settings.data.instance_type,
+        model=model,
     )
 
 
@@ -167,7 +171,8 @@ class Prepare:
 
 class Train:
     """One training job per model ([experiment] JOB = train), or one tuning job per model
-    (JOB = tune); every model lands at models/<model>/model/ with the data it was trained on."""
+    (JOB = tune) followed by the export of its best model; every model lands at
+    models/<model>/model/ with the data it was trained on."""
 
     name = "train"
 
@@ -176,7 +181,14 @@ class Train:
         models = settings.models.model_names
         if settings.experiment.job == "train":
             return [training_job(settings, run, m, channels, "training") for m in models]
-        return [tuning_job(settings, run, m, channels) for m in models]
+        return [
+            job
+            for m in models
+            for job in (
+                tuning_job(settings, run, m, channels),
+                export_job(settings, run, m, channels),
+            )
+        ]
 
     def run(self, ctx: RunContext, jobs: list[Job]) -> None:
         store, run = ctx.store, ctx.run
@@ -185,26 +197,50 @@ class Train:
         results, details = [], {"models": {}, "model_artifacts": {}, "lineage": {}}
         before = md.read_sections(store, run).get(step)  # a resumed run's models that are done
         for job in jobs:
-            trial = trial_of(job)
-            model = trial.hyperparameters["model_name"]
-            if before is not None and is_complete(store, trial.model_prefix):
+            model = job_model(job)
+            if job.kind == "processing":  # a tuned model's export
+                if is_complete(store, run.final_model(model)):
+                    continue  # exported before this run was resumed
+            elif before is not None and trained_before(store, run, job):
                 for name in details:
                     details[name][model] = before.details.get(name, {}).get(model)
-                log.info(f"{model}: trained before this run was resumed ({trial.model_prefix})")
+                log.info(f"{model}: trained before this run was resumed")
                 continue
-            runs = ctx.backend.run_tuning if job.kind == "tuning" else ctx.backend.run_training
+            runs = {
+                "tuning": ctx.backend.run_tuning,
+                "training": ctx.backend.run_training,
+                "processing": ctx.backend.run_processing,
+            }[job.kind]
             result = launched(job, runs)
             results.append(result)
             if result.status != "Completed":
                 md.write_section(store, run, section(step, results, details))
                 raise JobFailed(result, step)
-            report = read_report(store, trial.output_prefix)
-            took = round(result.seconds, 1)
-            details["models"][model] = {**report, **result.details, "job_seconds": took}
-            details["model_artifacts"][model] = trial.model_prefix
-            details["lineage"][model] = trained_on
+            if job.kind == "processing":
+                details["models"][model].update(exported(store, job, result))
+            else:
+                report = read_report(store, trial_of(job).output_prefix)
+                took = round(result.seconds, 1)
+                details["models"][model] = {**report, **result.details, "job_seconds": took}
+                details["model_artifacts"][model] = run.final_model(model)
+                details["lineage"][model] = trained_on
             md.write_section(store, run, section(step, results, details, status="running"))
         md.write_section(store, run, section(step, results, details))
+
+
+def trained_before(store: Store, run: RunTree, job: TrainingJob | TuningJob) -> bool:
+    """A resumed run's model that is done: trained (a tuned one may still await its export)."""
+    waiting = trial_of(job).model_prefix  # a tuning job's best trial, before its export
+    return is_complete(store, run.final_model(job_model(job))) or is_complete(store, waiting)
+
+
+def exported(store: Store, job: ProcessingJob, result: JobResult) -> dict:
+    """A tuned model's export, as its record says, and the best trial's copy removed: the
+    model is kept once, exported, where a training job leaves its model."""
+    record = json.loads(store.get_bytes(job.outputs["model"] + RECORD))
+    for key in store.list_keys(job.inputs["model"]):
+        store.delete(key)
+    return {"exports": record["exports"], "export_job_seconds": round(result.seconds, 1)}
 
 
 class Inference:
@@ -265,7 +301,8 @@ def training_job(settings: Settings, run: RunTree, model: str, channels: dict, k
         code=run.code,
         channels=channels,
         hyperparameters=settings.training_hyperparameters(model, kind),
-        model_prefix=run.model(model) + "model/",
+        # A tuning job's best trial waits for its export (export_job) beside the final place.
+        model_prefix=run.final_model(model) if kind == "training" else run.best_trial_model(model),
         output_prefix=run.model(model) + "output/",
         checkpoint_prefix=run.checkpoints(model),
         sagemaker_output=run.training_output,
@@ -278,6 +315,7 @@ def training_job(settings: Settings, run: RunTree, model: str, channels: dict, k
         max_wait_seconds=t.max_wait_seconds,
         max_restarts=t.max_restarts,
         metric_definitions=settings.metric_definitions,
+        keep_alive_seconds=t.keep_alive_seconds,
     )
 
 
@@ -297,6 +335,26 @@ def tuning_job(settings: Settings, run: RunTree, model: str, channels: dict) -> 
     )
 
 
+def export_job(settings: Settings, run: RunTree, model: str, channels: dict) -> ProcessingJob:
+    """After a study, its best model exported once (steps/export.py), on a CPU instance as
+    inference runs: the programs [training] EXPORTS names, each checked against the eager
+    model on validation rows, written where a training job leaves its model."""
+    inputs = {
+        "model": run.best_trial_model(model),
+        "validation": channels["validation"],
+        "labels": channels["labels"],
+    }
+    outputs = {"model": run.final_model(model)}
+    arguments = {"--model-name": model, "--exports": settings.exports()}
+    instance = settings.inference.instance_type
+    return processing_job(settings, run, "export", inputs, outputs, arguments, instance, model)
+
+
+def job_model(job: Job) -> str:
+    """The model a training, tuning or per-model processing job works on."""
+    return job.model if job.kind == "processing" else trial_of(job).hyperparameters["model_name"]
+
+
 def trial_of(job: Job) -> TrainingJob | ProcessingJob:
     """The training job a tuning job launches for each trial; any other job itself."""
     return job.trial if job.kind == "tuning" else job
@@ -310,10 +368,10 @@ def job_step(job: Job) -> str:
 
 
 def job_label(job: Job) -> str:
-    """What the user calls a job: its step, and its model for training and tuning."""
+    """What the user calls a job: its step, and its model for training, tuning and export."""
     if job.kind == "processing":
-        return job.step
-    return f"{job_step(job)} {trial_of(job).hyperparameters['model_name']}"
+        return f"{job.step} {job.model}" if job.model else job.step
+    return f"{job_step(job)} {job_model(job)}"
 
 
 # -- running and recording ----------------------------------------------------------------------
@@ -395,7 +453,7 @@ def read_report(store: Store, prefix: str) -> dict:
 def plan_lines(number: int, job: Job, store: Store) -> list[str]:
     """What the plan says of one job: its step and model, its inputs and outputs, its search."""
     trial = trial_of(job)
-    model = trial.hyperparameters.get("model_name") if job.kind != "processing" else None
+    model = job_model(job) or None
     lines = [
         f"  {number}. {job_step(job)}{f' [{model}]' if model else ''} ({job.kind} job {job.name})"
     ]

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from pathlib import Path
 
@@ -393,6 +394,164 @@ def reap_orphans() -> None:
             return
 
 
+def start_step(command: list[str], env: dict[str, str]) -> subprocess.Popen | ForkedStep:
+    """The step in a new session that dies with this process, its output on one pipe. Forked
+    from this process where it was warm-started (see `can_fork_step`), started as a new
+    interpreter otherwise (in a container, always)."""
+    if can_fork_step(command):
+        return ForkedStep(command, env)
+    return subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
+
+
+def can_fork_step(command: list[str]) -> bool:
+    """Whether the step may be forked from this process rather than started afresh: the local
+    backend's fork server (pipeline/backends/warm_start.py) started this entrypoint with torch
+    and the rest already imported, and the step is one `python -m` process (torchrun starts
+    its own). Only while this process is single-threaded (fork copies only the calling thread;
+    a lock another one held would stay locked in the child) and holds no CUDA context (CUDA
+    does not survive fork). Of the variables this entrypoint adds for the step (SM_*), the
+    preloaded libraries read at import only SM_HP_MP_PARAMETERS and SM_FRAMEWORK_PARAMS
+    (transformers' is_sagemaker_mp_enabled), which matter only with smdistributed, which the
+    image does not have."""
+    torch = sys.modules.get("torch")
+    return (
+        torch is not None
+        and command[:2] == [sys.executable, "-m"]
+        and "torch.distributed.run" not in command
+        and len(os.listdir("/proc/self/task")) == 1
+        and not torch.cuda.is_initialized()
+    )
+
+
+class ForkedStep:
+    """A step forked from this process, as subprocess.Popen shows one (`pid`, `args`,
+    `stdout`, `poll()`, `wait()`, `returncode`): what `run` and `pass_signals_on` use."""
+
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        self.args, self.returncode = command, None
+        self._lock = threading.Lock()  # one waitpid at a time, as Popen's _waitpid_lock
+        read, write = os.pipe()
+        ready_read, ready_write = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(read)
+            os.close(ready_read)
+            _become_step(command, env, write, ready_write)  # never returns
+        os.close(write)
+        os.close(ready_write)
+        os.read(ready_read, 1)  # EOF once the child leads its session, as Popen after exec
+        os.close(ready_read)
+        self.stdout = os.fdopen(read, "rb")
+
+    def poll(self) -> int | None:
+        return self._wait(os.WNOHANG)
+
+    def wait(self) -> int:
+        return self._wait(0)
+
+    def _wait(self, flags: int) -> int | None:
+        if not self._lock.acquire(blocking=flags == 0):
+            return None  # another thread is waiting for it
+        try:
+            if self.returncode is None:
+                pid, status = os.waitpid(self.pid, flags)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
+        finally:
+            self._lock.release()
+
+
+def _become_step(command: list[str], env: dict[str, str], output: int, ready: int) -> None:
+    """In the forked child: what Popen(start_new_session=True, preexec_fn=_die_with_parent)
+    and a fresh `python -m MODULE ARGS` would make of it; exits with the step's status."""
+    code = 1
+    try:
+        os.setsid()
+        _die_with_parent()
+        os.close(ready)
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+        os.close(output)
+        fresh = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
+        for signum, handler in fresh.items():
+            if callable(signal.getsignal(signum)):  # a handler; an ignored signal stays so
+                signal.signal(signum, handler)
+        os.environ.clear()
+        os.environ.update(env)  # sys.path stays: same working directory, same PYTHONPATH
+        sys.orig_argv[:] = command
+        _set_command_line(command)
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:  # its global RandomState is not reseeded by fork; `random` is
+            numpy.random.seed()
+        code = _run_module_as_main(command[2], command[3:])
+    except BaseException:  # noqa: BLE001 - the child must end here, whatever happened
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _run_module_as_main(module: str, args: list[str]) -> int:
+    """`python -m module args...` in this process, and the status the interpreter would exit
+    with: SystemExit's code, 1 for an uncaught exception, death by SIGINT for an uncaught
+    KeyboardInterrupt (as CPython since 3.8); non-daemon threads joined and atexit handlers
+    run on the way out. pipeline/backends/warm_start.py does the same for the entrypoint
+    (steps/ cannot import pipeline/, and the server imports nothing of steps/)."""
+    import atexit
+    import runpy
+
+    sys.argv = ["-m", *args]  # runpy puts the module's file in argv[0], as `-m` does
+    code = 0
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:  # None is 0, a number itself, anything else printed and 1
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = -signal.SIGINT
+    except BaseException:  # noqa: BLE001 - reported as the interpreter reports it
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading._shutdown()  # as multiprocessing's children do (process.py, _bootstrap)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if code == -signal.SIGINT:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return code & 0xFF
+
+
+def _set_command_line(argv: list[str]) -> None:
+    """Show `argv` as this process's command line (/proc/PID/cmdline: what ps, pgrep -f and
+    psutil read); a fork keeps its parent's. Written where the kernel reads it (arg_start..
+    arg_end, /proc/self/stat fields 48-49, proc(5)), as setproctitle does, truncated to the
+    room there is."""
+    import ctypes
+
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # fields 48 and 49, counted from 1
+    except (OSError, IndexError, ValueError):
+        return
+    title = "\0".join(argv).encode()[: end - start - 1]
+    ctypes.memmove(start, title.ljust(end - start, b"\0"), end - start)
+
+
 def run(
     command: list[str], env: dict[str, str], failure: Path, what: str, outputs: list[Path]
 ) -> int:
@@ -407,14 +566,7 @@ def run(
     marker.unlink(missing_ok=True)
     finished.unlink(missing_ok=True)
     secrets = secret_values({**os.environ, **env})
-    proc = subprocess.Popen(
-        command,
-        env={**os.environ, **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=_die_with_parent,
-    )
+    proc = start_step(command, {**os.environ, **env})
     pass_signals_on(proc)
     tail: deque[str] = deque(maxlen=TAIL_LINES)
 

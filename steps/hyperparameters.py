@@ -64,6 +64,9 @@ _SATISFIED = {
 }
 _SYMBOL = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 
+# [training] EXPORTS as a job receives it: the formats in one order, or none (a tuning trial).
+EXPORT_CHOICES = ("torchscript", "exported", "torchscript,exported", "none")
+
 # Defaults are the Hugging Face Trainer's where it has the same idea (learning rate 5e-5,
 # 3 epochs); the shipped settings.ini says where its demo differs (`# demo:`). Aligned by
 # hand: one hyperparameter, two lines.
@@ -76,6 +79,9 @@ TABLE: tuple[Hyperparameter, ...] = (
       help="every model of the run, comma separated (a comparison job has several)"),
     H("job_kind",       str,   None, section="run", choices=("training", "tuning"),
       help="what launched this job"),
+    H("exports",        str,   "torchscript", section="run", choices=EXPORT_CHOICES,
+      help="the programs written beside the weights ([training] EXPORTS); none: a tuning "
+           "trial's (the study's best model is exported after it, steps/export.py)"),
     H("epochs",         int,   3,    ge=1, le=10_000, tunable=True, per_model=True,
       help="passes over the training split"),
     H("learning_rate",  float, 5e-5, gt=0, le=10, tunable=True, per_model=True,

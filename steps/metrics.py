@@ -12,6 +12,7 @@ local trial's metrics come from the same regexes. A user's own regex in
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 # Metric name as printed (and as OBJECTIVE_METRIC names it) -> its key in the epoch's record.
 METRICS = {
@@ -57,3 +58,29 @@ def check_definition(name: str, regex: str) -> str | None:
     if name in METRICS and abs(value - SAMPLE[METRICS[name]]) > 1e-6:
         return f"{regex!r} reads {value} for {name} from {SAMPLE_LINE!r}: another metric's value"
     return None
+
+
+def plot_curves(history: list[dict], path: Path, title: str) -> None:
+    """curves.png beside a kept model: loss, and validation accuracy and F1, by epoch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    epochs = [h["epoch"] for h in history]
+    fig, (ax_loss, ax_score) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot(epochs, [h["train_loss"] for h in history], marker="o", label="train")
+    ax_loss.plot(epochs, [h["val_loss"] for h in history], marker="o", label="validation")
+    ax_loss.set(xlabel="epoch", ylabel="cross-entropy", title="loss")
+    ax_score.plot(epochs, [h["accuracy"] for h in history], marker="o", label="accuracy")
+    ax_score.plot(epochs, [h["f1"] for h in history], marker="o", label="macro F1")
+    ax_score.set(xlabel="epoch", ylim=(0, 1.02), title="validation")
+    for ax in (ax_loss, ax_score):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -2,8 +2,8 @@
 them, and `smpipe.json` records which exports passed their check against the eager model.
 
     model.safetensors (or a Hugging Face save)  the weights
-    model.torchscript.pt                        TorchScript, traced      (MODEL_FORMAT torchscript)
-    model.pt2                                   a torch.export program   (MODEL_FORMAT exported)
+    model.torchscript.pt                        TorchScript, traced      (EXPORTS torchscript)
+    model.pt2                                   a torch.export program   (EXPORTS exported)
     smpipe.json                                 keys, labels, best epoch, `max_length` (the
                                                 tokens prepare cut rows to), and `exports`
 """
@@ -30,8 +30,12 @@ def usable_export(model_dir: Path, model_format: str, name: str) -> Path:
     """The file of `model_format`'s export, when training kept it because its check against
     the eager model passed; otherwise an error naming the model and why."""
     path = model_dir / EXPORTS[model_format]
-    check = read_record(model_dir).get("exports", {}).get(model_format)
-    if check is None:  # a folder from an older training job, which kept only passing exports
+    record = read_record(model_dir)
+    check = record.get("exports", {}).get(model_format)
+    if check is None and "exports" in record:
+        written = ", ".join(record["exports"]) or "none"
+        reason = f"it was not written ([training] EXPORTS: {written})"
+    elif check is None:  # a folder from an older training job, which kept only passing exports
         if path.exists():
             return path
         reason = "no check was recorded"

@@ -17,6 +17,8 @@ history); SM_OUTPUT_DATA_DIR gets the Metadata section and the wandb run.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import json
 import math
@@ -24,7 +26,6 @@ import os
 import signal
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,16 +44,33 @@ from steps.contract import (
     training_env,
     write_step_metadata,
 )
+from steps.export import check_exports, export_programs, logits_of
 from steps.hyperparameters import parse_hyperparameters, reserved_hyperparameters
-from steps.metrics import metric_line
-from steps.model_files import EXPORTS, write_record
+from steps.metrics import metric_line, plot_curves
+from steps.model_files import write_record
 from steps.prepared_files import read_encoding
 from steps.user_code import call, load_user_functions
 
-# Rows in each of the two export check batches (the shortest rows, the longest): a width or
-# batch size the program mishandles shows in a few rows, and each row checked costs a forward
-# pass of eager and of both programs.
-EXPORT_CHECK_ROWS = 4
+# Where the job's time outside its optimizer steps goes, by phase (the report's
+# `seconds_outside_steps`): what a job's fixed cost is made of, measured by every job.
+OUTSIDE_STEPS: dict[str, float] = collections.defaultdict(float)
+
+
+@contextlib.contextmanager
+def timed(phase: str):
+    started = time.time()
+    try:
+        yield
+    finally:
+        OUTSIDE_STEPS[phase] += time.time() - started
+
+
+def seconds_before_main() -> float:
+    """This process's age when main() starts: the interpreter and the imports (about 0 in a
+    job forked from a warm server, which imported them before)."""
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
 
 
 class Diverged(RuntimeError):
@@ -67,31 +85,6 @@ class Interrupt:
     @classmethod
     def install(cls) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(cls, "requested", True))
-
-
-def logits_of(output) -> torch.Tensor:
-    """Any nn.Module works: a tensor of logits, an output with `.logits`, or a tuple."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if hasattr(output, "logits"):
-        return output.logits
-    if isinstance(output, (tuple, list)):
-        return output[0]
-    raise TypeError(
-        f"the model returned {type(output).__name__}; expected logits or an output with .logits"
-    )
-
-
-class LogitsOnly(torch.nn.Module):
-    """Positional inputs in the user's order -> logits: what the exports trace and inference
-    calls."""
-
-    def __init__(self, model: torch.nn.Module, keys: list[str]):
-        super().__init__()
-        self.model, self.keys = model, keys
-
-    def forward(self, *inputs):
-        return logits_of(self.model(**dict(zip(self.keys, inputs, strict=True))))
 
 
 def mixed_precision(setting: str, num_gpus: int) -> str:
@@ -333,14 +326,15 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
 
     # On a GPU, widths padded to a multiple of 8 keep the tensor cores' tiles full.
     multiple_of = 8 if on_gpu else 1
-    id2label, inputs, max_length, train, val = read_data(env, model_name, keys, multiple_of)
+    with timed("data"):
+        id2label, inputs, max_length, train, val = read_data(env, model_name, keys, multiple_of)
     # We build the model after seeding so that the seed also controls new weights' initialization.
-    model = user_model(functions, model_name, id2label)
+    with timed("model"):
+        model = user_model(functions, model_name, id2label)
 
     sampler, train_loader = loader_for(train, hp, per_device, accumulation, accelerator, on_gpu)
     total_steps = sampler.steps_per_epoch * hp["epochs"]
-    if hp["max_steps"]:
-        total_steps = min(total_steps, hp["max_steps"])
+    total_steps = min(total_steps, hp["max_steps"] or total_steps)
     optimizer, scheduler, optimizer_kind = optimizer_for(model, hp, total_steps)
     # The train loader is not prepared: the resumable sampler shards it itself, per rank.
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -557,7 +551,8 @@ def accuracy_and_f1(reference: np.ndarray, predicted: np.ndarray) -> dict:
 def end_epoch(job: Job) -> None:
     """Validate, log, keep the best by F1, checkpoint."""
     accelerator, state = job.accelerator, job.state
-    scores = evaluate(job.model, job.val_batches, job.keys, accelerator, job.per_device)
+    with timed("validation"):
+        scores = evaluate(job.model, job.val_batches, job.keys, accelerator, job.per_device)
     if not math.isfinite(scores["val_loss"]):  # the last step's update broke the weights
         raise Diverged(
             f"the validation loss is {scores['val_loss']} after optimizer step {state.step} "
@@ -600,31 +595,6 @@ def end_epoch(job: Job) -> None:
     checkpoint(job, new_best)
 
 
-def plot_curves(history: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    epochs = [h["epoch"] for h in history]
-    fig, (ax_loss, ax_score) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_loss.plot(epochs, [h["train_loss"] for h in history], marker="o", label="train")
-    ax_loss.plot(epochs, [h["val_loss"] for h in history], marker="o", label="validation")
-    ax_loss.set(xlabel="epoch", ylabel="cross-entropy", title="loss")
-    ax_score.plot(epochs, [h["accuracy"] for h in history], marker="o", label="accuracy")
-    ax_score.plot(epochs, [h["f1"] for h in history], marker="o", label="macro F1")
-    ax_score.set(xlabel="epoch", ylim=(0, 1.02), title="validation")
-    for ax in (ax_loss, ax_score):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.legend()
-        ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def save_final_model(model, model_dir: Path, info: dict) -> None:
     """The output is the same kind of thing as the input: loadable weights, no optimizer state."""
     from safetensors.torch import save_model
@@ -638,72 +608,8 @@ def save_final_model(model, model_dir: Path, info: dict) -> None:
     write_record(model_dir, info)
 
 
-def check_batches(batches: Batches) -> list[dict]:
-    """Two batches of different widths: the shortest validation rows and the longest."""
-    order = np.argsort(batches.lengths, kind="stable")
-    n = max(1, min(len(order) // 2, EXPORT_CHECK_ROWS))
-    return [batches(order[:n].tolist()), batches(order[-n:].tolist())]
-
-
-def compare(program, checks: list[tuple[list, torch.Tensor]]) -> dict:
-    """A program against the eager model's logits on each check batch."""
-    diffs, same, widths = [], True, []
-    with torch.no_grad():
-        for args, eager in checks:
-            got = program(*args)
-            diffs.append((eager - got).abs().max().item())
-            same &= bool((eager.argmax(-1) == got.argmax(-1)).all())
-            widths.append(int(args[0].shape[-1]) if args[0].dim() > 1 else 1)
-    return {
-        "rows_checked": sum(len(eager) for _, eager in checks),
-        "widths": widths,
-        "max_abs_diff": max(diffs),
-        "same_predictions": same,
-        "passed": bool(max(diffs) < 1e-4 and same),
-    }
-
-
-def export_programs(
-    model, keys: list[str], inputs: dict, batches: Batches, model_dir: Path
-) -> dict:
-    """TorchScript (traced on two rows of different lengths) and a torch.export program with
-    dynamic batch and sequence dimensions, each checked against eager on two batches of
-    different widths. A failed TorchScript check fails the job; torch.export, which not every
-    model supports yet, records why it failed."""
-    wrapper = LogitsOnly(model, keys).eval()
-    with torch.no_grad():  # eager's logits once, for both programs
-        arguments = [[batch[k] for k in keys] for batch in check_batches(batches)]
-        checks = [(args, wrapper(*args)) for args in arguments]
-    order = np.argsort(batches.lengths, kind="stable")
-    sample = batches([int(order[0]), int(order[-1])])
-    args = tuple(sample[k] for k in keys)
-    results = {}
-    # Tracing warns about every Python branch it freezes; the check below is what tells.
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        path = model_dir / EXPORTS["torchscript"]
-        torch.jit.trace(wrapper, args, strict=False, check_trace=False).save(str(path))
-        results["torchscript"] = {
-            "file": path.name,
-            **compare(torch.jit.load(str(path)), checks),
-        }
-        path = model_dir / EXPORTS["exported"]
-        try:
-            dim = torch.export.Dim.DYNAMIC
-            shapes = tuple({0: dim, 1: dim} if k in inputs["sequence"] else {0: dim} for k in keys)
-            program = torch.export.export(wrapper, args, dynamic_shapes=(shapes,), strict=False)
-            torch.export.save(program, str(path))
-            loaded = torch.export.load(str(path)).module()
-            results["exported"] = {"file": path.name, **compare(loaded, checks)}
-        except Exception as e:  # noqa: BLE001 - recorded; TorchScript remains
-            results["exported"] = {"passed": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
-        if not results["exported"]["passed"]:  # a program that disagrees is never kept
-            path.unlink(missing_ok=True)
-    return results
-
-
 def finish(job: Job) -> None:
-    """The best model, its exports, curves and the Metadata section (main process)."""
+    """The best model, its exports and curves, and the Metadata section (main process)."""
     accelerator, state, hp, env = job.accelerator, job.state, job.hp, job.env
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
@@ -713,21 +619,29 @@ def finish(job: Job) -> None:
     if job.best_weights is not None:
         final.load_state_dict(job.best_weights)
     final = final.float().eval().cpu()
-    exports = export_programs(final, job.keys, job.inputs, job.val_batches, env.model_dir)
-    save_model(job, final, exports)
-    accelerator.print(f"TorchScript export: {exports['torchscript']}")
-    accelerator.print(f"torch.export program: {exports['exported']}")
+    # A tuning trial exports and draws nothing (hp exports = none): most trials' models are
+    # deleted; the study's best is exported, and its curves drawn, once, after it
+    # (steps/export.py).
+    kept = hp["exports"] != "none"
+    formats = hp["exports"].split(",") if kept else []
+    with timed("exports"):
+        exports = export_programs(
+            final, job.keys, job.inputs, job.val_batches, env.model_dir, formats
+        )
+    with timed("save"):
+        save_model(job, final, exports)
+    for name, result in exports.items():
+        accelerator.print(f"{name} export: {result}")
     # The last metric line is the best epoch's: a tuner reading the final value sees the model
     # it gets.
     best = next(h for h in state.history if h["epoch"] == state.best_epoch)
     accelerator.print("best " + metric_line(best))
-    if not exports["torchscript"]["passed"]:  # a model whose export is wrong is never promoted
-        raise RuntimeError(
-            f"the TorchScript export does not match the eager model: {exports['torchscript']}"
-        )
+    check_exports(exports)
     (env.model_dir / "history.json").write_text(json.dumps(state.history, indent=2))
-    title = f"{hp['model_name']} ({env.job_name})"
-    plot_curves(state.history, env.model_dir / "curves.png", title)
+    if kept:
+        with timed("plots"):
+            title = f"{hp['model_name']} ({env.job_name})"
+            plot_curves(state.history, env.model_dir / "curves.png", title)
     write_report(job, exports)
     accelerator.end_training()
 
@@ -765,11 +679,11 @@ def write_report(job: Job, exports: dict) -> None:
             "best_epoch": state.best_epoch,
             "best_validation_f1": state.best_metric,
             "history": state.history,
-            "trace_check": exports["torchscript"],
             "exports": exports,
             "resumed_from": job.resumed_from,
             "steps": state.step,
             "processes": accelerator.num_processes,
+            "cpu_threads": torch.get_num_threads(),  # OMP_NUM_THREADS: a local trial's share
             "per_device_batch": job.per_device,
             "accumulation": job.accumulation,
             **job.settings,
@@ -777,6 +691,10 @@ def write_report(job: Job, exports: dict) -> None:
             "checkpoint_seconds_total": round(sum(job.checkpoint_seconds), 3),
             "seconds": round(time.time() - job.started, 3),
             "train_loop_seconds": round(job.loop_seconds, 3),
+            "seconds_outside_steps": {
+                **{phase: round(t, 3) for phase, t in OUTSIDE_STEPS.items()},
+                "checkpoints": round(sum(job.checkpoint_seconds), 3),
+            },
             "gpu_usage": gpu,
             "sagemaker_hyperparameters": reserved_hyperparameters(env.hyperparameters),
         },
@@ -787,11 +705,12 @@ def training_function(hp: dict, env: TrainingEnv) -> None:
     job = set_up(hp, env)
     resume(job)
     if job.wandb_on:
-        job.accelerator.init_trackers(
-            hp["wandb_project"],
-            config=hp,
-            init_kwargs={"wandb": {"name": env.job_name, "dir": str(env.output_data_dir)}},
-        )
+        with timed("tracking"):
+            job.accelerator.init_trackers(
+                hp["wandb_project"],
+                config=hp,
+                init_kwargs={"wandb": {"name": env.job_name, "dir": str(env.output_data_dir)}},
+            )
     Interrupt.install()
     state = job.state
     while state.epoch < hp["epochs"]:
@@ -804,6 +723,7 @@ def training_function(hp: dict, env: TrainingEnv) -> None:
 
 
 def main() -> None:
+    OUTSIDE_STEPS["start"] = seconds_before_main()
     env = training_env()
     hp = parse_hyperparameters(env.hyperparameters)
     training_function(hp, env)

@@ -80,6 +80,17 @@ BROKEN = {
         ["[tuning.hyperparameters.bow] WEIGHT_DECAY: 50.0"],
     ),
     "fractions": ({"data": {"TEST_FRACTION": "0.3"}}, ["must sum to 1"]),
+    "an export format that does not exist": (
+        {"training": {"EXPORTS": "torchscript, onnx"}},
+        ["[training] EXPORTS: must be 'torchscript' or 'exported' (got 'onnx')"],
+    ),
+    "exports without the program inference runs": (
+        {"training": {"EXPORTS": "exported"}, "inference": {"MODEL_FORMAT": "torchscript"}},
+        [
+            "[training] EXPORTS (exported) leaves out torchscript, the program [inference] "
+            "MODEL_FORMAT runs"
+        ],
+    ),
 }
 
 

@@ -76,7 +76,8 @@ def test_hugging_face_encode_end_to_end_with_dynamic_padding_and_exports(tmp_pat
         experiment={"USER_FUNCTIONS": "hf_functions", "NAME": "short"},
         data={"RAW_DATA": str(tmp_path / "raw"), "MAX_SEQUENCE_LENGTH": "128"},
         models={"MODEL_NAMES": "minilm"},
-        training={"EPOCHS": "1", "LEARNING_RATE": "1e-4", "BATCH_SIZE": "8", "MAX_PER_DEVICE_BATCH_SIZE": "8"},
+        training={"EPOCHS": "1", "LEARNING_RATE": "1e-4", "BATCH_SIZE": "8", "MAX_PER_DEVICE_BATCH_SIZE": "8",
+                  "EXPORTS": "torchscript, exported"},
     )  # fmt: skip
     settings = load_settings(path, env={})
     store = LocalStore(settings.store_uri())

@@ -112,7 +112,9 @@ def test_tune_emulated(staged, bucket, tmp_path):
     assert {m["Name"] for m in request["TrainingJobDefinition"]["AlgorithmSpecification"]["MetricDefinitions"]} == {
         "train:loss", "validation:loss", "validation:accuracy", "validation:f1"}  # fmt: skip
     tune = record["steps"]["tune"]
-    assert len(tune["job_names"]) == 1 and all(len(n) <= 32 for n in tune["job_names"])
+    # The tuning job (a name of at most 32 characters), then the export of its best model.
+    tuning_name, export_name = tune["job_names"]
+    assert len(tuning_name) <= 32 and "-export-bow-" in export_name
     for model in ("bow",):
         details = tune["details"]["models"][model]
         best = details["best"]
@@ -135,11 +137,14 @@ def test_tune_emulated(staged, bucket, tmp_path):
     assert best["sagemaker_hyperparameters"] == {"_tuning_objective_metric": "validation:f1"}
     assert {t["status"] for t in best["trials"]} == {"Completed"} and len(best["trials"]) == 2
     # Each trial checkpointed in a folder of its own under the tuning job's one S3Uri, and the
-    # folder went once the trial ended; only the best trial's archives stay.
+    # folder went once the trial ended; no archive stays: the best trial's model is kept
+    # once, exported, in the run tree.
     run1 = ExperimentTree("test-exp").run(1)
     assert staged.list_keys(run1.checkpoints("bow")) == []
-    archives = {k.split("/")[5] for k in staged.list_keys(run1.training_output)}
-    assert archives == {best["best"]["TrainingJobName"]}
+    assert staged.list_keys(run1.training_output) == []
+    assert staged.list_keys(run1.best_trial_model("bow")) == []
+    kept = json.loads(staged.get_bytes(run1.final_model("bow") + "smpipe.json"))
+    assert kept["exports"]["torchscript"]["passed"] and best["exports"] == kept["exports"]
     assert "could not" not in echo.getvalue()  # no error said while following the job
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from steps.batching import Batches
+from steps.export import check_exports, export_programs
 from steps.model_files import EXPORTS, RECORD, usable_export, write_record
-from steps.train import export_programs
 
 INPUTS = {"keys": ["input_ids"], "pad": {"input_ids": 0}, "sequence": ["input_ids"]}
 
@@ -40,10 +40,14 @@ class Drifting(torch.nn.Module):
 
 
 def test_an_export_that_disagrees_with_the_model_is_not_kept(tmp_path):
-    results = export_programs(Drifting().eval(), ["input_ids"], INPUTS, batches(), tmp_path)
+    results = export_programs(
+        Drifting().eval(), ["input_ids"], INPUTS, batches(), tmp_path, list(EXPORTS)
+    )
     assert results["exported"]["passed"] is False and results["exported"]["max_abs_diff"] >= 1
     assert not (tmp_path / EXPORTS["exported"]).exists()
-    assert results["torchscript"]["passed"] is False  # and train.py fails the job on this one
+    assert results["torchscript"]["passed"] is False
+    with pytest.raises(RuntimeError, match=r"torchscript and exported export does not match"):
+        check_exports(results)  # the job fails: nothing wrong is promoted
 
 
 class Plain(torch.nn.Module):
@@ -56,7 +60,9 @@ class Plain(torch.nn.Module):
 
 
 def test_exports_that_agree_are_kept_and_recorded(tmp_path):
-    results = export_programs(Plain().eval(), ["input_ids"], INPUTS, batches(), tmp_path)
+    results = export_programs(
+        Plain().eval(), ["input_ids"], INPUTS, batches(), tmp_path, list(EXPORTS)
+    )
     write_record(tmp_path, {"ordered_input_keys": ["input_ids"], "exports": results})
     for model_format in EXPORTS:
         assert usable_export(tmp_path, model_format, "m") == tmp_path / EXPORTS[model_format]

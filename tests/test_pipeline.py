@@ -88,7 +88,7 @@ def test_two_models_end_to_end(staged, bucket, tmp_path, monkeypatch):
         history = json.loads(store.get_bytes(run1.model(model) + "model/history.json"))
         assert [h["epoch"] for h in history] == [1, 2]
         train = record["steps"]["train"]["details"]["models"][model]
-        assert train["trace_check"]["passed"] and train["best_epoch"] in (1, 2)
+        assert train["exports"]["torchscript"]["passed"] and train["best_epoch"] in (1, 2)
         overall = json.loads(store.get_bytes(run1.inference + f"{model}/overall.json"))
         assert overall["rows"] == len(test) and record["holdout_performance"][model] == overall
         per_label = store.get_bytes(run1.inference + f"{model}/per_label.csv").decode().splitlines()

@@ -400,7 +400,9 @@ def test_every_tunable_hyperparameter_changes_what_training_does(tmp_path, chann
 
 
 def test_compile_trains_the_same_model_and_exports_it(tmp_path, channels, baseline):
-    root, env = job_root(tmp_path, channels, {**HPS, "compile": "true"})
+    root, env = job_root(
+        tmp_path, channels, {**HPS, "compile": "true", "exports": "torchscript,exported"}
+    )
     run_to_end(env)
     report = json.loads((root / "output/data/step_metadata.json").read_text())
     assert report["compile"] is True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import signal
 import sys
 import time
@@ -19,12 +20,12 @@ from tests.conftest import write_settings
 from tests.test_user_functions import REVIEWS, write_module, write_reviews
 
 
-def tuning_settings(tmp_path, **tuning):
+def tuning_settings(tmp_path, training=None, **tuning):
     write_module(tmp_path, "reviews_tuning", REVIEWS)
     if not (tmp_path / "raw").exists():
         write_reviews(tmp_path / "raw")
     return write_settings(
-        tmp_path / "settings.ini", str(tmp_path / "store"),
+        tmp_path / "settings.ini", str(tmp_path / "store"), training=training or {},
         experiment={"USER_FUNCTIONS": "reviews_tuning", "NAME": "reviews", "JOB": "tune"},
         data={"RAW_DATA": str(tmp_path / "raw"), "MAX_SEQUENCE_LENGTH": "12"}, models={"MODEL_NAMES": "tiny"},
         tuning={"STRATEGY": "Random", "MAX_JOBS": "3", "MAX_PARALLEL_JOBS": "2", "EARLY_STOPPING": "Off", **tuning},
@@ -50,8 +51,15 @@ def load_model(model_name, id2label, label2id):
 )
 
 
-def tune(tmp_path, steps="reconcile,prepare,train", hyperparameters=None, flaky=False, **tuning):
-    path = tuning_settings(tmp_path, **tuning)
+def tune(
+    tmp_path,
+    steps="reconcile,prepare,train",
+    hyperparameters=None,
+    flaky=False,
+    training=None,
+    **tuning,
+):
+    path = tuning_settings(tmp_path, training, **tuning)
     if hyperparameters or flaky:
         import configparser
 
@@ -86,8 +94,8 @@ def test_bayesian_search_of_six_trials_two_at_once_promotes_the_best(tmp_path):
     )
     assert record["status"] == "completed"
     tune_section = record["steps"]["tune"]
-    # One tuning job per model, as on SageMaker; its trials are in its details.
-    assert "train" not in record["steps"] and len(tune_section["job_names"]) == 1
+    # One tuning job per model, as on SageMaker, its trials in its details; then the export.
+    assert "train" not in record["steps"] and len(tune_section["job_names"]) == 2
     details = tune_section["details"]["models"]["tiny"]
     assert (details["ran_as"], details["sampler"]) == ("Bayesian", "TPESampler")
     trials = details["trials"]
@@ -99,18 +107,30 @@ def test_bayesian_search_of_six_trials_two_at_once_promotes_the_best(tmp_path):
         assert 0.001 <= float(row["learning_rate"]) <= 0.1 and row["epochs"] in ("1", "2")
     best = max(trials, key=lambda t: t["objective"])
     assert details["best"] == best
-    # The best trial's model is promoted to where a training job leaves a model; the other
-    # trials' model files are gone, their records stay.
+    # The best trial's model is exported once, after the study, and kept once: where a
+    # training job leaves a model. No trial's model or checkpoints are left; their records
+    # stay. Trials wrote no programs and drew no curves; the kept model has both.
     promoted = record["model_artifacts"]["tiny"]
     assert promoted == "reviews/runs/0001/models/tiny/model/"  # a key: the store may move
-    best_files = store.root / best["model"]
-    for name in ("model.safetensors", "model.torchscript.pt"):
-        assert (best_files / name).read_bytes() == (store.root / promoted / name).read_bytes()
-    assert trial_models(store) == {best["model"].split("/")[5]}
+    kept = json.loads((store.root / promoted / "smpipe.json").read_text())
+    assert abs(kept["best_validation_f1"] - best["objective"]) < 1e-6
+    assert kept["exports"]["torchscript"]["passed"] and list(kept["exports"]) == ["torchscript"]
+    assert details["exports"] == kept["exports"] and details["export_job_seconds"] > 0
+    files = {p.name for p in (store.root / promoted).iterdir()}
+    assert {"model.safetensors", "model.torchscript.pt", "curves.png"} <= files
+    assert "model.pt2" not in files  # [inference] MODEL_FORMAT needs TorchScript only
+    assert trial_models(store) == set() and best["model"].endswith("/models/tiny/best-trial/")
+    assert not store.list_keys(best["model"])  # exported into model/: no second copy
+    assert not store.list_keys("reviews/runs/0001/checkpoints/")
+    assert [j.split("-")[2] for j in tune_section["job_names"]] == ["tune", "export"]
     assert (store.root / "reviews/runs/0001/tuning/tiny/trials.png").stat().st_size > 10_000
     # The objective read off the log is the best epoch's F1 the trial itself recorded.
     report = json.loads((store.root / best["output"] / "step_metadata.json").read_text())
     assert abs(report["best_validation_f1"] - best["objective"]) < 1e-6
+    # Two trials at once share this machine's cores, a thread pool each of half of them
+    # (unless this machine's environment sizes the pools itself).
+    share = os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // 2)
+    assert report["cpu_threads"] == int(share)
     # The run's report shows the search: strategy, each trial, the chart.
     page = (store.root / "reviews/runs/0001/report.html").read_text()
     assert "Bayesian (TPESampler, NopPruner)" in page
@@ -124,8 +144,11 @@ def test_early_stopping_stops_a_trial_that_falls_behind(tmp_path):
     # One good learning rate and two that learn nothing in three epochs, one trial at a time.
     # The seeded sampler (SEED = 42) visits the good one first, so the others have a median
     # to fall behind.
+    # The run's own checkpoints are kept (KEEP_CHECKPOINTS_AFTER_RUN): what is gone, every
+    # trial removed when it ended.
     record, store = tune(tmp_path, STRATEGY="Grid", MAX_JOBS="3", MAX_PARALLEL_JOBS="1", EARLY_STOPPING="Auto",
-                         hyperparameters={"LEARNING_RATE": "0.000001,0.05,0.0000001", "EPOCHS": "3"})  # fmt: skip
+                         hyperparameters={"LEARNING_RATE": "0.000001,0.05,0.0000001", "EPOCHS": "3"},
+                         training={"KEEP_CHECKPOINTS_AFTER_RUN": "true"})  # fmt: skip
     details = record["steps"]["tune"]["details"]["models"]["tiny"]
     assert details["pruner"] == "MedianPruner"
     assert details["trials"][0]["hyperparameters"]["learning_rate"] == "0.05", "seeded order"
@@ -135,8 +158,8 @@ def test_early_stopping_stops_a_trial_that_falls_behind(tmp_path):
         assert len(t["epochs"]) < 3 and t["stop_reason"].startswith(
             "early stopping: validation:f1="
         )
-        assert not store.list_keys(f"reviews/runs/0001/checkpoints/tiny-trial-{t['number']:03d}/")
     assert details["best"]["status"] == "Completed" and record["status"] == "completed"
+    assert not store.list_keys("reviews/runs/0001/checkpoints/"), "stopped or completed"
     # Grid: each option exactly once (a stopped trial counts as visited).
     rates = sorted(t["hyperparameters"]["learning_rate"] for t in details["trials"])
     assert rates == sorted(["0.05", "0.000001", "0.0000001"])
@@ -161,6 +184,58 @@ def test_a_failing_trial_is_recorded_and_only_all_failing_fails_the_step(tmp_pat
     )
     assert message.count("runs out of memory, on purpose") == 2 and "\n" not in message
     assert not store.list_keys("reviews/runs/0002/models/")
+
+
+# The reviews model, except that its export job fails while a marker file exists: a study
+# that completed, then failed exporting its best model (a full disk, say). Training jobs see
+# their hyperparameters as SM_HP_* variables; the export, a processing job, does not.
+EXPORT_FAILS = (
+    REVIEWS
+    + """
+import os as _os
+
+_load_model = load_model
+
+
+def load_model(model_name, id2label, label2id):
+    marker = _os.environ.get("REVIEWS_EXPORT_FAILS", "")
+    if "SM_HP_MODEL_NAME" not in _os.environ and marker and _os.path.exists(marker):
+        raise OSError("no space left on the export's disk, on purpose")
+    return _load_model(model_name, id2label, label2id)
+"""
+)
+
+
+def test_a_study_whose_export_failed_resumes_with_the_export_alone(tmp_path, monkeypatch):
+    marker = tmp_path / "export-fails"
+    marker.touch()
+    monkeypatch.setenv("REVIEWS_EXPORT_FAILS", str(marker))
+    path = tuning_settings(tmp_path, STRATEGY="Grid", MAX_JOBS="2", MAX_PARALLEL_JOBS="2")
+    write_module(tmp_path, "reviews_export_fails", EXPORT_FAILS)
+    text = path.read_text().replace(
+        "USER_FUNCTIONS = reviews_tuning", "USER_FUNCTIONS = reviews_export_fails"
+    )
+    path.write_text(text)
+    settings = load_settings(
+        path, env={"SMPIPE__TUNING_HYPERPARAMETERS__LEARNING_RATE": "0.02,0.05"}
+    )
+    store = LocalStore(settings.store_uri())
+    with pytest.raises(PipelineError, match="no space left on the export's disk, on purpose"):
+        run_pipeline(settings, store, parse_steps(None), echo=sys.stdout)
+    run = "reviews/runs/0001/"
+    trials = store.get_bytes(run + "tuning/tiny/trials.json")
+    assert store.list_keys(run + "models/tiny/best-trial/")  # the study's result, kept
+    assert not store.list_keys(run + "models/tiny/model/")
+
+    marker.unlink()
+    record = run_pipeline(settings, store, parse_steps(None), echo=sys.stdout, resume=1)
+    assert record["status"] == "completed" and "tiny" in record["holdout_performance"]
+    assert store.get_bytes(run + "tuning/tiny/trials.json") == trials  # not tuned again
+    tune_section = record["steps"]["tune"]
+    assert [n.split("-")[2] for n in tune_section["job_names"]] == ["export"]
+    details = tune_section["details"]["models"]["tiny"]
+    assert details["exports"]["torchscript"]["passed"] and details["best"]["status"] == "Completed"
+    assert not store.list_keys(run + "models/tiny/best-trial/")  # kept once, exported
 
 
 def test_hyperband_stops_trials_that_fall_behind_at_a_rung():
@@ -227,7 +302,9 @@ def test_an_interrupted_study_resumes_with_its_finished_trials(tmp_path):
     assert again.finish() == 0, again.output
     after = {t["number"]: t for t in json.loads(trials_json.read_text())["trials"]}
     assert [after[n]["status"] for n in sorted(after)] == ["Completed"] * 2
-    assert after[1] == before[1]  # told to the sampler again, not run again
+    # Told to the sampler again, not run again; where its model is changed when the study
+    # ended (the best's moved to best-trial/, the others' deleted).
+    assert {**after[1], "model": None} == {**before[1], "model": None}
     # The interrupted trial went on from its checkpoint with its own values; Grid still
     # visited each option exactly once.
     assert after[2]["hyperparameters"] == before[2]["hyperparameters"]

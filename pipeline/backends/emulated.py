@@ -17,6 +17,9 @@ lists them, and what is not played):
   Failed (with FailureReason and, for processing, ExitMessage) or Stopped;
 - refuses a name used before (ResourceInUse), stops a job as the Stop* calls do, restarts a
   spot job only when its instance is taken back (`Emulator.reclaim`);
+- keeps a training job's instances as a managed warm pool for the next matching training job
+  when its request asks (KeepAlivePeriodInSeconds), with each job's WarmPoolStatus
+  (backends/warm_pools.py);
 - runs a tuning job's trials as training jobs created in moto (sampled from the request's
   ParameterRanges: every combination for Grid, at random otherwise), each with SageMaker's
   `_tuning_objective_metric`, reads their objective with the request's metric regexes,
@@ -53,6 +56,7 @@ from pipeline.backends.container import (
     status_after,
 )
 from pipeline.backends.sagemaker import LOG_GROUPS, SageMakerBackend
+from pipeline.backends.warm_pools import WarmPools
 from pipeline.jobs import KINDS
 from pipeline.paths import RunTree
 from pipeline.service_model import TUNING_OBJECTIVE
@@ -199,6 +203,8 @@ class Emulator:
         self._pending = threading.local()  # the Create* request being sent from this thread
         self._stopping: set[str] = set()
         self._reclaimed: set[str] = set()  # spot jobs whose instance AWS took back
+        self.pools = WarmPools(self._moto.training_jobs)
+        self._trial_names: set[str] = set()  # a tuning job's trials keep no pools of theirs
         events = self.client.meta.events
         events.register("provide-client-params.sagemaker", self._capture)
         for api in KINDS.values():
@@ -207,6 +213,9 @@ class Emulator:
             events.register(f"after-call.sagemaker.{api.create}", self._created)
             # moto has no Stop* calls: SageMaker's part, played here.
             events.register(f"before-call.sagemaker.{api.stop}", self._stop)
+        # A warm pool's time runs out between calls: it is Terminated before anyone looks.
+        for operation in ("DescribeTrainingJob", "ListTrainingJobs"):
+            events.register(f"before-call.sagemaker.{operation}", lambda **_: self.pools.expire())
         # Nor ListTrainingJobsForHyperParameterTuningJob.
         events.register(
             "before-call.sagemaker.ListTrainingJobsForHyperParameterTuningJob", self._list_trials
@@ -369,6 +378,8 @@ class Emulator:
             job.algorithm_specification = request["AlgorithmSpecification"]
             job.environment = request.get("Environment", {})
             job.final_metric_data_list = []
+            if name not in self._trial_names:
+                self.pools.start(name, request)
         else:
             job = self._moto.hyper_parameter_tuning_jobs[name]
             job.hyper_parameter_tuning_job_status = "InProgress"
@@ -395,6 +406,8 @@ class Emulator:
                 job.exit_message = exit_message
         elif name in self._moto.training_jobs:
             job = self._moto.training_jobs[name]
+            if name not in self._trial_names:  # its pool is there when its end is seen
+                self.pools.end(name, self.requests[name])
             job.training_job_status, job.secondary_status = status, status
             job.training_end_time = _now()
             if reason:
@@ -537,6 +550,7 @@ class Emulator:
             hyperparameters = {**static, **values, TUNING_OBJECTIVE: objective["MetricName"]}
             with lock:
                 counters["InProgress"] += 1
+                self._trial_names.add(trial_name)
             self.client.create_training_job(
                 TrainingJobName=trial_name, HyperParameters=hyperparameters, **fields
             )

@@ -33,6 +33,7 @@ from pipeline.jobs import (
     ProcessingJob,
     TrainingJob,
     TuningJob,
+    keep_alive_refused,
     request_for,
 )
 from pipeline.paths import RunTree
@@ -96,7 +97,7 @@ class Trials:
                 self.tidied.add(name)
         return summaries
 
-    def remove_archives(self, keep: str) -> None:
+    def remove_archives(self, keep: str | None) -> None:
         """The model and output archives SageMaker left for every trial but `keep`."""
         store, output = self.backend.store, self.job.trial.sagemaker_output
         for name in self.tidied - {keep}:
@@ -147,6 +148,7 @@ class SageMakerBackend:
         self.poll_seconds = poll_seconds
         self.patience_seconds = patience_seconds
         self._active: dict[str, str] = {}  # job name -> kind, for stop()
+        self._last_training: str | None = None  # whose warm pool the next one may start on
         self.on_close = None  # what else ends with the run (the emulator's players)
         self._lock = threading.Lock()
 
@@ -186,17 +188,25 @@ class SageMakerBackend:
 
     def run_training(self, job: TrainingJob) -> JobResult:
         request = self.request(job)
+        if keep_alive_refused(job):
+            self.say(job.name, keep_alive_refused(job))
         described, log = self._submit_and_wait("training", job.name, request)
         result = self._result("training", job.name, described, log)
+        pool = self._warm_pool(job.name, request, described)
+        if pool:
+            result.details["warm_pool"] = pool
         if result.status == "Completed":
             self._adopt_training_output(described, job, result)
         return result
 
     def run_tuning(self, job: TuningJob) -> JobResult:
         """SageMaker runs the trials and picks the best; the best training job's model lands
-        where a training job's would (job.trial.model_prefix). While it runs, each ended
-        trial's checkpoints are removed; when it ends, the other trials' model archives too."""
+        at job.trial.model_prefix (where the export job reads it). While it runs, each ended
+        trial's checkpoints are removed; when it ends, every trial's model archive too (the
+        best one's once it is unpacked)."""
         request = self.request(job)
+        if keep_alive_refused(job):
+            self.say(job.name, keep_alive_refused(job))
         trials = Trials(self, job)
         described, _ = self._submit_and_wait("tuning", job.name, request, on_poll=trials.tidy)
         summaries = trials.tidy(described) if described.get("Status") in TERMINAL else []
@@ -238,7 +248,39 @@ class SageMakerBackend:
             )
             return result
         self._adopt_training_output(trained, job.trial, result)
+        if result.status == "Completed":  # unpacked into the run tree: kept once, there
+            trials.remove_archives(keep=None)
         return result
+
+    def _warm_pool(self, name: str, request: dict, described: dict) -> dict:
+        """What SageMaker's managed warm pools did for a training job, said and recorded:
+        whether it started on the pool the run's previous training job left (that job's
+        WarmPoolStatus is then Reused, ReusedByJob this one, with the seconds it was kept:
+        API_WarmPoolStatus.html), and whether it left one itself."""
+        if "TrainingJobName" not in described:  # refused: no job was created
+            return {}
+        previous, self._last_training = self._last_training, name
+        record: dict = {}
+        before = self._pool_status(previous) if previous else {}
+        if before.get("ReusedByJob") == name:
+            kept = before.get("ResourceRetainedBillableTimeInSeconds")
+            record |= {"started_on_pool_of": previous, "pool_kept_seconds": kept}
+            self.say(name, f"started on the warm pool {previous} left (kept {kept} s, billed)")
+        asked = request["ResourceConfig"].get("KeepAlivePeriodInSeconds")
+        if asked:
+            status = (described.get("WarmPoolStatus") or {}).get("Status")
+            record |= {"keep_alive_seconds": asked, "pool_status_at_end": status}
+            self.say(name, _pool_said(status, asked))
+        return record
+
+    def _pool_status(self, name: str) -> dict:
+        """A training job's WarmPoolStatus now, or {} (absent, or unreadable: it only informs)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return self.client.describe_training_job(TrainingJobName=name).get("WarmPoolStatus", {})
+        except (ClientError, BotoCoreError):
+            return {}
 
     def stop(self) -> None:
         """Stop every job this backend started that has not ended (Ctrl-C, SIGTERM)."""
@@ -409,6 +451,23 @@ class SageMakerBackend:
         except (tarfile.TarError, OSError, ClientError, BotoCoreError) as e:
             result.status = "Failed"
             result.failure_reason = f"the job completed but its output could not be adopted: {e}"
+
+
+def _pool_said(status: str | None, asked: int) -> str:
+    """A training job's warm pool as it ended (train-warm-pools.html: Available while kept;
+    Terminated when none could be kept: "The default resource limit for warm pools is 0")."""
+    if status == "Available":
+        return (
+            f"warm pool Available: its instances wait up to {asked} s, billed, for the next "
+            "matching training job ([training] KEEP_ALIVE_SECONDS)"
+        )
+    if status == "Terminated":
+        return (
+            "no warm pool kept (WarmPoolStatus Terminated): SageMaker keeps one only within the "
+            "account's warm pool quota, 0 until an increase is requested (Service Quotas); "
+            "[training] KEEP_ALIVE_SECONDS = 0 stops asking"
+        )
+    return f"warm pool {status or 'not reported'} ([training] KEEP_ALIVE_SECONDS = {asked})"
 
 
 class Following:

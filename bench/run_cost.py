@@ -1,0 +1,157 @@
+"""What a run costs beside its optimizer steps, and what it leaves behind (issue 20).
+
+    python bench/run_cost.py [--trials 8] [--steps 10] [--skip-demo]
+
+1. Tuning overhead: a study of `--trials` MiniLM trials of `--steps` optimizer steps each, one
+   trial at a time, on the local backend with the demo's data (BBC News): each trial's wall
+   time (its job, start to end) against its optimizer steps' time (`train_loop_seconds`, the
+   same clock the training bench uses). The overhead share is what a trial spends outside its
+   steps. Measured twice in this run, warm start on and off (SMPIPE_WARM_START=0: every job a
+   fresh interpreter), so the baseline is taken on the same machine minutes apart.
+2. What a completed run keeps: the demo's training run (`make run`'s settings) in a fresh
+   store, its tree's bytes against the bytes it keeps for use: each model's model/ folder (the
+   weights and the programs [training] EXPORTS names), inference's results, Metadata and the
+   report.
+
+Prints a table and writes bench/run_cost.json. Asserts nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_demo(store: Path, raw: Path, env: dict[str, str]) -> float:
+    """`python run_pipeline.py settings.ini` with the demo's settings and `env` over them."""
+    overrides = {
+        "SMPIPE__EXPERIMENT__STORE": str(store),
+        "SMPIPE__DATA__RAW_DATA": str(raw),
+        "SMPIPE__TRACKING__WANDB_MODE": "disabled",
+        **env,
+    }
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "run_pipeline.py", "settings.ini"],
+        cwd=ROOT,
+        env={**os.environ, **overrides},
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        sys.exit(f"the demo run failed ({overrides}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return time.perf_counter() - started
+
+
+def newest_run(store: Path) -> Path:
+    return max((store / "bbc-news/runs").iterdir(), key=lambda p: p.name)
+
+
+def tuning_overhead(store: Path, raw: Path, trials: int, steps: int, warm: bool) -> dict:
+    """One study of `trials` trials of `steps` steps; each trial's wall and loop seconds."""
+    wall = run_demo(
+        store,
+        raw,
+        {
+            "SMPIPE__EXPERIMENT__JOB": "tune",
+            "SMPIPE__MODELS__MODEL_NAMES": "minilm",
+            "SMPIPE__TUNING__MAX_JOBS": str(trials),
+            "SMPIPE__TUNING__MAX_PARALLEL_JOBS": "1",
+            "SMPIPE__TUNING__EARLY_STOPPING": "Off",
+            "SMPIPE__TUNING_HYPERPARAMETERS_MINILM__MAX_STEPS": str(steps),
+            "SMPIPE_WARM_START": "1" if warm else "0",
+        },
+    )
+    run = newest_run(store)
+    record = json.loads((run / "tuning/minilm/trials.json").read_text())["trials"]
+    seconds, loops = [], []
+    for trial in record:
+        report = run / f"tuning/minilm/trial-{trial['number']:03d}/output/step_metadata.json"
+        seconds.append(trial["seconds"])
+        loops.append(json.loads(report.read_text())["train_loop_seconds"])
+    metadata = json.loads((run / "metadata.json").read_text())
+    tune = metadata["steps"]["tune"]["details"]["models"]["minilm"]
+    return {
+        "trials": len(record),
+        "run_seconds": round(wall, 1),
+        "study_seconds": tune.get("job_seconds"),
+        "export_job_seconds": tune.get("export_job_seconds"),
+        "trial_seconds": round(sum(seconds), 1),
+        "trial_loop_seconds": round(sum(loops), 1),
+        "overhead_share": round(1 - sum(loops) / sum(seconds), 3),
+        "overhead_per_trial_s": round((sum(seconds) - sum(loops)) / len(record), 2),
+    }
+
+
+def tree_size(store: Path, raw: Path) -> dict:
+    """The demo's training run: its tree against the files it keeps for use."""
+    wall = run_demo(store, raw, {})
+    run = newest_run(store)
+    files = [p for p in run.rglob("*") if p.is_file()]
+    # Kept for use: the models as inference runs them, every metric and report. The rest is
+    # resume state (checkpoints/), trials' leftovers, the run's code and logs.
+    not_for_use = ("checkpoints/", "tuning/", "code/", "logs/", "models/minilm/best-trial/")
+    kept = [p for p in files if not str(p.relative_to(run)).startswith(not_for_use)]
+    models = [p for p in files if "/model/" in str(p.relative_to(run))]
+    total = sum(p.stat().st_size for p in files)
+    for_use = sum(p.stat().st_size for p in kept)
+    return {
+        "run_seconds": round(wall, 1),
+        "tree_bytes": total,
+        "kept_for_use_bytes": for_use,
+        "final_model_bytes": sum(p.stat().st_size for p in models),
+        "ratio": round(total / for_use, 3),
+        "largest": sorted(
+            ((str(p.relative_to(run)), p.stat().st_size) for p in files), key=lambda x: -x[1]
+        )[:6],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--skip-demo", action="store_true", help="only the tuning overhead")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="smpipe-run-cost-"))
+    raw = ROOT / "build/demo_raw"
+    if not raw.exists():
+        subprocess.run([sys.executable, "-m", "user_functions.demo_data", str(raw)], check=True)
+    store = work / "store"
+    # The data steps run once, in the first study; the others reuse them (cache/).
+    results = {
+        "settings": vars(args),
+        "tuning_cold": tuning_overhead(store, raw, args.trials, args.steps, warm=False),
+        "tuning_warm": tuning_overhead(store, raw, args.trials, args.steps, warm=True),
+    }
+    if not args.skip_demo:
+        results["demo_tree"] = tree_size(store, raw)
+    (ROOT / "bench/run_cost.json").write_text(json.dumps(results, indent=2))
+    print(f"\nrun cost ({args.trials} MiniLM trials of {args.steps} steps, one at a time; {store})")
+    for name in ("tuning_cold", "tuning_warm"):
+        r = results[name]
+        print(
+            f"  {name:<12} study {r['study_seconds']}s, trials {r['trial_seconds']}s of which "
+            f"optimizer steps {r['trial_loop_seconds']}s: overhead {r['overhead_share']:.0%} "
+            f"({r['overhead_per_trial_s']}s a trial), export after the study "
+            f"{r['export_job_seconds']}s"
+        )
+    if "demo_tree" in results:
+        t = results["demo_tree"]
+        print(
+            f"  demo run tree {t['tree_bytes'] / 2**20:.1f} MiB, kept for use "
+            f"{t['kept_for_use_bytes'] / 2**20:.1f} MiB (final models "
+            f"{t['final_model_bytes'] / 2**20:.1f} MiB): {t['ratio']:.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()

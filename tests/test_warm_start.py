@@ -1,0 +1,352 @@
+"""Warm start (pipeline/backends/warm_start.py): local jobs forked from a server that has
+already imported torch and the rest keep the container contract. Each job sees exactly its own
+environment, job root and shipped code; a crash of one ends only that job; a server that
+cannot fork safely answers cold and the job still runs; the server ends with the driver."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pipeline.backends.local import LocalBackend
+from pipeline.backends.warm_start import WARM_START_VARIABLE
+from pipeline.jobs import ProcessingJob, TrainingJob
+from pipeline.paths import ExperimentTree
+from pipeline.store import LocalStore, upload_dir
+from tests import test_resume
+from tests.conftest import ROOT, ship_code
+
+RUN = ExperimentTree("warm").run(1)
+# A step shipped with the job's code only (the project has no such module): what its process
+# saw, and a crash or a wait on request.
+PROBE = textwrap.dedent("""
+    import os, sys
+    PRELOADED = "torch" in sys.modules  # before this module imports anything: forked warm
+    import json, signal, time
+    import psutil
+    import steps
+    from steps.contract import processing_output, run_step
+
+    def main():
+        args = sys.argv[1:]
+        me = psutil.Process()
+        seen = {"preloaded": PRELOADED, "env": dict(os.environ), "cwd": os.getcwd(),
+                "file": __file__, "steps_file": steps.__file__,
+                "marker": getattr(steps, "SHIPPED_MARKER", None),
+                "leak_seen": "LEAKED_BY_A_JOB" in os.environ or hasattr(json, "LEAKED_BY_A_JOB"),
+                "pid": me.pid, "entrypoint": me.ppid(), "server": me.parent().ppid(),
+                "cmdline": me.cmdline(), "sid": os.getsid(0)}
+        (processing_output("seen") / "seen.json").write_text(json.dumps(seen))
+        if "--leak" in args:  # what one job does to its process must not reach the next
+            os.environ["LEAKED_BY_A_JOB"] = "1"
+            json.LEAKED_BY_A_JOB = True
+        if "--trap" in args:
+            def stop(signum, frame):
+                print("probe got SIGTERM", flush=True)
+                sys.exit(0)
+            signal.signal(signal.SIGTERM, stop)
+        print(f"probe waiting pid={me.pid} entrypoint={me.ppid()} server={seen['server']}",
+              flush=True)
+        if "--segv" in args:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if "--exit3" in args:
+            os._exit(3)
+        if "--kill-entrypoint" in args:  # the server's own child dies by SIGKILL
+            os.kill(me.ppid(), signal.SIGKILL)
+            time.sleep(60)
+        if "--trap" in args or "--hang" in args:
+            time.sleep(120)
+
+    run_step("probe", main)
+""")
+
+
+@pytest.fixture(scope="module")
+def code(tmp_path_factory) -> tuple[Path, str]:
+    """The run's code as a run ships it, with a marker in its copy of steps/ and the probe
+    step; and the marker."""
+    marker = uuid.uuid4().hex
+    code = tmp_path_factory.mktemp("code")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "steps", code / "steps", ignore=ignore)
+    with open(code / "steps/__init__.py", "a") as f:
+        f.write(f"\nSHIPPED_MARKER = {marker!r}\n")
+    (code / "warm_checks").mkdir()
+    (code / "warm_checks/__init__.py").write_text("")
+    (code / "warm_checks/probe.py").write_text(PROBE)
+    return code, marker
+
+
+@pytest.fixture
+def shipped(code, tmp_path) -> tuple[Path, str]:
+    """A store holding the code and an input; and the code's marker."""
+    store = tmp_path / "store"
+    upload_dir(LocalStore(store), code[0], "code/")
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in/a.txt").write_text("x")
+    upload_dir(LocalStore(store), tmp_path / "in", "inputs/things/")
+    return store, code[1]
+
+
+def probe(name: str, *arguments: str) -> ProcessingJob:
+    return ProcessingJob(
+        name=name,
+        step="warm_checks.probe",
+        code="code/",
+        inputs={"things": "inputs/things/"},
+        outputs={"seen": f"outputs/{name}/"},
+        arguments=list(arguments),
+    )
+
+
+def seen(store: Path, name: str) -> dict:
+    return json.loads(LocalStore(store).get_bytes(f"outputs/{name}/seen.json"))
+
+
+def local(store: Path, work: Path, echo=None) -> LocalBackend:
+    return LocalBackend(LocalStore(store), RUN, echo=echo or io.StringIO(), work_root=str(work))
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_gone(pids: list[int], seconds: float = 20) -> list[int]:
+    deadline = time.time() + seconds
+    while time.time() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if alive(p)]
+
+
+def test_warm_start_can_be_turned_off(shipped, tmp_path, monkeypatch):
+    store, _ = shipped
+    monkeypatch.setenv(WARM_START_VARIABLE, "0")
+    backend = local(store, tmp_path / "work")
+    results = [backend.run_processing(probe(f"cold-{i}")) for i in (1, 2)]
+    backend.close(succeeded=True)
+    assert [r.status for r in results] == ["Completed", "Completed"]
+    assert not seen(store, "cold-1")["preloaded"] and not seen(store, "cold-2")["preloaded"]
+    assert not (tmp_path / "work").exists()
+
+
+def test_a_warm_job_sees_exactly_its_own_env_root_and_code(shipped, tmp_path):
+    """The first job starts cold (and starts no server); the next two are forked by one server,
+    and see what the first saw of the contract, their own roots and the shipped code."""
+    store, marker = shipped
+    echo = io.StringIO()
+    warm = local(store, tmp_path / "warm", echo)
+    results = [
+        warm.run_processing(probe(*job)) for job in (["cold"], ["warm-1", "--leak"], ["warm-2"])
+    ]
+    warm.close(succeeded=True)
+    assert [r.status for r in results] == ["Completed"] * 3, echo.getvalue()
+    assert "starts cold" not in echo.getvalue()
+    c, a, b = seen(store, "cold"), seen(store, "warm-1"), seen(store, "warm-2")
+    assert not c["preloaded"] and a["preloaded"] and b["preloaded"]
+    assert a["server"] == b["server"]  # one server for both jobs
+    assert not b["leak_seen"]  # what job 1 did to its environment and modules died with it
+    for job, s in (("warm-1", a), ("warm-2", b)):
+        root = tmp_path / "warm" / job
+        assert s["cwd"] == str(root)
+        # Its own code: the store's copy (with the marker), laid out in its own job root.
+        assert s["file"] == str(root / "processing/input/code/warm_checks/probe.py")
+        assert s["steps_file"] == str(root / "processing/input/code/steps/__init__.py")
+        assert s["marker"] == marker
+        assert s["env"]["SMPIPE_ML_ROOT"] == str(root)
+        assert s["env"]["SMPIPE_DRIVER_PID"] == str(s["server"])  # its parent follows the driver
+        assert "steps.entrypoint" not in s["cmdline"] and "warm_checks.probe" in s["cmdline"]
+        assert s["sid"] == s["pid"]  # a session of its own, as Popen(start_new_session) makes
+
+    # Exactly the environment the same job has when started cold: same names, same values but
+    # for its job root and its parent.
+    def same(s: dict, root: Path) -> dict:
+        env = {k: v.replace(str(root), "<root>") for k, v in s["env"].items()}
+        return {**env, "SMPIPE_DRIVER_PID": "<parent>"}
+
+    assert same(a, tmp_path / "warm/warm-1") == same(c, tmp_path / "warm/cold")
+    assert not (tmp_path / "warm").exists()  # the servers' folder went with the work root
+
+
+@pytest.mark.parametrize(
+    "crash,status",
+    [("--segv", -signal.SIGSEGV), ("--exit3", 3), ("--kill-entrypoint", -signal.SIGKILL)],
+)
+def test_a_crash_fails_only_its_job_and_the_server_serves_the_next(
+    shipped, tmp_path, crash, status
+):
+    """The step segfaults or calls os._exit(3), or the warm-started entrypoint itself is
+    SIGKILLed: that job is Failed with its status, and the same server starts the next."""
+    store, _ = shipped
+    echo = io.StringIO()
+    backend = local(store, tmp_path / "work", echo)
+    backend.run_processing(probe("first"))  # cold: the server starts with the next job
+    before = backend.run_processing(probe("before"))
+    crashed = backend.run_processing(probe("crashed", crash))
+    after = backend.run_processing(probe("after"))
+    backend.close(succeeded=False)
+    assert before.status == after.status == "Completed", echo.getvalue()
+    assert crashed.status == "Failed"
+    if crash == "--kill-entrypoint":  # the entrypoint itself: its status as Popen reports it
+        assert crashed.failure_reason == f"exit status {status}"
+    else:  # the step: the entrypoint reports it
+        assert f"exited with status {status}" in crashed.failure_reason, crashed.failure_reason
+    assert seen(store, "before")["preloaded"] and seen(store, "after")["preloaded"]
+    assert seen(store, "before")["server"] == seen(store, "after")["server"]
+
+
+def test_sigterm_to_a_warm_job_reaches_its_step(shipped, tmp_path):
+    """Stopping a job (`docker stop`'s SIGTERM to its entrypoint) reaches the forked step."""
+    store, _ = shipped
+
+    class StopWhenWaiting(io.StringIO):
+        def write(self, text):
+            if "probe waiting" in text:
+                backend.containers.stop("trapped")
+            return super().write(text)
+
+    echo = StopWhenWaiting()
+    backend = local(store, tmp_path / "work", echo)
+    backend.run_processing(probe("first"))  # cold: the server starts with the next job
+    result = backend.run_processing(probe("trapped", "--trap"))
+    backend.close(succeeded=False)
+    assert "[trapped] probe got SIGTERM" in echo.getvalue(), echo.getvalue()
+    assert result.end_time - result.start_time < 60  # not the probe's 120 s wait
+
+
+def test_a_server_that_is_not_single_threaded_answers_cold_and_the_job_runs(shipped, tmp_path):
+    """A server with a thread of unknown safety (here one the test starts beside it) must not
+    fork: the job starts cold, and the backend says why, once."""
+    from pipeline.backends import warm_start
+
+    store, _ = shipped
+    threaded = (
+        "import runpy, sys, threading, time; "
+        "threading.Thread(target=time.sleep, args=(3600,), daemon=True).start(); "
+        f"runpy.run_path({warm_start.__file__!r}, run_name='__main__')"
+    )
+    echo = io.StringIO()
+    backend = local(store, tmp_path / "work", echo)
+    backend.warm.launcher = [sys.executable, "-c", threaded]
+    results = [backend.run_processing(probe(f"cold-{i}")) for i in (1, 2, 3)]
+    backend.close(succeeded=False)
+    assert [r.status for r in results] == ["Completed"] * 3, echo.getvalue()
+    assert not any(seen(store, f"cold-{i}")["preloaded"] for i in (1, 2, 3))
+    said = re.findall(
+        r"warm start: the fork server runs 1 thread\(s\) of unknown safety", echo.getvalue()
+    )
+    assert len(said) == 1, echo.getvalue()
+
+
+DRIVER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    from pipeline.backends.local import LocalBackend
+    from pipeline.paths import ExperimentTree
+    from pipeline.store import LocalStore
+    from tests.test_warm_start import probe
+
+    backend = LocalBackend(LocalStore({store!r}), ExperimentTree("warm").run(1), echo=sys.stdout,
+                           work_root={work!r})
+    backend.run_processing(probe("first"))  # cold: the server starts with the next job
+    backend.run_processing(probe("orphaned", "--hang"))
+""")
+
+
+def test_the_server_and_its_jobs_end_when_the_driver_is_killed(shipped, tmp_path):
+    """A SIGKILLed driver cannot stop anything: the server sees it go and ends, and the job,
+    whose parent it was, gets SIGTERM and ends too."""
+    store, _ = shipped
+    script = DRIVER.format(root=str(ROOT), store=str(store), work=str(tmp_path / "work"))
+    driver = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        for line in driver.stdout:
+            found = re.search(
+                r"\[orphaned\] probe waiting pid=(\d+) entrypoint=(\d+) server=(\d+)", line
+            )
+            if found:
+                break
+        else:
+            pytest.fail("the job never started")
+        step, entrypoint, server = (int(g) for g in found.groups())
+        assert psutil.Process(server).cmdline()[1].endswith("warm_start.py")
+        driver.kill()
+        driver.wait()
+        assert wait_gone([server, entrypoint, step]) == []
+    finally:
+        driver.kill()
+        driver.wait()
+
+
+# The resume tests' small prepared splits and their uninterrupted, cold-started result.
+channels = test_resume.channels
+baseline = test_resume.baseline
+
+
+def test_sigterm_to_a_warm_training_step_checkpoints_and_the_restart_trains_the_same(
+    tmp_path, channels, baseline
+):
+    """A spot reclaim of a warm training job: SIGTERM reaches the forked step, which
+    checkpoints and exits 75; the backend restarts it (warm) and the model is bitwise the one
+    an uninterrupted cold run trains."""
+    store = LocalStore(tmp_path / "store")
+    for name, path in channels.items():
+        upload_dir(store, path, f"data/{name}/")
+    ship_code(store)
+
+    class SigtermAtStep7(io.StringIO):
+        parents: list[str] = []  # the command line of the signalled step's entrypoint's parent
+
+        def write(self, text):
+            if not self.parents and "[sigterm-test] step=7/" in text:
+                for child in psutil.Process().children(recursive=True):
+                    if "steps.train" in child.cmdline():
+                        self.parents = psutil.Process(child.ppid()).parent().cmdline()
+                        child.send_signal(signal.SIGTERM)
+            return super().write(text)
+
+    echo = SigtermAtStep7()
+    backend = LocalBackend(store, RUN, work_root=str(tmp_path / "work"), echo=echo)
+
+    def job(name: str, **hyperparameters: str) -> TrainingJob:
+        return TrainingJob(
+            name=name,
+            step="train",
+            code="code/",
+            channels={c: f"data/{c}/" for c in channels},
+            hyperparameters={**test_resume.HPS, **hyperparameters},
+            model_prefix=f"{name}/model/",
+            output_prefix=f"{name}/output/",
+            checkpoint_prefix=f"{name}/checkpoints/",
+            sagemaker_output=f"{name}/sm/",
+            env={"SMPIPE_USER_FUNCTIONS": "user_functions"},
+            max_restarts=2,
+        )
+
+    assert backend.run_training(job("first", max_steps="1")).status == "Completed"  # cold
+    outcome = backend.run_training(job("sigterm-test"))
+    backend.close(succeeded=True)
+    log = echo.getvalue()
+    assert outcome.status == "Completed" and outcome.restarts == 1, log
+    assert echo.parents[1].endswith("warm_start.py"), echo.parents  # the step was warm
+    assert re.search(r"SIGTERM: checkpoint written at step [78]\b", log), log
+    (tmp_path / "final/model").mkdir(parents=True)
+    for name in ("model.safetensors", "history.json"):
+        store.download_file(f"sigterm-test/model/{name}", tmp_path / "final/model" / name)
+    test_resume.assert_same(test_resume.result(tmp_path / "final"), baseline)
