@@ -21,7 +21,8 @@
                                               model waits for its export
             checkpoints/<model>/              synced training State (spot, restarts, --resume);
                                               removed when the run completes (pipeline/prune.py)
-            tuning/<model>/                   trials and the best one
+            tuning/<model>/                   trials.json/.csv/.png, tuning.json; trial-NNN/output/
+                                              (each trial's report; its model deleted)
             inference/                        per-model and comparison statistics
             jobs/<step>/                      what each processing job reported (step_metadata.json)
             code/                             the code every job runs (steps/, user functions)

@@ -83,6 +83,8 @@ def bulky_files(store: Store, run: RunTree, status: str) -> Removal:
         for model in store.list_children(run.tuning_root)
         for trial in store.list_children(run.tuning(model))
     ]
+    # A study's best model waiting for its export (a run that stopped between the two).
+    folders += [run.best_trial_model(model) for model in store.list_children(run.models)]
     models = [f"{run.model(model)}model/" for model in store.list_children(run.models)]
     removal = Removal(run, status, sum(sizes.values()))
     for key, size in sizes.items():

@@ -11,6 +11,8 @@ knows of it.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -180,7 +182,11 @@ class Train:
         channels = {c: sources.prepared.split(c) for c in ("train", "validation", "labels")}
         models = settings.models.model_names
         if settings.experiment.job == "train":
-            return [training_job(settings, run, m, channels, "training") for m in models]
+            jobs = [training_job(settings, run, m, channels, "training") for m in models]
+            # A warm pool waits for the run's next training job; the last one has none (a
+            # pool after it would only be billed).
+            jobs[-1] = dataclasses.replace(jobs[-1], keep_alive_seconds=0)
+            return jobs
         return [
             job
             for m in models
@@ -199,11 +205,12 @@ class Train:
         for job in jobs:
             model = job_model(job)
             if job.kind == "processing":  # a tuned model's export
-                if is_complete(store, run.final_model(model)):
-                    continue  # exported before this run was resumed
-            elif before is not None and trained_before(store, run, job):
-                for name in details:
-                    details[name][model] = before.details.get(name, {}).get(model)
+                if is_complete(store, run.final_model(model)):  # before this run was resumed
+                    details["models"].setdefault(model, {}).update(exported(store, job, None))
+                    continue
+            elif trained_before(store, run, job):
+                for name, value in done_before(store, run, job, before, trained_on).items():
+                    details[name][model] = value
                 log.info(f"{model}: trained before this run was resumed")
                 continue
             runs = {
@@ -217,7 +224,7 @@ class Train:
                 md.write_section(store, run, section(step, results, details))
                 raise JobFailed(result, step)
             if job.kind == "processing":
-                details["models"][model].update(exported(store, job, result))
+                details["models"].setdefault(model, {}).update(exported(store, job, result))
             else:
                 report = read_report(store, trial_of(job).output_prefix)
                 took = round(result.seconds, 1)
@@ -234,13 +241,32 @@ def trained_before(store: Store, run: RunTree, job: TrainingJob | TuningJob) -> 
     return is_complete(store, run.final_model(job_model(job))) or is_complete(store, waiting)
 
 
-def exported(store: Store, job: ProcessingJob, result: JobResult) -> dict:
+def done_before(
+    store: Store, run: RunTree, job: TrainingJob | TuningJob, before, trained_on: dict
+) -> dict:
+    """What Metadata keeps of a model trained before this run was resumed: its section's
+    record; or, where the run stopped before writing it (between a study's end and its
+    section), what the job left: its report, a tuning job's record."""
+    model = job_model(job)
+    names = ("models", "model_artifacts", "lineage")
+    if before is not None and (before.details.get("models") or {}).get(model):
+        return {name: (before.details.get(name) or {}).get(model) for name in names}
+    report = read_report(store, trial_of(job).output_prefix)
+    if job.kind == "tuning":
+        with contextlib.suppress(NotFound):
+            report |= json.loads(store.get_bytes(run.tuning_record(model)))
+    return {"models": report, "model_artifacts": run.final_model(model), "lineage": trained_on}
+
+
+def exported(store: Store, job: ProcessingJob, result: JobResult | None) -> dict:
     """A tuned model's export, as its record says, and the best trial's copy removed: the
-    model is kept once, exported, where a training job leaves its model."""
+    model is kept once, exported, where a training job leaves its model. `result`: None when
+    the export ended before this run was resumed."""
     record = json.loads(store.get_bytes(job.outputs["model"] + RECORD))
     for key in store.list_keys(job.inputs["model"]):
         store.delete(key)
-    return {"exports": record["exports"], "export_job_seconds": round(result.seconds, 1)}
+    seconds = round(result.seconds, 1) if result is not None else None
+    return {"exports": record["exports"], "export_job_seconds": seconds}
 
 
 class Inference:

@@ -11,8 +11,10 @@ name, `<model>__length` per row), labels (id2label.json, inputs.json, encoding.j
 are used whole, as prepare cut them (encoding.json records the length, and the model's
 smpipe.json records it again). Every batch is padded to its own longest row; training
 batches are grouped by length. Output: SM_MODEL_DIR gets the
-best model by validation F1 (safetensors, TorchScript and a torch.export program, curves,
-history); SM_OUTPUT_DATA_DIR gets the Metadata section and the wandb run.
+best model by validation F1 (safetensors, the programs the `exports` hyperparameter names,
+curves, history; a tuning trial's only the weights and history: the study's best model is
+exported after it, steps/export.py); SM_OUTPUT_DATA_DIR gets the Metadata section, where
+the job's time outside its optimizer steps goes (`seconds_outside_steps`), and the wandb run.
 """
 
 from __future__ import annotations
@@ -592,7 +594,12 @@ def end_epoch(job: Job) -> None:
     state.epoch += 1
     state.batch_in_epoch = 0
     state.epoch_loss = [0.0, 0.0]
-    checkpoint(job, new_best)
+    # The last epoch's end needs no resume point: the job finishes from here in seconds (a
+    # SIGTERM only sets a flag nothing after this reads, and SageMaker gives 120 s), and a
+    # completed run's checkpoints are removed. It saves 0.9 s a job (MiniLM), most of what a
+    # short tuning trial spent on a checkpoint it deleted when it ended.
+    if state.epoch < job.hp["epochs"] and state.step < job.total_steps:
+        checkpoint(job, new_best)
 
 
 def save_final_model(model, model_dir: Path, info: dict) -> None:

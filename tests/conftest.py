@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import signal
 import socket
 import sys
@@ -15,6 +16,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+# The suite runs on several workers (addopts: -n 2), each starting jobs whose torch would
+# start a thread per core: two workers' jobs of two threads each on two cores run at half
+# speed (two 8-step MiniLM jobs at once: 75 s each, against 40 s with a thread each). So each
+# worker, and every job it starts, gets its share of the cores, as parallel tuning trials do
+# (pipeline/backends/local_tuning.py `cores_of_a_trial`), unless the environment says.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, str(max(1, (os.cpu_count() or 1) // WORKERS)))
 
 
 def free_port() -> int:

@@ -238,6 +238,54 @@ def test_a_study_whose_export_failed_resumes_with_the_export_alone(tmp_path, mon
     assert not store.list_keys(run + "models/tiny/best-trial/")  # kept once, exported
 
 
+def test_a_run_stopped_between_a_study_and_its_record_resumes_with_the_export(
+    tmp_path, monkeypatch
+):
+    """The study is done and its best model in place, and the run stops before the step's
+    section says so (here: its chart cannot be drawn). The resumed run does not tune again,
+    records the study from what it left, and exports its model."""
+    import pipeline.backends.local_tuning as local_tuning
+
+    def no_chart(*_):
+        raise OSError("the chart could not be written, on purpose")
+
+    monkeypatch.setattr(local_tuning, "draw", no_chart)
+    path = tuning_settings(tmp_path, STRATEGY="Grid", MAX_JOBS="2", MAX_PARALLEL_JOBS="2")
+    settings = load_settings(
+        path, env={"SMPIPE__TUNING_HYPERPARAMETERS__LEARNING_RATE": "0.02,0.05"}
+    )
+    store = LocalStore(settings.store_uri())
+    with pytest.raises(Exception, match="the chart could not be written, on purpose"):
+        run_pipeline(settings, store, parse_steps(None), echo=sys.stdout)
+    run = "reviews/runs/0001/"
+    trials = store.get_bytes(run + "tuning/tiny/trials.json")
+    assert store.list_keys(run + "models/tiny/best-trial/")
+
+    monkeypatch.undo()
+    record = run_pipeline(settings, store, parse_steps(None), echo=sys.stdout, resume=1)
+    assert record["status"] == "completed" and "tiny" in record["holdout_performance"]
+    assert store.get_bytes(run + "tuning/tiny/trials.json") == trials  # not tuned again
+    details = record["steps"]["tune"]["details"]["models"]["tiny"]
+    assert details["best"]["status"] == "Completed" and len(details["trials"]) == 2
+    assert details["exports"]["torchscript"]["passed"] and details["best_validation_f1"] > 0
+    assert record["model_artifacts"]["tiny"] == run + "models/tiny/model/"
+    assert not store.list_keys(run + "models/tiny/best-trial/")
+
+
+def test_trials_at_once_share_the_cores_unless_the_environment_says(monkeypatch):
+    from pipeline.backends.local_tuning import cores_of_a_trial
+
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert cores_of_a_trial(1) == {}  # one trial at a time: the machine is its own
+    assert cores_of_a_trial(2) == {"OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4"}
+    assert cores_of_a_trial(3) == {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+    assert cores_of_a_trial(16)["OMP_NUM_THREADS"] == "1"  # never none
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cores_of_a_trial(2) == {}  # the user's own setting stands
+
+
 def test_hyperband_stops_trials_that_fall_behind_at_a_rung():
     """The study Hyperband runs as (our pruner settings, over epochs), fed the epochs a trial
     reports: trials whose learning rate is too small are stopped, before their last epoch,

@@ -39,10 +39,16 @@ def test_the_default_is_shipped_and_each_training_job_asks_for_it(tmp_path):
     assert load_settings(ROOT / "settings.ini", env={}).training.keep_alive_seconds == 600
     made = training_requests(sagemaker_settings(tmp_path, models={"MODEL_NAMES": "bow, minilm"}))
     assert len(made) == 2  # consecutive jobs of one run, on the same resources: a match
+    (first, asks), (last, last_asks) = made
+    assert asks["ResourceConfig"]["KeepAlivePeriodInSeconds"] == 600
+    # The run's last training job has no next one to start on its instances: no pool.
+    assert "KeepAlivePeriodInSeconds" not in last_asks["ResourceConfig"]
     for job, request in made:
-        assert request["ResourceConfig"]["KeepAlivePeriodInSeconds"] == 600
         assert keep_alive_refused(job) is None and check("CreateTrainingJob", request) == []
-    assert made[0][1]["ResourceConfig"] == made[1][1]["ResourceConfig"]
+    assert asks["ResourceConfig"] == {
+        **last_asks["ResourceConfig"],
+        "KeepAlivePeriodInSeconds": 600,
+    }
 
 
 def test_zero_spot_and_tuning_send_none_and_say_why_by_key(tmp_path):

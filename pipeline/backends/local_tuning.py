@@ -46,7 +46,7 @@ from pipeline.config import Categorical
 from pipeline.jobs import JobResult, TrainingJob, TuningJob, job_name
 from pipeline.paths import RunTree
 from pipeline.service_model import TUNING_OBJECTIVE
-from pipeline.store import NotFound, Store, download_dir, upload_dir
+from pipeline.store import NotFound, Store, download_dir, is_complete, upload_dir
 
 if TYPE_CHECKING:
     from pipeline.backends.local import LocalBackend
@@ -329,7 +329,7 @@ def trial_training_job(job: TuningJob, run: RunTree, number: int, values: dict) 
     prefix = run.trial(model_name, number)
     return dataclasses.replace(
         job.trial,
-        env={**job.trial.env, **cores_of_a_trial(job.max_parallel_jobs)},
+        env={**job.trial.env, **cores_of_a_trial(min(job.max_parallel_jobs, job.max_jobs))},
         name=job_name(run.experiment, run.label, "tune", model_name, f"{number:03d}"),
         # As SageMaker's tuner sends every trial its objective (automatic-model-tuning-define-
         # ranges.html): the trial's hyperparameters are those of a trial on SageMaker.
@@ -437,11 +437,18 @@ def finish(store, run, job, model_name, records, started, sampler, pruner) -> Jo
             end_time=time.time(),
             details=details,
         )
-    copy_dir(store, best["model"], job.trial.model_prefix, best["job_name"])
-    copy_dir(store, best["output"], job.trial.output_prefix, best["job_name"])
+    # Run again when a resumed run finds the study done but not recorded: what was copied
+    # stays, and nothing is copied onto itself.
+    for source, destination in (
+        (best["model"], job.trial.model_prefix),
+        (best["output"], job.trial.output_prefix),
+    ):
+        if not is_complete(store, destination):
+            copy_dir(store, source, destination, best["job_name"])
     for t in trials:  # the best trial's model is kept once, at the tuning job's model
-        for key in store.list_keys(t["model"]):  # place; every trial's record stays
-            store.delete(key)
+        if t["model"] and t["model"] != job.trial.model_prefix:  # place; every record stays
+            for key in store.list_keys(t["model"]):
+                store.delete(key)
         t["model"] = job.trial.model_prefix if t is best else None
     save_trials(store, run, model_name, records)
     store.put_bytes(run.tuning_record(model_name), json.dumps(details, indent=2).encode())

@@ -141,9 +141,14 @@ def fork_refusal(safe_threads: set[int]) -> str | None:
 
 
 def shadowing(env: dict[str, str], cwd: str) -> str | None:
-    """A folder on the job's path that holds a module the server preloaded: a fresh
+    """A folder on the job's path that holds a module the server has loaded (what PRELOAD
+    named and everything those imported: huggingface_hub, tokenizers, yaml, ...): a fresh
     interpreter would import the job's copy, a warm child has the server's."""
-    preloaded = {name.split(".")[0] for name in PRELOAD if name in sys.modules}
+    preloaded = {
+        name.split(".")[0]
+        for name, module in list(sys.modules.items())
+        if getattr(module, "__file__", None) and not name.startswith("_")
+    }
     for entry in [cwd, *job_path_entries(env, cwd)]:
         try:
             names = {n.split(".")[0] for n in os.listdir(entry)}
