@@ -616,12 +616,20 @@ def save_final_model(model, model_dir: Path, info: dict) -> None:
 
 
 def finish(job: Job) -> None:
-    """The best model, its exports and curves, and the Metadata section (main process)."""
-    accelerator, state, hp, env = job.accelerator, job.state, job.hp, job.env
+    """The main process keeps the model; then every process leaves the process group at once.
+    A process that destroyed its group while the main one still exported could abort at
+    exit (gloo: "terminate called without an active exception", seen with two processes)."""
+    accelerator = job.accelerator
     accelerator.wait_for_everyone()
-    if not accelerator.is_main_process:
-        accelerator.end_training()
-        return
+    if accelerator.is_main_process:
+        keep_model(job)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+def keep_model(job: Job) -> None:
+    """The best model, its exports and curves, and the Metadata section."""
+    accelerator, state, hp, env = job.accelerator, job.state, job.hp, job.env
     final = accelerator.unwrap_model(job.model, keep_torch_compile=False)
     if job.best_weights is not None:
         final.load_state_dict(job.best_weights)
@@ -650,7 +658,6 @@ def finish(job: Job) -> None:
             title = f"{hp['model_name']} ({env.job_name})"
             plot_curves(state.history, env.model_dir / "curves.png", title)
     write_report(job, exports)
-    accelerator.end_training()
 
 
 def save_model(job: Job, final: torch.nn.Module, exports: dict) -> None:
