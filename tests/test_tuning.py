@@ -186,6 +186,17 @@ def test_a_failing_trial_is_recorded_and_only_all_failing_fails_the_step(tmp_pat
     assert not store.list_keys("reviews/runs/0002/models/")
 
 
+def study_of_two(tmp_path, functions: str = "reviews_tuning"):
+    """Settings and store of a Grid study of two learning rates, both trials at once."""
+    tuning_settings(tmp_path, STRATEGY="Grid", MAX_JOBS="2", MAX_PARALLEL_JOBS="2")
+    env = {
+        "SMPIPE__TUNING_HYPERPARAMETERS__LEARNING_RATE": "0.02,0.05",
+        "SMPIPE__EXPERIMENT__USER_FUNCTIONS": functions,
+    }
+    settings = load_settings(tmp_path / "settings.ini", env=env)
+    return settings, LocalStore(settings.store_uri())
+
+
 # The reviews model, except that its export job fails while a marker file exists: a study
 # that completed, then failed exporting its best model (a full disk, say). Training jobs see
 # their hyperparameters as SM_HP_* variables; the export, a processing job, does not.
@@ -210,16 +221,8 @@ def test_a_study_whose_export_failed_resumes_with_the_export_alone(tmp_path, mon
     marker = tmp_path / "export-fails"
     marker.touch()
     monkeypatch.setenv("REVIEWS_EXPORT_FAILS", str(marker))
-    path = tuning_settings(tmp_path, STRATEGY="Grid", MAX_JOBS="2", MAX_PARALLEL_JOBS="2")
     write_module(tmp_path, "reviews_export_fails", EXPORT_FAILS)
-    text = path.read_text().replace(
-        "USER_FUNCTIONS = reviews_tuning", "USER_FUNCTIONS = reviews_export_fails"
-    )
-    path.write_text(text)
-    settings = load_settings(
-        path, env={"SMPIPE__TUNING_HYPERPARAMETERS__LEARNING_RATE": "0.02,0.05"}
-    )
-    store = LocalStore(settings.store_uri())
+    settings, store = study_of_two(tmp_path, "reviews_export_fails")
     with pytest.raises(PipelineError, match="no space left on the export's disk, on purpose"):
         run_pipeline(settings, store, parse_steps(None), echo=sys.stdout)
     run = "reviews/runs/0001/"
@@ -250,11 +253,7 @@ def test_a_run_stopped_between_a_study_and_its_record_resumes_with_the_export(
         raise OSError("the chart could not be written, on purpose")
 
     monkeypatch.setattr(local_tuning, "draw", no_chart)
-    path = tuning_settings(tmp_path, STRATEGY="Grid", MAX_JOBS="2", MAX_PARALLEL_JOBS="2")
-    settings = load_settings(
-        path, env={"SMPIPE__TUNING_HYPERPARAMETERS__LEARNING_RATE": "0.02,0.05"}
-    )
-    store = LocalStore(settings.store_uri())
+    settings, store = study_of_two(tmp_path)
     with pytest.raises(Exception, match="the chart could not be written, on purpose"):
         run_pipeline(settings, store, parse_steps(None), echo=sys.stdout)
     run = "reviews/runs/0001/"
