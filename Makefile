@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_RAW := build/demo_raw
 
-.PHONY: install browser run test lint bench screenshot clean
+.PHONY: install browser run test lint bench figures screenshot clean
 
 # torch goes in first, pinned to the CPU build on this disk: anything that pulled torch
 # before it would drag in a multi-GB CUDA build. The project's ranges (pyproject.toml) then
@@ -48,6 +48,14 @@ bench: install
 	$(PY) bench/speed.py
 	$(PY) bench/checkpoint_cost.py
 	$(PY) bench/run_cost.py
+
+# The "Runs you can trust" table of README.md, made from what its tests count as they run
+# (build/figures/, tests/reliability/figures.py): those tests, then the table written over
+# the README's (nothing is written while a figure is missing). The demo's figures come from a
+# run: `$(PY) docs/figures.py demo settings.ini` after `make run`.
+figures: install
+	$(PY) -m pytest -q tests/reliability tests/test_cache_mutations.py tests/test_local_backend.py
+	$(PY) docs/figures.py reliability --readme README.md
 
 # docs/report.png: the newest demo run's report.html as a browser shows it (run `make run` first).
 screenshot: install browser

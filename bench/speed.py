@@ -122,7 +122,7 @@ def prepared_dir(tokenizer, data: tuple[list[str], list[int]], root: Path) -> di
 
 def ours_training(channels: dict[str, Path], root: Path, steps: int) -> dict:
     hp = parse_hyperparameters({
-        "model_name": "minilm", "model_names": "minilm", "job_kind": "training", "epochs": "1",
+        "model_name": "minilm", "epochs": "1",
         "learning_rate": "1e-4", "batch_size": str(BATCH), "max_per_device_batch_size": str(BATCH),
         "warmup_ratio": "0.1", "weight_decay": "0.01",
         "seed": "42", "checkpoint_every_steps": "0", "keep_checkpoints": "1", "wandb_project": "b",
@@ -304,7 +304,7 @@ def bench_fixed_cost(tokenizer, data, steps: int, repeat: int, work: Path) -> di
     datasets.Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
                                 "labels": labels}).save_to_disk(str(work / "fixed-hf"))  # fmt: skip
     (work / "trainer.py").write_text(TRAINER_SCRIPT)
-    hps = {"model_name": "minilm", "model_names": "minilm", "job_kind": "training", "epochs": "1",
+    hps = {"model_name": "minilm", "epochs": "1",
            "learning_rate": "1e-4", "batch_size": str(BATCH), "max_per_device_batch_size": str(BATCH),
            "warmup_ratio": "0.1", "weight_decay": "0.01",
            "seed": "42", "checkpoint_every_steps": "0", "keep_checkpoints": "1", "wandb_project": "b",

@@ -14,6 +14,8 @@ from pathlib import Path
 
 EXAMPLES = """\
 examples:
+  smpipe init my-project                         a new project that runs as it is; then:
+  cd my-project && smpipe run settings.ini       its sample, on this machine
   smpipe upload settings.ini ./raw_data          copy raw data into the experiment's raw/
   smpipe run settings.ini                        reconcile, prepare, train, test: a new run
   smpipe run settings.ini --steps train,inference   reuse the newest data
@@ -23,6 +25,9 @@ examples:
   smpipe compare settings.ini 3 5                two runs side by side
   smpipe report settings.ini 5                   rebuild run 5's report.html
   smpipe prune settings.ini --keep 3 --yes       remove old runs' bulky files; 3 completed stay
+  smpipe predict settings.ini new.csv out.csv    label new texts with the newest run's winner
+  smpipe registry settings.ini                   the registered versions of [registry]'s group
+  smpipe approve settings.ini 4 [--reject]       approve (or reject) version 4
 """
 
 
@@ -42,6 +47,14 @@ def run_number(text: str) -> int:
     return number
 
 
+def version_number(text: str) -> int:
+    """A model package version, as the registry numbers them: 1 and up."""
+    number = int(text) if text.isdigit() else 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a version (1, 2, ...)")
+    return number
+
+
 def at_least_one(text: str) -> int:
     """--keep: how many completed runs stay whole; 0 would leave no model at all."""
     try:
@@ -54,6 +67,20 @@ def at_least_one(text: str) -> int:
             "run after them, are left whole)"
         )
     return number
+
+
+class ShowVersion(argparse.Action):
+    """--version: the installed package's version, looked up only when asked (importlib's
+    metadata costs 25 ms, as much as all of `smpipe --help`)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib.metadata import version
+
+        print(f"smpipe {version('smpipe')}")
+        parser.exit()
 
 
 def run_options(sub: argparse.ArgumentParser) -> None:
@@ -114,7 +141,9 @@ def parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    root.add_argument("--version", action=ShowVersion, help="print smpipe's version and exit")
     commands = root.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    init_options(commands)
 
     def command(name: str, text: str) -> argparse.ArgumentParser:
         sub = commands.add_parser(
@@ -148,26 +177,103 @@ def parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("first", type=run_number, metavar="RUN_NUM")
     compare.add_argument("second", type=run_number, metavar="RUN_NUM")
+    command("registry", "list the versions of [registry] MODEL_PACKAGE_GROUP: status, run, model")
+    approve = command(
+        "approve", "approve a registered version (SageMaker's ModelApprovalStatus Approved)"
+    )
+    approve.add_argument("version", type=version_number, metavar="VERSION")
+    approve.add_argument("--reject", action="store_true", help="set it Rejected instead")
     report = command("report", "rebuild a run's report.html (the newest run by default)")
     report.add_argument("run_num", type=run_number, nargs="?", metavar="RUN_NUM")
-    prune = command(
-        "prune",
-        "remove the bulky files (checkpoints, model weights and exports, tuning trials) of the "
-        "runs before the newest N completed ones; their Metadata, settings, logs, metrics and "
-        "reports stay, and data versions are never touched. A dry run unless --yes",
+    prune_options(command("prune", PRUNE))
+    predict_options(command("predict", PREDICT))
+    return root
+
+
+def init_options(commands) -> None:
+    """`smpipe init DIR`: pipeline/project.py. No settings.ini: it makes one."""
+    init = commands.add_parser(
+        "init",
+        help="start a project: settings.ini, the five user functions and a sample they run on",
+        description="Create DIR (or fill it, if empty) with a project that runs as it is: "
+        "settings.ini, every key commented; user_functions/ with the five functions, TODO where "
+        "your data differs; data/ with a small sample. Nothing is ever overwritten.",
     )
+    init.add_argument("folder", type=Path, metavar="DIR", help="a new or empty folder")
+
+
+PRUNE = (
+    "remove the bulky files (checkpoints, model weights and exports, tuning trials) of the "
+    "runs before the newest N completed ones; their Metadata, settings, logs, metrics and "
+    "reports stay, and data versions are never touched. A dry run unless --yes"
+)
+
+
+def prune_options(prune: argparse.ArgumentParser) -> None:
+    """`smpipe prune settings.ini --keep N [--yes]`: pipeline/prune.py."""
     prune.add_argument(
         "--keep", type=at_least_one, required=True, metavar="N", help="completed runs kept whole"
     )
     prune.add_argument("--yes", action="store_true", help="remove them (default: only say what)")
-    return root
+
+
+PREDICT = (
+    "label new texts with a run's exported model (the newest completed run's winner by test "
+    "macro-F1 unless --run and --model say), in a processing job on the configured backend"
+)
+
+
+def predict_options(predict: argparse.ArgumentParser) -> None:
+    """`smpipe predict settings.ini INPUT OUTPUT`: pipeline/predict.py."""
+    predict.add_argument(
+        "input",
+        type=Path,
+        help="the texts: .csv, .tsv, .jsonl (.json, .ndjson), .parquet with the text column(s) "
+        "of the run's data and an optional id column, or a folder of .txt files (one text each)",
+    )
+    predict.add_argument(
+        "output",
+        type=Path,
+        help="the predictions, in the format its suffix names (.csv, .tsv, .jsonl, .parquet): "
+        "id, predicted, probability_<label> per label, error; OUTPUT.json says what they came from",
+    )
+    predict.add_argument("--run", type=run_number, metavar="RUN_NUM", help="a completed run")
+    predict.add_argument("--model", metavar="NAME", help="a model trained in that run")
+    predict.add_argument(
+        "--backend",
+        choices=["local", "sagemaker", "emulated"],
+        help="overrides [experiment] BACKEND",
+    )
+    predict.add_argument(
+        "--instance-count",
+        type=at_least_one_instance,
+        default=1,
+        metavar="N",
+        help="instances of the processing job ([inference] INSTANCE_TYPE); the input is split "
+        "across them by S3 key (ShardedByS3Key)",
+    )
+    loudness(predict)
+
+
+def at_least_one_instance(text: str) -> int:
+    number = int(text) if text.isdigit() else 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of instances (1, 2, ...)")
+    return number
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        # No command: the commands and examples, on stderr with status 2, as argparse answers
+        # any other missing argument (so `smpipe $COMMAND` with an empty variable fails).
+        parser().print_help(sys.stderr)
+        return 2
     args = parser().parse_args(argv)
     from pipeline.config import ConfigError
     from pipeline.errors import PipelineError
     from pipeline.history import HistoryError
+    from pipeline.project import ProjectError
     from pipeline.prune import PruneError
     from pipeline.store import StoreError
     from steps.user_code import UserFunctionError
@@ -176,26 +282,48 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("run", "plan"):
             return run_command(args)
         commands = {
+            "init": init_command,
+            "registry": registry_command,
+            "approve": approve_command,
             "runs": runs_command,
             "compare": compare_command,
             "report": report_command,
             "upload": upload_command,
             "prune": prune_command,
+            "predict": predict_command,
         }
         return commands[args.command](args)
-    except (ConfigError, UserFunctionError) as e:
+    except (ConfigError, UserFunctionError, ProjectError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (PipelineError, StoreError, HistoryError, PruneError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(
-            "interrupted: its jobs were stopped; the run is marked interrupted and its "
-            "completed outputs stay",
-            file=sys.stderr,
+        said = (
+            "its job was stopped and OUTPUT was not written"
+            if args.command == "predict"
+            else "its jobs were stopped; the run is marked interrupted and its completed "
+            "outputs stay"
         )
+        print(f"interrupted: {said}", file=sys.stderr)
         return 130
+
+
+def init_command(args) -> int:
+    """A new project, and the commands that run it."""
+    import shlex
+
+    from pipeline.project import init_project
+
+    name, files = init_project(args.folder)
+    print(f"created project {name!r} in {args.folder}:")
+    for path in files:
+        print(f"  {path.as_posix()}")
+    print("run its sample (MiniLM on 100 news items: about 20 s on 2 cores):")
+    print(f"  cd {shlex.quote(str(args.folder))}")
+    print("  smpipe run settings.ini")
+    return 0
 
 
 def open_experiment(path: str, backend: str | None = None):
@@ -270,6 +398,7 @@ def _console():
 def runs_command(args) -> int:
     from rich.table import Table
 
+    from pipeline import cost
     from pipeline.history import age, human_bytes, run_rows
     from pipeline.paths import ExperimentTree
 
@@ -280,8 +409,9 @@ def runs_command(args) -> int:
         console.print(f"no runs of {settings.experiment.name!r} in {store.uri}")
         return 0
     table = Table(title=f"runs of {settings.experiment.name!r} in {store.uri}")
-    for column in ("run", "status", "models", "test macro-F1", "data", "took", "started", "size"):
-        table.add_column(column, justify="right" if column in ("took", "size") else "left")
+    columns = ("run", "status", "models", "test macro-F1", "data", "took", "cost", "started")
+    for column in (*columns, "size"):
+        table.add_column(column, justify="right" if column in ("took", "cost", "size") else "left")
     for row in rows:
         f1 = ", ".join(
             f"{m} {v:.4f}" for m, v in sorted(row["macro_f1"].items(), key=lambda kv: -kv[1])
@@ -299,10 +429,45 @@ def runs_command(args) -> int:
             f1,
             data,
             took,
+            cost.short(row.get("cost")),  # USD from SageMaker's billing; locally CPU-seconds
             age(row["started"]),
             human_bytes(row["bytes"]),
         )
     console.print(table)
+    return 0
+
+
+def registry_command(args) -> int:
+    from rich.table import Table
+
+    from pipeline.history import age
+    from pipeline.registry import versions
+
+    settings, store = open_experiment(args.settings)
+    group = settings.registry.model_package_group
+    rows = versions(settings, store)
+    console = _console()
+    if not rows:
+        console.print(f"no versions of model package group {group!r} yet")
+        return 0
+    table = Table(title=f"model package group {group!r} ({settings.experiment.backend})")
+    for column in ("version", "status", "registered", "what"):
+        table.add_column(column, justify="right" if column == "version" else "left")
+    for row in rows:
+        when = age(row["registered_at"])
+        table.add_row(str(row["version"]), row["approval_status"], when, row["description"])
+    console.print(table)
+    return 0
+
+
+def approve_command(args) -> int:
+    from pipeline.registry import APPROVED, REJECTED, set_status
+
+    settings, store = open_experiment(args.settings)
+    row = set_status(settings, store, args.version, REJECTED if args.reject else APPROVED)
+    group = settings.registry.model_package_group
+    said = f"{row['approval_status']}: {row['description']}"
+    print(f"version {row['version']} of model package group {group!r} is {said}")
     return 0
 
 
@@ -394,6 +559,41 @@ def prune_command(args) -> int:
         print(f"freed {freed} in {len(removals)} runs; their Metadata, logs and reports stay")
     else:
         print(f"would free {freed} in {len(removals)} runs; nothing was removed (--yes removes it)")
+    return 0
+
+
+def predict_command(args) -> int:
+    """The job's lines and the driver's through the display, as `run` shows them."""
+    import logging
+
+    from pipeline.console import Display
+    from pipeline.errors import log
+    from pipeline.predict import predict
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    settings, store = open_experiment(args.settings, args.backend)
+    display = Display(sys.stdout, verbose=args.verbose)
+    before = (log.handlers, log.propagate, log.level)
+    log.handlers, log.propagate = [display.handler()], False
+    log.setLevel(logging.WARNING if args.quiet else logging.INFO)
+    try:
+        with open(os.devnull, "w") as devnull:
+            record = predict(
+                settings,
+                store,
+                args.input,
+                args.output,
+                run_num=args.run,
+                model=args.model,
+                instance_count=args.instance_count,
+                echo=devnull if args.quiet else display,
+            )
+    finally:
+        display.close()
+        log.handlers, log.propagate = before[0], before[1]
+        log.setLevel(before[2])
+    if args.quiet:
+        print(f"{record['predicted']:,} of {record['rows']:,} rows predicted: {record['output']}")
     return 0
 
 

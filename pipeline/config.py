@@ -246,6 +246,53 @@ class Hub(Section):
     token_secret_id: str = ""
 
 
+class Registry(Section):
+    # The model package group each completed run's winning model is registered in, as one new
+    # version (sagemaker, emulated: SageMaker's model registry; local: <experiment>/registry/).
+    # Empty: nothing is registered. A SageMaker EntityName (checked by key: LIMITED).
+    model_package_group: str = ""
+    # The ModelApprovalStatus a new version gets: the enum of CreateModelPackage's
+    # ModelApprovalStatus in botocore's sagemaker service-2.json (a test holds them equal).
+    approval_status: Literal["PendingManualApproval", "Approved", "Rejected"] = (
+        "PendingManualApproval"
+    )
+
+
+class Cost(Section):
+    # [cost] PRICES: on-demand USD per instance-hour by instance type ("ml.g5.xlarge: 1.408,
+    # ml.m5.xlarge: 0.23"), for the run's region, training and processing alike, over the
+    # shipped table (pipeline/cost.py). Empty: the table alone; a price neither knows is said.
+    prices: dict[str, float] = {}
+
+    @field_validator("prices", mode="before")
+    @classmethod
+    def _pairs(cls, value):
+        if not isinstance(value, str):
+            return value
+        from pipeline.service_model import shape
+
+        known = {*shape("TrainingInstanceType").enum, *shape("ProcessingInstanceType").enum}
+        prices, bad = {}, []
+        for pair in filter(None, (p.strip() for p in value.split(","))):
+            instance, _, price = (part.strip() for part in pair.partition(":"))
+            try:
+                number = float(price)
+            except ValueError:
+                number = math.nan
+            if instance not in known:
+                close = difflib.get_close_matches(instance, sorted(known), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                what = "an instance type SageMaker trains or processes on"
+                bad.append(f"{instance!r} is not {what}{hint}")
+            elif not (math.isfinite(number) and number > 0):
+                bad.append(f"{pair!r}: write INSTANCE_TYPE: USD per hour, a number above 0")
+            else:
+                prices[instance] = number
+        if bad:
+            raise ValueError("; ".join(bad))
+        return prices
+
+
 class Settings(BaseModel):
     """The whole validated settings file."""
 
@@ -259,6 +306,8 @@ class Settings(BaseModel):
     inference: Inference
     tracking: Tracking
     hub: Hub
+    registry: Registry
+    cost: Cost = Cost()
     # [training.<model>]: what one model trains with, [training] with its overrides applied.
     model_training: dict[str, Training] = {}
     # [tuning.hyperparameters]: constants override [training]; tunables are searched.
@@ -303,12 +352,7 @@ class Settings(BaseModel):
         """What a training job receives: every row of the hyperparameter table, from the
         section that sets it (a tuning trial's constants over them), as strings: SageMaker
         passes hyperparameters as strings."""
-        run = {
-            "model_name": model_name,
-            "model_names": ",".join(self.models.model_names),
-            "job_kind": job_kind,
-            "exports": self.exports(job_kind),
-        }
+        run = {"model_name": model_name, "exports": self.exports(job_kind)}
         sections = {
             "training": self.model_training.get(model_name, self.training),
             "data": self.data,
@@ -341,6 +385,8 @@ SECTIONS: dict[str, type[Section]] = {
     "inference": Inference,
     "tracking": Tracking,
     "hub": Hub,
+    "registry": Registry,
+    "cost": Cost,
 }
 FREE_SECTIONS = ("tuning.hyperparameters", "tuning.metric_definitions")
 HP, HP_ENV = "tuning.hyperparameters", "tuning_hyperparameters_"
@@ -725,9 +771,9 @@ def _across_sections(
     own: dict[str, dict[str, Tunable]],
     metrics: dict[str, str],
 ) -> list[str]:
-    """What no one section can check alone. `spaces`: each model's section and searched
-    ranges, `own`: the ranges its own section sets. Long on purpose: one flat list of rules,
-    each a few lines, read like the list of problems it makes."""
+    """What no one section can check alone, as one flat list of rules, each a few lines (the
+    backend's and the tuning job's apart). `spaces`: each model's section and searched ranges,
+    `own`: the ranges its own section sets."""
     problems: list[str] = []
     if "data" in parsed:
         d = parsed["data"]
@@ -737,48 +783,8 @@ def _across_sections(
                 "[data] TRAIN_FRACTION + VALIDATION_FRACTION + TEST_FRACTION must sum to 1 "
                 f"(got {total:g})"
             )
-    if "experiment" in parsed and parsed["experiment"].backend == "sagemaker":
-        e = parsed["experiment"]
-        if not e.store.startswith("s3://"):
-            problems.append("[experiment] STORE: the sagemaker backend needs an s3:// store")
-        if not e.role_arn.startswith("arn:"):
-            problems.append("[experiment] ROLE_ARN: the sagemaker backend needs an IAM role ARN")
-        if not e.image_uri:
-            problems.append(
-                "[experiment] IMAGE_URI: the sagemaker backend needs the image built from docker/"
-            )
-        tracking = parsed.get("tracking")
-        if tracking and tracking.wandb_mode == "online" and not tracking.wandb_secret_id:
-            problems.append(
-                "[tracking] WANDB_MODE = online on the sagemaker backend needs WANDB_SECRET_ID: "
-                "a SageMaker job has no WANDB_API_KEY of its own (set the secret, or "
-                "WANDB_MODE = offline)"
-            )
-    if "experiment" in parsed and parsed["experiment"].job == "tune":
-        grid = "tuning" in parsed and parsed["tuning"].strategy == "Grid"
-        for model, (section, tunables) in spaces.items():
-            if not tunables:
-                problems.append(
-                    f"[{HP}]: JOB = tune needs at least one tunable (a->b or x,y,z) for {model}"
-                )
-            ranges = [(k, v) for k, v in tunables.items() if isinstance(v, Interval)]
-            for key, value in ranges if grid else ():
-                where = section if key in own.get(model, {}) else HP
-                problem = (
-                    f"[{where}] {key.upper()}: STRATEGY = Grid takes categorical options only "
-                    f"(x,y,z), not {value.render()}"
-                )
-                if problem not in problems:  # a shared range is one problem, not one per model
-                    problems.append(problem)
-        if (
-            "tuning" in parsed
-            and parsed["tuning"].strategy == "Hyperband"
-            and parsed["tuning"].early_stopping == "Auto"
-        ):
-            problems.append(
-                "[tuning] EARLY_STOPPING: Hyperband stops trials early by itself; set "
-                "EARLY_STOPPING = Off (SageMaker refuses both)"
-            )
+    problems += _sagemaker_needs(parsed)
+    problems += _tuning_needs(parsed, spaces, own)
     if "tuning" in parsed and parsed["tuning"].objective_metric not in metrics:
         problems.append(
             f"[tuning] OBJECTIVE_METRIC: {parsed['tuning'].objective_metric!r} is not a metric "
@@ -805,6 +811,66 @@ def _across_sections(
     return problems
 
 
+def _sagemaker_needs(parsed: dict[str, Section]) -> list[str]:
+    """What the sagemaker backend needs of the other sections."""
+    problems: list[str] = []
+    if not ("experiment" in parsed and parsed["experiment"].backend == "sagemaker"):
+        return problems
+    e = parsed["experiment"]
+    if not e.store.startswith("s3://"):
+        problems.append("[experiment] STORE: the sagemaker backend needs an s3:// store")
+    if not e.role_arn.startswith("arn:"):
+        problems.append("[experiment] ROLE_ARN: the sagemaker backend needs an IAM role ARN")
+    if not e.image_uri:
+        problems.append(
+            "[experiment] IMAGE_URI: the sagemaker backend needs the image built from docker/"
+        )
+    tracking = parsed.get("tracking")
+    if tracking and tracking.wandb_mode == "online" and not tracking.wandb_secret_id:
+        problems.append(
+            "[tracking] WANDB_MODE = online on the sagemaker backend needs WANDB_SECRET_ID: "
+            "a SageMaker job has no WANDB_API_KEY of its own (set the secret, or "
+            "WANDB_MODE = offline)"
+        )
+    return problems
+
+
+def _tuning_needs(
+    parsed: dict[str, Section],
+    spaces: dict[str, tuple[str, dict[str, Tunable]]],
+    own: dict[str, dict[str, Tunable]],
+) -> list[str]:
+    """What JOB = tune needs of the ranges and of [tuning]."""
+    problems: list[str] = []
+    if not ("experiment" in parsed and parsed["experiment"].job == "tune"):
+        return problems
+    grid = "tuning" in parsed and parsed["tuning"].strategy == "Grid"
+    for model, (section, tunables) in spaces.items():
+        if not tunables:
+            problems.append(
+                f"[{HP}]: JOB = tune needs at least one tunable (a->b or x,y,z) for {model}"
+            )
+        ranges = [(k, v) for k, v in tunables.items() if isinstance(v, Interval)]
+        for key, value in ranges if grid else ():
+            where = section if key in own.get(model, {}) else HP
+            problem = (
+                f"[{where}] {key.upper()}: STRATEGY = Grid takes categorical options only "
+                f"(x,y,z), not {value.render()}"
+            )
+            if problem not in problems:  # a shared range is one problem, not one per model
+                problems.append(problem)
+    if (
+        "tuning" in parsed
+        and parsed["tuning"].strategy == "Hyperband"
+        and parsed["tuning"].early_stopping == "Auto"
+    ):
+        problems.append(
+            "[tuning] EARLY_STOPPING: Hyperband stops trials early by itself; set "
+            "EARLY_STOPPING = Off (SageMaker refuses both)"
+        )
+    return problems
+
+
 def _render_redacted(raw: dict[str, dict[str, str]]) -> str:
     """The settings as they were applied (file + environment overrides), secrets blanked."""
     out = configparser.ConfigParser(interpolation=None, delimiters=("=",))
@@ -812,7 +878,9 @@ def _render_redacted(raw: dict[str, dict[str, str]]) -> str:
     for section, values in raw.items():
         out.add_section(section)
         for key, value in values.items():
-            out.set(section, key, "<redacted>" if SECRET_KEY_RE.search(key) else value)
+            # An empty value hides nothing: it stays empty (it says "not set", not "a secret").
+            masked = value and SECRET_KEY_RE.search(key)
+            out.set(section, key, "<redacted>" if masked else value)
     buf = io.StringIO()
     out.write(buf)
     return buf.getvalue()
@@ -832,6 +900,7 @@ LIMITED = (
     ("tracking", "wandb_secret_id", "ProcessingEnvironmentValue", str),
     ("tracking", "secret_variables", "ProcessingEnvironmentValue", ",".join),
     ("hub", "token_secret_id", "ProcessingEnvironmentValue", str),
+    ("registry", "model_package_group", "EntityName", str),  # CreateModelPackageGroup's name
 )
 
 

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 
+from pipeline import cost
 from pipeline.errors import log
 from pipeline.paths import run_label
 
@@ -260,6 +261,8 @@ def summary_lines(record: dict, run_uri: str) -> list[str]:
         comparison = (record["steps"].get("inference") or {}).get("details", {}).get("comparison")
         for pair in (comparison or {}).get("pairs", []):
             lines.append("  " + verdict(pair))
+    if record.get("cost"):  # dollars from SageMaker's billing; locally CPU-seconds
+        lines.append(cost.said(record["cost"]))
     took = f"{record['time_taken']:.0f}s"
     lines.append(
         f"\nrun {run_label(record['model_version'])} {record['status']} in {took}: {run_uri}"

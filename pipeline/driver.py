@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline import cache, service_model
+from pipeline import cache, cost, registry, service_model
 from pipeline import metadata as md
 from pipeline.backends import identity, make_backend
 from pipeline.code_bundle import PROJECT_ROOT, ship_code, user_code
@@ -94,7 +94,7 @@ def run_pipeline(
         run, base, steps, sources = resumed_run(settings, store, tree, resume, asked)
     else:
         run = tree.run("<next run_num>")
-        steps = steps_to_run(settings, store, tree, steps)
+        steps = registry.with_registration(settings, steps_to_run(settings, store, tree, steps))
         sources = resolve_sources(settings, store, tree, steps)
         data_steps = consult_cache(settings, store, tree, steps, sources, functions, use_cache)
         skipped = {s for s, entry in data_steps.items() if entry.status in ("reused", "skipped")}
@@ -103,7 +103,7 @@ def run_pipeline(
     check_requests(planned, settings, store)
     if dry_run:
         log_reused(sources)
-        log_plan(planned, settings, store, show_requests)
+        log_plan(planned, settings, store, show_requests, registry.STEP in steps)
         log.info("dry run: nothing was launched or written")
         return None
     mark_abandoned(store, tree)
@@ -177,7 +177,9 @@ def check_requests(jobs: list[Job], settings: Settings, store: Store) -> None:
         raise ConfigError(problems, f"{settings.source}: requests SageMaker would refuse")
 
 
-def log_plan(jobs: list[Job], settings: Settings, store: Store, show_requests=False) -> None:
+def log_plan(
+    jobs: list[Job], settings: Settings, store: Store, show_requests=False, registering=False
+) -> None:
     e = settings.experiment
     labels = {"event": ("plan", [job_label(j) for j in jobs])}
     where = f"on the {e.backend} backend, store {store.uri}"
@@ -188,6 +190,20 @@ def log_plan(jobs: list[Job], settings: Settings, store: Store, show_requests=Fa
         if show_requests:
             text = json.dumps(describe(job, settings, store), indent=2)
             log.info("\n".join("       " + line for line in text.splitlines()))
+    if registering:  # no job: the driver's own step after inference
+        log.info(f"  {len(jobs) + 1}. {registry.plan_line(settings, store)}")
+    if e.backend != "local":  # what SageMaker would bill at most, before anything starts
+        basis = prices_of(settings)
+        priced = [
+            (job_label(j), cost.maximum(j.kind, describe(j, settings, store), basis)) for j in jobs
+        ]
+        for line in cost.plan_lines(priced):
+            log.info(line)
+
+
+def prices_of(settings: Settings) -> dict:
+    """The prices a run applies: [cost] PRICES over the shipped table, in its region."""
+    return cost.price_basis(settings.experiment.region, settings.cost.prices)
 
 
 def claim_run(
@@ -275,6 +291,7 @@ def set_up(
 ) -> tuple[RunContext, list[tuple[Stage, list[Job]]]]:
     """The run's first Metadata written, its stages' jobs built and printed, its code shipped."""
     base.mask(secret_values({**os.environ, **job_env(settings)}))
+    base.prices = prices_of(settings) if settings.experiment.backend != "local" else None
     log_reused(sources)
     md.merge(store, run, base)
     ctx = RunContext(settings, store, run, sources.with_outputs_of(steps, run), base, None)
@@ -285,7 +302,7 @@ def set_up(
     jobs = [job for _, stage_jobs in planned for job in stage_jobs]
     if base.resumed_at:
         clear_partial_outputs(store, run, jobs)
-    log_plan(jobs, settings, store)
+    log_plan(jobs, settings, store, registering=registry.STEP in steps)
     if not is_complete(store, run.code):  # a resumed run runs the code it started with
         ship_code(settings, store, run.code)
     return ctx, planned

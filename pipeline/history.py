@@ -71,6 +71,7 @@ def run_rows(store: Store, tree: ExperimentTree) -> list[dict]:
                 "seconds": record.get("time_taken"),
                 "started": record.get("start_time"),
                 "bytes": size,
+                "cost": record.get("cost"),  # pipeline/cost.py run_cost
             }
         )
     return rows

@@ -86,6 +86,10 @@ class ProcessingJob:
     instance_type: str = "ml.m5.xlarge"
     max_run_seconds: int = 86400
     model: str = ""  # the model a per-model step works on (export)
+    instance_count: int = 1
+    # Inputs split across the instances by S3 key (`smpipe predict`'s texts); the others are
+    # copied whole to every instance.
+    sharded_inputs: tuple[str, ...] = ()
 
     kind = "processing"
 
@@ -152,12 +156,16 @@ def processing_request(job: ProcessingJob, image: str, role: str, uri_of: UriOf)
     """CreateProcessingJob: the image's entrypoint runs `process <step> <arguments>`."""
 
     def s3_input(name: str, uri: str, local: str) -> dict:
+        # ShardedByS3Key: "the data from Amazon S3 is sharded by Amazon S3 key, downloading one
+        # shard of data to each processing instance"; FullyReplicated: all of it to every one
+        # (API_ProcessingS3Input.html; botocore's ProcessingS3DataDistributionType enum).
+        sharded = name in job.sharded_inputs
         s3 = {
             "S3Uri": uri,
             "LocalPath": local,
             "S3DataType": "S3Prefix",
             "S3InputMode": "File",
-            "S3DataDistributionType": "FullyReplicated",
+            "S3DataDistributionType": "ShardedByS3Key" if sharded else "FullyReplicated",
         }
         return {"InputName": name, "S3Input": s3}
 
@@ -191,7 +199,7 @@ def processing_request(job: ProcessingJob, image: str, role: str, uri_of: UriOf)
         },
         "ProcessingResources": {
             "ClusterConfig": {
-                "InstanceCount": 1,
+                "InstanceCount": job.instance_count,
                 "InstanceType": job.instance_type,
                 "VolumeSizeInGB": VOLUME_GB,
             }
@@ -410,6 +418,9 @@ class JobResult:
     log_key: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     details: dict = field(default_factory=dict)  # what a tuning job reports of its trials
+    # What it used, one record per billed thing (a job, a tuning trial, a warm pool): the
+    # backend's own terms, priced in pipeline/cost.py.
+    billing: list[dict] = field(default_factory=list)
 
     @property
     def seconds(self) -> float:

@@ -16,11 +16,12 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
+from pipeline.cost import run_cost
 from pipeline.paths import RunTree
 from pipeline.store import NotFound, Store
 from steps.entrypoint import redact
 
-STEP_ORDER = ("reconcile", "prepare", "train", "tune", "inference")
+STEP_ORDER = ("reconcile", "prepare", "train", "tune", "inference", "register")
 PACKAGES = (
     "torch",
     "transformers",
@@ -51,6 +52,8 @@ class StepSection(BaseModel):
     memory_usage: float | None = None  # peak resident MB of the job's processes
     gpu_usage: dict | None = None  # reported by the job when it ran on GPUs
     restarts: int = 0
+    # What its jobs used, each as its backend reports it (JobResult.billing; pipeline/cost.py).
+    billing: list[dict] = Field(default_factory=list)
     details: dict = Field(default_factory=dict)  # what the step script itself reported
 
 
@@ -68,7 +71,6 @@ class Metadata(BaseModel):
     end_time: str | None = None
     time_taken: float | None = None
     memory_usage: float | None = None  # the largest peak of any job, MB
-    gpu_usage: dict | None = None
     raw_file_size: int | None = None
     raw_format: str | None = None
     raw_path: str | None = None
@@ -93,11 +95,30 @@ class Metadata(BaseModel):
     checkpoints_removed_bytes: int | None = None
     # `smpipe prune`: when, and what of the run it removed (a prefix of the run -> bytes).
     pruned: dict | None = None
+    # The prices the run applies (cost.price_basis: region, each instance type's price and
+    # where it came from, the unpriced ones), and what it cost: per job and in all, in USD on
+    # sagemaker and emulated, in CPU-seconds and peak memory locally (cost.run_cost).
+    prices: dict | None = None
+    cost: dict | None = None
+    # [registry]: the version of the model package group the run's winner became (its group,
+    # version, ARN on SageMaker, model, test metrics, approval), from the register step.
+    registered: dict | None = None
     steps: dict[str, StepSection] = Field(default_factory=dict)
     _secrets: list[str] = PrivateAttr(default_factory=list)  # values masked when written
 
     def mask(self, secrets: list[str]) -> None:
         self._secrets = list(secrets)
+
+
+def winner(record: dict) -> str | None:
+    """The run's best model by test macro-F1, as its inference step named it (comparison.json's
+    `winner`); the one model a single-model run tested; None when nothing was tested."""
+    inference = (record.get("steps") or {}).get("inference") or {}
+    comparison = (inference.get("details") or {}).get("comparison") or {}
+    if comparison.get("winner"):
+        return comparison["winner"]
+    tested = record.get("holdout_performance") or {}
+    return max(tested, key=lambda m: tested[m].get("macro_f1", -1)) if tested else None
 
 
 def git_sha(directory: Path) -> str | None:
@@ -154,10 +175,12 @@ def merge(store: Store, run: RunTree, base: Metadata) -> Metadata:
             record.model_lineage.update(details.get("lineage", {}))
     if "inference" in sections:
         record.holdout_performance = sections["inference"].details.get("holdout_performance", {})
+    if "register" in sections:
+        record.registered = sections["register"].details.get("registered")
     peaks = [s.memory_usage for s in sections.values() if s.memory_usage is not None]
     record.memory_usage = max(peaks) if peaks else None
-    gpus = {k: s.gpu_usage for k, s in sections.items() if s.gpu_usage}
-    record.gpu_usage = gpus or None
+    billing = [b for s in sections.values() for b in s.billing]
+    record.cost = run_cost(billing, base.prices, base.backend)
     text = redact(json.dumps(record.model_dump(), indent=2), base._secrets)
     store.put_bytes(run.metadata, text.encode())
     return record

@@ -9,6 +9,8 @@
                                               from.json (the snapshot it was prepared from)
         cache/<step>/<key>.json               reconcile/prepare: the data version computed from
                                               exactly these inputs (pipeline/cache.py)
+        registry/<group>/<version>.json       the local model registry: one record per version
+                                              (pipeline/registry.py)
         runs/<run_num>/                       everything one run produces
             CLAIM                             written first, atomically: the run_num is taken
             settings.ini                      the settings as applied, secrets redacted
@@ -24,8 +26,14 @@
             tuning/<model>/                   trials.json/.csv/.png, tuning.json; trial-NNN/output/
                                               (each trial's report; its model deleted)
             inference/                        per-model and comparison statistics
+            predictions/<label>/              `smpipe predict` with one of the run's models:
+                                              code/, input/ and output/ (parquet parts, input/
+                                              removed once predicted), record.json
             jobs/<step>/                      what each processing job reported (step_metadata.json)
             code/                             the code every job runs (steps/, user functions)
+            registry/<model>/                 the registered winner's test metrics as its
+                                              ModelMetrics read them, and its model.tar.gz when
+                                              no training job left one (a tuned model)
             report.html                       the run on one page: settings, data, curves, results
 
 A data_version is the run_num of the run that produced it (`0003`), so data is versioned
@@ -71,6 +79,13 @@ class ExperimentTree:
         """A str is a label used as is: the dry run's '<next run_num>'."""
         label = data_version if isinstance(data_version, str) else run_label(data_version)
         return DataTree(f"{self.data_root}{label}/")
+
+    def registry(self, group: str) -> str:
+        """The local model registry's versions of one model package group."""
+        return f"{self.experiment}/registry/{group}/"
+
+    def registry_version(self, group: str, version: int) -> str:
+        return f"{self.registry(group)}{version:0{RUN_NUM_WIDTH}d}.json"
 
     def run(self, run_num: int | str) -> RunTree:
         label = run_num if isinstance(run_num, str) else run_label(run_num)
@@ -181,6 +196,10 @@ class RunTree:
     def inference(self) -> str:
         return f"{self.prefix}inference/"
 
+    def prediction(self, label: str) -> PredictionTree:
+        """One `smpipe predict` with a model of this run (pipeline/predict.py)."""
+        return PredictionTree(f"{self.prefix}predictions/{label}/")
+
     def report(self, step: str) -> str:
         """Where a processing job's own Metadata section (step_metadata.json) lands."""
         return f"{self.prefix}jobs/{step}/"
@@ -195,6 +214,15 @@ class RunTree:
         """SageMaker's OutputDataConfig: <job>/output/model.tar.gz and output.tar.gz."""
         return f"{self.prefix}jobs/training/"
 
+    def model_quality(self, model_name: str) -> str:
+        """A registered model's test metrics, the document its ModelMetrics.ModelQuality names."""
+        return f"{self.prefix}registry/{model_name}/model_quality.json"
+
+    def registry_archive(self, model_name: str) -> str:
+        """A registered model's model.tar.gz, packed from its folder when no training job's
+        archive holds it (a tuned model: exported after its study)."""
+        return f"{self.prefix}registry/{model_name}/model.tar.gz"
+
     @property
     def report_html(self) -> str:
         """report.html: the run on one self-contained page (pipeline/report.py)."""
@@ -203,6 +231,31 @@ class RunTree:
     @property
     def code(self) -> str:
         return f"{self.prefix}code/"
+
+
+@dataclass(frozen=True)
+class PredictionTree:
+    prefix: str
+
+    @property
+    def code(self) -> str:
+        """The job's code: this project's steps/ with the run's own user functions."""
+        return f"{self.prefix}code/"
+
+    @property
+    def input(self) -> str:
+        """The texts as parquet parts (part-NNNNN.parquet), sharded across instances by key."""
+        return f"{self.prefix}input/"
+
+    @property
+    def output(self) -> str:
+        """One parquet part of predictions per input part, named as it."""
+        return f"{self.prefix}output/"
+
+    @property
+    def record(self) -> str:
+        """record.json: run, model, input hash, counts, malformed rows (OUTPUT.json too)."""
+        return f"{self.prefix}record.json"
 
 
 def parse_run_label(label: str) -> int | None:

@@ -14,6 +14,7 @@ import io
 import json
 from pathlib import Path
 
+from pipeline import cost
 from pipeline.history import age
 from pipeline.paths import ExperimentTree, RunTree, run_label
 from pipeline.store import NotFound, Store, artifact_key
@@ -54,6 +55,10 @@ def _csv(store: Store, key: str) -> list[dict]:
         return []
 
 
+# What the Timings table shows of each step's Metadata section.
+TIMING_FIELDS = ("status", "time_taken", "memory_usage", "gpu_usage", "restarts", "job_names")
+
+
 def context(store: Store, tree: ExperimentTree, run_num: int) -> dict:
     """What the page shows, read from the run tree; a part the run never made is None."""
     run = tree.run(run_num)
@@ -79,10 +84,7 @@ def context(store: Store, tree: ExperimentTree, run_num: int) -> dict:
         for n in [run_num] + ([version] if isinstance(version, int) else [])
     ]
     splits = next((r["split_sizes"] for r in reports if r and "split_sizes" in r), None)
-    comparison = inference.get("comparison")
-    if comparison and models:  # records of older runs did not name the winner
-        best = max(models, key=lambda m: (m["performance"] or {}).get("macro_f1", -1))
-        comparison = {"winner": best["name"], **comparison}
+    comparison = inference.get("comparison")  # its `winner` as inference named it
     try:
         settings = store.get_bytes(run.settings).decode()
     except NotFound:
@@ -104,10 +106,7 @@ def context(store: Store, tree: ExperimentTree, run_num: int) -> dict:
         "timings": [
             {
                 "step": name,
-                **{
-                    k: section.get(k)
-                    for k in ("status", "time_taken", "memory_usage", "restarts", "job_names")
-                },
+                **{k: section.get(k) for k in TIMING_FIELDS},
             }
             for name, section in steps.items()
         ],
@@ -169,6 +168,7 @@ def render(values: dict) -> str:
     env = jinja2.Environment(
         autoescape=True, undefined=jinja2.ChainableUndefined, trim_blocks=True, lstrip_blocks=True
     )
+    env.filters["cost"] = lambda recorded: cost.said(recorded or None)  # pipeline/cost.py
     env.filters["num"] = lambda x, digits=4: (
         "" if x is None or isinstance(x, jinja2.Undefined) else f"{float(x):.{digits}f}"
     )

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipeline import metadata as md
-from pipeline.config import Settings
+from pipeline.config import ConfigError, Settings
 from pipeline.errors import PipelineError, log
 from pipeline.history import settings_changes
 from pipeline.paths import SPLITS, DataTree, ExperimentTree, RunTree, run_label
@@ -243,8 +243,9 @@ def resolve_sources(
     raw = tree.raw if uploads_raw or not settings.raw_data_uri() else settings.raw_data_uri()
     sources = Sources(raw=raw)
     newest = f"{store.uri_of(tree.data_root)} holds no complete"
-    if "reconcile" in steps:
-        problems += check_raw_data(settings, store, tree)
+    # Where the settings say the raw data is: a problem of the settings (exit 2), said with
+    # the rest.
+    raw_problems = check_raw_data(settings, store, tree) if "reconcile" in steps else []
     if "prepare" in steps and "reconcile" not in steps:
         version = newest_data(store, tree, "reconciled")
         if version is None:
@@ -262,6 +263,8 @@ def resolve_sources(
             sources.reused["prepared"] = store.uri_of(sources.prepared.prepared)
     if "inference" in steps and "train" not in steps:
         problems += reuse_models(settings, store, tree, steps, sources)
+    if raw_problems:
+        raise ConfigError([*raw_problems, *problems], settings.source)
     if problems:
         raise PipelineError("cannot start: " + "; ".join(problems))
     return sources

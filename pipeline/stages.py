@@ -14,10 +14,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from pipeline import cache
+from pipeline import cache, registry
 from pipeline import metadata as md
 from pipeline.config import Settings
 from pipeline.errors import log
@@ -280,6 +281,10 @@ class Inference:
             "--model-names": ",".join(settings.models.model_names),
             "--batch-size": settings.inference.batch_size,
             "--model-format": settings.inference.model_format,
+            # Each model is logged to wandb as a `model` artifact of its training run, with
+            # its test metrics (steps/model_artifact.py).
+            "--wandb-mode": settings.tracking.wandb_mode,
+            "--wandb-project": settings.tracking.wandb_project,
         }
         inputs = {
             "test": test.split("test"),
@@ -301,8 +306,39 @@ class Inference:
         md.merge(ctx.store, ctx.run, ctx.base)
 
 
-STAGES: tuple[Stage, ...] = (Reconcile(), Prepare(), Train(), Inference())
-STEPS = tuple(stage.name for stage in STAGES)
+class Register:
+    """After inference, when [registry] names a model package group: the run's winner
+    registered once (pipeline/registry.py). No job: the driver's own requests, or a record."""
+
+    name = registry.STEP
+
+    def jobs(self, settings: Settings, run: RunTree, sources: Sources) -> list[Job]:
+        return []
+
+    def run(self, ctx: RunContext, jobs: list[Job]) -> None:
+        started = time.time()
+        record = md.merge(ctx.store, ctx.run, ctx.base).model_dump()
+        client = getattr(ctx.backend, "client", None)  # SageMaker's (moto's when emulated)
+        said = {"step": self.name, "start_time": md.iso(started)}
+        try:
+            registered = registry.register(ctx.settings, ctx.store, ctx.run, record, client)
+        except Exception as e:
+            reason = str(e)
+            failed = md.StepSection(**said, status="failed", failure_reason=reason)
+            md.write_section(ctx.store, ctx.run, failed)
+            raise
+        took = round(time.time() - started, 3)
+        done = {"end_time": md.iso(time.time()), "time_taken": took}
+        details = {"registered": registered}
+        section = md.StepSection(**said, **done, status="completed", details=details)
+        md.write_section(ctx.store, ctx.run, section)
+        md.merge(ctx.store, ctx.run, ctx.base)
+
+
+STAGES: tuple[Stage, ...] = (Reconcile(), Prepare(), Train(), Inference(), Register())
+# What --steps chooses from. Registration is not chosen: it follows inference whenever
+# [registry] names a group (registry.with_registration).
+STEPS = tuple(stage.name for stage in STAGES if stage.name != Register.name)
 
 
 def build_jobs(settings: Settings, steps: list[str], run: RunTree, sources: Sources) -> list[Job]:
@@ -461,6 +497,7 @@ def section(
         memory_usage=max(peaks) if peaks else None,
         gpu_usage=gpus or None,
         restarts=sum(r.restarts for r in results),
+        billing=[b for r in results for b in r.billing],
         details=details,
     )
 

@@ -75,10 +75,6 @@ H = Hyperparameter
 TABLE: tuple[Hyperparameter, ...] = (
     H("model_name",     str,   None, section="run",
       help="which model of MODEL_NAMES this job trains"),
-    H("model_names",    str,   None, section="run",
-      help="every model of the run, comma separated (a comparison job has several)"),
-    H("job_kind",       str,   None, section="run", choices=("training", "tuning"),
-      help="what launched this job"),
     H("exports",        str,   "torchscript", section="run", choices=EXPORT_CHOICES,
       help="the programs written beside the weights ([training] EXPORTS); none: a tuning "
            "trial's (the study's best model is exported after it, steps/export.py)"),

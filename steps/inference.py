@@ -32,6 +32,7 @@ from sklearn.metrics import (
 
 from steps.batching import Batches, by_length, read_inputs, read_split
 from steps.contract import processing_input, processing_output, run_step, write_step_metadata
+from steps.model_artifact import log_models
 from steps.model_files import RECORD, read_record, usable_export
 
 
@@ -42,6 +43,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--model-format", choices=["torchscript", "exported"], default="torchscript"
     )
+    # [tracking]: each model logged as a wandb `model` artifact (steps/model_artifact.py).
+    parser.add_argument(
+        "--wandb-mode", choices=["online", "offline", "disabled"], default="disabled"
+    )
+    parser.add_argument("--wandb-project", default="smpipe")
     return parser.parse_args()
 
 
@@ -338,12 +344,17 @@ def main() -> None:
         )
 
     comparison = compare(names, performance, predictions, y_true, out) if len(names) > 1 else None
+    winner = comparison["winner"] if comparison else names[0]
+    folders = {name: model_dir(name) for name in names}
+    report = processing_output("report")
+    logged = log_models(folders, performance, winner, args.wandb_mode, args.wandb_project, report)
     write_step_metadata(
-        processing_output("report"),
+        report,
         {
             "holdout_performance": performance,
             "comparison": comparison,
             "model_format": args.model_format,
+            "wandb_artifacts": logged,
         },
     )
 

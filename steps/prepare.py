@@ -192,8 +192,8 @@ def fast_definition(backend) -> str:
 def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length: int):
     """The user's encode over every row, in batches, checked; the model's columns prefixed with
     its name plus `<model>__length`, what training needs to pad them (keys, padding values),
-    and which tokenizer encoded them. Long on purpose: one pass over the rows, each check
-    beside the part of the encoding it protects."""
+    and which tokenizer encoded them. One pass over the rows, each check beside the part of
+    the encoding it protects."""
     tokenizer = call(functions, "load_tokenizer", model_name)
     identity = tokenizer_identity(tokenizer)
     keys = list(call(functions, "ordered_input_keys", model_name))
@@ -235,23 +235,33 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
             table = table.append_column(f"{model_name}_{k}", values)
         return table.append_column(length_column(model_name), pa.array(lengths, pa.int64()))
 
-    # A fingerprint of our own: datasets would otherwise pickle the closure (tokenizer and all)
-    # to hash it, a third of the whole encode on the demo. Never read from a cache: the user's
-    # encode may have changed under the same name.
-    fingerprint = hashlib.sha256(
-        f"{dataset._fingerprint}/{functions.module}/{model_name}/{max_length}".encode()
-    ).hexdigest()[:16]
     dataset = dataset.with_format("arrow").map(
         encode,
         batched=True,
         batch_size=1000,
         desc=f"encode {model_name}",
-        new_fingerprint=fingerprint,
+        new_fingerprint=fingerprint(dataset, functions.module, model_name, max_length),
         load_from_cache_file=False,
         keep_in_memory=True,
     )
     dataset = dataset.with_format(None)
-    info = {
+    info = padding_info(dataset, tokenizer, keys, model_name)
+    said_and_checked(dataset, model_name, keys, max_length, where, dropped)
+    return dataset, info, identity
+
+
+def fingerprint(dataset: datasets.Dataset, module: str, model_name: str, max_length: int) -> str:
+    """A fingerprint of our own for the encode's map: datasets would otherwise pickle the
+    closure (tokenizer and all) to hash it, a third of the whole encode on the demo. Never read
+    from a cache: the user's encode may have changed under the same name."""
+    key = f"{dataset._fingerprint}/{module}/{model_name}/{max_length}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def padding_info(dataset: datasets.Dataset, tokenizer, keys: list[str], model_name: str) -> dict:
+    """What training needs to pad a model's columns: its keys, their padding values, and which
+    are sequences."""
+    return {
         "keys": keys,
         "pad": {k: pad_value(k, tokenizer) for k in keys},
         # Sequences are padded per batch; scalar inputs (a feature per row) are stacked.
@@ -259,6 +269,17 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
             k for k in keys if not isinstance(dataset.features[f"{model_name}_{k}"], datasets.Value)
         ],
     }
+
+
+def said_and_checked(
+    dataset: datasets.Dataset,
+    model_name: str,
+    keys: list[str],
+    max_length: int,
+    where: str,
+    dropped: set[str],
+) -> None:
+    """The encoding's lengths said; a row longer than MAX_SEQUENCE_LENGTH refused."""
     lengths = np.asarray(dataset.with_format("arrow")[length_column(model_name)])
     print(
         f"encoded {len(dataset)} rows for {model_name}: inputs {keys}, "
@@ -271,7 +292,6 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
             f"{where} returned rows of up to {lengths.max()} tokens; MAX_SEQUENCE_LENGTH is "
             f"{max_length} (pass truncation=True, max_length=max_length to the tokenizer)"
         )
-    return dataset, info, identity
 
 
 def main() -> None:

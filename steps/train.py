@@ -20,6 +20,7 @@ the job's time outside its optimizer steps goes (`seconds_outside_steps`), and t
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import functools
 import json
@@ -139,6 +140,7 @@ class Job:
     epoch_started: float = 0.0
     loop_seconds: float = 0.0  # in train_epoch: the optimizer steps, nothing around them
     last_finite: tuple[int, float] | None = None  # (optimizer step, its mean loss)
+    tracking: concurrent.futures.Future | None = None  # wandb starting (start_tracking)
 
 
 def optimizer_for(model: torch.nn.Module, hp: dict, total_steps: int):
@@ -242,12 +244,9 @@ def announce(
     accelerator: Accelerator, hp: dict, per_device: int, accumulation: int, settings: dict
 ) -> None:
     """The job's first line: the model, how the batch splits, and what was applied."""
-    others = [m for m in hp["model_names"].split(",") if m and m != hp["model_name"]]
-    comparison = f" (comparison with {len(others)} other model(s))" if others else ""
     effective = per_device * accelerator.num_processes * accumulation
     accelerator.print(
-        f"model={hp['model_name']} job_kind={hp['job_kind']}{comparison} "
-        f"processes={accelerator.num_processes} "
+        f"model={hp['model_name']} processes={accelerator.num_processes} "
         f"per_device_batch={per_device} accumulation={accumulation} "
         f"effective_batch={effective} (wanted {hp['batch_size']}) "
         + " ".join(f"{k}={v}" for k, v in settings.items())
@@ -498,6 +497,7 @@ def train_epoch(job: Job) -> None:
             )
             if accelerator.is_main_process:
                 job.env.failure_file.parent.joinpath("interrupted").write_text(str(state.step))
+            tracked(job)
             accelerator.end_training()
             sys.exit(EXIT_INTERRUPTED)
         if state.batch_in_epoch == job.sampler.batches_per_epoch or state.step >= job.total_steps:
@@ -580,6 +580,7 @@ def end_epoch(job: Job) -> None:
     }
     state.history.append(record)
     accelerator.print(metric_line(record))
+    tracked(job)
     accelerator.log({k: v for k, v in record.items() if k != "epoch"}, step=state.step)
     new_best = None
     if state.best_metric is None or scores["f1"] > state.best_metric:
@@ -624,6 +625,7 @@ def finish(job: Job) -> None:
     if accelerator.is_main_process:
         keep_model(job)
     accelerator.wait_for_everyone()
+    tracked(job)
     accelerator.end_training()
 
 
@@ -671,10 +673,21 @@ def save_model(job: Job, final: torch.nn.Module, exports: dict) -> None:
         "best_validation_f1": state.best_metric,
         "max_length": job.max_length,  # as prepare recorded it (encoding.json)
         "exports": exports,  # which exports passed their check (steps/model_files.py)
+        "wandb_run": wandb_run_of(job),
     }
     save_final_model(final, model_dir, record)
     labels = {str(k): v for k, v in job.id2label.items()}
     (model_dir / "id2label.json").write_text(json.dumps(labels, indent=2))
+
+
+def wandb_run_of(job: Job) -> dict | None:
+    """This job's wandb run, kept in the model's record: inference logs the model, with its
+    test metrics, as a `model` artifact of this run (steps/model_artifact.py)."""
+    if not job.wandb_on:
+        return None
+    tracked(job)
+    run = job.accelerator.get_tracker("wandb", unwrap=True)
+    return {"id": run.id, "project": run.project}
 
 
 def write_report(job: Job, exports: dict) -> None:
@@ -715,16 +728,36 @@ def write_report(job: Job, exports: dict) -> None:
     )
 
 
+def start_tracking(accelerator: Accelerator, hp: dict, env: TrainingEnv):
+    """wandb's run, started beside the first epoch's steps: wandb.init starts its service
+    process and waits for it (0.55 s offline, 2 cores; more online), which nothing before the
+    first metric line needs. `tracked` waits for it. Accelerate's init_trackers, which runs
+    on the main process only, is called as in the foreground; an error it raises is raised by
+    `tracked`. What wandb's console capture misses (the step lines printed before it is up)
+    is in the job's own log."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wandb-init")
+    started = pool.submit(
+        accelerator.init_trackers,
+        hp["wandb_project"],
+        config=hp,
+        init_kwargs={"wandb": {"name": env.job_name, "dir": str(env.output_data_dir)}},
+    )
+    pool.shutdown(wait=False)
+    return started
+
+
+def tracked(job: Job) -> None:
+    """The wandb run is up (its start's error raised here): before a log, and before the end."""
+    if job.tracking is not None:
+        with timed("tracking"):  # the part of wandb's start the steps did not hide
+            job.tracking.result()
+
+
 def training_function(hp: dict, env: TrainingEnv) -> None:
     job = set_up(hp, env)
     resume(job)
     if job.wandb_on:
-        with timed("tracking"):
-            job.accelerator.init_trackers(
-                hp["wandb_project"],
-                config=hp,
-                init_kwargs={"wandb": {"name": env.job_name, "dir": str(env.output_data_dir)}},
-            )
+        job.tracking = start_tracking(job.accelerator, hp, env)
     Interrupt.install()
     state = job.state
     while state.epoch < hp["epochs"]:

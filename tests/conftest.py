@@ -145,3 +145,63 @@ class SigtermAt(io.StringIO):
                     child.send_signal(self.sig)
                     self.sent = True
         return super().write(text)
+
+
+def gated(folder: Path, step: int) -> dict[str, str]:
+    """A training job's environment that makes it wait in optimizer step `step` until it gets
+    SIGTERM (tests/jobs/gate.py), with the demo's user functions (tests/jobs/gated.py)."""
+    from tests.jobs.gate import GATE_VARIABLE
+
+    return {"SMPIPE_USER_FUNCTIONS": "tests.jobs.gated", GATE_VARIABLE: f"{folder}:{step}"}
+
+
+def wait_at_gate(folder: Path, step: int | str, running, timeout: float = 300) -> None:
+    """Until the job says it waits in step `step` (its marker file), while `running()`."""
+    import time
+
+    from tests.jobs.gate import marker
+
+    end = time.monotonic() + timeout
+    while not marker(folder, step).exists():
+        assert running(), f"the job ended before it reached step {step}"
+        assert time.monotonic() < end, f"the job did not reach step {step} in {timeout} s"
+        time.sleep(0.02)
+
+
+class SignalAtStep:
+    """Signals a training job in optimizer step `step`, however fast this machine runs it:
+    the job, `env` in its environment, waits in that step (`gated`); once it says so, `sig`
+    goes to every process of this test that `target` accepts (SIGTERM, a spot
+    reclaim: the step finishes and is checkpointed; SIGKILL: the out-of-memory killer).
+    A context: the watcher ends with the block."""
+
+    def __init__(self, folder: Path, step: int, target, sig: int = signal.SIGTERM):
+        import threading
+
+        self.step, self.target, self.sig, self.sent = step, target, sig, False
+        self.env = gated(folder, step)
+        self.done = threading.Event()
+        self.watcher = threading.Thread(target=self.watch, args=(folder,), daemon=True)
+
+    def __enter__(self):
+        self.watcher.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.watcher.join(10)
+
+    def watch(self, folder: Path) -> None:
+        import psutil
+
+        try:
+            wait_at_gate(folder, self.step, lambda: not self.done.is_set())
+        except AssertionError:
+            return  # the block ended first: its own asserts say why
+        for child in psutil.Process().children(recursive=True):
+            try:
+                if self.target(child):
+                    child.send_signal(self.sig)
+                    self.sent = True
+            except psutil.Error:
+                pass

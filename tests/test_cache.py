@@ -5,14 +5,18 @@ complete output."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 import pytest
 
+from pipeline import cache
 from pipeline.config import load_settings
-from pipeline.driver import parse_steps, run_pipeline
+from pipeline.driver import consult_cache, parse_steps, run_pipeline
 from pipeline.paths import ExperimentTree
+from pipeline.sources import resolve_sources
 from pipeline.store import LocalStore, is_complete
+from steps.user_code import load_user_functions
 from tests.conftest import write_settings
 from tests.test_user_functions import REVIEWS, write_module, write_reviews
 
@@ -32,18 +36,52 @@ def data_run(tmp_path, module="reviews_cache", steps="reconcile,prepare", use_ca
     return record, store
 
 
+def planned(tmp_path, **data) -> dict[str, str]:
+    """What the driver would do with each data step of a run with these [data] settings."""
+    path = write_settings(
+        tmp_path / "planned.ini", str(tmp_path / "store"),
+        experiment={"USER_FUNCTIONS": "reviews_cache", "NAME": "reviews"},
+        data={"RAW_DATA": str(tmp_path / "raw"), "MAX_SEQUENCE_LENGTH": "12", **data},
+        models={"MODEL_NAMES": "tiny"},
+    )  # fmt: skip
+    settings = load_settings(path, env={})
+    store, steps = LocalStore(settings.store_uri()), parse_steps("reconcile,prepare")
+    sources = resolve_sources(settings, store, TREE, steps)
+    functions = load_user_functions(settings.experiment.user_functions, settings.base_dir)
+    entries = consult_cache(settings, store, TREE, steps, sources, functions, use_cache=True)
+    return {step: entry.status for step, entry in entries.items()}
+
+
 def verdicts(record) -> dict[str, tuple[str, int | None]]:
     """step -> (computed | reused | skipped, the data version reused)."""
     return {s: (e["status"], e["data_version"]) for s, e in record["data_steps"].items()}
 
 
-def test_unchanged_inputs_reuse_and_each_change_recomputes(tmp_path, caplog):
+def test_unchanged_inputs_reuse_and_each_change_recomputes(tmp_path, caplog, monkeypatch):
     caplog.set_level("INFO", logger="smpipe")
     write_module(tmp_path, "reviews_cache", REVIEWS)
     write_reviews(tmp_path / "raw")
     first, store = data_run(tmp_path)
     assert verdicts(first) == {"reconcile": ("computed", None), "prepare": ("computed", None)}
     assert len(store.list_keys("reviews/cache/reconcile/")) == 1
+
+    # The key holds each step's own code, read through what it imports, and prepare's split
+    # fractions and seed: a change to any of them computes again (asked of the driver; no job).
+    assert planned(tmp_path) == {"reconcile": "reused", "prepare": "reused"}
+    assert planned(tmp_path, SEED="7") == {"reconcile": "reused", "prepare": "computed"}
+    fractions = {"TRAIN_FRACTION": "0.7", "TEST_FRACTION": "0.2"}
+    assert planned(tmp_path, **fractions) == {"reconcile": "reused", "prepare": "computed"}
+    code = tmp_path / "steps"
+    shutil.copytree(cache.STEPS_DIR, code, ignore=shutil.ignore_patterns("__pycache__"))
+    with monkeypatch.context() as patch:
+        patch.setattr(cache, "STEPS_DIR", code)
+        assert planned(tmp_path) == {"reconcile": "reused", "prepare": "reused"}
+        with open(code / "prepared_files.py", "a") as f:  # imported by prepare alone
+            f.write("\n# one line more\n")
+        assert planned(tmp_path) == {"reconcile": "reused", "prepare": "computed"}
+        with open(code / "contract.py", "a") as f:  # imported by both
+            f.write("\n# one line more\n")
+        assert planned(tmp_path) == {"reconcile": "computed", "prepare": "computed"}
 
     # Nothing the data steps read changed (load_model did): both reused, no new data
     # version, the run says where from.
@@ -56,11 +94,10 @@ def test_unchanged_inputs_reuse_and_each_change_recomputes(tmp_path, caplog):
     assert store.list_children("reviews/data/") == ["0001"]
     assert "reusing prepared" in caplog.text and "(cache: same inputs" in caplog.text
 
-    # A function the data steps do not call (load_model): still reused.
-    write_module(
-        tmp_path, "reviews_cache", REVIEWS.replace("Tiny(len(id2label))", "Tiny(len(label2id))")
-    )
-    assert verdicts(data_run(tmp_path)[0])["prepare"] == ("reused", 1)
+    # Another change to a function the data steps do not call (load_model): still reused.
+    other = REVIEWS.replace("Tiny(len(id2label))", "Tiny(len(id2label) or 1)")
+    write_module(tmp_path, "reviews_cache", other)
+    assert verdicts(data_run(tmp_path)[0]) == {"reconcile": ("reused", 1), "prepare": ("reused", 1)}
 
     # One character of encode: reconcile reused, prepare computed into this run's version.
     write_module(

@@ -17,6 +17,7 @@ import pytest
 from pipeline.cache import CALLS, functions_digest
 from steps.user_code import load_user_functions, local_modules
 from tests.conftest import ROOT
+from tests.reliability.figures import record
 
 MUTANT = """
 import csv
@@ -231,9 +232,10 @@ def test_every_change_that_changes_a_data_step_changes_its_key(
     assert all(why is None for (_, why), _ in original.values()), (
         original
     )  # exact, not the fallback
-    changed_outputs, report = 0, []
+    changed_outputs, report, mutants = 0, [], 0
     for rel, source in files.items():
         for what, mutated in mutations(source):
+            mutants += 1
             result = keys_and_outcomes(
                 module, write(tmp_path / f"m{len(report)}", {**files, rel: mutated}), demo_raw
             )
@@ -242,9 +244,10 @@ def test_every_change_that_changes_a_data_step_changes_its_key(
                 key_changed = key != original[step][0][0]
                 report.append((rel, what, step, output_changed, key_changed))
                 changed_outputs += output_changed
-                assert key_changed or not output_changed, (
-                    f"{rel} {what}: {step}'s output changed, its key did not"
-                )
+    # A stale reuse: a step's output changed and its key did not (the cache would reuse it).
+    stale = [f"{rel} {what}: {step}" for rel, what, step, out, key in report if out and not key]
+    record(f"cache-mutations/{module}", mutants=mutants, stale=len(stale))
+    assert stale == [], "outputs changed, keys did not"
     assert changed_outputs >= (3 if module == "user_functions" else 8), report
     if module == "mutant_functions":  # the kinds the old closure missed: each changes a key
         caught = {what.split(":")[0] for _, what, _, _, key in report if key}

@@ -236,6 +236,8 @@ def test_a_failing_step_ends_in_one_paragraph(tmp_path, demo_raw):
     runs = tmp_path / "store/test-exp/runs/0001"
     record = json.loads((runs / "metadata.json").read_text())
     assert record["status"] == "failed" and set(record["steps"]) == {"reconcile", "prepare"}
+    # The emulator's placeholder credentials are masked as secrets: never a word text holds.
+    assert record["backend"] == "emulated" and "<redacted>" not in json.dumps(record)
     assert record["steps"]["prepare"]["status"] == "failed"
     assert "this encode is broken" in record["steps"]["prepare"]["failure_reason"]
     # The raw data went to the experiment's raw/ before the run was claimed.

@@ -99,7 +99,7 @@ def test_the_report_renders_every_section_offline_in_chromium(three_runs):
     # The driver wrote it when the run ended; `smpipe report` writes it again, the same.
     written = page_path.read_bytes()
     assert cli.main(["report", str(tmp / "settings.ini"), "1"]) == 0
-    assert len(page_path.read_bytes()) == len(written)
+    assert page_path.read_bytes() == written
 
     flags = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
              "--disable-component-update", "--disable-sync"]  # fmt: skip

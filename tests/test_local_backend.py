@@ -13,6 +13,7 @@ from pipeline.jobs import ProcessingJob, TrainingJob
 from pipeline.paths import ExperimentTree
 from pipeline.store import LocalStore, S3Store, is_complete, upload_dir
 from tests.conftest import ship_code
+from tests.reliability.figures import record
 
 SECRETS = {
     "WANDB_API_KEY": "wandb-secret-0123456789",
@@ -181,6 +182,8 @@ def test_a_job_that_runs_past_its_max_runtime_is_stopped(store, tmp_path):
     local = backend(store, tmp_path)
     local.containers.grace_seconds = 2
     result = local.run_training(job)  # the probe would sleep 600 s
+    record("max-run-seconds", limit=job.max_run_seconds, status=result.status,
+           reason=(result.failure_reason or "").split(":")[0], seconds=result.seconds)  # fmt: skip
     assert result.status == "Stopped"
     assert result.failure_reason.startswith("MaxRuntimeExceeded: the job was stopped after")
     assert not is_complete(store, "out/m/")

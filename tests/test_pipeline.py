@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pipeline.config import load_settings
+from pipeline.config import ConfigError, load_settings
 from pipeline.driver import PipelineError, parse_steps, run_pipeline
 from pipeline.paths import ExperimentTree
 from pipeline.sources import upload_raw
@@ -136,7 +136,7 @@ def test_two_models_end_to_end(staged, bucket, tmp_path, monkeypatch):
         )
         assert json.loads(store.get_bytes(run1.step_metadata(step)))["step"] == step
     assert record["raw_file_size"] > 0 and record["raw_format"] == "csv:1,txt:60"
-    assert record["gpu_usage"] is None  # no GPU here: left empty, not invented
+    assert record["steps"]["train"]["gpu_usage"] is None  # no GPU here: not invented
     assert set(record["model_artifacts"]) == {"minilm", "bow"}
 
     # Secrets never reach the store: settings copy, Metadata, logs, wandb files.
@@ -175,7 +175,7 @@ def test_skipping_steps_with_nothing_to_reuse_fails_before_writing(bucket, tmp_p
     store = S3Store(f"s3://{bucket}/root")
     with pytest.raises(PipelineError, match="no complete prepared data"):
         run(path, steps="train", store=store)
-    with pytest.raises(PipelineError, match="no raw data"):
+    with pytest.raises(ConfigError, match="no raw data"):
         run(path, store=store)
     assert store.list_keys("") == []
 
@@ -206,7 +206,7 @@ def test_a_missing_raw_data_folder_is_named_before_anything_is_written(tmp_path)
         text=True,
         cwd=ROOT,
     )
-    assert done.returncode == 1
+    assert done.returncode == 2  # a settings problem
     assert (
         f"[data] RAW_DATA: {tmp_path / 'no_such_folder'} is not a folder with files in it"
         in done.stderr

@@ -3,6 +3,7 @@ a run that was never interrupted; checkpoints are atomic; a corrupt one is skipp
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import datasets
@@ -34,10 +36,10 @@ from steps.entrypoint import (
 )
 from steps.hyperparameters import TUNABLE
 from steps.prepared_files import encoding_record, write_encoding
-from tests.conftest import ROOT, SigtermAt, ship_code
+from tests.conftest import ROOT, SignalAtStep, gated, ship_code, wait_at_gate
 
 HPS = {
-    "model_name": "bow", "model_names": "bow", "job_kind": "training", "epochs": "3", "learning_rate": "0.01",
+    "model_name": "bow", "epochs": "3", "learning_rate": "0.01",
     "batch_size": "8", "max_per_device_batch_size": "4", "warmup_ratio": "0.1",
     "weight_decay": "0.01", "seed": "5", "checkpoint_every_steps": "3", "keep_checkpoints": "2",
     "wandb_project": "t", "wandb_mode": "disabled", "max_steps": "0",
@@ -120,26 +122,47 @@ def run_to_end(env: dict, processes: int = 1) -> str:
     return out
 
 
-def kill_at(env: dict, step: int, sig: int, processes: int = 1) -> str:
-    """Start (or resume) the job and kill its whole process group once it reports `step`."""
-    proc = start(env, processes)
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if line.startswith(f"step={step}/"):
-            # Every process of the job at once, as when a machine dies: the step (and
-            # torchrun's workers) first, then the entrypoint.
-            for process in [*psutil.Process(proc.pid).children(recursive=True), proc]:
-                try:
-                    process.send_signal(sig)
-                except psutil.NoSuchProcess:
-                    pass
-            break
-    else:
-        tail = "".join(seen[-30:])
-        raise AssertionError(f"the job ended before step {step}:\n{tail}")
-    proc.wait(timeout=120)
-    return "".join(seen)
+class Gated:
+    """The job started (or resumed), its output read aside, once it waits in optimizer step
+    `step` for a signal (tests/jobs/gate.py)."""
+
+    def __init__(self, env: dict, gates: Path, step: int, processes: int = 1):
+        self.proc = start({**env, **gated(gates, step)}, processes)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(
+            target=lambda: self.lines.extend(self.proc.stdout), daemon=True
+        )
+        self.reader.start()
+        try:
+            wait_at_gate(gates, step, lambda: self.proc.poll() is None)
+        except AssertionError as e:
+            self.proc.kill()
+            raise AssertionError(f"{e}:\n{self.output()}") from None
+
+    def output(self) -> str:
+        """Everything it printed, once it has ended."""
+        self.proc.wait(timeout=120)
+        self.reader.join(timeout=60)
+        return "".join(self.lines)
+
+
+def kill_at(env: dict, gates: Path, step: int, sig: int, processes: int = 1) -> str:
+    """Start (or resume) the job and kill its whole process group in optimizer step `step`."""
+    job = Gated(env, gates, step, processes)
+    # Every process of the job at once, as when a machine dies: the step (and torchrun's
+    # workers) first, then the entrypoint.
+    for process in [*psutil.Process(job.proc.pid).children(recursive=True), job.proc]:
+        try:
+            process.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    return job.output()
+
+
+def checkpointed_before(step: int) -> int:
+    """The newest checkpoint a job killed in `step` leaves (HPS: every 3 optimizer steps, and
+    at the end of each epoch of 8)."""
+    return max(s for s in range(1, step) if s % 3 == 0 or s % 8 == 0)
 
 
 def result(root: Path) -> tuple[dict, list]:
@@ -170,19 +193,19 @@ def test_sigkill_at_random_steps_resumes_bitwise_equal(tmp_path, channels, basel
     root, env = job_root(tmp_path, channels)
     kill_steps = sorted(random.Random(11).sample(range(2, 23), 3))
     for step in kill_steps:
-        kill_at(env, step, signal.SIGKILL)
+        kill_at(env, tmp_path / "gates", step, signal.SIGKILL)
     out = run_to_end(env)
     assert "resumed from" in out
     assert_same(result(root), baseline)
     report = json.loads((root / "output/data/step_metadata.json").read_text())
-    assert report["resumed_from"]["step"] <= kill_steps[-1]
+    assert report["resumed_from"]["step"] == checkpointed_before(kill_steps[-1])
 
 
 def test_corrupt_current_checkpoint_is_named_and_the_previous_one_used(
     tmp_path, channels, baseline
 ):
     root, env = job_root(tmp_path, channels)
-    kill_at(env, 11, signal.SIGKILL)  # checkpoints at steps 6 and 9 (every 3; epoch end 8 too)
+    kill_at(env, tmp_path / "gates", 11, signal.SIGKILL)  # checkpoints kept: 8 (epoch end), 9
     current = ckpt.current_checkpoint(root / "checkpoints")
     previous = ckpt.resume_candidates(root / "checkpoints")[1]
     state_file = current / ckpt.STATE_FILE
@@ -206,7 +229,7 @@ def baseline2(tmp_path_factory, channels):
 def test_sigkill_with_two_processes(tmp_path, channels, baseline2):
     root, env = job_root(tmp_path, channels)
     for step in (4, 13):
-        kill_at(env, step, signal.SIGKILL, processes=2)
+        kill_at(env, tmp_path / "gates", step, signal.SIGKILL, processes=2)
     out = run_to_end(env, processes=2)
     assert "resumed from" in out and "processes=2" in out
     ckpt_files = {p.name for p in ckpt.current_checkpoint(root / "checkpoints").iterdir()}
@@ -241,27 +264,18 @@ def test_sigterm_to_the_container_with_loader_workers_checkpoints_and_exits_75(
     training processes and not their workers (a worker killed by it fails the training
     process's next batch): the job finishes its step, checkpoints, and exits 75, under
     torchrun too."""
-    root, env = job_root(tmp_path, channels, {**HPS, "dataloader_num_workers": "2", "epochs": "6"})
-    proc = start(env, processes)
-    seen, workers = [], []
-    for line in proc.stdout:
-        seen.append(line)
-        if line.startswith("step=4/"):
-            workers = loader_workers(proc.pid)
-            proc.send_signal(signal.SIGTERM)
-            break
-    seen += proc.stdout.readlines()
-    proc.wait(timeout=120)
-    log = "".join(seen)
+    root, env = job_root(tmp_path, channels, {**HPS, "dataloader_num_workers": "2"})
+    job = Gated(env, tmp_path / "gates", 4, processes)
+    workers = loader_workers(job.proc.pid)
+    job.proc.send_signal(signal.SIGTERM)
+    log = job.output()
     assert len(workers) == 2 * processes, log[-3000:]
-    assert proc.returncode == 75, log[-3000:]
-    # The step it was in when the signal landed is finished first (which one depends on how
-    # fast this machine reads the job's lines); the job stops long before its end.
-    stopped = re.search(r"SIGTERM: checkpoint written at step (\d+); exiting to be resumed", log)
-    assert stopped and 4 <= int(stopped.group(1)) < 40, log[-3000:]
+    assert job.proc.returncode == 75, log[-3000:]
+    # The step the signal landed in (the job waited in it for the signal) is finished first.
+    assert "SIGTERM: checkpoint written at step 4; exiting to be resumed" in log, log[-3000:]
     assert "killed by signal" not in log
     current = ckpt.current_checkpoint(root / "checkpoints")
-    assert current is not None and current.name == f"ckpt-{int(stopped.group(1)):08d}"
+    assert current is not None and current.name == f"ckpt-{4:08d}"
     assert not (root / "output/failure").exists()
 
 
@@ -271,7 +285,7 @@ def test_sigterm_checkpoints_exits_and_the_backend_restarts(tmp_path, channels, 
     store = LocalStore(tmp_path / "store")
     for name, path in channels.items():
         upload_dir(store, path, f"data/{name}/")
-    echo = SigtermAt(step=7, target=lambda command: "steps.train" in command)
+    echo = io.StringIO()
     ship_code(store)
     backend = LocalBackend(
         store, ExperimentTree("t").run(1), work_root=str(tmp_path / "work"), echo=echo
@@ -279,16 +293,17 @@ def test_sigterm_checkpoints_exits_and_the_backend_restarts(tmp_path, channels, 
     job = TrainingJob(name="sigterm-test", step="train", code="code/", channels={c: f"data/{c}/" for c in channels},
                       hyperparameters=HPS, model_prefix="out/model/", output_prefix="out/output/",
                       checkpoint_prefix="out/checkpoints/", sagemaker_output="out/sm/",
-                      env={"SMPIPE_USER_FUNCTIONS": "user_functions"}, max_restarts=2, processes_per_host=processes)  # fmt: skip
-    outcome = backend.run_training(job)
+                      max_restarts=2, processes_per_host=processes)  # fmt: skip
+    with SignalAtStep(tmp_path / "gates", 7, lambda p: "steps.train" in p.cmdline()) as reclaim:
+        job.env = reclaim.env
+        outcome = backend.run_training(job)
     log = echo.getvalue()
-    assert outcome.status == "Completed", outcome.failure_reason
+    assert reclaim.sent and outcome.status == "Completed", outcome.failure_reason
     assert outcome.restarts == 1
-    # The signal lands during step 7 or just after: that step or the next is finished first.
-    stopped = re.search(r"SIGTERM: checkpoint written at step (\d+)", log)
-    assert stopped and int(stopped.group(1)) in (7, 8), log
+    # The signal landed in step 7 (the job waited there for it): that step is finished first.
+    assert "SIGTERM: checkpoint written at step 7;" in log, log
     assert "interrupted or killed; restart 1 of 2" in log
-    assert re.search(rf"resumed from \S+ckpt-0*{stopped.group(1)} at step {stopped.group(1)} ", log)
+    assert re.search(r"resumed from \S+ckpt-0*7 at step 7 ", log), log
     (tmp_path / "final/model").mkdir(parents=True)
     for name in ("model.safetensors", "history.json"):
         store.download_file(f"out/model/{name}", tmp_path / "final/model" / name)
@@ -399,18 +414,47 @@ def test_every_tunable_hyperparameter_changes_what_training_does(tmp_path, chann
         assert any(not torch.equal(weights[k], baseline[0][k]) for k in weights), name
 
 
-def test_compile_trains_the_same_model_and_exports_it(tmp_path, channels, baseline):
-    root, env = job_root(
-        tmp_path, channels, {**HPS, "compile": "true", "exports": "torchscript,exported"}
-    )
-    run_to_end(env)
-    report = json.loads((root / "output/data/step_metadata.json").read_text())
+NO_DROPOUT = """
+from user_functions import encode, load_tokenizer, ordered_input_keys, reconcile  # noqa: F401
+from user_functions import load_model as _load_model
+
+
+def load_model(model_name, id2label, label2id):
+    model = _load_model(model_name, id2label, label2id)
+    model.dropout.p = 0.0  # nothing random in the forward pass
+    return model
+"""
+
+
+def test_compile_trains_the_same_model_and_exports_it(tmp_path, channels):
+    """torch.compile changes how the forward pass is computed, not what it computes: without
+    dropout (whose compiled kernel draws random numbers of its own), the compiled job ends
+    with the eager job's weights and metrics, up to float rounding, and its exports pass."""
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code/no_dropout.py").write_text(NO_DROPOUT)
+    jobs = {}
+    for compiled, exports in (("false", "torchscript"), ("true", "torchscript,exported")):
+        root, env = job_root(
+            tmp_path / compiled, channels, {**HPS, "compile": compiled, "exports": exports}
+        )
+        env = {**env, "SMPIPE_USER_FUNCTIONS": "no_dropout",
+               "PYTHONPATH": f"{tmp_path / 'code'}{os.pathsep}{ROOT}"}  # fmt: skip
+        jobs[compiled] = (root, start(env, processes=1))  # both at once: mostly start-up
+    for _, proc in jobs.values():
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-3000:]
+    report = json.loads((jobs["true"][0] / "output/data/step_metadata.json").read_text())
     assert report["compile"] is True
     assert report["exports"]["torchscript"]["passed"] and report["exports"]["exported"]["passed"]
-    # Compiled dropout draws its own random numbers, so the run is not bitwise the baseline's;
-    # it learns the marker tokens all the same.
-    _, history = result(root)
-    assert len(history) == len(baseline[1]) and max(h["f1"] for h in history) > 0.6
+    (eager, eager_history), (compiled, history) = (result(root) for root, _ in jobs.values())
+    assert eager.keys() == compiled.keys()
+    for name in eager:
+        torch.testing.assert_close(compiled[name], eager[name], rtol=1e-4, atol=1e-5)
+    assert [h["epoch"] for h in history] == [h["epoch"] for h in eager_history] == [1, 2, 3]
+    for ours, theirs in zip(history, eager_history, strict=True):
+        assert (ours["accuracy"], ours["f1"]) == (theirs["accuracy"], theirs["f1"])
+        assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-4)
+        assert ours["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-4)
 
 
 WIDE = """

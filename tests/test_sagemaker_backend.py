@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import io
 import json
+import re
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -157,7 +160,7 @@ def test_tuning_request(tmp_path, bucket, sent):
     assert (
         "learning_rate" not in static
         and "batch_size" not in static
-        and static["job_kind"] == "tuning"
+        and static["exports"] == "none"  # a trial writes no program
     )
     assert not set(TOOLKIT_KEYS) & set(static)
     # Every trial gets the code, and checkpoints in a folder of its own.
@@ -275,6 +278,15 @@ def test_outputs_adopted_from_sagemaker_are_read_like_local_ones(tmp_path, bucke
     assert not is_complete(store, prepare.outputs["train"])
 
 
+def within(version: str, bounds: str) -> bool:
+    """Whether `version` meets every clause of a range such as ">=2.4,<2.15" (numeric parts
+    compared as numbers, as PEP 440 orders release versions)."""
+    number = tuple(int(p) for p in version.split("."))
+    compare = {">=": tuple.__ge__, "<": tuple.__lt__, "<=": tuple.__le__, ">": tuple.__gt__}
+    clauses = [re.fullmatch(r"(>=|<=|<|>)([\d.]+)", c.strip()) for c in bounds.split(",")]
+    return all(compare[c[1]](number, tuple(int(p) for p in c[2].split("."))) for c in clauses)
+
+
 def test_dockerfile_is_dependencies_and_the_entrypoint_only():
     import tomllib
 
@@ -293,10 +305,19 @@ def test_dockerfile_is_dependencies_and_the_entrypoint_only():
         "tomllib.load(open('/tmp/smpipe/pyproject.toml', 'rb'))['project']['dependencies']" in run
     )
     assert "pip install -r /tmp/smpipe/requirements.txt" in run
-    project = tomllib.loads((DOCKERFILE.parent.parent / "pyproject.toml").read_text())["project"]
-    assert project["dependencies"] and all(
-        "sagemaker-train" not in d for d in project["dependencies"]
-    )
+    # That command, run on this checkout's pyproject.toml, writes its dependencies, each one.
+    pyproject = DOCKERFILE.parent.parent / "pyproject.toml"
+    project = tomllib.loads(pyproject.read_text())["project"]
+    command = re.search(r'python3 -c "(.*?)" > /tmp/smpipe/requirements.txt', run)[1]
+    command = command.replace("/tmp/smpipe/pyproject.toml", str(pyproject))
+    written = subprocess.run([sys.executable, "-c", command], capture_output=True, text=True)
+    assert written.stdout.splitlines() == project["dependencies"], written.stderr
+    # The base image's torch is within the project's range, so pip keeps it (README, "On
+    # SageMaker"): the image's tag names its version.
+    base = dict(a.split("=", 1) for kind, a in instructions if kind == "ARG")["BASE"]
+    version = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-.*", base)[1]
+    (torch,) = [d for d in project["dependencies"] if re.match(r"torch[<>=]", d)]
+    assert within(version, torch.removeprefix("torch")), (version, torch)
     ignore = (DOCKERFILE.parent / "Dockerfile.dockerignore").read_text().split()
     assert ignore[-2:] == ["*", "!pyproject.toml"]
     # Where the image looks for code is where both job kinds get it.

@@ -6,9 +6,9 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import signal
 import sys
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -20,14 +20,14 @@ from tests.conftest import write_settings
 from tests.test_user_functions import REVIEWS, write_module, write_reviews
 
 
-def tuning_settings(tmp_path, training=None, **tuning):
+def tuning_settings(tmp_path, training=None, data=None, **tuning):
     write_module(tmp_path, "reviews_tuning", REVIEWS)
     if not (tmp_path / "raw").exists():
         write_reviews(tmp_path / "raw")
     return write_settings(
         tmp_path / "settings.ini", str(tmp_path / "store"), training=training or {},
         experiment={"USER_FUNCTIONS": "reviews_tuning", "NAME": "reviews", "JOB": "tune"},
-        data={"RAW_DATA": str(tmp_path / "raw"), "MAX_SEQUENCE_LENGTH": "12"}, models={"MODEL_NAMES": "tiny"},
+        data={"RAW_DATA": str(tmp_path / "raw"), "MAX_SEQUENCE_LENGTH": "12", **(data or {})}, models={"MODEL_NAMES": "tiny"},
         tuning={"STRATEGY": "Random", "MAX_JOBS": "3", "MAX_PARALLEL_JOBS": "2", "EARLY_STOPPING": "Off", **tuning},
         **{"tuning.hyperparameters": {"LEARNING_RATE": "0.001->0.1 log", "EPOCHS": "1,2", "BATCH_SIZE": None}},
     )  # fmt: skip
@@ -51,15 +51,15 @@ def load_model(model_name, id2label, label2id):
 )
 
 
-def tune(
-    tmp_path,
-    steps="reconcile,prepare,train",
-    hyperparameters=None,
-    flaky=False,
-    training=None,
-    **tuning,
-):
-    path = tuning_settings(tmp_path, training, **tuning)
+def tune(tmp_path, steps="reconcile,prepare,train", **settings_of):
+    path = tune_settings(tmp_path, **settings_of)
+    settings = load_settings(path, env={})
+    store = LocalStore(settings.store_uri())
+    return run_pipeline(settings, store, parse_steps(steps), echo=sys.stdout), store
+
+
+def tune_settings(tmp_path, hyperparameters=None, flaky=False, training=None, data=None, **tuning):
+    path = tuning_settings(tmp_path, training, data, **tuning)
     if hyperparameters or flaky:
         import configparser
 
@@ -76,9 +76,7 @@ def tune(
             parser.set("experiment", "USER_FUNCTIONS", "reviews_flaky")
         with open(path, "w") as f:
             parser.write(f)
-    settings = load_settings(path, env={})
-    store = LocalStore(settings.store_uri())
-    return run_pipeline(settings, store, parse_steps(steps), echo=sys.stdout), store
+    return path
 
 
 def trial_models(store) -> set[str]:
@@ -140,14 +138,38 @@ def test_bayesian_search_of_six_trials_two_at_once_promotes_the_best(tmp_path):
     assert "tiny" in record["holdout_performance"]
 
 
+def seed_visiting_first(path, model: str, name: str, value: str) -> int:
+    """The first study seed ([data] SEED) with which this Optuna's brute-force sampler, built
+    as the local backend builds it for these settings (local_tuning.search), draws `value` of
+    `name` first. Optuna promises no order (one release's is not the next one's): ask it."""
+    import optuna
+
+    from pipeline.backends.local_tuning import distributions, search, suggest, value_of
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    settings = load_settings(path, env={})
+    ranges = settings.tuning_space(model)[1]
+    job = SimpleNamespace(strategy="Grid", max_jobs=1, ranges=ranges, early_stopping="Off")
+    for seed in range(100):
+        study = optuna.create_study(sampler=search(job, seed)[0])
+        trial = study.ask()
+        drawn = {n: suggest(trial, n, space) for n, space in distributions(ranges).items()}
+        if value_of(drawn[name]) == value:
+            return seed
+    raise AssertionError(f"no seed below 100 draws {name} = {value} first")
+
+
 def test_early_stopping_stops_a_trial_that_falls_behind(tmp_path):
     # One good learning rate and two that learn nothing in three epochs, one trial at a time.
-    # The seeded sampler (SEED = 42) visits the good one first, so the others have a median
-    # to fall behind.
+    # The study's seed is one with which the sampler visits the good one first, so the others
+    # have a median to fall behind.
     # The run's own checkpoints are kept (KEEP_CHECKPOINTS_AFTER_RUN): what is gone, every
     # trial removed when it ended.
+    options = {"LEARNING_RATE": "0.000001,0.05,0.0000001", "EPOCHS": "3"}
+    path = tune_settings(tmp_path, hyperparameters=options, STRATEGY="Grid")
+    seed = seed_visiting_first(path, "tiny", "learning_rate", "0.05")
     record, store = tune(tmp_path, STRATEGY="Grid", MAX_JOBS="3", MAX_PARALLEL_JOBS="1", EARLY_STOPPING="Auto",
-                         hyperparameters={"LEARNING_RATE": "0.000001,0.05,0.0000001", "EPOCHS": "3"},
+                         hyperparameters=options, data={"SEED": str(seed)},
                          training={"KEEP_CHECKPOINTS_AFTER_RUN": "true"})  # fmt: skip
     details = record["steps"]["tune"]["details"]["models"]["tiny"]
     assert details["pruner"] == "MedianPruner"
@@ -321,28 +343,48 @@ def test_hyperband_stops_trials_that_fall_behind_at_a_rung():
     assert any(len(t.intermediate_values) < 9 for t in pruned)  # its epochs not all run
 
 
+# The reviews model, waiting in one trial's second epoch for the driver's stop (tests/jobs/gate.py,
+# shipped beside it as stop_gate.py).
+GATED = (
+    REVIEWS
+    + """
+from stop_gate import gate as _gate
+
+_load_model = load_model
+
+
+def load_model(model_name, id2label, label2id):
+    return _gate(_load_model(model_name, id2label, label2id))
+"""
+)
+
+
 @pytest.mark.slow
-def test_an_interrupted_study_resumes_with_its_finished_trials(tmp_path):
+def test_an_interrupted_study_resumes_with_its_finished_trials(tmp_path, monkeypatch):
+    from tests.conftest import ROOT, wait_at_gate
+    from tests.jobs.gate import GATE_VARIABLE
     from tests.reliability.test_lifecycle import Driver
 
     path = tuning_settings(tmp_path, STRATEGY="Grid", MAX_JOBS="2", MAX_PARALLEL_JOBS="1")
-    write_settings(path, str(tmp_path / "store"), experiment={"USER_FUNCTIONS": "reviews_tuning", "NAME": "reviews", "JOB": "tune"},
+    write_module(tmp_path, "reviews_gated", GATED)
+    shutil.copy(ROOT / "tests/jobs/gate.py", tmp_path / "stop_gate.py")
+    write_settings(path, str(tmp_path / "store"), experiment={"USER_FUNCTIONS": "reviews_gated", "NAME": "reviews", "JOB": "tune"},
                    data={"RAW_DATA": str(tmp_path / "raw"), "MAX_SEQUENCE_LENGTH": "12"}, models={"MODEL_NAMES": "tiny"},
                    tuning={"STRATEGY": "Grid", "MAX_JOBS": "2", "MAX_PARALLEL_JOBS": "1", "EARLY_STOPPING": "Off"},
                    **{"tuning.hyperparameters": {"LEARNING_RATE": "0.05,0.02", "EPOCHS": "3", "BATCH_SIZE": None}})  # fmt: skip
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     trials_json = tmp_path / "store/reviews/runs/0001/tuning/tiny/trials.json"
+    # The second trial, its first epoch done and checkpointed, waits in its next step for the
+    # stop (the resumed one finds it stopped there once, and goes on).
+    monkeypatch.setenv(GATE_VARIABLE, f"{tmp_path / 'gates'}:epoch2:-002")
     driver = Driver(path, tmp, "--steps", "reconcile,prepare,train")
-    # The second trial has checkpointed an epoch (its own line: the first trial had one too).
-    end = time.time() + 240
-    while not any("-002-" in line and "] epoch=1 " in line for line in driver.lines):
-        assert driver.proc.poll() is None and time.time() < end, driver.output
-        time.sleep(0.05)
+    wait_at_gate(tmp_path / "gates", "epoch2", lambda: driver.proc.poll() is None)
     driver.proc.send_signal(signal.SIGTERM)
     assert driver.finish() == 130, driver.output
     before = {t["number"]: t for t in json.loads(trials_json.read_text())["trials"]}
     assert [before[n]["status"] for n in sorted(before)] == ["Completed", "Interrupted"]
+    assert [len(before[n]["epochs"]) for n in sorted(before)] == [3, 1]
     assert (tmp_path / "store/reviews/runs/0001/checkpoints/tiny-trial-002").exists()
 
     again = Driver(path, tmp, "--resume", "1")

@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -26,7 +27,7 @@ from pipeline.jobs import ProcessingJob, TrainingJob
 from pipeline.paths import ExperimentTree
 from pipeline.store import LocalStore, upload_dir
 from tests import test_resume
-from tests.conftest import ROOT, ship_code
+from tests.conftest import ROOT, SignalAtStep, ship_code
 
 RUN = ExperimentTree("warm").run(1)
 # A step shipped with the job's code only (the project has no such module): what its process
@@ -182,6 +183,27 @@ def test_a_warm_job_sees_exactly_its_own_env_root_and_code(shipped, tmp_path):
     assert not (tmp_path / "warm").exists()  # the servers' folder went with the work root
 
 
+def test_jobs_sure_to_follow_find_a_server_started_beside_the_first(shipped, tmp_path):
+    """Within expecting_more (a study's trials), the first job still starts cold, but its
+    environment's server starts beside it: the job after it is forked by that server."""
+    store, _ = shipped
+    echo = io.StringIO()
+    warm = local(store, tmp_path / "early", echo)
+    with warm.warm.expecting_more():
+        first = warm.run_processing(probe("first"))
+        servers = [
+            p for p in psutil.Process().children() if "warm_start.py" in " ".join(p.cmdline())
+        ]
+        second = warm.run_processing(probe("second"))
+    warm.close(succeeded=True)
+    assert [first.status, second.status] == ["Completed", "Completed"], echo.getvalue()
+    assert not seen(store, "first")["preloaded"] and seen(store, "second")["preloaded"]
+    # The server was already there when the first job ended, and it is the one that forked the
+    # second (outside expecting_more, no server exists before a second job asks).
+    assert [p.pid for p in servers] == [seen(store, "second")["server"]]
+    assert wait_gone([p.pid for p in servers]) == []  # closed with the backend
+
+
 @pytest.mark.parametrize(
     "crash,status",
     [("--segv", -signal.SIGSEGV), ("--exit3", 3), ("--kill-entrypoint", -signal.SIGKILL)],
@@ -310,18 +332,15 @@ def test_sigterm_to_a_warm_training_step_checkpoints_and_the_restart_trains_the_
         upload_dir(store, path, f"data/{name}/")
     ship_code(store)
 
-    class SigtermAtStep7(io.StringIO):
-        parents: list[str] = []  # the command line of the signalled step's entrypoint's parent
+    parents: list[str] = []  # the command line of the signalled step's entrypoint's parent
 
-        def write(self, text):
-            if not self.parents and "[sigterm-test] step=7/" in text:
-                for child in psutil.Process().children(recursive=True):
-                    if "steps.train" in child.cmdline():
-                        self.parents = psutil.Process(child.ppid()).parent().cmdline()
-                        child.send_signal(signal.SIGTERM)
-            return super().write(text)
+    def training_step(process: psutil.Process) -> bool:
+        if "steps.train" not in process.cmdline():
+            return False
+        parents[:] = psutil.Process(process.ppid()).parent().cmdline()
+        return True
 
-    echo = SigtermAtStep7()
+    echo = io.StringIO()
     backend = LocalBackend(store, RUN, work_root=str(tmp_path / "work"), echo=echo)
 
     def job(name: str, **hyperparameters: str) -> TrainingJob:
@@ -339,13 +358,16 @@ def test_sigterm_to_a_warm_training_step_checkpoints_and_the_restart_trains_the_
             max_restarts=2,
         )
 
-    assert backend.run_training(job("first", max_steps="1")).status == "Completed"  # cold
-    outcome = backend.run_training(job("sigterm-test"))
+    with SignalAtStep(tmp_path / "gates", 7, training_step) as reclaim:
+        # The same environment (the gate's) for both: the server starts with the second job.
+        first = backend.run_training(replace(job("first", max_steps="1"), env=reclaim.env))
+        assert first.status == "Completed"  # cold
+        outcome = backend.run_training(replace(job("sigterm-test"), env=reclaim.env))
     backend.close(succeeded=True)
     log = echo.getvalue()
-    assert outcome.status == "Completed" and outcome.restarts == 1, log
-    assert echo.parents[1].endswith("warm_start.py"), echo.parents  # the step was warm
-    assert re.search(r"SIGTERM: checkpoint written at step [78]\b", log), log
+    assert reclaim.sent and outcome.status == "Completed" and outcome.restarts == 1, log
+    assert parents[1].endswith("warm_start.py"), parents  # the step was warm
+    assert "SIGTERM: checkpoint written at step 7;" in log, log
     (tmp_path / "final/model").mkdir(parents=True)
     for name in ("model.safetensors", "history.json"):
         store.download_file(f"sigterm-test/model/{name}", tmp_path / "final/model" / name)

@@ -445,6 +445,9 @@ class ContainerExit:
     peak_rss_mb: float | None
     metrics: dict[str, float] = field(default_factory=dict)
     timed_out: bool = False  # stopped at its MaxRuntimeInSeconds
+    # CPU time of its processes, children included ("CPU-seconds", not billed: the local
+    # backend's measure of what a job used).
+    cpu_seconds: float | None = None
 
     @classmethod
     def before_start(cls, reason: str) -> ContainerExit:
@@ -619,17 +622,14 @@ class Containers:
         failure = in_root(root, failure_file)
         start = time.time()
         proc, secrets = self._start(root, arguments, env, failure, job)
-        clock = None
-        if deadline is not None:  # the job's MaxRuntimeInSeconds
-            clock = threading.Timer(max(0.0, deadline - time.time()), self._time_out, (proc.pid,))
-            clock.daemon = True
-            clock.start()
-        peak = {"rss": 0.0}
+        clock = self._clock(deadline, proc.pid)
+        peak = {"rss": 0.0, "cpu": 0.0}
         done = threading.Event()
         watcher = threading.Thread(target=_watch_memory, args=(proc.pid, peak, done), daemon=True)
         watcher.start()
         try:
             metrics = follow_output(proc, secrets, log, on_line, metric_regexes or {})
+            exact_cpu = _exit_cpu_seconds(proc)
             code = proc.wait()
         except BaseException:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -654,7 +654,17 @@ class Containers:
             peak_rss_mb=round(peak["rss"] / 2**20, 1) if peak["rss"] else None,
             metrics=metrics,
             timed_out=timed_out,
+            cpu_seconds=round(max(exact_cpu or 0.0, peak["cpu"]), 2) or None,
         )
+
+    def _clock(self, deadline: float | None, pid: int) -> threading.Timer | None:
+        """The job's MaxRuntimeInSeconds, counted from its start: it is stopped then."""
+        if deadline is None:
+            return None
+        clock = threading.Timer(max(0.0, deadline - time.time()), self._time_out, (pid,))
+        clock.daemon = True
+        clock.start()
+        return clock
 
     def _start(
         self, root: Path, arguments: list[str], env: dict[str, str], failure: Path, job: str
@@ -762,28 +772,72 @@ def _left_in_output(failure: Path, secrets: list[str]) -> tuple[bool, str | None
 
 
 def _watch_memory(pid: int, peak: dict, stop: threading.Event) -> None:
-    """Peak memory of the job's whole process tree (torchrun's workers too), as the job's
-    container would hold it: each process's own pages (USS), and the pages processes share
-    counted once (the largest shared part). Summing RSS would count a shared page once per
-    process: a warm-started job's entrypoint and step share the libraries their fork server
-    imported (pipeline/backends/warm_start.py), and their RSS summed overstated it by 0.3 GB
-    (1.91 GB against 1.57 GB for the same job started cold)."""
+    """Peak memory of the job's whole process tree (torchrun's workers too), and its CPU time so
+    far, into `peak`. Memory as the job's container would hold it: each process's own pages
+    (USS), and the pages processes share counted once (the largest shared part). Summing RSS
+    would count a shared page once per process: a warm-started job's entrypoint and step share
+    the libraries their fork server imported (pipeline/backends/warm_start.py), and their RSS
+    summed overstated it by 0.3 GB (1.91 GB against 1.57 GB for the same job started cold)."""
     import psutil
 
     try:
         root = psutil.Process(pid)
     except psutil.NoSuchProcess:
         return
-    # Every 0.5 s, and more often at first: a warm-started job may end within half a second.
-    pause = 0.02
-    while not stop.wait(pause):
-        pause = min(0.5, pause * 2)
+    # Memory every 0.5 s, and more often at first: a warm-started job may end within half a
+    # second. CPU time every 0.05 s (a read of /proc/<pid>/stat a process) over the processes
+    # last seen: a warm-started job's final figure is the last sample (_exit_cpu_seconds).
+    procs, pause, memory_due = [root], 0.02, 0.0
+    while not stop.wait(min(pause, CPU_SAMPLE_SECONDS)):
+        if time.monotonic() >= memory_due:
+            memory_due, pause = time.monotonic() + pause, min(0.5, pause * 2)
+            try:
+                procs = [root, *root.children(recursive=True)]
+                # Linux's smaps_rollup: a fraction of a millisecond a process.
+                memory = [p.memory_full_info() for p in procs if p.is_running()]
+            except psutil.Error:
+                continue
+            own = sum(m.uss for m in memory)
+            shared = max((m.rss - m.uss for m in memory), default=0)
+            peak["rss"] = max(peak["rss"], own + shared)
+        peak["cpu"] = max(peak["cpu"], _cpu_of(procs))
+
+
+CPU_SAMPLE_SECONDS = 0.05
+
+
+def _cpu_of(procs: list) -> float:
+    """The CPU time of a process tree so far: a process that has gone (and so been waited for)
+    is in its parent's children's times."""
+    import psutil
+
+    total = 0.0
+    for process in procs:
         try:
-            procs = [root, *root.children(recursive=True)]
-            # Linux's smaps_rollup: a fraction of a millisecond a process.
-            memory = [p.memory_full_info() for p in procs if p.is_running()]
+            total += _tree_cpu(process.cpu_times())
         except psutil.Error:
             continue
-        own = sum(m.uss for m in memory)
-        shared = max((m.rss - m.uss for m in memory), default=0)
-        peak["rss"] = max(peak["rss"], own + shared)
+    return total
+
+
+def _tree_cpu(times) -> float:
+    """A process's CPU time with that of the children it has waited for (getrusage(2):
+    RUSAGE_CHILDREN counts "all children ... that have terminated and been waited for"): summed
+    over a process tree, each second is counted once, by the process or by its parent."""
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def _exit_cpu_seconds(proc) -> float | None:
+    """The whole CPU time of a container this process started: read from the exited entrypoint
+    before it is reaped (waitid's WNOWAIT leaves it waitable), so its step and every process it
+    waited for are in. A warm-started one is the fork server's child, not ours: None (its
+    sampled figure stands, which misses at most its last CPU_SAMPLE_SECONDS)."""
+    import psutil
+
+    if not isinstance(proc, subprocess.Popen):
+        return None
+    try:
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+        return _tree_cpu(psutil.Process(proc.pid).cpu_times())
+    except (ChildProcessError, psutil.Error):
+        return None

@@ -92,8 +92,11 @@ def start_moto(region: str) -> str:
     os.environ.update(
         {
             "AWS_ENDPOINT_URL": endpoint,
-            "AWS_ACCESS_KEY_ID": "emulated",
-            "AWS_SECRET_ACCESS_KEY": "emulated",
+            # Credentials moto accepts, shaped as the IAM user guide's example keys: a secret
+            # is masked wherever it appears in a job's output, so it must not be a word that
+            # text holds ("emulated" was: metadata.json's backend came out "<redacted>").
+            "AWS_ACCESS_KEY_ID": "AKIAEMULATEDDRIVER00",
+            "AWS_SECRET_ACCESS_KEY": "smpipeEmulatedDriverSecretKey0000000000",
             "AWS_DEFAULT_REGION": region,
         }
     )
@@ -148,6 +151,19 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+def _bill(job) -> None:
+    """DescribeTrainingJob's billing fields, as AWS documents them (botocore's sagemaker
+    service-2.json): a job is billed "for the time interval between" TrainingStartTime and
+    TrainingEndTime, "after model artifacts are uploaded" for one that completed or stopped;
+    BillableTimeInSeconds is "the absolute wall-clock time", per instance; both it and
+    TrainingTimeInSeconds are whole seconds of at least 1 (their shapes' min). How AWS rounds is
+    not documented: to the nearest second here. A spot job bills less than it trained, by a
+    spot price only AWS knows: not played, its billable time is the time it trained (0%
+    savings by the documented formula)."""
+    seconds = (job.training_end_time - job.training_start_time).total_seconds()
+    job.training_time_in_seconds = job.billable_time_in_seconds = max(1, round(seconds))
+
+
 def _body(params: dict) -> dict:
     body = params["body"]
     return json.loads(body.decode() if isinstance(body, bytes) else body)
@@ -189,9 +205,9 @@ class Emulator:
         # documents none, and a job finds its own from its ARN (steps/entrypoint.py).
         self.plumbing = {
             "AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"],
-            "AWS_ACCESS_KEY_ID": "emulated-role",
-            "AWS_SECRET_ACCESS_KEY": "emulated-role",
-            "AWS_SESSION_TOKEN": "emulated-role-session",
+            "AWS_ACCESS_KEY_ID": "ASIAEMULATEDJOBROLE0",
+            "AWS_SECRET_ACCESS_KEY": "smpipeEmulatedJobRoleSecretKey000000000",
+            "AWS_SESSION_TOKEN": "smpipeEmulatedJobRoleSessionToken0000000",
         }
         self.containers = Containers(
             base_env=lambda root: fresh_container_env(root) | self.plumbing
@@ -220,6 +236,8 @@ class Emulator:
         events.register(
             "before-call.sagemaker.ListTrainingJobsForHyperParameterTuningJob", self._list_trials
         )
+        # moto makes a new model package for every CreateModelPackage, whatever its ClientToken.
+        events.register("before-call.sagemaker.CreateModelPackage", self._same_client_token)
 
     def backend(self, run: RunTree, image_uri: str, role_arn: str, echo=None):
         return SageMakerBackend(
@@ -236,7 +254,8 @@ class Emulator:
     def secrets(self):
         import boto3
 
-        return boto3.client("secretsmanager", region_name=self.client.meta.region_name)
+        region = self.client.meta.region_name
+        return boto3.client("secretsmanager", region_name=region, config=aws_config())
 
     def close(self) -> None:
         self.containers.stop()
@@ -341,6 +360,18 @@ class Emulator:
             summaries.append(summary)
         return _ok({"TrainingJobSummaries": summaries})
 
+    def _same_client_token(self, params, **_):
+        """CreateModelPackage is idempotent on its ClientToken: "A unique token that guarantees
+        that the call to this API is idempotent" (its idempotencyToken member in botocore's
+        sagemaker service-2.json), and an idempotent AWS API "uses the token to return a
+        response identical to the response that was returned the first time that the request
+        was completed" (AWS Well-Architected Framework, REL04-BP04). A repeated token is
+        answered with the package its first request made, and nothing is created. How long
+        SageMaker remembers a token is not documented: here, as long as the package exists."""
+        token = _body(params).get("ClientToken")
+        made = [p for p in self._moto.model_packages.values() if token and p.client_token == token]
+        return _ok({"ModelPackageArn": made[0].arn}) if made else None
+
     def _searched(self, name: str) -> set[str]:
         ranges = self.requests[name]["HyperParameterTuningJobConfig"]["ParameterRanges"]
         return {r["Name"] for kind in ranges.values() for r in kind}
@@ -375,6 +406,10 @@ class Emulator:
         elif kind == "training":
             job, request = self._moto.training_jobs[name], self.requests[name]
             job.training_job_status, job.secondary_status = "InProgress", "Starting"
+            # "the time when the training job starts on training instances" (TrainingStartTime,
+            # botocore's sagemaker service-2.json): here none are provisioned, so the job starts
+            # on them at once; downloading its input is billed (model-train-storage.html).
+            job.training_start_time = _now()
             job.algorithm_specification = request["AlgorithmSpecification"]
             job.environment = request.get("Environment", {})
             job.final_metric_data_list = []
@@ -408,8 +443,9 @@ class Emulator:
             job = self._moto.training_jobs[name]
             if name not in self._trial_names:  # its pool is there when its end is seen
                 self.pools.end(name, self.requests[name])
-            job.training_job_status, job.secondary_status = status, status
             job.training_end_time = _now()
+            _bill(job)  # before its status: whoever sees it ended sees what it billed
+            job.training_job_status, job.secondary_status = status, status
             if reason:
                 job.failure_reason = reason
         else:

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from pipeline.backends.container import (
@@ -62,6 +62,10 @@ def result_of(
     measured: its peak memory and the metrics its log showed."""
     status, reason = status_after(exits, stop_requested=stop_requested)
     peaks = [e.peak_rss_mb for e in exits if e.peak_rss_mb]
+    cpu = [e.cpu_seconds for e in exits if e.cpu_seconds is not None]
+    peak = round(sum(peaks), 1) if peaks else None
+    # What it used here, every host and attempt: CPU-seconds and peak memory, never dollars.
+    used = {"job": name, "use": "local", "cpu_seconds": round(sum(cpu), 2) if cpu else None}
     metrics: dict[str, float] = {}
     for e in exits:
         metrics.update(e.metrics)
@@ -71,10 +75,11 @@ def result_of(
         failure_reason=reason or ("stopped on request" if status == "Stopped" else None),
         start_time=min(e.start for e in exits),
         end_time=max(e.end for e in exits),
-        peak_memory_mb=round(sum(peaks), 1) if peaks else None,
+        peak_memory_mb=peak,
         restarts=restarts,
         log_key=log_key,
         metrics=metrics,
+        billing=[used | {"peak_memory_mb": peak}],
     )
 
 
@@ -120,6 +125,8 @@ class LocalBackend:
         # Tests and tools drop a backend without close(): its fork servers go with it.
         self._finalizer = weakref.finalize(self, self.warm.close) if self.warm else None
         self.containers = Containers(starter=self.warm)
+        # Every job's JobResult.billing so far: a tuning job bills its trials'.
+        self.billed: list[dict] = []
 
     def say(self, job_name: str, text: str) -> None:
         print(f"[{job_name}] {text}", file=self.echo, flush=True)
@@ -171,6 +178,7 @@ class LocalBackend:
             self._upload_log(job.name),
             stop_requested=self._stop_requested(job.name),
         )
+        self.billed += result.billing
         outputs = {
             job.outputs[o["OutputName"]]: in_root(root, o["S3Output"]["LocalPath"])
             for o in request["ProcessingOutputConfig"]["Outputs"]
@@ -224,6 +232,7 @@ class LocalBackend:
             stop_requested=self._stop_requested(job.name),
             restarts=played.restarts,
         )
+        self.billed += result.billing
         if result.status == "Completed":
             main = next(iter(played.roots.values()))  # the first host's, as SageMaker keeps
             upload_dir(self.store, main / "model", job.model_prefix, {"job_name": job.name})
@@ -248,7 +257,12 @@ class LocalBackend:
     def run_tuning(self, job: TuningJob) -> JobResult:
         from pipeline.backends.local_tuning import run_local_tuning
 
-        return run_local_tuning(self, job, self.store, self.run)
+        before = len(self.billed)
+        # The trials share one environment: its fork server starts beside the first trial.
+        with self.warm.expecting_more() if self.warm else nullcontext():
+            result = run_local_tuning(self, job, self.store, self.run)
+        result.billing = [{**b, "tuning_job": job.name} for b in self.billed[before:]]
+        return result
 
     def stop(self) -> None:
         self.containers.stop()

@@ -126,7 +126,16 @@ def run_local_tuning(
     model_name = job.trial.hyperparameters["model_name"]
     sampler, pruner, n_trials = search(job, int(job.trial.hyperparameters.get("seed", 0)))
     direction = "maximize" if job.objective_type == "Maximize" else "minimize"
-    study = optuna.create_study(direction=direction, sampler=sampler, pruner=pruner)
+    # Named after the run and model, not at random: Hyperband puts each trial in a bracket by
+    # a checksum of the study's name and the trial's number ("Please specify study_name to
+    # make the pruning algorithm reproducible": optuna's HyperbandPruner), so a seeded search,
+    # and a resumed one, keeps its brackets.
+    study = optuna.create_study(
+        direction=direction,
+        sampler=sampler,
+        pruner=pruner,
+        study_name=f"{run.experiment}-{run.label}-{model_name}",
+    )
     spaces = distributions(job.ranges)
     trials = Trials(store, run, model_name)
     started = time.time()

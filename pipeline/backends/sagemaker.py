@@ -26,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+from pipeline.cost import spot_savings
 from pipeline.jobs import (
     ENDED,
     KINDS,
@@ -59,6 +60,48 @@ def trial_record(summary: dict) -> dict:
         "objective": objective.get("Value"),
         "failure_reason": summary.get("FailureReason"),
     }
+
+
+def billed(kind: str, described: dict) -> list[dict]:
+    """What a job that ran bills, as its Describe* call reports it (pipeline/cost.py prices
+    it). A training job: BillableTimeInSeconds ("the absolute wall-clock time ... Multiply
+    BillableTimeInSeconds by the number of instances (InstanceCount)") and TrainingTimeInSeconds,
+    spot savings from the two (DescribeTrainingJob, botocore's sagemaker service-2.json).
+    DescribeProcessingJob reports no billable time: a processing job's is estimated as
+    ProcessingEndTime - ProcessingStartTime on each of its instances. A request SageMaker
+    refused, or a job that never started, bills nothing."""
+    if kind == "training" and described.get("ResourceConfig"):
+        resources = described["ResourceConfig"]
+        billable, training = (
+            described.get("BillableTimeInSeconds"),
+            described.get("TrainingTimeInSeconds"),
+        )
+        record = {
+            "job": described["TrainingJobName"],
+            "use": "training",
+            "instance_type": resources["InstanceType"],
+            "instance_count": resources["InstanceCount"],
+            "billable_seconds": billable,
+            "training_seconds": training,
+        }
+        if described.get("EnableManagedSpotTraining"):
+            record["spot_savings_percent"] = spot_savings(billable, training)
+        return [record]
+    cluster = (described.get("ProcessingResources") or {}).get("ClusterConfig")
+    if kind == "processing" and cluster and described.get("ProcessingStartTime"):
+        start, end = described["ProcessingStartTime"], described.get("ProcessingEndTime")
+        seconds = max(1, round((end - start).total_seconds())) if end else None
+        return [
+            {
+                "job": described["ProcessingJobName"],
+                "use": "processing",
+                "instance_type": cluster["InstanceType"],
+                "instance_count": cluster["InstanceCount"],
+                "billable_seconds": seconds,
+                "estimated_from": "ProcessingStartTime to ProcessingEndTime",
+            }
+        ]
+    return []
 
 
 class Trials:
@@ -195,6 +238,17 @@ class SageMakerBackend:
         pool = self._warm_pool(job.name, request, described)
         if pool:
             result.details["warm_pool"] = pool
+        if pool.get("previous_pool_billable_seconds") is not None:  # billed as training
+            resources = request["ResourceConfig"]  # the pool's: a match has the same (warm_pools)
+            result.billing.append(
+                {
+                    "job": pool["previous_job"],
+                    "use": "warm pool",
+                    "instance_type": resources["InstanceType"],
+                    "instance_count": resources["InstanceCount"],
+                    "billable_seconds": pool["previous_pool_billable_seconds"],
+                }
+            )
         if result.status == "Completed":
             self._adopt_training_output(described, job, result)
         return result
@@ -211,6 +265,7 @@ class SageMakerBackend:
         described, _ = self._submit_and_wait("tuning", job.name, request, on_poll=trials.tidy)
         summaries = trials.tidy(described) if described.get("Status") in TERMINAL else []
         result = self._result("tuning", job.name, described, [])
+        result.billing = self._trials_billed(job.name, summaries or [])
         best = described.get("BestTrainingJob") or {}
         config = request["HyperParameterTuningJobConfig"]
         details = {
@@ -252,6 +307,24 @@ class SageMakerBackend:
             trials.remove_archives(keep=None)
         return result
 
+    def _trials_billed(self, tuning_job: str, summaries: list[dict]) -> list[dict]:
+        """A tuning job bills its training jobs: each trial's DescribeTrainingJob (the
+        summaries ListTrainingJobsForHyperParameterTuningJob gives carry no billable time)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        records = []
+        for summary in summaries:
+            try:
+                described = self.client.describe_training_job(
+                    TrainingJobName=summary["TrainingJobName"]
+                )
+            except (ClientError, BotoCoreError) as e:
+                trial = summary["TrainingJobName"]
+                self.say(tuning_job, f"could not read what trial {trial} billed: {e}")
+                continue
+            records += [{**b, "tuning_job": tuning_job} for b in billed("training", described)]
+        return records
+
     def _warm_pool(self, name: str, request: dict, described: dict) -> dict:
         """What SageMaker's managed warm pools did for a training job, said and recorded:
         whether it started on the pool the run's previous training job left (that job's
@@ -262,6 +335,12 @@ class SageMakerBackend:
         previous, self._last_training = self._last_training, name
         record: dict = {}
         before = self._pool_status(previous) if previous else {}
+        # The previous job's pool, billed as training compute for the seconds it was kept
+        # ("ResourceRetainedBillableTimeInSeconds * InstanceCount", API_WarmPoolStatus), once
+        # it was reused or has ended; still Available, its time is not known yet.
+        if before.get("ResourceRetainedBillableTimeInSeconds"):
+            kept = before["ResourceRetainedBillableTimeInSeconds"]
+            record |= {"previous_job": previous, "previous_pool_billable_seconds": kept}
         if before.get("ReusedByJob") == name:
             kept = before.get("ResourceRetainedBillableTimeInSeconds")
             record |= {"started_on_pool_of": previous, "pool_kept_seconds": kept}
@@ -420,6 +499,7 @@ class SageMakerBackend:
             start_time=described["_start"],
             end_time=time.time(),
             log_key=log_key,
+            billing=billed(kind, described),
         )
 
     def _adopt_training_output(self, described: dict, job: TrainingJob, result: JobResult) -> None:

@@ -9,6 +9,7 @@ import io
 import json
 import shutil
 import sys
+import time
 
 import pytest
 
@@ -17,6 +18,7 @@ from pipeline.driver import PipelineError, parse_steps, run_pipeline
 from pipeline.paths import ExperimentTree
 from pipeline.store import LocalStore
 from tests.conftest import write_settings
+from tests.reliability import figures
 
 DATA1 = ExperimentTree("test-exp").data(1)
 
@@ -141,14 +143,17 @@ def test_a_thousand_labels_are_tested_and_reported_in_proportion_to_rows(tmp_pat
                           experiment={"USER_FUNCTIONS": "many_labels"},
                           data={"RAW_DATA": str(demo_raw), "MAX_SEQUENCE_LENGTH": "16"}, training={"MAX_STEPS": "2"})  # fmt: skip
     store = LocalStore(tmp_path / "store")
+    started = time.perf_counter()
     record = run_pipeline(load_settings(path, {}), store, parse_steps(None), echo=io.StringIO())
+    took = time.perf_counter() - started
     assert record["status"] == "completed" and record["holdout_performance"]["bow"]["rows"] == 1000
     results = tmp_path / "store/test-exp/runs/0001/inference/bow"
-    assert (results / "confusion_matrix.png").stat().st_size < 300_000
+    inference = record["steps"]["inference"]
+    figure = (results / "confusion_matrix.png").stat().st_size
+    figures.record("thousand-labels", inference_seconds=inference["time_taken"],
+                   inference_peak_mb=inference["memory_usage"], confusion_png_bytes=figure,
+                   pipeline_seconds=round(took, 1))  # fmt: skip
+    assert figure < 300_000
     assert len((results / "per_label.csv").read_text().splitlines()) == 1001
     report = tmp_path / "store/test-exp/runs/0001/report.html"
     assert report.stat().st_size < 5_000_000 and "topic-0999" in report.read_text()
-    inference = record["steps"]["inference"]
-    print(
-        f"1,000 labels: inference job {inference['time_taken']:.1f}s, peak {inference['memory_usage']} MB"
-    )

@@ -22,6 +22,7 @@ import pytest
 from pipeline.paths import ExperimentTree
 from pipeline.store import LocalStore
 from tests.conftest import ROOT, write_settings
+from tests.reliability import figures
 
 RUN1 = ExperimentTree("test-exp").run(1)
 
@@ -136,25 +137,27 @@ def test_a_training_job_killed_by_a_signal_is_restarted_from_its_checkpoint(tmp_
     from pipeline.backends.local import LocalBackend
     from pipeline.jobs import TrainingJob
     from pipeline.store import LocalStore, upload_dir
-    from tests.conftest import SigtermAt, ship_code
+    from tests.conftest import SignalAtStep, ship_code
     from tests.test_resume import HPS
 
     store = LocalStore(tmp_path / "store")
     for name, path in channels.items():
         upload_dir(store, path, f"data/{name}/")
     ship_code(store)
-    # SIGKILL, as the out-of-memory killer sends it: no checkpoint on the way out.
-    echo = SigtermAt(step=5, target=lambda command: "steps.train" in command, sig=signal.SIGKILL)
+    echo = io.StringIO()
     backend = LocalBackend(
         store, ExperimentTree("t").run(1), work_root=str(tmp_path / "work"), echo=echo
     )
     job = TrainingJob(name="killed", step="train", code="code/", channels={c: f"data/{c}/" for c in channels},
                       hyperparameters=HPS, model_prefix="out/model/", output_prefix="out/output/",
-                      checkpoint_prefix="out/checkpoints/", sagemaker_output="out/sm/",
-                      env={"SMPIPE_USER_FUNCTIONS": "user_functions"}, max_restarts=1)  # fmt: skip
-    outcome = backend.run_training(job)
+                      checkpoint_prefix="out/checkpoints/", sagemaker_output="out/sm/", max_restarts=1)  # fmt: skip
+    # SIGKILL in step 5, as the out-of-memory killer sends it: no checkpoint on the way out.
+    steps_train = lambda p: "steps.train" in p.cmdline()  # noqa: E731
+    with SignalAtStep(tmp_path / "gates", 5, steps_train, signal.SIGKILL) as killer:
+        job.env = killer.env
+        outcome = backend.run_training(job)
     log = echo.getvalue()
-    assert echo.sent and outcome.status == "Completed", outcome.failure_reason
+    assert killer.sent and outcome.status == "Completed", outcome.failure_reason
     assert outcome.restarts == 1 and "interrupted or killed; restart 1 of 1" in log
     assert re.search(r"resumed from \S+ckpt-0*3 at step 3 ", log), log  # CHECKPOINT_EVERY_STEPS=3
 
@@ -204,6 +207,8 @@ def test_resume_after_a_driver_killed_between_two_uploads_completes(tmp_path, de
     again = Driver(settings, tmp, "--resume", "1")
     assert again.finish() == 0, again.output
     assert "prepare: removed what its unfinished attempt left at" in again.output
+    figures.record("driver-killed-mid-upload", listed_abandoned="abandoned" in rows[0],
+                   resumed=record(tmp_path)["status"])  # fmt: skip
     assert record(tmp_path)["status"] == "completed"
     assert (data / "validation/_MANIFEST.json").exists() and (data / "test/_MANIFEST.json").exists()
 
@@ -264,6 +269,9 @@ def test_a_store_that_fills_fails_the_run_in_one_paragraph_and_leaves_no_tempora
     with pytest.raises(PipelineError) as failed:
         run_pipeline(settings, store, parse_steps(None), echo=io.StringIO())
     said = str(failed.value)
+    figures.record(f"store-fills/{'every write' if everything else 'checkpoint'}",
+                   paragraph="\n" not in said, status=record(tmp_path)["status"],
+                   temporaries=len(hidden_files(tmp_path / "store")))  # fmt: skip
     assert "\n" not in said and said.startswith("run 0001 failed: cannot write ")
     assert f"in the store {tmp_path / 'store'}: No space left on device (the disk is full)" in said
     assert hidden_files(tmp_path / "store") == []
@@ -277,5 +285,7 @@ def test_a_store_that_fills_fails_the_run_in_one_paragraph_and_leaves_no_tempora
     resumed = run_pipeline(
         settings, LocalStore(tmp_path / "store"), parse_steps(None), echo=io.StringIO(), resume=1
     )
+    figures.record("store-fills/resumed", status=resumed["status"],
+                   temporaries=len(hidden_files(tmp_path / "store")))  # fmt: skip
     assert resumed["status"] == "completed"
     assert hidden_files(tmp_path / "store") == []

@@ -11,6 +11,7 @@ import textwrap
 
 from pipeline.store import upload_dir
 from steps.entrypoint import EXTRA_SECRETS_VARIABLE, redact, secret_values
+from tests.reliability.figures import record
 from tests.test_local_backend import backend, probe_processing
 from tests.test_resume import HPS, job_root, start
 
@@ -18,10 +19,11 @@ SECRETS = {"WANDB_API_KEY": "wandb-secret-0123456789", "MY_DB_PASSWORD": "hunter
 
 
 def files_holding(folder, values) -> list[str]:
-    return [
-        str(p) for p in folder.rglob("*")
-        if p.is_file() and not p.is_symlink() and any(v.encode() in p.read_bytes() for v in values)
-    ]  # fmt: skip
+    return [str(p) for p in files_of(folder) if any(v.encode() in p.read_bytes() for v in values)]
+
+
+def files_of(folder) -> list:
+    return [p for p in folder.rglob("*") if p.is_file() and not p.is_symlink()]
 
 
 def test_only_named_variables_are_secrets():
@@ -54,8 +56,11 @@ def test_a_failed_jobs_kept_folder_and_outputs_hold_no_secret(store, tmp_path, m
     assert not any(v in echo.getvalue() or v in failed.failure_reason for v in SECRETS.values())
     done = backend(store, tmp_path).run_processing(job)
     assert done.status == "Completed"
-    for key in store.list_keys(""):
-        assert not any(v.encode() in store.get_bytes(key) for v in SECRETS.values()), key
+    keys = store.list_keys("")
+    held = [k for k in keys if any(v.encode() in store.get_bytes(k) for v in SECRETS.values())]
+    record("secrets/job-folder-and-outputs", files=len(files_of(kept)) + len(keys),
+           found=len(files_holding(kept, SECRETS.values())) + len(held))  # fmt: skip
+    assert held == []
 
 
 def test_wandb_stays_offline_with_a_key_set_and_its_files_hold_no_secret(
@@ -87,7 +92,36 @@ def test_wandb_stays_offline_with_a_key_set_and_its_files_hold_no_secret(
     assert "debug: <redacted> <redacted>" in log
     runs = [p.name for p in (root / "output/data/wandb").iterdir() if "run-" in p.name]
     assert runs and all(name.startswith("offline-run-") for name in runs), runs
-    assert files_holding(root / "output", SECRETS.values()) == []
-    assert files_holding(root / "model", SECRETS.values()) == []
+    found = [files_holding(root / folder, SECRETS.values()) for folder in ("output", "model")]
+    record("secrets/wandb-run", files=len(files_of(root / "output")) + len(files_of(root / "model")),
+           found=sum(map(len, found)))  # fmt: skip
+    assert found == [[], []]
     assert any("*" * len(SECRETS["WANDB_API_KEY"]) in p.read_text(errors="replace")
                for p in (root / "output/data/wandb").rglob("output.log"))  # fmt: skip
+    # wandb's binary run log holds the console too: masked byte for byte, its records still
+    # tile the file (a mask of another length would break the framing of every later record).
+    (binary,) = (root / "output/data/wandb").rglob("*.wandb")
+    records = wandb_log_records(binary.read_bytes())
+    assert any(b"*" * len(SECRETS["WANDB_API_KEY"]) in r for r in records)
+
+
+def wandb_log_records(data: bytes) -> list[bytes]:
+    """The records of a wandb run log (.wandb): a 7-byte header (':W&B', a 2-byte magic, a
+    version), then LevelDB's log format (leveldb doc/log_format.md): 32 KiB blocks of
+    records, each a 4-byte checksum, a 2-byte little-endian length, a 1-byte type (1 full,
+    2 first, 3 middle, 4 last) and the data; fewer than 7 bytes left in a block are zeros.
+    Fails where the records do not tile the file exactly."""
+    assert data[:4] == b":W&B"
+    records, at, block = [], 7, 32768
+    while at < len(data):
+        left = block - at % block
+        if left < 7:
+            assert data[at : at + left] == bytes(left), at
+            at += left
+            continue
+        length, kind = int.from_bytes(data[at + 4 : at + 6], "little"), data[at + 6]
+        assert kind in (1, 2, 3, 4) and 7 + length <= left, (at, kind, length)
+        records.append(data[at + 7 : at + 7 + length])
+        at += 7 + length
+    assert at == len(data)
+    return records

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -100,6 +102,32 @@ def test_a_read_only_store_is_refused(tmp_path, capsys):
     assert problems and f"{store} is not writable (Permission denied in {store})" in problems[0]
 
 
+def test_a_store_on_a_read_only_mount_is_refused_even_to_root(tmp_path):
+    """A store folder on a read-only file system: no user writes there, root included (open(2):
+    EROFS, "pathname refers to a file on a read-only filesystem and write access was
+    requested", is checked before permissions, which root's capabilities bypass). The folder
+    gets a read-only tmpfs in a mount namespace of the dry run's own (unshare(1); as a user
+    other than root, in a user namespace too), so nothing outside it sees the mount, and it
+    goes with the process. Where namespaces cannot be made, the test fails saying so."""
+    store = tmp_path / "store"
+    store.mkdir()
+    settings = write_settings(tmp_path / "s.ini", str(store))
+    user_namespace = [] if os.geteuid() == 0 else ["--map-root-user"]
+    script = 'mount -t tmpfs -o ro smpipe-read-only "$1" || exit 99; shift; exec "$@"'
+    done = subprocess.run(
+        ["unshare", "--mount", *user_namespace, "sh", "-c", script, "sh", str(store),
+         sys.executable, str(ROOT / "run_pipeline.py"), str(settings), "--dry-run"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 99, f"no read-only mount could be made here: {done.stderr}"
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert (
+        f"[experiment] STORE: {store} is not writable (Read-only file system in {store})"
+        in done.stderr
+    )
+    assert "Traceback" not in done.stderr and not list(store.iterdir())
+
+
 def test_a_dry_run_creates_no_store_folder(tmp_path, capsys, demo_raw):
     store = tmp_path / "not-yet"
     settings = write_settings(tmp_path / "s.ini", str(store), data={"RAW_DATA": str(demo_raw)})
@@ -163,4 +191,15 @@ def test_every_syntax_problem_is_listed_with_the_rest(tmp_path, capsys):
 
 
 def test_the_shipped_settings_still_validate():
-    load_settings(ROOT / "settings.ini", {})
+    """The bounds and checks above refuse nothing of the shipped file, and take nothing from
+    it: every key is applied as written (the secrets' names are redacted in the copy a run
+    keeps)."""
+    from pipeline.config import SECRET_KEY_RE
+    from pipeline.history import settings_changes
+
+    settings = load_settings(ROOT / "settings.ini", {})
+    changed = settings_changes((ROOT / "settings.ini").read_text(), settings.applied_ini)
+    assert all(
+        SECRET_KEY_RE.search(line.split(":")[0]) and line.endswith("-> <redacted>")
+        for line in changed
+    ), changed

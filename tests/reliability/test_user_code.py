@@ -20,6 +20,7 @@ from pipeline.paths import ExperimentTree
 from pipeline.store import LocalStore, is_complete, upload_dir
 from steps.user_code import UserFunctionError, load_user_functions
 from tests.conftest import ROOT
+from tests.reliability import figures
 
 RUN = ExperimentTree("user-code").run(1)
 REST = """
@@ -124,18 +125,16 @@ def test_a_user_function_that_ends_the_process_fails_the_job(store, tmp_path, ex
         def reconcile(raw_dir):
             {exit_call}
     """)  # fmt: skip
-    assert result.status == "Failed"
     if exit_call.startswith("sys"):
         code = exit_call[len("sys.exit(") : -1]
-        assert (
-            f"user function odd_functions.reconcile called sys.exit({code})"
-            in result.failure_reason
-        )
+        said = f"user function odd_functions.reconcile called sys.exit({code})"
     else:
-        assert "exited with status 0 before it finished its work" in result.failure_reason
-    assert not is_complete(store, job.outputs["snapshot"]) and not is_complete(
-        store, job.outputs["report"]
-    )
+        said = "exited with status 0 before it finished its work"
+    kept = [is_complete(store, job.outputs[name]) for name in ("snapshot", "report")]
+    figures.record(f"user-exit/{exit_call}", failed=result.status == "Failed",
+                   named=said in (result.failure_reason or ""), kept=any(kept))  # fmt: skip
+    assert result.status == "Failed" and said in result.failure_reason
+    assert kept == [False, False]
 
 
 def test_a_module_that_exits_on_import_is_refused_up_front(tmp_path):
@@ -144,6 +143,7 @@ def test_a_module_that_exits_on_import_is_refused_up_front(tmp_path):
         UserFunctionError, match=r"importing 'exiting_functions' called sys.exit\(0\)"
     ):
         load_user_functions("exiting_functions", str(tmp_path))
+    figures.record("user-exit/on-import", refused=True)
 
 
 MYFUNCS = """
@@ -237,4 +237,5 @@ def test_a_helper_process_left_running_does_not_keep_the_job_open(store, tmp_pat
         for _ in range(50):
             os.kill(helper_pid, 0)
             time.sleep(0.1)
+    figures.record("helper-process", job_seconds=result.seconds, helper_finished=finished.exists())
     assert not finished.exists()  # ended, not waited for

@@ -1,0 +1,278 @@
+"""What a run cost, and the most a plan can cost: one home for prices and billing.
+
+The backends record what each job used, in their own terms (`JobResult.billing`): on
+SageMaker (and emulated) the instance type and count and the seconds DescribeTrainingJob
+bills, or a processing job's start and end; locally the CPU-seconds and peak memory of the
+job's processes. Here those facts meet prices: the shipped, dated table below, or
+[cost] PRICES. A job whose price is unknown says so by name; no price is ever guessed.
+
+    plan:  each job's MaxRuntimeInSeconds x InstanceCount x price (`plan_lines`)
+    run:   BillableTimeInSeconds x InstanceCount x price, per job, summed (`run_cost`)
+"""
+
+from __future__ import annotations
+
+import math
+
+# On-demand USD per instance-hour, by region and use, each region with its date and source.
+# AWS's SageMaker pricing page (https://aws.amazon.com/sagemaker/pricing/) renders its tables
+# with a script, so the figures here are AWS's own as found in AWS's repositories:
+# - eu-west-1: the December 2023 SageMaker bill AWS published in aws-samples/sagemaker-ssh-helper
+#   (Sample_Costs.md, commit b6bf9ba3), lines "$0.257 per Training ml.m5.xlarge hour in EU
+#   (Ireland)" and the like.
+# - us-east-1: what the AWS Price List API (pricing.get_products, ServiceCode AmazonSageMaker,
+#   instanceType "<type>-Training") answered in aws-samples/amazon-sagemaker-training-jobs-
+#   benchmarks (instance_types_benchmark_roberta.ipynb, commit 2a7c651c, SageMaker SDK 2.77.1,
+#   2022): "ml.p3.2xlarge-Training price is $3.8250000000/hr", ml.g5.2xlarge $1.515.
+# Only what those sources state is here (the shipped settings' ml.g5.xlarge and ml.m5.xlarge
+# in us-east-1 are not): an instance type without a price is named as unpriced until
+# [cost] PRICES gives it.
+PRICE_TABLE = {
+    "eu-west-1": {
+        "date": "2023-12",
+        "source": (
+            "https://github.com/aws-samples/sagemaker-ssh-helper/blob/"
+            "b6bf9ba39119784eb6ce6683ae9a6a2ed8ef4cd3/Sample_Costs.md"
+        ),
+        "training": {
+            "ml.m5.xlarge": 0.257,
+            "ml.g4dn.xlarge": 0.822,
+            "ml.g5.xlarge": 1.57,
+            "ml.p3.2xlarge": 4.131,
+        },
+        "processing": {"ml.m5.xlarge": 0.257},
+    },
+    "us-east-1": {
+        "date": "2022",
+        "source": (
+            "https://github.com/aws-samples/amazon-sagemaker-training-jobs-benchmarks/blob/"
+            "2a7c651cfb92d9c5da8f00e1baeb2d09c928f471/instance_types_RoBERTa_benchmark/"
+            "instance_types_benchmark_roberta.ipynb"
+        ),
+        "training": {"ml.p3.2xlarge": 3.825, "ml.g5.2xlarge": 1.515},
+    },
+}
+# A warm pool's instances are billed as training compute: "Multiply
+# ResourceRetainedBillableTimeInSeconds by the number of instances (InstanceCount) ... to get
+# the total compute time SageMaker bills you" (API_WarmPoolStatus), at the training rate (the
+# bill above: "$0.257 per Training Warm Pool ml.m5.xlarge hour", as its Training line).
+RATE_OF_USE = {"training": "training", "warm pool": "training", "processing": "processing"}
+
+
+def price_basis(region: str, overrides: dict[str, float]) -> dict:
+    """The prices a run (or a plan) applies, kept in its Metadata: [cost] PRICES, then the
+    shipped table's figures for `region`, with the table's date and source."""
+    return {
+        "currency": "USD",
+        "region": region,
+        "overrides": dict(overrides),
+        "table": {
+            use: PRICE_TABLE.get(region, {}).get(use, {}) for use in ("training", "processing")
+        },
+        "date": PRICE_TABLE.get(region, {}).get("date"),
+        "source": PRICE_TABLE.get(region, {}).get("source"),
+    }
+
+
+def price_of(basis: dict, use: str, instance: str) -> tuple[float | None, str | None]:
+    """An instance-hour of `instance` for `use`, and where that price comes from."""
+    if instance in (basis.get("overrides") or {}):
+        return basis["overrides"][instance], "[cost] PRICES"
+    price = (basis.get("table") or {}).get(RATE_OF_USE[use], {}).get(instance)
+    if price is None:
+        return None, None
+    return price, f"shipped table ({basis.get('region')}, {basis.get('date')})"
+
+
+def dollars(seconds: float, count: int, price: float | None) -> float | None:
+    """Instance-seconds at a price per instance-hour."""
+    return None if price is None else seconds * count * price / 3600
+
+
+def missing_price(basis: dict, use: str, instance: str) -> str:
+    return f"no price for {instance} ({RATE_OF_USE[use]}, {basis.get('region')})"
+
+
+# -- the most a plan can cost -------------------------------------------------------------------
+
+
+def trials_at_most(config: dict) -> int:
+    """How many training jobs a tuning job may launch: MaxNumberOfTrainingJobs ("the maximum
+    number of training jobs that a hyperparameter tuning job can launch", API_ResourceLimits),
+    or for Grid, sent without it, one per combination of its categorical values (Grid search,
+    automatic-model-tuning-how-it-works.html)."""
+    limit = config["ResourceLimits"].get("MaxNumberOfTrainingJobs")
+    if limit is not None:
+        return int(limit)
+    ranges = config["ParameterRanges"].get("CategoricalParameterRanges", [])
+    return math.prod(len(r["Values"]) for r in ranges)
+
+
+def maximum(kind: str, request: dict, basis: dict) -> dict:
+    """The most one request can bill: MaxRuntimeInSeconds (its StoppingCondition: "the
+    maximum time for all of the attempts in total", spot restarts included; a spot job's
+    MaxWaitTimeInSeconds adds only waiting, which BillableTimeInSeconds leaves out) x
+    InstanceCount x price, plus the warm pool a training job may leave (KeepAlivePeriodInSeconds,
+    billed as training); for a tuning job, that of each trial x the trials it may launch,
+    bounded by its own ResourceLimits.MaxRuntimeInSeconds when set."""
+    if kind == "processing":
+        cluster = request["ProcessingResources"]["ClusterConfig"]
+        seconds = request["StoppingCondition"]["MaxRuntimeInSeconds"]
+        parts = [("processing", cluster["InstanceType"], seconds, cluster["InstanceCount"])]
+        return _priced(parts, basis, times=1)
+    definition = request["TrainingJobDefinition"] if kind == "tuning" else request
+    resources = definition["ResourceConfig"]
+    instance, count = resources["InstanceType"], resources["InstanceCount"]
+    parts = [("training", instance, definition["StoppingCondition"]["MaxRuntimeInSeconds"], count)]
+    if resources.get("KeepAlivePeriodInSeconds"):
+        parts.append(("warm pool", instance, resources["KeepAlivePeriodInSeconds"], count))
+    if kind != "tuning":
+        return _priced(parts, basis, times=1)
+    config = request["HyperParameterTuningJobConfig"]
+    most = _priced(parts, basis, times=trials_at_most(config))
+    ceiling = config["ResourceLimits"].get("MaxRuntimeInSeconds")
+    if ceiling and most["usd"] is not None:  # every parallel trial running the whole time
+        parallel = config["ResourceLimits"]["MaxParallelTrainingJobs"]
+        price, _ = price_of(basis, "training", instance)
+        most["usd"] = min(most["usd"], dollars(ceiling, count * parallel, price))
+    return most
+
+
+def _priced(parts: list[tuple[str, str, int, int]], basis: dict, times: int) -> dict:
+    usd, missing, said, sources, hours = 0.0, [], [], set(), {}
+    for use, instance, seconds, count in parts:
+        # Instance-hours bound the bill whatever the price: said even where it is unknown.
+        hours[instance] = hours.get(instance, 0.0) + times * seconds * count / 3600
+        price, source = price_of(basis, use, instance)
+        if price is None:
+            missing.append(missing_price(basis, use, instance))
+            said.append(f"{use} {seconds} s x {count} x {instance}, unpriced")
+            continue
+        usd += times * dollars(seconds, count, price)
+        said.append(f"{use} {seconds} s x {count} x {instance} at ${price}/h")
+        sources.add(source)
+    how = (f"{times} trials x " if times != 1 else "") + " + ".join(said)
+    missing = list(dict.fromkeys(missing))  # a warm pool's price is its training job's
+    return {
+        "usd": None if missing else usd,
+        "missing": missing,
+        "how": how,
+        "sources": sources,
+        "instance_hours": hours,
+    }
+
+
+def plan_lines(priced: list[tuple[str, dict]]) -> list[str]:
+    """What the plan says of its cost: each job's most (named by its label), then the plan's."""
+    lines = ["what each job can cost at most, before anything starts:"]
+    for label, most in priced:
+        if most["usd"] is not None:
+            lines.append(f"  {label}: at most ${most['usd']:,.2f} ({most['how']})")
+        else:
+            lines.append(f"  {label}: at most unknown ({most['how']})")
+    known = sum(m["usd"] for _, m in priced if m["usd"] is not None)
+    missing = sorted({x for _, m in priced for x in m["missing"]})
+    sources = sorted({s for _, m in priced for s in m["sources"]})
+    where = f"prices: {', '.join(sources) or 'none'}"
+    if not missing:
+        lines.append(
+            f"most this plan can cost: ${known:,.2f} on demand (each job's MaxRuntimeInSeconds x "
+            f"instances x price per instance-hour; {where})"
+        )
+    else:
+        priced_part = f" (the priced jobs: at most ${known:,.2f}; {where})" if sources else ""
+        hours: dict[str, float] = {}
+        for _, most in priced:
+            for instance, h in most["instance_hours"].items():
+                hours[instance] = hours.get(instance, 0.0) + h
+        used = ", ".join(f"{h:,.1f} h of {instance}" for instance, h in sorted(hours.items()))
+        lines.append(
+            f"most this plan can cost: unknown, {'; '.join(missing)}: set [cost] PRICES"
+            + priced_part
+        )
+        lines.append(f"most instance-hours it can use: {used}")
+    return lines
+
+
+# -- what a run cost ----------------------------------------------------------------------------
+
+
+def run_cost(billing: list[dict], basis: dict | None, backend: str) -> dict | None:
+    """The run's cost from its jobs' billing records: priced line by line on SageMaker
+    (emulated too: its billing fields are played as AWS documents them); locally the
+    CPU-seconds and peak memory this machine measured, never dollars."""
+    if not billing:
+        return None
+    if backend == "local":
+        cpu = [b["cpu_seconds"] for b in billing if b.get("cpu_seconds") is not None]
+        peaks = [b["peak_memory_mb"] for b in billing if b.get("peak_memory_mb") is not None]
+        return {
+            "measure": "CPU-seconds",
+            "cpu_seconds": round(sum(cpu), 1) if cpu else None,
+            "peak_memory_mb": max(peaks) if peaks else None,
+            "jobs": billing,
+        }
+    basis = basis or {}
+    lines, total, missing, sources = [], 0.0, set(), set()
+    for b in billing:
+        price, source = price_of(basis, b["use"], b["instance_type"])
+        seconds = b.get("billable_seconds")
+        usd = None if seconds is None else dollars(seconds, b["instance_count"], price)
+        if seconds is not None and price is None:
+            missing.add(missing_price(basis, b["use"], b["instance_type"]))
+        sources |= {source} if source else set()
+        total += usd or 0.0
+        priced = {"price_per_hour": price, "usd": None if usd is None else round(usd, 6)}
+        lines.append({**b, **priced})
+    return {
+        "measure": "USD",
+        "usd": None if missing else round(total, 6),
+        "priced_usd": round(total, 6),
+        "unpriced": sorted(missing),
+        "billable_instance_seconds": sum(
+            (b.get("billable_seconds") or 0) * b["instance_count"] for b in billing
+        ),
+        "prices": f"prices: {', '.join(sorted(sources)) or 'none'}",
+        "jobs": lines,
+    }
+
+
+def said(cost: dict | None) -> str:
+    """The run's cost in one line (the summary, the report)."""
+    if not cost:
+        return "cost: not recorded"
+    if cost["measure"] == "CPU-seconds":
+        cpu, peak = cost.get("cpu_seconds"), cost.get("peak_memory_mb")
+        used = f"{cpu:,.1f} CPU-seconds" if cpu is not None else "CPU-seconds not measured"
+        memory = f", peak memory {peak:,.0f} MB" if peak is not None else ""
+        return f"used: {used}{memory} (local backend: this machine, nothing billed)"
+    seconds = cost["billable_instance_seconds"]
+    if cost["usd"] is None:
+        return (
+            f"cost: unknown, {'; '.join(cost['unpriced'])} (set [cost] PRICES); the priced "
+            f"jobs ${cost['priced_usd']:,.4f}; {seconds:,} billable instance-seconds"
+        )
+    return f"cost: ${cost['usd']:,.4f} ({seconds:,} billable instance-seconds; {cost['prices']})"
+
+
+def short(cost: dict | None) -> str:
+    """The run's cost in a table cell (`smpipe runs`)."""
+    if not cost:
+        return ""
+    if cost["measure"] == "CPU-seconds":
+        cpu = cost.get("cpu_seconds")
+        return f"{cpu:,.0f} CPU-s" if cpu is not None else ""
+    if cost["usd"] is None:
+        return f"≥${cost['priced_usd']:,.4f} (unpriced)"
+    return f"${cost['usd']:,.4f}"
+
+
+def spot_savings(billable: int | None, training: int | None) -> float | None:
+    """Managed spot training's savings, as AWS computes them: "(1 - BillableTimeInSeconds /
+    TrainingTimeInSeconds) * 100" (DescribeTrainingJob's BillableTimeInSeconds, botocore's
+    sagemaker service-2.json; model-managed-spot-training.html). The savings are billable
+    against training time, so billable time at the on-demand price is what a spot job cost:
+    our reading of that formula, the one AWS gives."""
+    if not billable or not training:
+        return None
+    return round((1 - billable / training) * 100, 1)

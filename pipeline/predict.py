@@ -1,0 +1,507 @@
+"""`smpipe predict settings.ini INPUT OUTPUT`: a run's exported model on new texts.
+
+check   the run (the newest completed one that trained a model, or --run), its model (the
+        winner by test macro-F1, or --model), INPUT's format and columns, OUTPUT's format,
+        the request as SageMaker checks it: every problem at once, before anything runs
+upload  INPUT read a part at a time into parquet parts under the run's
+        predictions/<label>/input/ (pipeline/predict_files.py), with the job's code: this
+        project's steps/ and the run's own user functions
+job     one processing job on the configured backend (steps/predict.py), its input sharded
+        across --instance-count instances by S3 key; each writes a part per part it gets
+output  OUTPUT written from the parts in the input's order, and beside it OUTPUT.json:
+        the run, model, data, the input's sha256, counts and the malformed rows; the same
+        record in the run tree (predictions/<label>/record.json)
+"""
+
+from __future__ import annotations
+
+import configparser
+import dataclasses
+import json
+import secrets
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline import metadata as md
+from pipeline.backends import make_backend as default_backend
+from pipeline.code_bundle import PROJECT_ROOT
+from pipeline.config import ConfigError, Settings
+from pipeline.driver import check_requests
+from pipeline.errors import PipelineError, log
+from pipeline.jobs import ProcessingJob
+from pipeline.paths import DataTree, ExperimentTree, PredictionTree, RunTree, run_label
+from pipeline.predict_files import (
+    FOLDER,
+    PART,
+    SAID,
+    TEXT,
+    OutputWriter,
+    format_of,
+    input_columns,
+    input_sha256,
+    read_rows,
+    write_parts,
+)
+from pipeline.runs import existing_run_nums
+from pipeline.stages import job_label, launched, processing_job
+from pipeline.store import (
+    MANIFEST,
+    NotFound,
+    Store,
+    artifact_key,
+    download_dir,
+    is_complete,
+    upload_dir,
+)
+from steps.model_files import EXPORTS
+
+LISTED = 100  # malformed rows named in the record (the output's `error` column has them all)
+
+
+class PredictError(ConfigError):
+    """What `smpipe predict` was asked for cannot be done: every problem, nothing run."""
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The run and model that predict, and what they were trained on."""
+
+    run: RunTree
+    model: str
+    why: str  # how the model was chosen
+    model_key: str  # its folder in the store
+    data_version: int
+    data: DataTree  # that data version (its labels/: how its texts were encoded)
+    snapshot: str | None  # that data's snapshot hash
+    text_columns: list[str]  # what its encode was given of each row, id and label aside
+    user_functions: str  # the run's USER_FUNCTIONS
+
+
+def read_json(store: Store, key: str) -> dict | None:
+    try:
+        return json.loads(store.get_bytes(key))
+    except (NotFound, ValueError):
+        return None
+
+
+def choose_run(store: Store, tree: ExperimentTree, run_num: int | None) -> tuple[int, dict]:
+    """The run asked for, completed; else the newest completed run that trained a model."""
+    runs = existing_run_nums(store, tree)
+    where = f"of {tree.experiment!r} in {store.uri}"
+    if run_num is None:
+        for number in reversed(runs):
+            record = read_json(store, tree.run(number).metadata) or {}
+            if record.get("status") == "completed" and record.get("model_artifacts"):
+                return number, record
+        raise PredictError([f"no completed run {where} has trained a model (smpipe runs)"])
+    if run_num not in runs:
+        there = f"runs {run_label(runs[0])}-{run_label(runs[-1])}" if runs else "no runs"
+        raise PredictError([f"--run {run_num}: no run {run_label(run_num)} {where} ({there})"])
+    record = read_json(store, tree.run(run_num).metadata) or {}
+    status = record.get("status") or "unrecorded"
+    if status != "completed":
+        why = f"run {run_label(run_num)} is {status}, not completed: predict uses its models"
+        raise PredictError([f"--run {run_num}: {why}"])
+    return run_num, record
+
+
+def choose_model(record: dict, model: str | None, run: RunTree) -> tuple[str, str]:
+    """The model named, trained in the run; else the run's winner by test macro-F1, as its
+    inference step recorded it (steps/inference.py `compare`), or its one model."""
+    trained = sorted(record.get("model_artifacts") or {})
+    if model is not None:
+        if model not in trained:
+            models = ", ".join(trained) or "none"
+            why = f"run {run.label} trained no model {model!r} (its models: {models})"
+            raise PredictError([f"--model {model}: {why}"])
+        return model, "named with --model"
+    inference = ((record.get("steps") or {}).get("inference") or {}).get("details") or {}
+    winner = (inference.get("comparison") or {}).get("winner")
+    if winner in trained:
+        return winner, "the winner by test macro-F1"
+    if len(trained) == 1:
+        return trained[0], "the run's one model"
+    why = f"its inference step did not compare {', '.join(trained)}"
+    raise PredictError([f"run {run.label} records no winner ({why}): name one with --model"])
+
+
+def snapshot_columns(store: Store, data: DataTree) -> list[str] | None:
+    """The columns reconcile returned for the data a model was trained on (snapshot.json of
+    the reconciled version its prepared data was made from)."""
+    made_from = read_json(store, data.prepared_from) or {}
+    for tree in filter(None, [made_from.get("reconciled") and DataTree(made_from["reconciled"])]):
+        info = read_json(store, tree.snapshot_info) or {}
+        if info.get("columns"):
+            return list(info["columns"])
+    return None
+
+
+def run_user_functions(store: Store, run: RunTree, default: str) -> str:
+    """USER_FUNCTIONS as the run applied it (its settings.ini): the module its code holds."""
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        parser.read_string(store.get_bytes(run.settings).decode())
+    except (NotFound, configparser.Error, UnicodeDecodeError):
+        return default
+    return parser.get("experiment", "user_functions", fallback=default)
+
+
+def choose(
+    settings: Settings, store: Store, run_num: int | None, model: str | None
+) -> tuple[Chosen | None, list[str]]:
+    """What predicts, checked in the store; or every reason it cannot."""
+    tree = ExperimentTree(settings.experiment.name)
+    try:
+        number, record = choose_run(store, tree, run_num)
+        run = tree.run(number)
+        name, why = choose_model(record, model, run)
+    except PredictError as e:
+        return None, e.problems
+    problems = []
+    model_key = artifact_key(store, record["model_artifacts"][name]) or ""
+    export = EXPORTS[settings.inference.model_format]
+    if not is_complete(store, model_key):
+        problems.append(f"model {name!r} of run {run.label} is no longer complete at {model_key}")
+    elif not store.exists(model_key + export):
+        problems.append(
+            f"model {name!r} of run {run.label} has no {export} ([inference] MODEL_FORMAT = "
+            f"{settings.inference.model_format}; the other format may have one)"
+        )
+    lineage = (record.get("model_lineage") or {}).get(name) or {}
+    version = lineage.get("data_version", record.get("data_version"))
+    data = tree.data(version) if isinstance(version, int) else None
+    if data is None or not is_complete(store, data.split("labels")):
+        problems.append(
+            f"model {name!r} of run {run.label} was trained on data {version}, whose labels/ "
+            "(how its texts were encoded) is no longer complete"
+        )
+    # Data whose snapshot is not found: `text`, the column the contract's encode reads.
+    columns = (snapshot_columns(store, data) if data else None) or [TEXT]
+    text_columns = [c for c in columns if c not in ("label", "id")]
+    if not text_columns:
+        problems.append(f"the data of run {run.label} has no column but label and id: {columns}")
+    functions = run_user_functions(store, run, settings.experiment.user_functions)
+    snapshot = lineage.get("data_snapshot_hash", record.get("data_snapshot_hash"))
+    chosen = Chosen(run, name, why, model_key, version, data, snapshot, text_columns, functions)
+    return chosen, problems
+
+
+def check_files(
+    source: Path, output: Path, columns: list[str] | None
+) -> tuple[str | None, str | None, list[str]]:
+    """INPUT's and OUTPUT's formats, and every problem with either (INPUT's columns checked
+    against `columns`, the text columns of the run's data, when they are known)."""
+    problems = []
+    kind = format_of(source) if source.exists() else None
+    if not source.exists():
+        problems.append(f"INPUT {source} does not exist")
+    elif kind is None:
+        problems.append(f"INPUT {source}: predict reads {SAID} or a folder of .txt files")
+    elif columns is not None:
+        problems += check_columns(source, kind, columns)
+    out_kind = format_of(output) if not output.is_dir() else None
+    if output.is_dir() or out_kind is None or out_kind == FOLDER:
+        problems.append(f"OUTPUT {output}: predict writes {SAID}, told by the suffix")
+    elif not output.parent.is_dir():
+        problems.append(f"OUTPUT {output}: its folder {output.parent} does not exist")
+    elif source.exists() and output.resolve() == source.resolve():
+        problems.append(f"OUTPUT {output} is INPUT: predictions never overwrite their texts")
+    return kind, out_kind, problems
+
+
+def check_columns(source: Path, kind: str, columns: list[str]) -> list[str]:
+    """INPUT has every text column the run's encode was given, each able to hold text."""
+    rule = (
+        f"predict gives the run's encode the columns reconcile returned for its data, label "
+        f"and id aside ({', '.join(columns)}); an `id` column, if there, names the rows"
+    )
+    try:
+        found, not_text = input_columns(source, kind)
+    except (ValueError, OSError) as e:
+        return [f"INPUT {source} cannot be read as {kind}: {e}"]
+    if kind == FOLDER and not found:
+        return [f"INPUT {source} is a folder without .txt files (each file is one text)"]
+    if kind == FOLDER and columns != [TEXT]:
+        return [f"INPUT {source} is a folder, whose files give one column, {TEXT}: {rule}"]
+    missing = [c for c in columns if c not in found]
+    problems = [f"INPUT {source} has no column {c!r} (it has {found}): {rule}" for c in missing]
+    problems += [
+        f"INPUT {source}: column {c!r} holds {not_text[c]}, not text"
+        for c in columns
+        if c in not_text
+    ]
+    return problems
+
+
+# -- the job ----------------------------------------------------------------------------------
+
+
+def predict_job(
+    settings: Settings, chosen: Chosen, prediction: PredictionTree, instance_count: int
+) -> ProcessingJob:
+    """The processing job: [inference]'s instance type, batch size and MODEL_FORMAT; the
+    run's own user functions; the texts split across the instances by S3 key."""
+    inputs = {
+        "texts": prediction.input,
+        "model": chosen.model_key,
+        "labels": chosen.data.split("labels"),
+    }
+    arguments = {
+        "--model-name": chosen.model,
+        "--batch-size": settings.inference.batch_size,
+        "--model-format": settings.inference.model_format,
+        "--text-columns": ",".join(chosen.text_columns),
+    }
+    job = processing_job(
+        settings,
+        chosen.run,
+        "predict",
+        inputs,
+        {"predictions": prediction.output},
+        arguments,
+        settings.inference.instance_type,
+        chosen.model,
+    )
+    env = {**job.env, "SMPIPE_USER_FUNCTIONS": chosen.user_functions}
+    return dataclasses.replace(
+        job,
+        code=prediction.code,
+        env=env,
+        instance_count=instance_count,
+        sharded_inputs=("texts",),
+    )
+
+
+def ship_code(store: Store, chosen: Chosen, prediction: PredictionTree) -> None:
+    """The job's code: this project's steps/ (the predict step is newer than most runs) with
+    the user functions the run shipped, which encoded its data."""
+    with tempfile.TemporaryDirectory(prefix="smpipe-predict-code-") as tmp:
+        download_dir(store, chosen.run.code, tmp)
+        Path(tmp, MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(Path(tmp, "steps"), ignore_errors=True)
+        ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+        shutil.copytree(PROJECT_ROOT / "steps", Path(tmp, "steps"), ignore=ignore)
+        upload_dir(store, tmp, prediction.code)
+
+
+def upload_texts(
+    store: Store, source: Path, kind: str, columns: list[str], prediction: PredictionTree
+) -> list[int]:
+    """INPUT as parquet parts in the store; the rows of each part."""
+
+    def said(rows: int) -> None:
+        if rows % 100_000 == 0:
+            log.info(f"read {rows:,} rows of {source}")
+
+    with tempfile.TemporaryDirectory(prefix="smpipe-predict-input-") as tmp:
+        sizes = write_parts(read_rows(source, kind, columns), Path(tmp), columns, said)
+        if sizes:
+            upload_dir(store, tmp, prediction.input)
+    return sizes
+
+
+def run_job(settings: Settings, store: Store, job: ProcessingJob, run: RunTree, echo, backend):
+    """The job on the configured backend, stopped if the driver is (Ctrl-C, SIGTERM)."""
+    plan = {"event": ("plan", [job_label(job)])}  # the live display's list of jobs
+    log.info(f"predict on the {settings.experiment.backend} backend:", extra=plan)
+    backend = backend(settings, store, run, echo)
+    try:
+        result = launched(job, backend.run_processing)
+    except BaseException:
+        backend.stop()
+        backend.close(succeeded=False)
+        raise
+    backend.close(succeeded=result.status == "Completed")
+    return result
+
+
+# -- OUTPUT -----------------------------------------------------------------------------------
+
+
+def write_output(
+    store: Store, prediction: PredictionTree, sizes: list[int], output: Path, kind: str
+) -> dict:
+    """OUTPUT from the job's parts, in the input's order, renamed into place once whole;
+    the counts and the first LISTED malformed rows."""
+    keys = set(store.list_keys(prediction.output))
+    writer = OutputWriter(output, kind)
+    counts = {"rows": 0, "predicted": 0, "malformed": 0}
+    listed: list[dict] = []
+    columns: list[str] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="smpipe-predict-output-") as tmp:
+            for number, size in enumerate(sizes):
+                table = read_part(store, prediction.output + PART.format(number), keys, tmp)
+                if table.num_rows != size:
+                    raise PipelineError(
+                        f"part {number} of the predictions has {table.num_rows} rows where its "
+                        f"input had {size}: {store.uri_of(prediction.output)}"
+                    )
+                writer.write(table)
+                columns = [c for c in table.column_names if c != "row"]
+                errors = table.column("error").to_pylist()
+                ids = table.column("id").to_pylist()
+                bad = [(i, e) for i, e in zip(ids, errors, strict=True) if e]
+                listed += [{"id": i, "error": e} for i, e in bad[: LISTED - len(listed)]]
+                counts["rows"] += size
+                counts["malformed"] += len(bad)
+                counts["predicted"] += size - len(bad)
+    except BaseException:
+        writer.close(whole=False)
+        raise
+    writer.close(whole=True)
+    return {"columns": columns, **counts, "malformed_rows": listed}
+
+
+def read_part(store: Store, key: str, keys: set[str], tmp: str):
+    import pyarrow.parquet as pq
+
+    if key not in keys:  # every instance writes a part for each part it was given
+        raise PipelineError(f"the job wrote no predictions for {store.uri_of(key)}")
+    path = Path(tmp, "part.parquet")
+    store.download_file(key, path)
+    table = pq.read_table(path)
+    path.unlink()
+    return table
+
+
+def remove_input(store: Store, prediction: PredictionTree) -> None:
+    """The parts of INPUT are a copy of the user's texts, only the job's to read: once it
+    has ended they go (the record keeps INPUT's sha256)."""
+    for key in store.list_keys(prediction.input):
+        store.delete(key)
+
+
+# -- the command ------------------------------------------------------------------------------
+
+
+def predict(
+    settings: Settings,
+    store: Store,
+    source: Path,
+    output: Path,
+    run_num: int | None = None,
+    model: str | None = None,
+    instance_count: int = 1,
+    echo=None,
+    make_backend=default_backend,
+) -> dict:
+    """Predict INPUT's rows with a run's model into OUTPUT; the record of what was done
+    (also OUTPUT.json and the run's predictions/<label>/record.json)."""
+    started = time.time()
+    chosen, kind, out_kind = checked(settings, store, source, output, run_num, model)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(started))
+    prediction = chosen.run.prediction(f"{chosen.model}-{stamp}-{secrets.token_hex(3)}")
+    job = predict_job(settings, chosen, prediction, instance_count)
+    check_requests([job], settings, store)
+    log.info(
+        f"predicting {source} with model {chosen.model!r} of run {chosen.run.label} "
+        f"({chosen.why}), into {output}"
+    )
+    digest = input_sha256(source)
+    sizes, result = upload_and_run(
+        settings, store, chosen, job, prediction, source, kind, echo, make_backend
+    )
+    completed_or_said(store, result, output)
+    job_said = {
+        "backend": settings.experiment.backend,
+        "job_name": result.name,
+        "instance_count": instance_count,
+        "job_seconds": result.seconds,
+        "job_peak_memory_mb": result.peak_memory_mb,
+    }
+    record = {
+        "run": chosen.run.label,
+        "experiment": settings.experiment.name,
+        "model": chosen.model,
+        "model_chosen": chosen.why,
+        "model_artifact": chosen.model_key,
+        "model_format": settings.inference.model_format,
+        "data_version": chosen.data_version,
+        "data_snapshot_hash": chosen.snapshot,
+        "input": str(source.resolve()),
+        "input_format": kind,
+        "input_sha256": digest,
+        "output": str(output.resolve()),
+        "output_format": out_kind,
+        **write_output(store, prediction, sizes, output, out_kind),
+        **job_said,
+        "seconds": round(time.time() - started, 1),
+        "predictions": store.uri_of(prediction.prefix),
+        "created": md.iso(started),
+    }
+    text = json.dumps(record, indent=2, ensure_ascii=False)
+    store.put_bytes(prediction.record, text.encode())
+    Path(f"{output}.json").write_text(text + "\n", encoding="utf-8")
+    say_done(record)
+    return record
+
+
+def completed_or_said(store: Store, result, output: Path) -> None:
+    """A job that did not complete fails the command, naming its log; OUTPUT is not written."""
+    if result.status != "Completed":
+        where = store.uri_of(result.log_key) if result.log_key else "the backend"
+        raise PipelineError(
+            f"predict failed in job {result.name}: {result.failure_reason}. The job's log is at "
+            f"{where}; {output} was not written."
+        )
+
+
+def upload_and_run(
+    settings: Settings,
+    store: Store,
+    chosen: Chosen,
+    job: ProcessingJob,
+    prediction: PredictionTree,
+    source: Path,
+    kind: str,
+    echo,
+    make_backend,
+):
+    """INPUT's parts and the job's code uploaded, the job run; the parts removed however it
+    ended (even before the job started). The rows of each part, and the job's result."""
+    try:
+        sizes = upload_texts(store, source, kind, chosen.text_columns, prediction)
+        if not sizes:
+            raise PredictError([f"INPUT {source} holds no rows"], "smpipe predict")
+        log.info(f"{sum(sizes):,} rows of {source} in {len(sizes)} part(s)")
+        ship_code(store, chosen, prediction)
+        return sizes, run_job(settings, store, job, chosen.run, echo, make_backend)
+    finally:
+        remove_input(store, prediction)
+
+
+def checked(
+    settings: Settings,
+    store: Store,
+    source: Path,
+    output: Path,
+    run_num: int | None,
+    model: str | None,
+) -> tuple[Chosen, str, str]:
+    """What predicts, INPUT's format and OUTPUT's; PredictError with every problem."""
+    chosen, problems = choose(settings, store, run_num, model)
+    columns = chosen.text_columns if chosen else None
+    kind, out_kind, file_problems = check_files(source, output, columns)
+    if problems or file_problems:
+        raise PredictError(problems + file_problems, "smpipe predict")
+    return chosen, kind, out_kind
+
+
+def say_done(record: dict) -> None:
+    bad = record["malformed_rows"]
+    log.info(
+        f"{record['predicted']:,} of {record['rows']:,} rows predicted by {record['model']} of "
+        f"run {record['run']} in {record['seconds']:.0f}s: {record['output']} (what they came "
+        f"from: {record['output']}.json)"
+    )
+    if record["malformed"]:
+        shown = "; ".join(f"{r['id']}: {r['error']}" for r in bad[:5])
+        more = f"; {record['malformed'] - 5:,} more" if record["malformed"] > 5 else ""
+        log.warning(
+            f"{record['malformed']:,} malformed rows have no prediction (the `error` column "
+            f"says why): {shown}{more}"
+        )

@@ -1,0 +1,229 @@
+"""Predict (processing job, `smpipe predict`): one run's exported model on new texts.
+
+The texts are encoded as prepare encoded the run's data (the run's own `load_tokenizer` and
+`encode`, at the length prepare recorded in encoding.json) and run through the program the
+inference step runs, with its batching (steps/inference.py `load_program`, `run_batches`):
+the same texts get the inference step's predictions.
+
+Inputs:  texts        parquet parts `part-NNNNN.parquet` the driver wrote: `row`, `id`, `error`
+                      (why the driver could not read the row) and the text columns; with
+                      several instances each gets a shard of the parts (ShardedByS3Key)
+         model        the model's folder (smpipe.json, the export MODEL_FORMAT names)
+         labels       the prepared data's labels/ (inputs.json, encoding.json)
+Outputs: predictions  a part of the same name per part: `row`, `id`, `predicted`,
+                      `probability_<label>` for every label, `error` (why a row has no
+                      prediction: empty text, a text that is not a string, encode refused it)
+
+Parts are read, encoded, predicted and written one at a time: memory does not grow with
+the input. A progress line per part is the job's log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from steps.batching import Batches, check_encoded, length_column, read_inputs
+from steps.contract import processing_input, processing_output, run_step
+from steps.inference import load_program, run_batches
+from steps.model_files import RECORD, read_record
+from steps.prepare import tokenizer_identity
+from steps.prepared_files import read_encoding
+from steps.user_code import UserFunctions, call, load_user_functions
+
+PROBABILITY = "probability_"  # + a label: that label's probability
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-name", required=True)
+    parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument(
+        "--model-format", choices=["torchscript", "exported"], default="torchscript"
+    )
+    parser.add_argument("--text-columns", required=True, help="comma separated")
+    return parser.parse_args()
+
+
+def model_folder() -> Path:
+    """The model input, unpacked where it is a SageMaker training output kept as its tarball
+    (as steps/inference.py reads one)."""
+    path = processing_input("model")
+    archive = path / "model.tar.gz"
+    if archive.exists() and not (path / RECORD).exists():
+        with tarfile.open(archive) as tar:
+            tar.extractall(path, filter="data")
+    return path
+
+
+@dataclass
+class Encoder:
+    """The user's encode of one model, as prepare called it for the run's data."""
+
+    functions: UserFunctions
+    tokenizer: object
+    name: str
+    keys: list[str]
+    max_length: int
+    where: str
+
+    def __call__(self, batch: dict[str, list]) -> tuple[dict[str, pa.Array], list[int]]:
+        encoded = call(self.functions, "encode", batch, self.tokenizer, self.name, self.max_length)
+        columns, _, lengths = check_encoded(encoded, len(batch["id"]), self.keys, self.where)
+        return columns, lengths
+
+
+def load_encoder(name: str, keys: list[str], encoding: dict) -> Encoder:
+    """The run's user functions and tokenizer; a tokenizer other than the one that encoded
+    the run's data (encoding.json) would give the model ids it was not trained on."""
+    functions = load_user_functions(os.environ["SMPIPE_USER_FUNCTIONS"])
+    tokenizer = call(functions, "load_tokenizer", name)
+    recorded = ((encoding.get("models") or {}).get(name) or {}).get("tokenizer") or {}
+    now = tokenizer_identity(tokenizer)
+    if recorded.get("sha256") and now.get("sha256") and recorded["sha256"] != now["sha256"]:
+        raise ValueError(
+            f"{functions.module}.load_tokenizer({name!r}) returns another tokenizer than the one "
+            f"that encoded the run's data (sha256 {now['sha256']}, encoding.json records "
+            f"{recorded['sha256']} for {recorded.get('name_or_path')!r}): the model would be "
+            "given ids it was not trained on"
+        )
+    where = f"{functions.module}.encode (model {name!r})"
+    return Encoder(functions, tokenizer, name, keys, encoding["max_length"], where)
+
+
+def malformed(row: dict, text_columns: list[str]) -> str | None:
+    """Why a row gets no prediction: the driver could not read it, or a text is missing,
+    not a string, or empty."""
+    if row["error"]:
+        return row["error"]
+    for column in text_columns:
+        value = row[column]
+        if not isinstance(value, str):
+            return f"no text in column {column!r}"
+        if not value.strip():
+            return f"empty text in column {column!r}"
+    return None
+
+
+def encode_rows(
+    encoder: Encoder, rows: list[dict], text_columns: list[str]
+) -> tuple[pa.Table | None, list[int], dict[int, str]]:
+    """The model's columns for the rows that can be encoded (a table Batches reads), their
+    positions, and why each other row cannot be. A batch encode refuses is encoded again row
+    by row, so one bad text costs its row only; when no row can be, encode itself is wrong
+    and the job fails with its error."""
+    errors = {i: why for i, row in enumerate(rows) if (why := malformed(row, text_columns))}
+    good = [i for i in range(len(rows)) if i not in errors]
+
+    def batch_of(indices: list[int]) -> dict[str, list]:
+        return {c: [rows[i][c] for i in indices] for c in ["id", *text_columns]}
+
+    if not good:
+        return None, good, errors
+    try:
+        parts = [encoder(batch_of(good))]
+    except (RuntimeError, ValueError, TypeError) as first:
+        parts, kept = [], []
+        for i in good:
+            try:
+                parts.append(encoder(batch_of([i])))
+                kept.append(i)
+            except (RuntimeError, ValueError, TypeError) as e:
+                errors[i] = str(e)
+        if not kept:
+            raise first
+        good = kept
+    columns = {
+        f"{encoder.name}_{k}": pa.concat_arrays([p[0][k] for p in parts]) for k in encoder.keys
+    }
+    lengths = [n for p in parts for n in p[1]]
+    columns[length_column(encoder.name)] = pa.array(lengths, pa.int64())
+    return pa.table(columns), good, errors
+
+
+def predict_part(
+    rows: list[dict], encoder: Encoder, program, inputs: dict, args, labels: list[str]
+) -> pa.Table:
+    """One part's predictions: a row each, in the part's order."""
+    text_columns = args.text_columns.split(",")
+    table, good, errors = encode_rows(encoder, rows, text_columns)
+    probabilities = np.full((len(rows), len(labels)), np.nan, dtype=np.float32)
+    predicted = [None] * len(rows)
+    if good:
+        batches = Batches(
+            table, encoder.name, encoder.keys, inputs, encoder.max_length, labels=False
+        )
+        logits = run_batches(program, batches, encoder.keys, args.batch_size)
+        probabilities[good] = torch.softmax(logits, -1).numpy()
+        for position, label_id in zip(good, logits.argmax(-1).tolist(), strict=True):
+            predicted[position] = labels[label_id]  # the logits' argmax, as inference takes it
+    out = {
+        "row": pa.array([r["row"] for r in rows], pa.int64()),
+        "id": pa.array([r["id"] for r in rows], pa.string()),
+        "predicted": pa.array(predicted, pa.string()),
+    }
+    for j, label in enumerate(labels):
+        out[PROBABILITY + label] = pa.array(probabilities[:, j], mask=np.isnan(probabilities[:, j]))
+    out["error"] = pa.array([errors.get(i) for i in range(len(rows))], pa.string())
+    return pa.table(out)
+
+
+def progress(done: int, total: int, malformed_rows: int, started: float) -> str:
+    """The job's progress line (the live display shows it beside the job)."""
+    seconds = max(time.time() - started, 1e-9)
+    rate = done / seconds
+    eta = (total - done) / rate if rate else 0.0
+    return (
+        f"predicted {done:,} of {total:,} rows ({100 * done / max(total, 1):.0f}%), "
+        f"{rate:.1f} rows/s, ETA {eta:.0f} s; {malformed_rows:,} malformed"
+    )
+
+
+def main() -> None:
+    args = parse_args()
+    name = args.model_name
+    directory = model_folder()
+    record = read_record(directory)
+    keys = record["ordered_input_keys"]
+    id2label = {int(k): v for k, v in record["id2label"].items()}
+    labels = [id2label[i] for i in sorted(id2label)]
+    encoding = read_encoding(processing_input("labels"))
+    if record.get("max_length") not in (None, encoding["max_length"]):
+        raise ValueError(
+            f"model {name!r} was trained on rows cut to {record['max_length']} tokens, but "
+            f"its data's encoding.json says {encoding['max_length']}"
+        )
+    inputs = read_inputs(processing_input("labels"), name, keys)
+    encoder = load_encoder(name, keys, encoding)
+    program = load_program(directory, args.model_format, name)
+    parts = sorted(processing_input("texts").glob("part-*.parquet"))
+    if not parts:  # ShardedByS3Key may give an instance none (about 1/n of the objects each)
+        print("no part of the input reached this instance: nothing to predict here")
+        return
+    total = sum(pq.ParquetFile(p).metadata.num_rows for p in parts)
+    out, started, done, bad = processing_output("predictions"), time.time(), 0, 0
+    print(
+        f"predicting {total:,} rows in {len(parts)} part(s) with model {name!r} "
+        f"({args.model_format}, {len(labels)} labels, rows of up to {encoder.max_length} tokens)",
+        flush=True,
+    )
+    for part in parts:
+        rows = pq.read_table(part).to_pylist()
+        predictions = predict_part(rows, encoder, program, inputs, args, labels)
+        pq.write_table(predictions, out / part.name)
+        done += len(rows)
+        bad += len(rows) - predictions.column("error").null_count
+        print(progress(done, total, bad, started), flush=True)
+
+
+if __name__ == "__main__":
+    run_step("predict", main)

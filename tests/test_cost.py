@@ -1,0 +1,280 @@
+"""What every run cost ([cost] PRICES, pipeline/cost.py): the most a plan can cost, from its
+requests and the shipped prices, before anything starts; the billing fields the emulated
+backend plays as AWS documents them, priced into a run's Metadata, summary, report and
+`smpipe runs`; a price nobody knows named, never guessed; locally CPU-seconds, not dollars."""
+
+from __future__ import annotations
+
+import io
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline import cost
+from pipeline.backends.local import LocalBackend
+from pipeline.config import ConfigError, load_settings
+from pipeline.console import summary_lines
+from pipeline.driver import describe, log_plan, parse_steps, run_pipeline
+from pipeline.jobs import ProcessingJob
+from pipeline.paths import ExperimentTree
+from pipeline.sources import Sources
+from pipeline.stages import build_jobs
+from pipeline.store import LocalStore
+from tests.conftest import ROOT, ship_code, write_settings
+from tests.test_emulator import (  # noqa: F401
+    RUN,
+    emulator,
+    inputs,
+    probe_training,
+    store,
+    tuning_job,
+)
+from tests.test_service_model import S3, STEPS, sagemaker_settings
+
+EU = "eu-west-1"  # the shipped table's region
+M5, G5 = 0.257, 1.57  # its Training (and m5's Processing) prices, from AWS's bill of 2023-12
+
+
+def planned(settings):
+    tree = ExperimentTree(settings.experiment.name)
+    return build_jobs(settings, STEPS, tree.run(1), Sources(raw=tree.raw))
+
+
+def plan_said(settings, caplog) -> list[str]:
+    with caplog.at_level(logging.INFO, logger="smpipe"):
+        log_plan(planned(settings), settings, S3())
+    return [r.getMessage() for r in caplog.records]
+
+
+def test_the_plan_prints_the_most_it_can_cost_from_its_requests(tmp_path, caplog):
+    settings = sagemaker_settings(
+        tmp_path,
+        experiment={"REGION": EU},
+        cost={"PRICES": "ml.c5.xlarge: 0.2"},
+        inference={"INSTANCE_TYPE": "ml.c5.xlarge"},
+        training={"USE_DISTRIBUTED": "true", "INSTANCE_COUNT": "2", "MAX_RUN_SECONDS": "3600"},
+    )
+    reconcile, prepare, first, last, inference = (
+        describe(job, settings, S3()) for job in planned(settings)
+    )
+    # What the requests say, read off them: processing 1 day on one instance; training 1 hour
+    # on two, the first keeping its two instances 600 s for the second (a warm pool).
+    for request in (reconcile, prepare, inference):
+        assert request["StoppingCondition"]["MaxRuntimeInSeconds"] == 86400
+        assert request["ProcessingResources"]["ClusterConfig"]["InstanceCount"] == 1
+    assert first["StoppingCondition"]["MaxRuntimeInSeconds"] == 3600
+    assert first["ResourceConfig"] | last["ResourceConfig"] == {
+        "InstanceType": "ml.g5.xlarge",
+        "InstanceCount": 2,
+        "VolumeSizeInGB": 30,
+        "KeepAlivePeriodInSeconds": 600,
+    }
+    assert "KeepAlivePeriodInSeconds" not in last["ResourceConfig"]
+    by_hand = (
+        2 * 86400 * 1 * M5 / 3600  # reconcile and prepare on ml.m5.xlarge, the table's
+        + (3600 + 600) * 2 * G5 / 3600  # the first model and its warm pool
+        + 3600 * 2 * G5 / 3600  # the last model
+        + 86400 * 1 * 0.2 / 3600  # inference on ml.c5.xlarge, at [cost] PRICES
+    )
+    said = plan_said(settings, caplog)
+    assert f"most this plan can cost: ${by_hand:,.2f} on demand" in said[-1]
+    assert "[cost] PRICES" in said[-1] and f"shipped table ({EU}, 2023-12)" in said[-1]
+    assert any(
+        line.startswith("  train minilm: at most $")
+        and "+ warm pool 600 s x 2 x ml.g5.xlarge at $1.57/h" in line
+        for line in said
+    )
+
+
+def test_a_tuning_plan_costs_its_trials_and_a_grid_every_combination(tmp_path):
+    basis = cost.price_basis(EU, {})
+    for strategy, trials in (("Random", 3), ("Grid", 2 * 3)):
+        (tmp_path / strategy).mkdir()
+        settings = sagemaker_settings(
+            tmp_path / strategy,
+            experiment={"REGION": EU, "JOB": "tune"},
+            tuning={"STRATEGY": strategy, "MAX_JOBS": "3", "EARLY_STOPPING": "Off"},
+            models={"MODEL_NAMES": "bow"},
+            **{
+                "tuning.hyperparameters": {
+                    "BATCH_SIZE": "8,16",
+                    "EPOCHS": "1,2,3",
+                    "LEARNING_RATE": "1e-3",
+                }
+            },
+        )
+        tune = next(j for j in planned(settings) if j.kind == "tuning")
+        most = cost.maximum("tuning", describe(tune, settings, S3()), basis)
+        assert most["usd"] == pytest.approx(trials * 86400 * G5 / 3600)
+        assert most["how"].startswith(f"{trials} trials x training 86400 s x 1 x ml.g5.xlarge")
+
+
+def test_a_price_nobody_knows_is_named_never_guessed(tmp_path, caplog):
+    settings = sagemaker_settings(tmp_path)  # us-east-1: the shipped table has no price there
+    said = plan_said(settings, caplog)
+    assert said[-2:] == [
+        "most this plan can cost: unknown, no price for ml.g5.xlarge (training, us-east-1); "
+        "no price for ml.m5.xlarge (processing, us-east-1): set [cost] PRICES",
+        # The bound that holds whatever the price: MaxRuntimeInSeconds x instances, summed.
+        f"most instance-hours it can use: {2 * 86400 / 3600 + 600 / 3600:,.1f} h of "
+        f"ml.g5.xlarge, {3 * 86400 / 3600:,.1f} h of ml.m5.xlarge",
+    ]
+    billed = [
+        {
+            "job": "a",
+            "use": "training",
+            "instance_type": "ml.g5.xlarge",
+            "instance_count": 1,
+            "billable_seconds": 100,
+        },
+        {
+            "job": "b",
+            "use": "processing",
+            "instance_type": "ml.m5.xlarge",
+            "instance_count": 1,
+            "billable_seconds": 10,
+        },
+    ]
+    recorded = cost.run_cost(billed, cost.price_basis("us-east-1", {"ml.m5.xlarge": 0.36}), "x")
+    assert recorded["usd"] is None and recorded["priced_usd"] == pytest.approx(10 * 0.36 / 3600)
+    assert recorded["unpriced"] == ["no price for ml.g5.xlarge (training, us-east-1)"]
+    assert cost.said(recorded).startswith(
+        "cost: unknown, no price for ml.g5.xlarge (training, us-east-1) (set [cost] PRICES)"
+    )
+    # A price that is not one is refused by key, with what was meant.
+    path = write_settings(
+        tmp_path / "bad.ini",
+        "s3://bucket/root",
+        cost={"PRICES": "ml.g5.xlarg: 1.4, ml.m5.xlarge: free"},
+    )
+    with pytest.raises(ConfigError) as error:
+        load_settings(path, env={})
+    [problem] = error.value.problems
+    assert problem.startswith("[cost] PRICES: 'ml.g5.xlarg' is not an instance type")
+    assert "did you mean 'ml.g5.xlarge'?" in problem and "'ml.m5.xlarge: free'" in problem
+
+
+def test_the_emulator_plays_the_billing_fields_and_a_warm_pool_bills(store, emulator, inputs):  # noqa: F811
+    backend = emulator.backend(RUN, "", "", io.StringIO())
+    first = backend.run_training(probe_training("bill-a", keep_alive_seconds=60))
+    time.sleep(1.6)  # the pool waits, billed, for the next job
+    second = backend.run_training(probe_training("bill-b"))
+    spot = backend.run_training(probe_training("bill-c", use_spot=True))
+    assert [r.status for r in (first, second, spot)] == ["Completed"] * 3, spot.failure_reason
+    described = emulator.client.describe_training_job(TrainingJobName="bill-a")
+    wall = (described["TrainingEndTime"] - described["TrainingStartTime"]).total_seconds()
+    assert (
+        described["BillableTimeInSeconds"]
+        == described["TrainingTimeInSeconds"]
+        == max(1, round(wall))
+    )
+    assert first.billing == [
+        {
+            "job": "bill-a",
+            "use": "training",
+            "instance_type": "ml.m5.xlarge",
+            "instance_count": 1,
+            "billable_seconds": described["BillableTimeInSeconds"],
+            "training_seconds": described["TrainingTimeInSeconds"],
+        },
+    ]
+    trained, pool = second.billing
+    assert trained["job"] == "bill-b" and trained["billable_seconds"] >= 1
+    kept = emulator.client.describe_training_job(TrainingJobName="bill-a")["WarmPoolStatus"]
+    assert kept["ReusedByJob"] == "bill-b" and kept["ResourceRetainedBillableTimeInSeconds"] >= 1
+    assert pool == {
+        "job": "bill-a",
+        "use": "warm pool",
+        "instance_type": "ml.m5.xlarge",
+        "instance_count": 1,
+        "billable_seconds": kept["ResourceRetainedBillableTimeInSeconds"],
+    }
+    # Spot savings by AWS's formula: none, as the emulator bills spot time as trained.
+    [spent] = spot.billing
+    assert spent["spot_savings_percent"] == 0.0 and spent["billable_seconds"] >= 1
+    priced = cost.run_cost(first.billing + second.billing, cost.price_basis(EU, {}), "emulated")
+    seconds = sum(b["billable_seconds"] for b in first.billing + second.billing)
+    assert priced["usd"] == pytest.approx(seconds * M5 / 3600, abs=1e-6)  # a pool at the
+    # training rate
+
+
+def test_a_tuning_job_bills_each_of_its_trials_failed_ones_too(store, emulator, inputs):  # noqa: F811
+    result = emulator.backend(RUN, "", "", io.StringIO()).run_tuning(tuning_job("bill-t", True))
+    assert result.status == "Failed"  # every trial failed: each still ran, and bills
+    trials = [t["job_name"] for t in result.details["trials"]]
+    assert len(trials) == 2 and [b["job"] for b in result.billing] == trials
+    for billed in result.billing:
+        described = emulator.client.describe_training_job(TrainingJobName=billed["job"])
+        assert billed["tuning_job"] == "bill-t" and billed["use"] == "training"
+        assert billed["billable_seconds"] == described["BillableTimeInSeconds"] >= 1
+
+
+@pytest.mark.slow
+def test_an_emulated_run_prints_its_cost_in_summary_report_and_runs(demo_raw, tmp_path, caplog):
+    path = write_settings(
+        tmp_path / "settings.ini",
+        str(tmp_path / "store"),
+        experiment={"BACKEND": "emulated", "REGION": EU},
+        data={"RAW_DATA": str(demo_raw)},
+        models={"MODEL_NAMES": "bow"},
+        training={"MAX_STEPS": "2"},
+    )
+    settings = load_settings(path, env={})
+    from pipeline.backends.emulated import open_emulated_store
+
+    with caplog.at_level(logging.INFO, logger="smpipe"):
+        record = run_pipeline(
+            settings, open_emulated_store(settings), parse_steps(None), echo=io.StringIO()
+        )
+    assert record["status"] == "completed"
+    jobs = record["cost"]["jobs"]
+    assert [j["use"] for j in jobs] == ["processing", "processing", "training", "processing"]
+    trained = jobs[2]
+    assert trained["billable_seconds"] == trained["training_seconds"] >= 1
+    train_section = record["steps"]["train"]
+    assert trained["billable_seconds"] <= train_section["time_taken"] + 1
+    assert all(j["estimated_from"] for j in jobs if j["use"] == "processing")
+    by_hand = sum(j["billable_seconds"] * (G5 if j["use"] == "training" else M5) for j in jobs)
+    assert record["cost"]["usd"] == pytest.approx(by_hand / 3600, abs=1e-5)
+    said = f"cost: ${record['cost']['usd']:,.4f} ("
+    assert any(r.getMessage().startswith(said) for r in caplog.records)  # the summary
+    report = (tmp_path / "store/test-exp/runs/0001/report.html").read_text()
+    assert said in report and trained["job"] in report and "ml.g5.xlarge" in report
+    smpipe = str(Path(sys.executable).parent / "smpipe")
+    runs = subprocess.run([smpipe, "runs", str(path)], cwd=ROOT, capture_output=True, text=True)
+    assert runs.returncode == 0, runs.stderr
+    assert f"${record['cost']['usd']:,.4f}" in runs.stdout and "cost" in runs.stdout
+
+
+def test_a_local_job_reports_its_cpu_seconds_children_included(tmp_path):
+    here = LocalStore(str(tmp_path / "store"))
+    ship_code(here)
+    job = ProcessingJob(
+        name="burn",
+        step="tests.jobs.burn_cpu",
+        code="code/",
+        inputs={},
+        outputs={"out": "outputs/burn/"},
+        arguments=["--seconds", "1.2"],
+        env={"SMPIPE_USER_FUNCTIONS": "user_functions"},
+    )
+    backend = LocalBackend(here, RUN, echo=io.StringIO(), work_root=str(tmp_path / "work"))
+    try:
+        result = backend.run_processing(job)
+    finally:
+        backend.close(succeeded=True)
+    assert result.status == "Completed", result.failure_reason
+    [used] = result.billing
+    # 1.2 s burnt, half in a child the step waited for; plus the interpreter's own start.
+    assert 1.2 <= used["cpu_seconds"] < 1.2 + 15 and used["peak_memory_mb"] > 0
+    recorded = cost.run_cost(result.billing, None, "local")
+    assert recorded["measure"] == "CPU-seconds" and "usd" not in recorded
+    lines = summary_lines(
+        {"cost": recorded, "time_taken": 3.0, "model_version": 1, "status": "completed"}, "x"
+    )
+    assert lines[-2].startswith(f"used: {used['cpu_seconds']:,.1f} CPU-seconds, peak memory ")
+    assert "nothing billed" in lines[-2] and "$" not in lines[-2]

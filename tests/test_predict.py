@@ -1,0 +1,355 @@
+"""`smpipe predict`: a run's exported model on new texts, as a processing job on the local and
+the emulated backends. Two small runs of two bag-of-embeddings models on a slice of the demo
+are trained once; each test feeds the test split without its labels and holds the predictions
+to the inference step's, row by row."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import cli
+from pipeline.config import ConfigError, load_settings
+from pipeline.driver import parse_steps, run_pipeline
+from pipeline.paths import ExperimentTree
+from pipeline.predict import Chosen, PredictError, choose, predict, predict_job
+from pipeline.predict_files import read_rows, write_parts
+from pipeline.service_model import as_if_on_s3, refused
+from pipeline.store import LocalStore, key_of
+from steps.batching import read_split
+from tests.conftest import ROOT, write_settings
+
+# Two models the demo's functions build, so that a run has a winner and a loser.
+FUNCTIONS = """
+from user_functions import encode, load_tokenizer, ordered_input_keys, reconcile  # noqa: F401
+from user_functions.baseline import BagOfEmbeddings
+
+
+def load_model(model_name, id2label, label2id):
+    dim = {"bow": 128, "bow32": 32}[model_name]
+    return BagOfEmbeddings(load_tokenizer(model_name).vocab_size, len(id2label), dim=dim)
+"""
+TREE = ExperimentTree("test-exp")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Run 1: bow and bow32, every step; run 2: bow alone, trained two epochs on run 1's data."""
+    from user_functions.demo_data import write_demo
+
+    root = tmp_path_factory.mktemp("predict")
+    write_demo(root / "raw", per_label=30)
+    (root / "predict_functions.py").write_text(FUNCTIONS)
+    path = write_settings(
+        root / "settings.ini",
+        str(root / "store"),
+        experiment={"USER_FUNCTIONS": "predict_functions"},
+        data={"RAW_DATA": str(root / "raw")},
+        models={"MODEL_NAMES": "bow, bow32"},
+    )
+    store = LocalStore(root / "store")
+    for steps, env in ((None, {}), ("train,inference", {"SMPIPE__MODELS__MODEL_NAMES": "bow",
+                                                        "SMPIPE__TRAINING__EPOCHS": "2"})):  # fmt: skip
+        settings = load_settings(path, env=env)
+        record = run_pipeline(settings, store, parse_steps(steps), echo=io.StringIO())
+        assert record["status"] == "completed"
+    test = read_split(root / "store" / TREE.data(1).split("test"))
+    texts = pd.DataFrame(
+        {"id": test.column("id").to_pylist(), "text": test.column("text").to_pylist()}
+    )
+    return {"settings": path, "store": store, "root": root, "texts": texts}
+
+
+def inference_of(store, run_num: int, model: str) -> pd.DataFrame:
+    """What the inference step predicted for each test row (its predictions.csv)."""
+    key = f"{TREE.run(run_num).inference}{model}/predictions.csv"
+    return pd.read_csv(store.uri_of(key), dtype={"id": str})
+
+
+def winner_of(store, run_num: int) -> str:
+    record = json.loads(store.get_bytes(TREE.run(run_num).metadata))
+    return record["steps"]["inference"]["details"]["comparison"]["winner"]
+
+
+def assert_same_as_inference(out: pd.DataFrame, expected: pd.DataFrame) -> None:
+    """Row by row: the same ids in the same order, the same label, the same confidence."""
+    assert list(out["id"]) == list(expected["id"])
+    assert list(out["predicted"]) == list(expected["predicted"])
+    probabilities = out[[c for c in out.columns if c.startswith("probability_")]].to_numpy()
+    np.testing.assert_allclose(probabilities.max(axis=1), expected["confidence"], rtol=1e-6)
+    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_csv_on_local_labels_the_test_split_as_inference_did(trained, tmp_path):
+    store, texts = trained["store"], trained["texts"]
+    source = tmp_path / "new_texts.csv"
+    with open(source, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["id", "text"])
+        writer.writerows(texts.iloc[:4].itertuples(index=False))
+        writer.writerow(["blank-1", "   "])
+        writer.writerow(["too-many", "a text", "and a stray field"])
+        writer.writerows(texts.iloc[4:].itertuples(index=False))
+    settings = load_settings(trained["settings"], env={})
+    output = tmp_path / "out.csv"
+    record = predict(settings, store, source, output, echo=io.StringIO())
+
+    # The newest completed run (2), its one model; what it came from, beside the output.
+    assert (record["run"], record["model"], record["model_chosen"]) == (
+        "0002",
+        "bow",
+        "the run's one model",
+    )
+    assert record["input_sha256"] == hashlib.sha256(source.read_bytes()).hexdigest()
+    assert json.loads(Path(f"{output}.json").read_text()) == record
+    assert (record["rows"], record["predicted"], record["malformed"]) == (
+        len(texts) + 2,
+        len(texts),
+        2,
+    )
+    assert record["malformed_rows"] == [
+        {"id": "blank-1", "error": "empty text in column 'text'"},
+        {"id": "too-many", "error": "line 7 has 3 fields, the header 2"},
+    ]
+    out = pd.read_csv(output, dtype={"id": str})
+    assert list(out.columns) == record["columns"]
+    bad = out["id"].isin(["blank-1", "too-many"])
+    assert list(out.index[bad]) == [4, 5] and out.loc[bad, "predicted"].isna().all()
+    assert_same_as_inference(out[~bad].reset_index(drop=True), inference_of(store, 2, "bow"))
+    # The record stays in the run's tree; the copy of the input does not.
+    prediction = key_of(store, record["predictions"]).rstrip("/") + "/"
+    assert json.loads(store.get_bytes(prediction + "record.json")) == record
+    assert not store.list_keys(prediction + "input/") and store.list_keys(prediction + "output/")
+
+
+@pytest.mark.slow
+def test_emulated_parquet_input_is_run_1s_winner_by_default(trained, tmp_path):
+    """`smpipe predict` as a user types it, on the emulated backend: the SageMaker request
+    sent to moto, the job played as SageMaker runs the image. No id column: rows are numbered."""
+    store, texts = trained["store"], trained["texts"]
+    source, output = tmp_path / "texts.parquet", tmp_path / "out.jsonl"
+    pq.write_table(pa.table({"text": texts["text"].tolist()}), source)
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "predict", str(trained["settings"]), str(source),
+         str(output), "--run", "1", "--backend", "emulated"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = json.loads(Path(f"{output}.json").read_text())
+    winner = winner_of(store, 1)
+    assert (record["run"], record["model"], record["backend"]) == ("0001", winner, "emulated")
+    assert record["model_chosen"] == "the winner by test macro-F1"
+    out = pd.read_json(output, lines=True, dtype={"id": str})
+    assert list(out["id"]) == [str(i) for i in range(len(texts))]
+    out["id"] = texts["id"]
+    assert_same_as_inference(out, inference_of(store, 1, winner))
+
+
+@pytest.mark.slow
+def test_jsonl_with_run_and_model_reports_malformed_lines(trained, tmp_path):
+    store, texts = trained["store"], trained["texts"]
+    loser = ({"bow", "bow32"} - {winner_of(store, 1)}).pop()
+    source = tmp_path / "texts.jsonl"
+    lines = [json.dumps({"id": i, "text": t}) for i, t in texts.itertuples(index=False)]
+    lines[2:2] = ['{"id": "number", "text": 12}', "not json", "", '["a list"]']
+    source.write_text("\n".join(lines) + "\n")
+    settings = load_settings(trained["settings"], env={})
+    output = tmp_path / "out.parquet"
+    record = predict(settings, store, source, output, run_num=1, model=loser, echo=io.StringIO())
+    assert (record["run"], record["model"], record["model_chosen"]) == (
+        "0001",
+        loser,
+        "named with --model",
+    )
+    assert [r["error"] for r in record["malformed_rows"]] == [
+        "line 3: 'text' is a number, not text",
+        "line 4 is not JSON (Expecting value: line 1 column 1 (char 0))",
+        "line 6 is a JSON array, not an object",
+    ]
+    assert [r["id"] for r in record["malformed_rows"]] == ["number", "3", "4"]  # no id: row number
+    out = pq.read_table(output).to_pandas()
+    assert_same_as_inference(
+        out[out["error"].isna()].reset_index(drop=True), inference_of(store, 1, loser)
+    )
+
+
+@pytest.mark.slow
+def test_every_problem_is_said_before_anything_runs(trained, tmp_path, capsys):
+    store = trained["store"]
+    settings = load_settings(trained["settings"], env={})
+    before = store.list_keys("test-exp/runs/")
+    with pytest.raises(PredictError) as raised:
+        predict(settings, store, tmp_path / "missing.csv", tmp_path / "out.xlsx", run_num=9)
+    said = str(raised.value)
+    assert (
+        "3 problem(s)" in said
+        and "--run 9: no run 0009 of 'test-exp'" in said
+        and "(runs 0001-0002)" in said
+    )
+    assert f"INPUT {tmp_path / 'missing.csv'} does not exist" in said
+    assert "OUTPUT" in said and "told by the suffix" in said
+    # A model the run did not train; a CSV without the text column: the rule is named.
+    source = tmp_path / "wrong.csv"
+    source.write_text("id,body\n1,some text\n")
+    with pytest.raises(PredictError) as raised:
+        predict(settings, store, source, tmp_path / "out.csv", run_num=2, model="bow32")
+    said = str(raised.value)
+    assert "--model bow32: run 0002 trained no model 'bow32' (its models: bow)" in said
+    with pytest.raises(
+        PredictError,
+        match=r"has no column 'text' \(it has \['id', 'body'\]\): predict gives the run's encode the columns reconcile returned",
+    ):
+        predict(settings, store, source, tmp_path / "out.csv")  # fmt: skip
+    # The command says so, and exits 2, as for settings that are wrong.
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        code = cli.main(
+            [
+                "predict",
+                str(trained["settings"]),
+                str(source),
+                str(tmp_path / "out.csv"),
+                "--model",
+                "nope",
+            ]
+        )
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert code == 2 and "--model nope: run 0002 trained no model 'nope'" in capsys.readouterr().err
+    assert store.list_keys("test-exp/runs/") == before  # nothing uploaded, nothing run
+
+
+def test_a_run_that_did_not_complete_is_refused(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    path = write_settings(tmp_path / "settings.ini", str(tmp_path / "store"))
+    store.put_bytes(
+        TREE.run(1).metadata,
+        json.dumps({"status": "failed", "model_artifacts": {"bow": "x/"}}).encode(),
+    )
+    settings = load_settings(path, env={})
+    assert choose(settings, store, 1, None)[1] == [
+        "--run 1: run 0001 is failed, not completed: predict uses its models"]  # fmt: skip
+    assert choose(settings, store, None, None)[1] == [
+        f"no completed run of 'test-exp' in {store.uri} has trained a model (smpipe runs)"]  # fmt: skip
+
+
+def test_the_texts_are_sharded_across_instances_by_s3_key(tmp_path):
+    """Each instance gets about 1/n of the parts (ShardedByS3Key); the model and the labels
+    go whole to every one; SageMaker's limit of 100 instances is checked before anything."""
+    from pipeline.backends.local import LOCAL_IMAGE, LOCAL_ROLE
+    from pipeline.driver import check_requests
+    from pipeline.jobs import processing_request
+
+    store = LocalStore(tmp_path / "store")
+    settings = load_settings(
+        write_settings(tmp_path / "settings.ini", str(tmp_path / "store")), env={}
+    )
+    run = TREE.run(1)
+    model = run.final_model("bow")
+    chosen = Chosen(run, "bow", "", model, 1, TREE.data(1), None, ["text"], "user_functions")
+    prediction = run.prediction("p")
+    request = processing_request(
+        predict_job(settings, chosen, prediction, 3), LOCAL_IMAGE, LOCAL_ROLE, store.uri_of
+    )
+    assert request["ProcessingResources"]["ClusterConfig"]["InstanceCount"] == 3
+    distribution = {
+        i["InputName"]: i["S3Input"]["S3DataDistributionType"] for i in request["ProcessingInputs"]
+    }
+    assert distribution == {"code": "FullyReplicated", "texts": "ShardedByS3Key",
+                            "model": "FullyReplicated", "labels": "FullyReplicated"}  # fmt: skip
+    assert refused("processing", as_if_on_s3(request)) == []
+    with pytest.raises(ConfigError, match="InstanceCount"):
+        check_requests([predict_job(settings, chosen, prediction, 101)], settings, store)
+
+
+def test_inputs_are_read_as_datasets_reads_them(tmp_path):
+    """Every format a row at a time: ids kept or numbered, a row that cannot be read kept in
+    its place with the reason."""
+    csv_file = tmp_path / "t.csv"
+    # A byte order mark, a quoted line break, a blank line, Latin-1 bytes, an empty text, a stray field.
+    csv_file.write_bytes(b'\xef\xbb\xbfid,text\n1,"two\nlines"\n\n2,caf\xe9\n3,\n4,ok,extra\n')
+    rows = list(read_rows(csv_file, "csv", ["text"]))
+    assert [(r["id"], r["text"], r["error"]) for r in rows] == [
+        ("1", "two\nlines", None), ("2", None, "line 5 is not UTF-8"), ("3", "", None),
+        ("4", "ok", "line 7 has 3 fields, the header 2")]  # fmt: skip
+
+    folder = tmp_path / "docs"
+    (folder / "a").mkdir(parents=True)
+    (folder / "a" / "x.txt").write_bytes(b"first\r\nsecond")
+    (folder / "b.txt").write_bytes(b"\xff\xfe")
+    (folder / ".hidden.txt").write_text("skipped")
+    (folder / "labels.csv").write_text("skipped")
+    rows = list(read_rows(folder, "folder", ["text"]))
+    assert [(r["id"], r.get("text"), r["error"]) for r in rows] == [
+        ("a/x", "first\nsecond", None), ("b", None, "b.txt is not UTF-8")]  # fmt: skip
+
+    parquet = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"id": [7, 8], "text": ["a", None], "other": [1, 2]}), parquet)
+    rows = list(read_rows(parquet, "parquet", ["text"]))
+    assert [(r["id"], r["text"], r["error"]) for r in rows] == [("7", "a", None), ("8", None, None)]
+
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    assert write_parts(iter([{"id": None, "error": None, "text": "x"}] * 3), parts, ["text"]) == [3]
+    table = pq.read_table(parts / "part-00000.parquet")
+    assert table.column("row").to_pylist() == [0, 1, 2] and table.column("id").to_pylist() == [
+        "0",
+        "1",
+        "2",
+    ]
+
+
+class Refusing:
+    """An encode that refuses any text holding "boom" (or every text), as a user's may."""
+
+    name, keys = "m", ["input_ids"]
+
+    def __init__(self, everything: bool = False):
+        self.everything = everything
+
+    def __call__(self, batch):
+        if self.everything or any("boom" in t for t in batch["text"]):
+            raise ValueError("user function predict_functions.encode raised ValueError: boom")
+        return {"input_ids": pa.array([[1, 2]] * len(batch["id"]))}, [2] * len(batch["id"])
+
+
+def test_a_text_encode_refuses_costs_its_row_only():
+    from steps.predict import encode_rows
+
+    def row(i, text, error=None):
+        return {"row": i, "id": f"r{i}", "error": error, "text": text}
+
+    rows = [
+        row(0, "fine"),
+        row(1, "boom"),
+        row(2, " "),
+        row(3, None, "line 5 is not UTF-8"),
+        row(4, "ok"),
+    ]
+    table, good, errors = encode_rows(Refusing(), rows, ["text"])
+    assert (
+        good == [0, 4] and table.num_rows == 2 and table.column("m__length").to_pylist() == [2, 2]
+    )
+    assert errors == {1: "user function predict_functions.encode raised ValueError: boom",
+                      2: "empty text in column 'text'", 3: "line 5 is not UTF-8"}  # fmt: skip
+    assert encode_rows(Refusing(), rows[2:4], ["text"])[:2] == (
+        None,
+        [],
+    )  # a part of malformed rows
+    with pytest.raises(
+        ValueError, match="boom"
+    ):  # refusing every text: encode is wrong, not the data
+        encode_rows(Refusing(everything=True), rows, ["text"])

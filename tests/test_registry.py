@@ -1,0 +1,227 @@
+"""[registry]: each completed run registers its winning model once, as a SageMaker model package
+on the emulated backend (a resumed run included) and as a local record otherwise; `smpipe
+registry` lists the versions and `smpipe approve` sets their status. A small task (the reviews
+of tests/test_user_functions.py, a tiny model that trains in a second) keeps the runs short."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import typing
+import uuid
+
+import boto3
+import pytest
+
+from pipeline import cli, registry
+from pipeline.backends import make_backend
+from pipeline.config import ConfigError, Registry, load_settings
+from pipeline.driver import parse_steps, run_pipeline
+from pipeline.paths import ExperimentTree
+from pipeline.service_model import shape
+from pipeline.store import LocalStore, S3Store
+from tests.conftest import write_settings
+from tests.test_user_functions import REVIEWS, write_module, write_reviews
+
+
+def reviews_settings(tmp_path, store: str, models="tiny", **overrides):
+    """A settings file of the reviews task whose runs register in a group of their own."""
+    write_module(tmp_path, "reviews_registry", REVIEWS)
+    if not (tmp_path / "raw").exists():
+        write_reviews(tmp_path / "raw")
+    experiment = {"USER_FUNCTIONS": "reviews_registry", "NAME": f"reg-{uuid.uuid4().hex[:6]}"}
+    sections = {
+        "data": {"RAW_DATA": str(tmp_path / "raw"), "MAX_SEQUENCE_LENGTH": "12"},
+        "models": {"MODEL_NAMES": models},
+        "training": {"EPOCHS": "1", "LEARNING_RATE": "0.05"},
+        "registry": {"MODEL_PACKAGE_GROUP": f"reviews-{uuid.uuid4().hex[:6]}"},
+    }
+    experiment |= overrides.pop("experiment", {})
+    for section, values in overrides.items():
+        sections[section] = sections.get(section, {}) | values
+    path = write_settings(tmp_path / "settings.ini", store, experiment=experiment, **sections)
+    return path, load_settings(path, env={})
+
+
+def test_the_approval_statuses_are_sagemakers():
+    allowed = set(typing.get_args(Registry.model_fields["approval_status"].annotation))
+    assert allowed == set(shape("ModelApprovalStatus").enum)
+
+
+def test_bad_registry_settings_are_named_before_anything_runs(tmp_path):
+    path, _ = reviews_settings(tmp_path, str(tmp_path / "store"))
+    for env, said in [
+        ({"SMPIPE__REGISTRY__MODEL_PACKAGE_GROUP": "my_models"}, "[registry] MODEL_PACKAGE_GROUP: "
+         "'my_models' must satisfy regular expression pattern"),
+        ({"SMPIPE__REGISTRY__MODEL_PACKAGE_GROUP": "m" * 64}, "[registry] MODEL_PACKAGE_GROUP: "
+         f"'{'m' * 64}' must have at most 63"),
+        ({"SMPIPE__REGISTRY__APPROVAL_STATUS": "Approve"}, "[registry] APPROVAL_STATUS: must be "
+         "'PendingManualApproval', 'Approved' or 'Rejected' (got 'Approve')"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError) as info:
+            load_settings(path, env=env)
+        assert said in str(info.value)
+    assert not (tmp_path / "store").exists()
+
+
+def test_the_registry_commands_name_the_key_when_no_group_is_set(tmp_path, capsys):
+    path, _ = reviews_settings(
+        tmp_path, str(tmp_path / "store"), registry={"MODEL_PACKAGE_GROUP": ""}
+    )
+    assert cli.main(["registry", str(path)]) == 2
+    assert "[registry] MODEL_PACKAGE_GROUP is empty" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["approve", str(path), "0"])
+    assert "'0' is not a version" in capsys.readouterr().err
+
+
+def test_the_plan_says_what_is_registered(tmp_path, caplog):
+    _, settings = reviews_settings(tmp_path, str(tmp_path / "store"))
+    store, group = LocalStore(settings.store_uri()), settings.registry.model_package_group
+    caplog.set_level(logging.INFO, logger="smpipe")
+    run_pipeline(settings, store, parse_steps(None), dry_run=True)
+    assert f"  5. register: the winner by test macro-F1 becomes a new version of model package " \
+           f"group {group!r}, PendingManualApproval: a record in {store.uri}/" in caplog.text  # fmt: skip
+    caplog.clear()
+    run_pipeline(settings, store, parse_steps("reconcile,prepare"), dry_run=True)
+    assert "plan for experiment" in caplog.text and "register" not in caplog.text
+
+
+def group_packages(group: str) -> list[dict]:
+    client = boto3.client("sagemaker", region_name="us-east-1")
+    listed = client.list_model_packages(ModelPackageGroupName=group)["ModelPackageSummaryList"]
+    return [client.describe_model_package(ModelPackageName=p["ModelPackageArn"]) for p in listed]
+
+
+def losing_the_first_answer(settings, store, run, echo):
+    """The emulated backend, whose first CreateModelPackage reaches SageMaker but whose answer
+    never comes back (a dropped connection): the package exists, and the driver does not know."""
+    backend = make_backend(settings, store, run, echo)
+    lost = []
+
+    def lose(**_):
+        if not lost:
+            lost.append(True)
+            raise ConnectionError("the connection dropped before CreateModelPackage's answer")
+
+    backend.client.meta.events.register("after-call.sagemaker.CreateModelPackage", lose)
+    return backend
+
+
+@pytest.mark.slow
+def test_an_emulated_run_registers_its_winner_once_even_resumed(tmp_path, bucket):
+    _, settings = reviews_settings(
+        tmp_path, f"s3://{bucket}/root", experiment={"BACKEND": "emulated"}
+    )
+    store, group = S3Store(f"s3://{bucket}/root"), settings.registry.model_package_group
+    run1 = ExperimentTree(settings.experiment.name).run(1)
+    with pytest.raises(ConnectionError):
+        run_pipeline(
+            settings,
+            store,
+            parse_steps(None),
+            echo=sys.stdout,
+            make_backend=losing_the_first_answer,
+        )
+    failed = json.loads(store.get_bytes(run1.metadata))
+    assert failed["status"] == "failed" and failed["steps"]["register"]["status"] == "failed"
+    assert failed["registered"] is None and len(group_packages(group)) == 1  # made, unanswered
+
+    # Resumed, the run sends the same request with the same ClientToken: SageMaker answers with
+    # the package the first one made, and nothing else is created.
+    record = run_pipeline(settings, store, parse_steps(None), echo=sys.stdout, resume=1)
+    assert record["status"] == "completed" and record["planned_steps"][-1] == "register"
+    [package] = group_packages(group)
+    registered = record["registered"]
+    assert registered["arn"] == package["ModelPackageArn"] and registered["version"] == 1
+    assert registered["model"] == "tiny" and registered["run"] == "0001"
+    assert package["ModelApprovalStatus"] == "PendingManualApproval"
+    assert "run 0001: tiny, test macro-F1" in package["ModelPackageDescription"]
+    # The model as its training job left it, and its test metrics as ModelMetrics.
+    job = record["steps"]["train"]["job_names"][0]
+    trained = boto3.client("sagemaker", region_name="us-east-1").describe_training_job(
+        TrainingJobName=job
+    )
+    [container] = package["InferenceSpecification"]["Containers"]
+    assert container["ModelDataUrl"] == trained["ModelArtifacts"]["S3ModelArtifacts"]
+    statistics = package["ModelMetrics"]["ModelQuality"]["Statistics"]
+    assert statistics["S3Uri"] == store.uri_of(run1.model_quality("tiny"))
+    quality = json.loads(store.get_bytes(run1.model_quality("tiny")))[
+        "multiclass_classification_metrics"
+    ]
+    assert quality["macro_f1"]["value"] == record["holdout_performance"]["tiny"]["macro_f1"]
+
+    # The next completed run is the next version; listed and approved through SageMaker's API.
+    second = run_pipeline(settings, store, parse_steps("inference"), echo=sys.stdout)
+    assert second["registered"]["version"] == 2 and len(group_packages(group)) == 2
+    client = boto3.client("sagemaker", region_name="us-east-1")
+    rows = registry.versions(settings, store, client)
+    assert [(r["version"], r["approval_status"]) for r in rows] == [
+        (1, "PendingManualApproval"), (2, "PendingManualApproval")]  # fmt: skip
+    assert "run 0002: tiny" in rows[1]["description"]
+    registry.set_status(settings, store, 2, registry.APPROVED, client)
+    assert [p["ModelApprovalStatus"] for p in group_packages(group)] == [
+        "PendingManualApproval",
+        "Approved",
+    ]
+
+
+def test_the_local_registry_lists_and_approves(tmp_path, capsys):
+    path, settings = reviews_settings(tmp_path, str(tmp_path / "store"), models="tiny, small")
+    store, group = LocalStore(settings.store_uri()), settings.registry.model_package_group
+    tree = ExperimentTree(settings.experiment.name)
+    record = run_pipeline(settings, store, parse_steps(None), echo=sys.stdout)
+    winner = record["steps"]["inference"]["details"]["comparison"]["winner"]
+    registered = record["registered"]
+    assert registered["version"] == 1 and registered["model"] == winner
+    assert (
+        registered["test_metrics"]["macro_f1"] == record["holdout_performance"][winner]["macro_f1"]
+    )
+    assert registered["data_snapshot_hash"] == record["data_snapshot_hash"]
+    assert json.loads(store.get_bytes(tree.registry_version(group, 1))) == registered
+
+    capsys.readouterr()
+    assert cli.main(["registry", str(path)]) == 0
+    listed = capsys.readouterr().out
+    assert "PendingManualApproval" in listed and f"run 0001: {winner}, test macro-F1" in listed
+    assert cli.main(["approve", str(path), "1"]) == 0
+    assert "is Approved" in capsys.readouterr().out
+    assert cli.main(["approve", str(path), "1", "--reject"]) == 0
+    kept = json.loads(store.get_bytes(tree.registry_version(group, 1)))
+    assert kept["approval_status"] == "Rejected"
+    assert [h["approval_status"] for h in kept["history"]] == [
+        "PendingManualApproval",
+        "Approved",
+        "Rejected",
+    ]
+    assert cli.main(["approve", str(path), "7"]) == 1
+    assert (
+        f"no version 7 in model package group {group!r} (versions 1-1)" in capsys.readouterr().err
+    )
+
+    # The same run and model again (a driver that died before Metadata said so): the record it
+    # made. Another registration takes the next version, past one another driver just took.
+    entry = {
+        k: v
+        for k, v in registered.items()
+        if k not in ("version", "approval_status", "registered_at", "history")
+    }
+    assert registry.register_locally(store, tree, entry, settings)["version"] == 1
+    racing = Racing(settings.store_uri(), tree.registry_version(group, 2))
+    other = registry.register_locally(racing, tree, {**entry, "token": "another run"}, settings)
+    assert other["version"] == 3 and len(store.list_keys(tree.registry(group))) == 3
+    assert json.loads(store.get_bytes(tree.registry_version(group, 2)))["token"] == "another driver"
+
+
+class Racing(LocalStore):
+    """A store where another driver takes version `key` between this one's look and its write."""
+
+    def __init__(self, root, key: str):
+        super().__init__(root)
+        self.key = key
+
+    def create(self, key: str, data: bytes) -> bool:
+        if key == self.key and not self.exists(key):
+            super().create(key, json.dumps({"version": 2, "token": "another driver"}).encode())
+        return super().create(key, data)

@@ -1,0 +1,86 @@
+"""With wandb on, every tested model is logged as a `model` artifact of the wandb run that trained
+it: its files (the formats kept, id2label, the lineage record smpipe.json) as references to
+where the store keeps them, its test metrics in the artifact's metadata and the run's summary.
+Offline, the run's wandb folder holds it for a later `wandb sync`, and no secret."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+from pipeline.driver import parse_steps, run_pipeline
+from pipeline.paths import ExperimentTree
+from pipeline.store import LocalStore, file_sha256
+from tests.reliability.test_secrets import SECRETS, files_holding
+from tests.test_registry import reviews_settings
+
+
+def wandb_records(path: Path):
+    """The records of a run's .wandb file: LevelDB's log format (32 KiB blocks, each record
+    a 7-byte header: CRC, length, type FULL/FIRST/MIDDLE/LAST) after wandb's 7-byte file header
+    (":W&B", magic, version), each record one wandb_internal_pb2.Record."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, position, block, pending = path.read_bytes(), 7, 32768, b""
+    assert data[:4] == b":W&B", path
+    while position + 7 <= len(data):
+        if block - position % block < 7:  # a block's tail too short for a header is padding
+            position += block - position % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        pending += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # FULL, LAST
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+            pending = b""
+
+
+def test_an_offline_run_logs_each_tested_model_as_an_artifact_of_its_training_run(
+    tmp_path, monkeypatch
+):
+    for key, value in SECRETS.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("WANDB_MODE", "offline")  # never reach wandb's servers from a test
+    _, settings = reviews_settings(
+        tmp_path, str(tmp_path / "store"),
+        tracking={"WANDB_MODE": "offline", "SECRET_VARIABLES": "MY_DB_PASSWORD"},
+        registry={"MODEL_PACKAGE_GROUP": ""},
+    )  # fmt: skip
+    store = LocalStore(settings.store_uri())
+    record = run_pipeline(settings, store, parse_steps(None), echo=sys.stdout)
+    assert record["status"] == "completed" and "register" not in record["steps"]
+    run1 = ExperimentTree(settings.experiment.name).run(1)
+    model = Path(store.uri_of(run1.final_model("tiny")))
+    trained = json.loads((model / "smpipe.json").read_text())["wandb_run"]
+
+    [logged] = Path(store.uri_of(run1.report("inference"))).glob("wandb/offline-run-*/*.wandb")
+    records = list(wandb_records(logged))
+    [run] = [r.run for r in records if r.HasField("run")]
+    assert run.run_id == trained["id"] and run.project == trained["project"]
+    said = record["steps"]["inference"]["details"]["wandb_artifacts"]["tiny"]
+    assert said == {"artifact": "tiny", "aliases": ["latest", "winner"], "run": trained["id"],
+                    "project": trained["project"]}  # fmt: skip
+    [artifact] = [r.artifact for r in records if r.HasField("artifact")]
+    assert artifact.type == "model" and artifact.name == "tiny" and "winner" in artifact.aliases
+    files = {c.path: c.ref for c in artifact.manifest.contents}
+    assert {"model.safetensors", "model.torchscript.pt", "id2label.json", "smpipe.json"} <= set(
+        files
+    )
+    assert files["model.safetensors"] == f"file://{model}/model.safetensors"
+    assert "_MANIFEST.json" not in files
+    metadata = json.loads(artifact.metadata)
+    assert metadata["test"] == record["holdout_performance"]["tiny"]
+    assert metadata["formats"] == ["safetensors", "torchscript"]
+    assert metadata["id2label"] == json.loads((model / "id2label.json").read_text())
+    assert metadata["lineage"]["max_length"] == 12 and metadata["lineage_file"] == "smpipe.json"
+    assert metadata["sha256"]["model.safetensors"] == file_sha256(model / "model.safetensors")
+    summary = {u.key: json.loads(u.value_json) for r in records if r.HasField("summary")
+               for u in r.summary.update}  # fmt: skip
+    assert summary["model_artifact"] == "tiny:latest"
+    assert summary["test/macro_f1"] == record["holdout_performance"]["tiny"]["macro_f1"]
+    # No secret anywhere the run wrote: the wandb runs of training and inference included.
+    assert files_holding(Path(store.uri_of(run1.prefix)), SECRETS.values()) == []
