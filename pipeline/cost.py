@@ -3,8 +3,9 @@
 The backends record what each job used, in their own terms (`JobResult.billing`): on
 SageMaker (and emulated) the instance type and count and the seconds DescribeTrainingJob
 bills, or a processing job's start and end; locally the CPU-seconds and peak memory of the
-job's processes. Here those facts meet prices: the shipped, dated table below, or
-[cost] PRICES. A job whose price is unknown says so by name; no price is ever guessed.
+job's processes. Here those facts meet prices: [cost] PRICES, else (on the sagemaker backend)
+what the AWS Price List API answers today, else the shipped, dated table below. A job whose
+price is unknown says so by name; no price is ever guessed.
 
     plan:  each job's MaxRuntimeInSeconds x InstanceCount x price (`plan_lines`)
     run:   BillableTimeInSeconds x InstanceCount x price, per job, summed (`run_cost`)
@@ -12,7 +13,9 @@ job's processes. Here those facts meet prices: the shipped, dated table below, o
 
 from __future__ import annotations
 
+import json
 import math
+import time
 
 # On-demand USD per instance-hour, by region and use, each region with its date and source.
 # AWS's SageMaker pricing page (https://aws.amazon.com/sagemaker/pricing/) renders its tables
@@ -59,13 +62,15 @@ PRICE_TABLE = {
 RATE_OF_USE = {"training": "training", "warm pool": "training", "processing": "processing"}
 
 
-def price_basis(region: str, overrides: dict[str, float]) -> dict:
-    """The prices a run (or a plan) applies, kept in its Metadata: [cost] PRICES, then the
-    shipped table's figures for `region`, with the table's date and source."""
+def price_basis(region: str, overrides: dict[str, float], asked: dict | None = None) -> dict:
+    """The prices a run (or a plan) applies, kept in its Metadata: [cost] PRICES, then what the
+    AWS Price List API answered (`asked`, from `ask_price_list`), then the shipped table's
+    figures for `region`, each with its date and source."""
     return {
         "currency": "USD",
         "region": region,
         "overrides": dict(overrides),
+        "price_list": asked,
         "table": {
             use: PRICE_TABLE.get(region, {}).get(use, {}) for use in ("training", "processing")
         },
@@ -78,10 +83,97 @@ def price_of(basis: dict, use: str, instance: str) -> tuple[float | None, str | 
     """An instance-hour of `instance` for `use`, and where that price comes from."""
     if instance in (basis.get("overrides") or {}):
         return basis["overrides"][instance], "[cost] PRICES"
+    asked = basis.get("price_list") or {}
+    price = asked.get("prices", {}).get(RATE_OF_USE[use], {}).get(instance)
+    if price is not None:
+        return price, f"AWS Price List API ({basis.get('region')}, {asked['date']})"
     price = (basis.get("table") or {}).get(RATE_OF_USE[use], {}).get(instance)
     if price is None:
         return None, None
     return price, f"shipped table ({basis.get('region')}, {basis.get('date')})"
+
+
+# -- prices asked of AWS ------------------------------------------------------------------------
+
+# The AWS Price List Query API (boto3 "pricing", GetProducts). Its endpoints are us-east-1,
+# eu-central-1 and ap-south-1 (botocore's endpoints.json, "api.pricing" in the aws partition);
+# each answers for every region. A SageMaker instance product is named "<type>-Training" by
+# its instanceType attribute and priced under terms.OnDemand.*.priceDimensions.*.pricePerUnit
+# .USD: AWS's own sample asks exactly that (aws-samples/amazon-sagemaker-training-jobs-benchmarks,
+# instance_types_benchmark_roberta.ipynb, commit 2a7c651c: "ml.g5.2xlarge-Training price is
+# $1.5150000000/hr"). "-Processing" for a processing instance is that pattern applied to the
+# component SageMaker bills a processing job under (our reading; a product that does not
+# match leaves the price unknown, never guessed). `regionCode` is the region's code, "us-east-1"
+# (API_pricing_PriceList: "The available RegionCode list can be retrieved from
+# GetAttributeValues").
+PRICE_LIST = {
+    "endpoint_region": "us-east-1",
+    "service_code": "AmazonSageMaker",
+    "component": {"training": "Training", "processing": "Processing"},
+}
+
+
+def ask_price_list(client, region: str, wanted: set[tuple[str, str]]) -> dict:
+    """On-demand USD per instance-hour of each (use, instance type) in `wanted`, in `region`,
+    as the Price List API answers today; what it could not answer, said. `client` is a boto3
+    "pricing" client (`price_list_client`)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    prices: dict[str, dict[str, float]] = {}
+    unanswered: list[str] = []
+    for use, instance in sorted(wanted):
+        product = f"{instance}-{PRICE_LIST['component'][RATE_OF_USE[use]]}"
+        filters = [
+            {"Type": "TERM_MATCH", "Field": "instanceType", "Value": product},
+            {"Type": "TERM_MATCH", "Field": "regionCode", "Value": region},
+        ]
+        try:
+            answer = client.get_products(
+                ServiceCode=PRICE_LIST["service_code"], Filters=filters, MaxResults=10
+            )
+        except (ClientError, BotoCoreError) as err:  # every ask would fail the same way
+            code = getattr(err, "response", {}).get("Error", {}).get("Code", type(err).__name__)
+            unanswered.append(f"the AWS Price List API (pricing:GetProducts) failed: {code}")
+            break
+        price = on_demand_hourly(answer.get("PriceList", []))
+        if price is None:
+            unanswered.append(f"the AWS Price List API has no one price for {product} in {region}")
+            continue
+        prices.setdefault(RATE_OF_USE[use], {})[instance] = price
+    return {
+        "prices": prices,
+        "unanswered": unanswered,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "source": f"pricing.get_products(ServiceCode={PRICE_LIST['service_code']})",
+    }
+
+
+def on_demand_hourly(price_list: list[str]) -> float | None:
+    """The one on-demand price per hour the answer's products share, or None when they name
+    none or several (an answer we cannot read as one price is not a price)."""
+    found = set()
+    for item in price_list:  # each a JSON document: product, terms
+        terms = json.loads(item).get("terms", {}).get("OnDemand", {})
+        for term in terms.values():
+            for dimension in term.get("priceDimensions", {}).values():
+                usd = dimension.get("pricePerUnit", {}).get("USD")
+                if usd is not None and dimension.get("unit", "").lower().startswith("hr"):
+                    found.add(float(usd))
+    found.discard(0.0)
+    return found.pop() if len(found) == 1 else None
+
+
+def price_list_client(session):
+    """A pricing client on the Price List API's endpoint, retrying as every AWS client of the
+    driver does."""
+    from pipeline.store import aws_config
+
+    return session.client("pricing", region_name=PRICE_LIST["endpoint_region"], config=aws_config())
+
+
+def uses_of(kind: str, request: dict) -> set[tuple[str, str]]:
+    """The (rate, instance type) pairs a request is billed at: a warm pool at its training's."""
+    return {(RATE_OF_USE[use], instance) for use, instance, _, _ in _parts(kind, request)}
 
 
 def dollars(seconds: float, count: int, price: float | None) -> float | None:
@@ -115,27 +207,34 @@ def maximum(kind: str, request: dict, basis: dict) -> dict:
     InstanceCount x price, plus the warm pool a training job may leave (KeepAlivePeriodInSeconds,
     billed as training); for a tuning job, that of each trial x the trials it may launch,
     bounded by its own ResourceLimits.MaxRuntimeInSeconds when set."""
-    if kind == "processing":
-        cluster = request["ProcessingResources"]["ClusterConfig"]
-        seconds = request["StoppingCondition"]["MaxRuntimeInSeconds"]
-        parts = [("processing", cluster["InstanceType"], seconds, cluster["InstanceCount"])]
-        return _priced(parts, basis, times=1)
-    definition = request["TrainingJobDefinition"] if kind == "tuning" else request
-    resources = definition["ResourceConfig"]
-    instance, count = resources["InstanceType"], resources["InstanceCount"]
-    parts = [("training", instance, definition["StoppingCondition"]["MaxRuntimeInSeconds"], count)]
-    if resources.get("KeepAlivePeriodInSeconds"):
-        parts.append(("warm pool", instance, resources["KeepAlivePeriodInSeconds"], count))
+    parts = _parts(kind, request)
     if kind != "tuning":
         return _priced(parts, basis, times=1)
     config = request["HyperParameterTuningJobConfig"]
     most = _priced(parts, basis, times=trials_at_most(config))
     ceiling = config["ResourceLimits"].get("MaxRuntimeInSeconds")
     if ceiling and most["usd"] is not None:  # every parallel trial running the whole time
+        _, instance, _, count = parts[0]
         parallel = config["ResourceLimits"]["MaxParallelTrainingJobs"]
         price, _ = price_of(basis, "training", instance)
         most["usd"] = min(most["usd"], dollars(ceiling, count * parallel, price))
     return most
+
+
+def _parts(kind: str, request: dict) -> list[tuple[str, str, int, int]]:
+    """(use, instance type, most seconds, instances) of what one request (one trial of a
+    tuning job) is billed for."""
+    if kind == "processing":
+        cluster = request["ProcessingResources"]["ClusterConfig"]
+        seconds = request["StoppingCondition"]["MaxRuntimeInSeconds"]
+        return [("processing", cluster["InstanceType"], seconds, cluster["InstanceCount"])]
+    definition = request["TrainingJobDefinition"] if kind == "tuning" else request
+    resources = definition["ResourceConfig"]
+    instance, count = resources["InstanceType"], resources["InstanceCount"]
+    parts = [("training", instance, definition["StoppingCondition"]["MaxRuntimeInSeconds"], count)]
+    if resources.get("KeepAlivePeriodInSeconds"):
+        parts.append(("warm pool", instance, resources["KeepAlivePeriodInSeconds"], count))
+    return parts
 
 
 def _priced(parts: list[tuple[str, str, int, int]], basis: dict, times: int) -> dict:

@@ -178,7 +178,12 @@ def check_requests(jobs: list[Job], settings: Settings, store: Store) -> None:
 
 
 def log_plan(
-    jobs: list[Job], settings: Settings, store: Store, show_requests=False, registering=False
+    jobs: list[Job],
+    settings: Settings,
+    store: Store,
+    show_requests=False,
+    registering=False,
+    basis: dict | None = None,
 ) -> None:
     e = settings.experiment
     labels = {"event": ("plan", [job_label(j) for j in jobs])}
@@ -193,7 +198,9 @@ def log_plan(
     if registering:  # no job: the driver's own step after inference
         log.info(f"  {len(jobs) + 1}. {registry.plan_line(settings, store)}")
     if e.backend != "local":  # what SageMaker would bill at most, before anything starts
-        basis = prices_of(settings)
+        basis = basis or prices_for(jobs, settings, store)
+        for problem in (basis.get("price_list") or {}).get("unanswered", []):
+            log.warning(f"{problem}; the shipped table and [cost] PRICES price the rest")
         priced = [
             (job_label(j), cost.maximum(j.kind, describe(j, settings, store), basis)) for j in jobs
         ]
@@ -201,9 +208,26 @@ def log_plan(
             log.info(line)
 
 
-def prices_of(settings: Settings) -> dict:
-    """The prices a run applies: [cost] PRICES over the shipped table, in its region."""
-    return cost.price_basis(settings.experiment.region, settings.cost.prices)
+def prices_for(jobs: list[Job], settings: Settings, store: Store, pricing=None) -> dict:
+    """The prices a run applies, in its region: [cost] PRICES, then (on the sagemaker backend)
+    the AWS Price List API's answer for the instance types the jobs use, then the shipped
+    table. The emulated backend asks no one: its AWS is moto, which has no Price List."""
+    e = settings.experiment
+    asked = None
+    if e.backend == "sagemaker":
+        wanted = {
+            (use, instance)
+            for job in jobs
+            for use, instance in cost.uses_of(job.kind, describe(job, settings, store))
+            if instance not in settings.cost.prices
+        }
+        if wanted:
+            if pricing is None:
+                import boto3
+
+                pricing = cost.price_list_client(boto3.Session(region_name=e.region))
+            asked = cost.ask_price_list(pricing, e.region, wanted)
+    return cost.price_basis(e.region, settings.cost.prices, asked)
 
 
 def claim_run(
@@ -291,7 +315,6 @@ def set_up(
 ) -> tuple[RunContext, list[tuple[Stage, list[Job]]]]:
     """The run's first Metadata written, its stages' jobs built and printed, its code shipped."""
     base.mask(secret_values({**os.environ, **job_env(settings)}))
-    base.prices = prices_of(settings) if settings.experiment.backend != "local" else None
     log_reused(sources)
     md.merge(store, run, base)
     ctx = RunContext(settings, store, run, sources.with_outputs_of(steps, run), base, None)
@@ -302,7 +325,9 @@ def set_up(
     jobs = [job for _, stage_jobs in planned for job in stage_jobs]
     if base.resumed_at:
         clear_partial_outputs(store, run, jobs)
-    log_plan(jobs, settings, store, registering=registry.STEP in steps)
+    if settings.experiment.backend != "local":  # asked once, kept with the run
+        base.prices = base.prices if base.resumed_at else prices_for(jobs, settings, store)
+    log_plan(jobs, settings, store, registering=registry.STEP in steps, basis=base.prices)
     if not is_complete(store, run.code):  # a resumed run runs the code it started with
         ship_code(settings, store, run.code)
     return ctx, planned

@@ -197,7 +197,9 @@ def test_the_players_processingjobconfig_has_the_documented_shape(tmp_path):
         request, "arn:aws:sagemaker:us-east-1:123456789012:processing-job/x"
     )
     assert shape_of(written) == shape_of(documented)
-    lay_out_processing(request, tmp_path, lambda uri, local: local.mkdir(parents=True), "arn:x")
+    lay_out_processing(
+        request, tmp_path, lambda uri, local, shard: local.mkdir(parents=True), "arn:x"
+    )
     assert shape_of(json.loads((tmp_path / "config/resourceconfig.json").read_text())) == shape_of(
         corpus("processing/resourceconfig.docs.json")
     )

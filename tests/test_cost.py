@@ -6,6 +6,7 @@ backend plays as AWS documents them, priced into a run's Metadata, summary, repo
 from __future__ import annotations
 
 import io
+import json
 import logging
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from pipeline import cost
 from pipeline.backends.local import LocalBackend
 from pipeline.config import ConfigError, load_settings
 from pipeline.console import summary_lines
-from pipeline.driver import describe, log_plan, parse_steps, run_pipeline
+from pipeline.driver import describe, log_plan, parse_steps, prices_for, run_pipeline
 from pipeline.jobs import ProcessingJob
 from pipeline.paths import ExperimentTree
 from pipeline.sources import Sources
@@ -44,9 +45,87 @@ def planned(settings):
     return build_jobs(settings, STEPS, tree.run(1), Sources(raw=tree.raw))
 
 
-def plan_said(settings, caplog) -> list[str]:
+def price_list(answers: dict[str, float | None], region: str = "us-east-1"):
+    """A real boto3 pricing client whose GetProducts answers are botocore's Stubber's (moto has
+    no Price List): for each product ("ml.g5.xlarge-Training"), in the order the plan asks,
+    one product document shaped as the API returns it, or none. Each request is checked
+    against the parameters the plan must send."""
+    import boto3
+    from botocore.stub import Stubber
+
+    client = cost.price_list_client(boto3.Session(region_name="us-east-1"))
+    stubber = Stubber(client)
+    for product, usd in answers.items():
+        documents = [] if usd is None else [price_document(product, usd)]
+        stubber.add_response(
+            "get_products",
+            {"PriceList": documents, "FormatVersion": "aws_v1"},
+            {
+                "ServiceCode": "AmazonSageMaker",
+                "Filters": [
+                    {"Type": "TERM_MATCH", "Field": "instanceType", "Value": product},
+                    {"Type": "TERM_MATCH", "Field": "regionCode", "Value": region},
+                ],
+                "MaxResults": 10,
+            },
+        )
+    stubber.activate()
+    return client, stubber
+
+
+def price_document(product: str, usd: float) -> str:
+    """One PriceList item as GetProducts returns it: a JSON string of product and terms (the
+    shape AWS's sample reads: terms.OnDemand.*.priceDimensions.*.pricePerUnit.USD)."""
+    sku = "SKU" + str(abs(hash(product)) % 10**8)
+    component = product.rsplit("-", 1)[1]
+    return json.dumps(
+        {
+            "product": {
+                "productFamily": "ML Instance",
+                "attributes": {
+                    "instanceType": product,
+                    "component": component,
+                    "regionCode": "us-east-1",
+                    "location": "US East (N. Virginia)",
+                    "servicecode": "AmazonSageMaker",
+                },
+                "sku": sku,
+            },
+            "serviceCode": "AmazonSageMaker",
+            "terms": {
+                "OnDemand": {
+                    f"{sku}.JRTCKXETXF": {
+                        "priceDimensions": {
+                            f"{sku}.JRTCKXETXF.6YS6EN2CT7": {
+                                "unit": "Hrs",
+                                "description": f"${usd} per {component} {product} hour",
+                                "pricePerUnit": {"USD": f"{usd:.10f}"},
+                            }
+                        },
+                        "sku": sku,
+                        "offerTermCode": "JRTCKXETXF",
+                    }
+                }
+            },
+        }
+    )
+
+
+def plan_said(settings, caplog, answers: dict[str, float | None] | None = None) -> list[str]:
+    """What the plan logs, the Price List answering `answers` (none: it has no price)."""
+    jobs = planned(settings)
+    if answers is None:
+        answers = {
+            f"{instance}-{cost.PRICE_LIST['component'][use]}": None
+            for use, instance in sorted(
+                {u for j in jobs for u in cost.uses_of(j.kind, describe(j, settings, S3()))}
+            )
+            if instance not in settings.cost.prices
+        }
+    client, stubber = price_list(answers, settings.experiment.region)
     with caplog.at_level(logging.INFO, logger="smpipe"):
-        log_plan(planned(settings), settings, S3())
+        log_plan(jobs, settings, S3(), basis=prices_for(jobs, settings, S3(), pricing=client))
+    stubber.assert_no_pending_responses()
     return [r.getMessage() for r in caplog.records]
 
 
@@ -113,8 +192,50 @@ def test_a_tuning_plan_costs_its_trials_and_a_grid_every_combination(tmp_path):
         assert most["how"].startswith(f"{trials} trials x training 86400 s x 1 x ml.g5.xlarge")
 
 
+def test_the_plan_asks_aws_price_list_for_what_it_uses_on_sagemaker(tmp_path, caplog):
+    # The shipped settings' instance types in us-east-1, which the shipped table lacks.
+    settings = sagemaker_settings(tmp_path)
+    said = plan_said(
+        settings, caplog, {"ml.m5.xlarge-Processing": 0.23, "ml.g5.xlarge-Training": 1.408}
+    )
+    by_hand = 3 * 86400 * 0.23 / 3600 + (2 * 86400 + 600) * 1.408 / 3600
+    today = time.strftime("%Y-%m-%d", time.gmtime())
+    assert said[-1] == (
+        f"most this plan can cost: ${by_hand:,.2f} on demand (each job's MaxRuntimeInSeconds x "
+        f"instances x price per instance-hour; prices: AWS Price List API (us-east-1, {today}))"
+    )
+    # [cost] PRICES wins and is not asked for; the emulated backend asks no one.
+    settings = sagemaker_settings(tmp_path, cost={"PRICES": "ml.g5.xlarge: 2"})
+    said = plan_said(settings, caplog, {"ml.m5.xlarge-Processing": 0.23})
+    assert "[cost] PRICES" in said[-1] and "AWS Price List API" in said[-1]
+    emulated = sagemaker_settings(tmp_path, experiment={"BACKEND": "emulated"})
+    jobs = planned(emulated)
+    assert prices_for(jobs, emulated, S3(), pricing=object())["price_list"] is None
+
+
+def test_a_price_list_refused_falls_back_and_says_which_permission(tmp_path, caplog):
+    client, stubber = price_list({})
+    stubber.add_client_error(
+        "get_products", service_error_code="AccessDeniedException", http_status_code=400
+    )
+    settings = sagemaker_settings(tmp_path, experiment={"REGION": EU})
+    jobs = planned(settings)
+    with caplog.at_level(logging.INFO, logger="smpipe"):
+        log_plan(jobs, settings, S3(), basis=prices_for(jobs, settings, S3(), pricing=client))
+    said = [r.getMessage() for r in caplog.records]
+    assert (
+        "the AWS Price List API (pricing:GetProducts) failed: AccessDeniedException; the "
+        "shipped table and [cost] PRICES price the rest" in said
+    )
+    assert f"prices: shipped table ({EU}, 2023-12))" in said[-1]  # one ask, then the table
+    # An answer that is not one price (none, or two) prices nothing.
+    two = [price_document("ml.g5.xlarge-Training", p) for p in (1.408, 1.5)]
+    assert cost.on_demand_hourly(two) is None and cost.on_demand_hourly([]) is None
+    assert cost.on_demand_hourly(two[:1] * 2) == 1.408
+
+
 def test_a_price_nobody_knows_is_named_never_guessed(tmp_path, caplog):
-    settings = sagemaker_settings(tmp_path)  # us-east-1: the shipped table has no price there
+    settings = sagemaker_settings(tmp_path)  # us-east-1, and the Price List has no answer
     said = plan_said(settings, caplog)
     assert said[-2:] == [
         "most this plan can cost: unknown, no price for ml.g5.xlarge (training, us-east-1); "

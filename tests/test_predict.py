@@ -9,6 +9,7 @@ import csv
 import hashlib
 import io
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -244,6 +245,47 @@ def test_a_run_that_did_not_complete_is_refused(tmp_path):
         "--run 1: run 0001 is failed, not completed: predict uses its models"]  # fmt: skip
     assert choose(settings, store, None, None)[1] == [
         f"no completed run of 'test-exp' in {store.uri} has trained a model (smpipe runs)"]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["local", "emulated"])
+def test_two_instances_each_predict_their_share(trained, tmp_path, monkeypatch, backend, request):
+    """INSTANCE_COUNT 2: the parts are dealt out by S3 key, each instance predicts its own
+    (both say so in the job's log), and OUTPUT is whole and the inference step's, in order."""
+    from pipeline import predict_files
+
+    store = trained["store"]
+    if backend == "emulated":  # the requests go to moto; the store stays the local folder
+        from pipeline.backends.emulated import S3View
+
+        request.getfixturevalue("aws_env")
+        store = S3View(store)
+
+    texts = trained["texts"]
+    monkeypatch.setattr(predict_files, "PART_ROWS", 4)  # parts of 4 rows: several to share
+    source, output, echo = tmp_path / "texts.csv", tmp_path / "out.csv", io.StringIO()
+    texts.to_csv(source, index=False)
+    env = {"SMPIPE__EXPERIMENT__BACKEND": backend}
+    settings = load_settings(trained["settings"], env=env)
+    record = predict(settings, store, source, output, run_num=2, instance_count=2, echo=echo)
+    assert (record["instance_count"], record["rows"], record["predicted"]) == (
+        2,
+        len(texts),
+        len(texts),
+    )
+    expected = inference_of(trained["store"], 2, "bow")
+    assert_same_as_inference(pd.read_csv(output, dtype={"id": str}), expected)
+    said = read_job_log(trained["store"], record) if backend == "emulated" else echo.getvalue()
+    shares = {
+        host: int(rows.replace(",", ""))
+        for host, rows in re.findall(r"(algo-[12])\S*\s.*?predicting ([\d,]+) rows", said)
+    }
+    assert set(shares) == {"algo-1", "algo-2"} and sum(shares.values()) == len(texts), said
+
+
+def read_job_log(store, record) -> str:
+    """The predict job's log as the run's tree keeps it (every instance's stream)."""
+    return store.get_bytes(TREE.run(int(record["run"])).log(record["job_name"])).decode()
 
 
 def test_the_texts_are_sharded_across_instances_by_s3_key(tmp_path):

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -119,22 +120,31 @@ def free_port() -> int:
 # -- what SageMaker moves: inputs in, checkpoints both ways -------------------------------------
 
 
-def fetch_input(store: Store, uri: str, local: Path) -> None:
+def fetch_input(store: Store, uri: str, local: Path, shard: tuple[int, int] = (0, 1)) -> None:
     """A manifested directory is downloaded and verified. Raw data the user keeps elsewhere
     (another bucket or folder), or a folder of several manifested ones (every model of a run),
-    is downloaded as it is, and any manifest in it is checked."""
+    is downloaded as it is, and any manifest in it is checked.
+
+    `shard` (this host's index, the hosts) is a ShardedByS3Key input on several instances:
+    "sharded by Amazon S3 key, downloading one shard of data to each processing instance"
+    (API_ProcessingS3Input). Which objects make a shard is not documented; here the keys in
+    order, dealt out in turn (the i-th to host i mod n). A shard is not the whole folder its
+    manifest lists, so it is not checked against it; it may be empty."""
     key = key_of(store, uri)
     if key is None:
         store, key = open_store(uri), ""
-    if is_complete(store, key):
+    index, count = shard
+    if count == 1 and is_complete(store, key):
         download_dir(store, key, local)
         return
     keys = store.list_keys(key)
     if not keys:
         raise NotFound(f"nothing at {store.uri_of(key) if key else store.uri}")
-    for k in keys:
+    local.mkdir(parents=True, exist_ok=True)
+    for k in sorted(keys)[index::count]:
         store.download_file(k, local / k[len(key) :].lstrip("/"))
-    verify_dir(local)
+    if count == 1:
+        verify_dir(local)
 
 
 class CheckpointSync:
@@ -237,20 +247,68 @@ def processing_job_config(request: dict, arn: str | None) -> dict:
     }
 
 
-def lay_out_processing(request: dict, root: Path, fetch, arn: str | None = None) -> None:
-    """Inputs downloaded to their LocalPath, output folders made, the job's config written:
+def processing_hosts(request: dict) -> list[str]:
+    """A processing job's instances, named as resourceconfig.json names them."""
+    count = request["ProcessingResources"]["ClusterConfig"]["InstanceCount"]
+    return [f"algo-{i}" for i in range(1, count + 1)]
+
+
+def lay_out_processing(
+    request: dict,
+    root: Path,
+    fetch,
+    arn: str | None = None,
+    host: str = "algo-1",
+    hosts: list[str] | None = None,
+) -> None:
+    """One instance's inputs downloaded to their LocalPath (a ShardedByS3Key input: its shard,
+    `fetch(uri, local, (index, hosts))`), output folders made, the job's config written:
     /opt/ml/config/processingjobconfig.json is the request with the job's ARN
-    (build-your-own-processing-container.html), resourceconfig.json its hosts."""
+    (build-your-own-processing-container.html), resourceconfig.json its hosts ("current_host",
+    "hosts", as the same page shows them)."""
+    hosts = hosts or [host]
     for item in request["ProcessingInputs"]:
         s3 = item["S3Input"]
-        fetch_named(fetch, item["InputName"], s3["S3Uri"], in_root(root, s3["LocalPath"]))
+        sharded = s3.get("S3DataDistributionType") == "ShardedByS3Key" and len(hosts) > 1
+        shard = (hosts.index(host), len(hosts)) if sharded else (0, 1)
+        fetch_named(
+            lambda uri, local, shard=shard: fetch(uri, local, shard),
+            item["InputName"],
+            s3["S3Uri"],
+            in_root(root, s3["LocalPath"]),
+        )
     for item in request["ProcessingOutputConfig"]["Outputs"]:
         in_root(root, item["S3Output"]["LocalPath"]).mkdir(parents=True, exist_ok=True)
     (root / "config").mkdir(parents=True, exist_ok=True)
     config = processing_job_config(request, arn)
     (root / "config/processingjobconfig.json").write_text(json.dumps(config, indent=2))
-    resource = {"current_host": "algo-1", "hosts": ["algo-1"]}
+    resource = {"current_host": host, "hosts": hosts}
     (root / "config/resourceconfig.json").write_text(json.dumps(resource, indent=2))
+
+
+def processing_roots(request: dict, root: Path) -> dict[str, Path]:
+    """Each instance's job root: `root` itself for one, `root/<host>` for several."""
+    hosts = processing_hosts(request)
+    return {hosts[0]: root} if len(hosts) == 1 else {host: root / host for host in hosts}
+
+
+def processing_outputs(request: dict, root: Path) -> dict[str, Path]:
+    """OutputName -> the folder to upload to its S3Uri. Every instance uploads its LocalPath
+    to the same S3Uri; several instances' folders are merged here first (a file two write
+    under the same name is the last host's, as the last upload to one S3 key is what stays)."""
+    roots = processing_roots(request, root)
+    merged = {}
+    for item in request["ProcessingOutputConfig"]["Outputs"]:
+        local = item["S3Output"]["LocalPath"]
+        if len(roots) == 1:
+            merged[item["OutputName"]] = in_root(root, local)
+            continue
+        into = root / "outputs" / item["OutputName"]
+        into.mkdir(parents=True, exist_ok=True)
+        for host_root in roots.values():
+            shutil.copytree(in_root(host_root, local), into, dirs_exist_ok=True)
+        merged[item["OutputName"]] = into
+    return merged
 
 
 # SageMaker's names for a training job's one instance group and its network interface, as
@@ -340,28 +398,38 @@ def play_processing(
     on_line,
     arn: str | None = None,
 ) -> ContainerExit:
-    """A processing job as SageMaker runs it: inputs in, the entrypoint with the request's
-    ContainerEntrypoint and ContainerArguments, outputs left in their LocalPath."""
+    """A processing job as SageMaker runs it: on each of its instances at once, inputs in (a
+    sharded input's share), the entrypoint with the request's ContainerEntrypoint and
+    ContainerArguments, outputs left in their LocalPath (`processing_outputs`). One exit per
+    instance, in host order. `log` is one writer, or a function giving each host's."""
     app = request["AppSpecification"]
     if app.get("ContainerEntrypoint", ENTRYPOINT) != ENTRYPOINT:
         raise ValueError(
             f"cannot play ContainerEntrypoint {app['ContainerEntrypoint']}: "
             f"the image's entrypoint is {ENTRYPOINT}"
         )
+    roots, hosts = processing_roots(request, root), processing_hosts(request)
+
+    def fetch(uri: str, local: Path, shard: tuple[int, int]) -> None:
+        fetch_input(store, uri, local, shard)
+
     try:
-        lay_out_processing(request, root, lambda uri, local: fetch_input(store, uri, local), arn)
+        for host, host_root in roots.items():
+            lay_out_processing(request, host_root, fetch, arn, host, hosts)
     except InputMissing as e:
-        return ContainerExit.before_start(str(e))
-    return containers.run(
-        root,
-        app.get("ContainerArguments", []),
-        request.get("Environment", {}),
-        failure_file="/opt/ml/output/message",
-        log=log,
-        on_line=on_line,
-        job=request["ProcessingJobName"],
-        deadline=time.time() + request["StoppingCondition"]["MaxRuntimeInSeconds"],
-    )
+        return [ContainerExit.before_start(str(e))]
+    how = {
+        "failure_file": "/opt/ml/output/message",
+        "on_line": on_line,
+        "job": request["ProcessingJobName"],
+        "deadline": time.time() + request["StoppingCondition"]["MaxRuntimeInSeconds"],
+    }
+    arguments, env = app.get("ContainerArguments", []), request.get("Environment", {})
+    if len(roots) == 1:
+        writer = log(hosts[0]) if callable(log) else log
+        return [containers.run(root, arguments, env, log=writer, **how)]
+    exits = containers.run_hosts(roots, env, arguments=arguments, log=log, **how)
+    return [exits[host] for host in hosts]
 
 
 Restart = Callable[[list["ContainerExit"], int], bool]
@@ -694,15 +762,23 @@ class Containers:
         return proc, secret_values(full)
 
     def run_hosts(
-        self, roots: dict[str, Path], env: dict[str, str], *, log, on_line=None, **kwargs
+        self,
+        roots: dict[str, Path],
+        env: dict[str, str],
+        *,
+        log,
+        on_line=None,
+        arguments: list[str] | None = None,
+        **kwargs,
     ) -> dict[str, ContainerExit]:
-        """One entrypoint per host of a training job, at once, as SageMaker starts them;
-        torchrun's master is this machine, at a free port.
-        `log` is one writer, or a function giving each host's."""
+        """One entrypoint per host of a job, at once, as SageMaker starts them: a training
+        job's (`train`; torchrun's master is this machine, at a free port) or a processing
+        job's (its `arguments`). `log` is one writer, or a function giving each host's."""
         env = dict(env)
-        # SageMaker's hosts resolve one another's names; here every host is this machine.
-        env[MASTER_ADDR_VARIABLE] = "127.0.0.1"
-        env[MASTER_PORT_VARIABLE] = str(free_port())
+        if arguments is None:  # training: SageMaker's hosts resolve one another's names;
+            arguments = ["train"]  # here every host is this machine
+            env[MASTER_ADDR_VARIABLE] = "127.0.0.1"
+            env[MASTER_PORT_VARIABLE] = str(free_port())
         exits: dict[str, ContainerExit] = {}
         errors: list[BaseException] = []
 
@@ -714,7 +790,7 @@ class Containers:
                 say = lambda line: on_line(f"{host}: {line}")  # noqa: E731
             writer = log(host) if callable(log) else log
             try:
-                exits[host] = self.run(root, ["train"], env, log=writer, on_line=say, **kwargs)
+                exits[host] = self.run(root, arguments, env, log=writer, on_line=say, **kwargs)
             except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
                 errors.append(e)
                 self.stop(kwargs.get("job", ""))

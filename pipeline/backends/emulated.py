@@ -50,9 +50,9 @@ from pipeline.backends.container import (
     Containers,
     free_port,
     fresh_container_env,
-    in_root,
     play_processing,
     play_training,
+    processing_outputs,
     status_after,
 )
 from pipeline.backends.sagemaker import LOG_GROUPS, SageMakerBackend
@@ -494,24 +494,29 @@ class Emulator:
     # -- the three job kinds ---------------------------------------------------------------------
 
     def _play_processing(self, name: str) -> None:
-        request, root = self.requests[name], self.work_root / name
-        stream = LogStream(self.logs, LOG_GROUPS["processing"], f"{name}/algo-1-{int(time.time())}")
-        exit_ = play_processing(
+        request, root, stamp = self.requests[name], self.work_root / name, int(time.time())
+        uris = {
+            o["OutputName"]: o["S3Output"]["S3Uri"]
+            for o in request["ProcessingOutputConfig"]["Outputs"]
+        }
+        exits = play_processing(
             request,
             root,
             self.store,
             self.containers,
-            log=stream,
+            # A stream per instance, as SageMaker names them: <job>/<host>-<time>.
+            log=lambda host: LogStream(
+                self.logs, LOG_GROUPS["processing"], f"{name}/{host}-{stamp}"
+            ),
             on_line=None,
             arn=self._moto.processing_jobs[name].arn,
         )
-        status, reason = self._status_after(name, [exit_])
+        status, reason = self._status_after(name, exits)
         if status == "Completed":
-            for output in request["ProcessingOutputConfig"]["Outputs"]:
-                self._upload(
-                    in_root(root, output["S3Output"]["LocalPath"]), output["S3Output"]["S3Uri"]
-                )
-        self._end(name, status, reason, exit_message=exit_.reason)
+            for output, local in processing_outputs(request, root).items():
+                self._upload(local, uris[output])
+        said = [e.reason for e in exits if e.code != 0 and e.reason] or [exits[0].reason]
+        self._end(name, status, reason, exit_message=said[0])
         shutil.rmtree(root, ignore_errors=True)
 
     def _play_training(self, name: str) -> None:

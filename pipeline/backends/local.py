@@ -29,9 +29,9 @@ from pathlib import Path
 
 from pipeline.backends.container import (
     Containers,
-    in_root,
     play_processing,
     play_training,
+    processing_outputs,
     status_after,
 )
 from pipeline.backends.warm_start import WarmStart, warm_start_enabled
@@ -169,19 +169,18 @@ class LocalBackend:
             self._interruptible(job.name, root),
             open(self._log_path(job.name), "a", encoding="utf-8") as log,
         ):
-            exit_ = play_processing(
+            exits = play_processing(
                 request, root, self.store, self.containers, log=log, on_line=self._speaker(job.name)
             )
         result = result_of(
             job.name,
-            [exit_],
+            exits,
             self._upload_log(job.name),
             stop_requested=self._stop_requested(job.name),
         )
         self.billed += result.billing
         outputs = {
-            job.outputs[o["OutputName"]]: in_root(root, o["S3Output"]["LocalPath"])
-            for o in request["ProcessingOutputConfig"]["Outputs"]
+            job.outputs[name]: local for name, local in processing_outputs(request, root).items()
         }
         empty = [prefix for prefix, local in outputs.items() if not any(local.rglob("*"))]
         if result.status == "Completed" and empty:  # nothing to cache or reuse: a failure

@@ -454,11 +454,12 @@ class SageMakerBackend:
                     args["nextToken"] = tokens[stream_name]
                 while True:
                     page = self.logs.get_log_events(**args)
+                    host = stream_name.split("/", 1)[-1].rsplit("-", 1)[0]
                     for event in page.get("events", []):
                         line = event["message"].rstrip("\n")
+                        line = f"{host}: {line}" if len(streams) > 1 else line  # whose line
                         log.append(line)
-                        host = stream_name.split("/", 1)[-1].rsplit("-", 1)[0]
-                        self.say(name, f"{host}: {line}" if len(streams) > 1 else line)
+                        self.say(name, line)
                     token = page.get("nextForwardToken")
                     if not page.get("events") or token == args.get("nextToken"):
                         tokens[stream_name] = token or args.get("nextToken", "")
