@@ -25,11 +25,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import cost
 from pipeline import metadata as md
 from pipeline.backends import make_backend as default_backend
 from pipeline.code_bundle import PROJECT_ROOT
 from pipeline.config import ConfigError, Settings
-from pipeline.driver import check_requests
+from pipeline.driver import check_requests, prices_for
 from pipeline.errors import PipelineError, log
 from pipeline.jobs import ProcessingJob
 from pipeline.paths import DataTree, ExperimentTree, PredictionTree, RunTree, run_label
@@ -397,6 +398,8 @@ def predict(
     prediction = chosen.run.prediction(f"{chosen.model}-{stamp}-{secrets.token_hex(3)}")
     job = predict_job(settings, chosen, prediction, instance_count)
     check_requests([job], settings, store)
+    backend = settings.experiment.backend
+    basis = None if backend == "local" else prices_for([job], settings, store)
     log.info(
         f"predicting {source} with model {chosen.model!r} of run {chosen.run.label} "
         f"({chosen.why}), into {output}"
@@ -407,11 +410,15 @@ def predict(
     )
     completed_or_said(store, result, output)
     job_said = {
-        "backend": settings.experiment.backend,
+        "backend": backend,
         "job_name": result.name,
         "instance_count": instance_count,
         "job_seconds": result.seconds,
         "job_peak_memory_mb": result.peak_memory_mb,
+        # What the job cost, as a run's jobs are priced (pipeline/cost.py): billed
+        # instance-seconds x the price on sagemaker and emulated, CPU-seconds locally.
+        "cost": cost.run_cost(result.billing, basis, backend),
+        "prices": basis,
     }
     record = {
         "run": chosen.run.label,
@@ -498,6 +505,7 @@ def say_done(record: dict) -> None:
         f"run {record['run']} in {record['seconds']:.0f}s: {record['output']} (what they came "
         f"from: {record['output']}.json)"
     )
+    log.info(cost.said(record["cost"]))
     if record["malformed"]:
         shown = "; ".join(f"{r['id']}: {r['error']}" for r in bad[:5])
         more = f"; {record['malformed'] - 5:,} more" if record["malformed"] > 5 else ""

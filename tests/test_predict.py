@@ -281,6 +281,14 @@ def test_two_instances_each_predict_their_share(trained, tmp_path, monkeypatch, 
         for host, rows in re.findall(r"(algo-[12])\S*\s.*?predicting ([\d,]+) rows", said)
     }
     assert set(shares) == {"algo-1", "algo-2"} and sum(shares.values()) == len(texts), said
+    # What the job cost, as a run's jobs: two instances billed on emulated, CPU-seconds locally.
+    spent = record["cost"]
+    if backend == "emulated":
+        [job] = spent["jobs"]
+        assert (job["use"], job["instance_count"]) == ("processing", 2)
+        assert spent["billable_instance_seconds"] == 2 * job["billable_seconds"] >= 2
+    else:
+        assert spent["measure"] == "CPU-seconds" and spent["cpu_seconds"] > 0
 
 
 def read_job_log(store, record) -> str:
