@@ -338,12 +338,12 @@ def bench_fixed_cost(tokenizer, data, steps: int, repeat: int, work: Path) -> di
         if proc.wait() != 0:
             sys.exit(f"a warm-started job failed: {env['SMPIPE_ML_ROOT']}")
 
-    # The local backend's warm start (pipeline/backends/warm_start.py): the first two jobs of
-    # an environment start cold, the second beside the server it starts; three one-step jobs
-    # do that here, untimed (the third waits out the preload), so the timed warm jobs start
-    # from a server that is up, as a run's later jobs do.
+    # The local backend's warm start (pipeline/backends/warm_start.py): its first job of an
+    # environment starts cold and its second starts the server; two one-step jobs do that
+    # here, untimed, so the timed warm jobs start from a server that is up, as a run's later
+    # jobs do.
     starter = WarmStart(work / "warm-start")
-    for n in range(3):
+    for n in range(2):
         run(job(f"fixed-prime-{n}", 1)[1], warm=True)
     runs = {"ours": [], "ours_warm": [], "trainer": [], "trainer_same_work": []}
     phases = {"ours": [], "ours_warm": []}

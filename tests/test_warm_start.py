@@ -112,13 +112,6 @@ def probe(name: str, *arguments: str) -> ProcessingJob:
     )
 
 
-def first_two_cold(backend: LocalBackend) -> None:
-    """An environment's first two jobs start cold, the second beside the server it starts:
-    the jobs after them are forked by that server."""
-    for name in ("first", "second"):
-        backend.run_processing(probe(name))
-
-
 def seen(store: Path, name: str) -> dict:
     return json.loads(LocalStore(store).get_bytes(f"outputs/{name}/seen.json"))
 
@@ -153,20 +146,19 @@ def test_warm_start_can_be_turned_off(shipped, tmp_path, monkeypatch):
 
 
 def test_a_warm_job_sees_exactly_its_own_env_root_and_code(shipped, tmp_path):
-    """The first job starts cold (and starts no server), the second cold beside the server it
-    starts; the next two are forked by that server, and see what the first saw of the
-    contract, their own roots and the shipped code."""
+    """The first job starts cold (and starts no server); the next two are forked by one server,
+    and see what the first saw of the contract, their own roots and the shipped code."""
     store, marker = shipped
     echo = io.StringIO()
     warm = local(store, tmp_path / "warm", echo)
-    jobs = (["cold"], ["cold-2"], ["warm-1", "--leak"], ["warm-2"])
-    results = [warm.run_processing(probe(*job)) for job in jobs]
+    results = [
+        warm.run_processing(probe(*job)) for job in (["cold"], ["warm-1", "--leak"], ["warm-2"])
+    ]
     warm.close(succeeded=True)
-    assert [r.status for r in results] == ["Completed"] * 4, echo.getvalue()
+    assert [r.status for r in results] == ["Completed"] * 3, echo.getvalue()
     assert "starts cold" not in echo.getvalue()
     c, a, b = seen(store, "cold"), seen(store, "warm-1"), seen(store, "warm-2")
-    assert not c["preloaded"] and not seen(store, "cold-2")["preloaded"]
-    assert a["preloaded"] and b["preloaded"]
+    assert not c["preloaded"] and a["preloaded"] and b["preloaded"]
     assert a["server"] == b["server"]  # one server for both jobs
     assert not b["leak_seen"]  # what job 1 did to its environment and modules died with it
     for job, s in (("warm-1", a), ("warm-2", b)):
@@ -207,7 +199,7 @@ def test_jobs_sure_to_follow_find_a_server_started_beside_the_first(shipped, tmp
     assert [first.status, second.status] == ["Completed", "Completed"], echo.getvalue()
     assert not seen(store, "first")["preloaded"] and seen(store, "second")["preloaded"]
     # The server was already there when the first job ended, and it is the one that forked the
-    # second (outside expecting_more, the server starts beside the second job).
+    # second (outside expecting_more, no server exists before a second job asks).
     assert [p.pid for p in servers] == [seen(store, "second")["server"]]
     assert wait_gone([p.pid for p in servers]) == []  # closed with the backend
 
@@ -224,7 +216,7 @@ def test_a_crash_fails_only_its_job_and_the_server_serves_the_next(
     store, _ = shipped
     echo = io.StringIO()
     backend = local(store, tmp_path / "work", echo)
-    first_two_cold(backend)
+    backend.run_processing(probe("first"))  # cold: the server starts with the next job
     before = backend.run_processing(probe("before"))
     crashed = backend.run_processing(probe("crashed", crash))
     after = backend.run_processing(probe("after"))
@@ -251,7 +243,7 @@ def test_sigterm_to_a_warm_job_reaches_its_step(shipped, tmp_path):
 
     echo = StopWhenWaiting()
     backend = local(store, tmp_path / "work", echo)
-    first_two_cold(backend)
+    backend.run_processing(probe("first"))  # cold: the server starts with the next job
     result = backend.run_processing(probe("trapped", "--trap"))
     backend.close(succeeded=False)
     assert "[trapped] probe got SIGTERM" in echo.getvalue(), echo.getvalue()
@@ -288,11 +280,11 @@ DRIVER = textwrap.dedent("""
     from pipeline.backends.local import LocalBackend
     from pipeline.paths import ExperimentTree
     from pipeline.store import LocalStore
-    from tests.test_warm_start import first_two_cold, probe
+    from tests.test_warm_start import probe
 
     backend = LocalBackend(LocalStore({store!r}), ExperimentTree("warm").run(1), echo=sys.stdout,
                            work_root={work!r})
-    first_two_cold(backend)
+    backend.run_processing(probe("first"))  # cold: the server starts with the next job
     backend.run_processing(probe("orphaned", "--hang"))
 """)
 
@@ -367,10 +359,8 @@ def test_sigterm_to_a_warm_training_step_checkpoints_and_the_restart_trains_the_
         )
 
     with SignalAtStep(tmp_path / "gates", 7, training_step) as reclaim:
-        # The same environment (the gate's) for both; as for a study's trials, the server
-        # starts beside the first job, and forks the second.
-        with backend.warm.expecting_more():
-            first = backend.run_training(replace(job("first", max_steps="1"), env=reclaim.env))
+        # The same environment (the gate's) for both: the server starts with the second job.
+        first = backend.run_training(replace(job("first", max_steps="1"), env=reclaim.env))
         assert first.status == "Completed"  # cold
         outcome = backend.run_training(replace(job("sigterm-test"), env=reclaim.env))
     backend.close(succeeded=True)

@@ -42,6 +42,7 @@ The server is this file run as a script (`python warm_start.py FD DRIVER_PID`), 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import gc
 import importlib
@@ -497,13 +498,10 @@ class WarmProcess:
 class Server:
     """One fork server: the process, the driver's end of its control socket, and why it could
     not start (if so). The socket is a socketpair the server inherits, as Chromium's zygote
-    does, so no name on the filesystem (nor its 108-byte limit, unix(7)) is involved.
-    Made, it preloads on its own; `ready()` waits for it."""
+    does, so no name on the filesystem (nor its 108-byte limit, unix(7)) is involved."""
 
     def __init__(self, env: dict[str, str], log: Path, launcher: list[str]) -> None:
         self.log, self.failure = log, None
-        self._ready: bool | None = None  # None: not asked yet
-        self._lock = threading.Lock()
         self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs, open(log, "ab") as stderr:
             self.process = subprocess.Popen(
@@ -516,30 +514,17 @@ class Server:
                 stderr=stderr,
                 start_new_session=True,  # the terminal's Ctrl-C is for the driver
             )
-
-    def ready(self) -> bool:
-        """Wait until the server has preloaded (True), or has failed to (False: `failure`
-        says why). Two hosts of a job may ask at once."""
-        with self._lock:
-            if self._ready is None:
-                self.control.settimeout(SERVER_START_SECONDS)
-                try:
-                    said = self.control.recv(len(READY))
-                except OSError:
-                    said = b""
-                self.control.settimeout(None)
-                self._ready = said == READY
-                if not self._ready:
-                    self.process.kill()
-                    self.process.wait()
-                    lines = self.log.read_text(errors="replace").strip().splitlines()[-3:]
-                    tail = " | ".join(lines) or "no output"
-                    self.failure = f"the fork server did not start: {tail}"
-            return self._ready
-
-    def crashed(self) -> bool:
-        """It ended though nobody closed it (a server that never started is `failure`)."""
-        return self.process.poll() is not None and self._ready is not False
+        self.control.settimeout(SERVER_START_SECONDS)
+        try:
+            ready = self.control.recv(len(READY))
+        except OSError:
+            ready = b""
+        self.control.settimeout(None)
+        if ready != READY:
+            self.process.kill()
+            self.process.wait()
+            tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+            self.failure = f"the fork server did not start: {' | '.join(tail) or 'no output'}"
 
     def start(self, argv: list[str], env: dict[str, str], cwd: str) -> WarmProcess | str:
         """Ask for the job; its process, or why the server answered cold."""
@@ -561,8 +546,6 @@ class Server:
         return WarmProcess(mine, reply["pid"], argv, os.fdopen(read, "rb"))
 
     def close(self) -> None:
-        if self._ready is None:  # still preloading for a job that never came: not waited for
-            self.process.kill()
         self.control.close()  # what it waits for; its jobs are over by now
         try:
             self.process.wait(timeout=10)
@@ -574,21 +557,16 @@ class Server:
 class WarmStart:
     """The local backend's starter (Containers(starter=...)): a fork server per distinct
     import-relevant environment. `start` returns the job's process, or None where the job
-    starts cold: the first two jobs of an environment (below), or one a server refused or
-    could not serve (the reason said to `echo`, once).
+    starts cold: the first job of an environment (below), or one a server refused or could
+    not serve (the reason said to `echo`, once).
 
-    A job never waits for a server it started. The server preloads more than any one job
-    imports (5 s here, against 0.8 s for a cold reconcile job and 3.6 s for prepare): the
-    first job of an environment starts cold and starts no server, so a backend that runs one
-    job (a test, a one-step run) pays for nothing; the second starts cold beside the server it
-    starts, and the jobs after it are forked by that server, waiting for what is left of its
-    preload. A 150-row run of one model (reconcile and prepare cold, training and inference
-    warm) took 8.7 s so, against 9.7 s when prepare waited for the whole preload (measured in
-    pairs). Where more jobs of the environment are sure to follow (a study's trials:
-    `expecting_more`), the server starts beside the first job instead, so that the second does
-    not wait for its whole preload (6 s a study, measured on the shipped tuning example's
-    second MiniLM trial). A server nobody asked for before the backend closes is stopped, not
-    waited for.
+    The first job of an environment starts cold, and the server starts with the second: it
+    preloads more than any one job imports (5 s here, against 0.8 s for a cold reconcile job
+    and 3.6 s for prepare), so a backend that runs one job (a test, a one-step run) would pay
+    for nothing, and a run's first job, reconcile, is light. Where more jobs of the
+    environment are sure to follow (a study's trials: `expecting_more`), the server starts
+    beside the first job instead, so that the second does not wait for its preload (6 s a
+    study, measured on the shipped tuning example's second MiniLM trial).
     `folder` holds the servers' own logs (what they print on stderr: a traceback if one
     fails). `launcher`: the command that runs this file as the server (tests start it beside
     a thread of their own)."""
@@ -602,6 +580,7 @@ class WarmStart:
         self._lock = threading.Lock()
         self._said: set[str] = set()
         self._seen: set[tuple] = set()  # environments that have had their first (cold) job
+        self._starting: dict[tuple, concurrent.futures.Future] = {}  # servers started early
         self._early = False
         self._per_job = per_job_variables()
 
@@ -622,8 +601,8 @@ class WarmStart:
         shared = {k: v for k, v in env.items() if k not in self._per_job}
         server = self._server(shared)
         if server is None:
-            return None  # a job that started no server or its own
-        if server.ready():
+            return None  # the first job of this environment
+        if server.failure is None:
             env = {**env, DRIVER_PID_VARIABLE: str(server.process.pid)}
             started = server.start(argv, env, str(cwd))
             if isinstance(started, WarmProcess):
@@ -634,27 +613,41 @@ class WarmStart:
         return None
 
     def _server(self, env: dict[str, str]) -> Server | None:
-        """The server for a job of `env`, or None where the job starts cold: the first job of
-        the environment (beside a server of its own within `expecting_more`), the second (beside
-        the server it starts), a job after a server crashed (beside its new one)."""
         key = tuple(sorted(env.items()))
         with self._lock:  # two hosts of a job ask at once: one server
             if key not in self._seen:
                 self._seen.add(key)
                 if self._early:
-                    self._servers[key] = self._spawn(env)
+                    self._starting[key] = self._start_early(env)
                 return None
+            starting = self._starting.get(key)
+        if starting is not None:  # started beside the first job: wait for the rest of it
+            early = starting.result()
+            with self._lock:
+                if self._starting.pop(key, None) is starting:
+                    self._servers[key] = early
+        with self._lock:
             server = self._servers.get(key)
             # A server that crashed is started again; one that could not start is not retried.
-            crashed = server is not None and server.failure is None and server.crashed()
-            if server is None or crashed:
-                self._servers[key] = self._spawn(env)
-                return None
-        return server
+            if server is None or (server.failure is None and server.process.poll() is not None):
+                self.folder.mkdir(parents=True, exist_ok=True)
+                log = self.folder / f"server-{next(self._numbers)}.log"
+                server = self._servers[key] = Server(env, log, self.launcher)
+            return server
 
-    def _spawn(self, env: dict[str, str]) -> Server:
+    def _start_early(self, env: dict[str, str]) -> concurrent.futures.Future:
         self.folder.mkdir(parents=True, exist_ok=True)
-        return Server(env, self.folder / f"server-{next(self._numbers)}.log", self.launcher)
+        log = self.folder / f"server-{next(self._numbers)}.log"
+        starting: concurrent.futures.Future = concurrent.futures.Future()
+
+        def start() -> None:
+            try:
+                starting.set_result(Server(env, log, self.launcher))
+            except BaseException as e:  # said by the job that waits for it
+                starting.set_exception(e)
+
+        threading.Thread(target=start, name="fork-server-start", daemon=True).start()
+        return starting
 
     def _say(self, reason: str) -> None:
         with self._lock:
@@ -667,6 +660,8 @@ class WarmStart:
         """Stop every server (their jobs have ended) and remove their folder."""
         with self._lock:
             servers, self._servers = list(self._servers.values()), {}
+            starting, self._starting = list(self._starting.values()), {}
+        servers += [f.result() for f in starting if f.exception() is None]
         for server in servers:
             server.close()
         for log in self.folder.glob("server-*.log") if self.folder.exists() else []:
