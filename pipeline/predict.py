@@ -409,17 +409,6 @@ def predict(
         settings, store, chosen, job, prediction, source, kind, echo, make_backend
     )
     completed_or_said(store, result, output)
-    job_said = {
-        "backend": backend,
-        "job_name": result.name,
-        "instance_count": instance_count,
-        "job_seconds": result.seconds,
-        "job_peak_memory_mb": result.peak_memory_mb,
-        # What the job cost, as a run's jobs are priced (pipeline/cost.py): billed
-        # instance-seconds x the price on sagemaker and emulated, CPU-seconds locally.
-        "cost": cost.run_cost(result.billing, basis, backend),
-        "prices": basis,
-    }
     record = {
         "run": chosen.run.label,
         "experiment": settings.experiment.name,
@@ -435,7 +424,7 @@ def predict(
         "output": str(output.resolve()),
         "output_format": out_kind,
         **write_output(store, prediction, sizes, output, out_kind),
-        **job_said,
+        **job_facts(result, backend, instance_count, basis),
         "seconds": round(time.time() - started, 1),
         "predictions": store.uri_of(prediction.prefix),
         "created": md.iso(started),
@@ -445,6 +434,21 @@ def predict(
     Path(f"{output}.json").write_text(text + "\n", encoding="utf-8")
     say_done(record)
     return record
+
+
+def job_facts(result, backend: str, instance_count: int, basis: dict | None) -> dict:
+    """The job's part of the record, and what it cost as a run's jobs are priced
+    (pipeline/cost.py): billed instance-seconds x the price on sagemaker and emulated,
+    CPU-seconds locally."""
+    return {
+        "backend": backend,
+        "job_name": result.name,
+        "instance_count": instance_count,
+        "job_seconds": result.seconds,
+        "job_peak_memory_mb": result.peak_memory_mb,
+        "cost": cost.run_cost(result.billing, basis, backend),
+        "prices": basis,
+    }
 
 
 def completed_or_said(store: Store, result, output: Path) -> None:
