@@ -52,7 +52,14 @@ class Driver:
             time.sleep(0.05)
 
     def finish(self, timeout: float = 300) -> int:
-        code = self.proc.wait(timeout)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:  # what it said is the only clue: keep it
+            self.proc.kill()
+            self.proc.wait()
+            self.reader.join(10)
+            message = f"the driver still ran after {timeout} s:\n{self.output}"
+            raise AssertionError(message) from None
         self.reader.join(10)
         return code
 
