@@ -27,6 +27,15 @@ from tests.reliability import figures
 RUN1 = ExperimentTree("test-exp").run(1)
 
 
+def as_from_a_terminal() -> None:
+    """SIGINT as a terminal's Ctrl-C finds it: with its default action. A shell without job
+    control starts background commands with SIGINT ignored (POSIX, asynchronous lists), and
+    the test runner may be one of them; Python leaves an inherited ignored SIGINT ignored, so
+    the driver would never see the Ctrl-C the test sends (it did not, in a `make test` started
+    in the background)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Driver:
     """`run_pipeline.py` in a process of its own, its temporary folder one of the test's."""
 
@@ -35,6 +44,7 @@ class Driver:
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "run_pipeline.py"), str(settings), *args],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            preexec_fn=as_from_a_terminal,
         )  # fmt: skip
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
