@@ -497,8 +497,7 @@ def train_epoch(job: Job) -> None:
             )
             if accelerator.is_main_process:
                 job.env.failure_file.parent.joinpath("interrupted").write_text(str(state.step))
-            tracked(job)
-            accelerator.end_training()
+            leave(job)
             sys.exit(EXIT_INTERRUPTED)
         if state.batch_in_epoch == job.sampler.batches_per_epoch or state.step >= job.total_steps:
             break  # the epoch-end checkpoint follows validation
@@ -617,16 +616,21 @@ def save_final_model(model, model_dir: Path, info: dict) -> None:
 
 
 def finish(job: Job) -> None:
-    """The main process keeps the model; then every process leaves the process group at once.
-    A process that destroyed its group while the main one still exported could abort at
-    exit (gloo: "terminate called without an active exception", seen with two processes)."""
-    accelerator = job.accelerator
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+    """The main process keeps the model; then every process leaves together (`leave`)."""
+    job.accelerator.wait_for_everyone()
+    if job.accelerator.is_main_process:
         keep_model(job)
-    accelerator.wait_for_everyone()
+    leave(job)
+
+
+def leave(job: Job) -> None:
+    """Every process leaves the process group at once, at the end and on SIGTERM alike. A
+    process that destroyed its group while another still worked (the main one exporting, or
+    writing the interrupted marker) could make that one abort at exit (gloo: "terminate called
+    without an active exception", SIGABRT; seen with two processes, in CI on SIGTERM too)."""
+    job.accelerator.wait_for_everyone()
     tracked(job)
-    accelerator.end_training()
+    job.accelerator.end_training()
 
 
 def keep_model(job: Job) -> None:
