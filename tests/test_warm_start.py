@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from pipeline.backends.local import LocalBackend
-from pipeline.backends.warm_start import WARM_START_VARIABLE
+from pipeline.backends.warm_start import IDLE, READY, WARM_START_VARIABLE, IdleServers, Server
 from pipeline.jobs import ProcessingJob, TrainingJob
 from pipeline.paths import ExperimentTree
 from pipeline.store import LocalStore, upload_dir
@@ -134,6 +134,15 @@ def wait_gone(pids: list[int], seconds: float = 20) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
+@pytest.fixture(autouse=True)
+def no_idle_servers():
+    """Each test starts with no server an earlier backend of this worker left (warm_start.IDLE),
+    so that its first job starts cold, and leaves none."""
+    IDLE.close()
+    yield
+    IDLE.close()
+
+
 def test_warm_start_can_be_turned_off(shipped, tmp_path, monkeypatch):
     store, _ = shipped
     monkeypatch.setenv(WARM_START_VARIABLE, "0")
@@ -201,7 +210,55 @@ def test_jobs_sure_to_follow_find_a_server_started_beside_the_first(shipped, tmp
     # The server was already there when the first job ended, and it is the one that forked the
     # second (outside expecting_more, no server exists before a second job asks).
     assert [p.pid for p in servers] == [seen(store, "second")["server"]]
-    assert wait_gone([p.pid for p in servers]) == []  # closed with the backend
+    assert wait_gone([p.pid for p in servers], seconds=1) == [servers[0].pid]  # kept for the next
+    IDLE.close()
+    assert wait_gone([p.pid for p in servers]) == []
+
+
+def test_a_closed_backends_server_starts_the_next_runs_first_job_warm(shipped, tmp_path):
+    """A backend that closes leaves its server to the next backend of the process whose jobs
+    have the same environment: that run's first job is forked by it, from the same preloaded
+    state (a job of the first run leaked into its own process, not into the server)."""
+    store, _ = shipped
+    first = local(store, tmp_path / "run-1")
+    first.run_processing(probe("cold"))
+    first.run_processing(probe("warm", "--leak"))
+    first.close(succeeded=True)
+    server = seen(store, "warm")["server"]
+    assert alive(server)
+    second = local(store, tmp_path / "run-2")
+    result = second.run_processing(probe("next-run"))
+    second.close(succeeded=True)
+    assert result.status == "Completed"
+    after = seen(store, "next-run")
+    assert after["preloaded"] and after["server"] == server and not after["leak_seen"]
+    assert after["cwd"] == str(tmp_path / "run-2/next-run")
+
+
+def test_idle_servers_keep_the_newest_and_stop_the_rest(tmp_path):
+    """At most `limit` idle servers: the oldest is stopped when another is kept, a kept one
+    is taken once, and a server that has ended is never handed out."""
+    # A server as far as the backend's side sees one: says it is ready, ends when its
+    # control socket closes (as warm_start.serve does).
+    launcher = [
+        sys.executable,
+        "-c",
+        f"import socket, sys; s = socket.socket(fileno=int(sys.argv[1])); s.send({READY!r}); "
+        "s.recv(1)",
+    ]
+    servers = [Server({}, tmp_path / f"server-{i}.log", launcher) for i in range(3)]
+    idle = IdleServers(limit=2)
+    for i, server in enumerate(servers):
+        idle.keep(("env", i), server)
+    assert servers[0].process.poll() is not None  # the oldest, stopped
+    assert idle.take(("env", 0)) is None
+    servers[1].process.kill()
+    servers[1].process.wait()
+    assert idle.take(("env", 1)) is None  # ended: not handed out
+    assert idle.take(("env", 2)) is servers[2] and idle.take(("env", 2)) is None
+    idle.keep(("env", 2), servers[2])
+    idle.close()
+    assert servers[2].process.wait(timeout=10) == 0
 
 
 @pytest.mark.parametrize(

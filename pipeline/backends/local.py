@@ -7,7 +7,8 @@ and an interrupted training job is restarted from them up to MAX_RESTARTS times,
 SageMaker restarts a spot job. Tuning runs here too (pipeline/backends/local_tuning.py): its
 trials are local training jobs.
 
-Jobs start warm (pipeline/backends/warm_start.py): from a run's second job on, a fork server
+Jobs start warm (pipeline/backends/warm_start.py): from a run's second job on (from its
+first where an earlier run of this process left a server of the same environment), a fork server
 that has already imported torch, transformers and the rest forks each job's entrypoint, which
 forks its step, saving the seconds of imports every job pays; each job is still a process of
 its own with exactly its own environment, job root and code. SMPIPE_WARM_START=0 starts every
@@ -122,7 +123,8 @@ class LocalBackend:
         self.warm = (
             WarmStart(self.work_root / WARM_FOLDER, self.echo) if warm_start_enabled() else None
         )
-        # Tests and tools drop a backend without close(): its fork servers go with it.
+        # Tests and tools drop a backend without close(): its fork servers are left as close()
+        # leaves them (warm_start.IDLE).
         self._finalizer = weakref.finalize(self, self.warm.close) if self.warm else None
         self.containers = Containers(starter=self.warm)
         # Every job's JobResult.billing so far: a tuning job bills its trials'.

@@ -19,7 +19,8 @@ Environment snapshot: the libraries read some variables when they are imported
 OMP_NUM_THREADS when they load, Python reads PYTHONHASHSEED when it starts). So a server starts
 with a job's environment minus the variables that name one job (`per_job_variables`: the job
 root, PYTHONPATH, the job's name, its torchrun rendezvous, ...), and the backend keeps one
-server per distinct such environment (in practice one per run): a job whose import-relevant
+server per distinct such environment (in practice one per run, and a closed backend's server
+serves the next run of the same process: `IdleServers`): a job whose import-relevant
 environment differs gets a server of its own. What stays shared by every job of a server:
 values drawn once at import (the string-hash salt, transformers' hub SESSION_ID).
 
@@ -42,6 +43,8 @@ The server is this file run as a script (`python warm_start.py FD DRIVER_PID`), 
 
 from __future__ import annotations
 
+import atexit
+import collections
 import concurrent.futures
 import contextlib
 import gc
@@ -501,13 +504,13 @@ class Server:
     does, so no name on the filesystem (nor its 108-byte limit, unix(7)) is involved."""
 
     def __init__(self, env: dict[str, str], log: Path, launcher: list[str]) -> None:
-        self.log, self.failure = log, None
+        self.log, self.failure, self.owner = log, None, os.getpid()
         self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs, open(log, "ab") as stderr:
             self.process = subprocess.Popen(
                 [*launcher, str(theirs.fileno()), str(os.getpid())],
                 pass_fds=[theirs.fileno()],
-                cwd=log.parent,
+                cwd="/",  # its own folder goes with its backend; a job chdirs to its root
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,  # not a terminal: a job's stdout is a pipe
@@ -554,6 +557,60 @@ class Server:
             self.process.wait()
 
 
+class IdleServers:
+    """Servers whose backend has closed, kept for the next backend of the same process whose
+    jobs have the same environment (and launcher): the suite runs hundreds of runs in a few
+    processes, a notebook several, and a server's preload (6 s of CPU here) is then paid once,
+    not once a run. A server serves each job from the state it had after its preload, whatever
+    ran before, so a run forked from a kept server sees what one forked from a new server
+    would; what stays shared is what a run's jobs already share (see the module's docstring).
+    At most `limit` are kept (each holds the libraries' memory, 0.5 GB here), the oldest
+    stopped first; the rest stop when this process exits, as every server does."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._servers: collections.OrderedDict[tuple, Server] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def keep(self, key: tuple, server: Server) -> None:
+        """Keep `server` if it can serve again (else stop it); stop the oldest beyond `limit`."""
+        healthy = (
+            server.failure is None
+            and server.process.poll() is None
+            and server.owner == os.getpid()  # a server follows the process that started it
+        )
+        with self._lock:
+            evicted = [self._servers.pop(key)] if key in self._servers else []
+            if healthy and self.limit > 0:
+                self._servers[key] = server
+            else:
+                evicted.append(server)
+            while len(self._servers) > self.limit:
+                evicted.append(self._servers.popitem(last=False)[1])
+        for old in evicted:
+            old.close()
+
+    def take(self, key: tuple) -> Server | None:
+        """A kept server for `key` that is still running, or None."""
+        with self._lock:
+            server = self._servers.pop(key, None)
+        if server is None or (server.process.poll() is None and server.owner == os.getpid()):
+            return server
+        server.close()
+        return None
+
+    def close(self) -> None:
+        """Stop every kept server (at exit, and for tests that need a cold start)."""
+        with self._lock:
+            servers, self._servers = list(self._servers.values()), collections.OrderedDict()
+        for server in servers:
+            server.close()
+
+
+IDLE = IdleServers(limit=2)
+atexit.register(IDLE.close)
+
+
 class WarmStart:
     """The local backend's starter (Containers(starter=...)): a fork server per distinct
     import-relevant environment. `start` returns the job's process, or None where the job
@@ -567,6 +624,8 @@ class WarmStart:
     environment are sure to follow (a study's trials: `expecting_more`), the server starts
     beside the first job instead, so that the second does not wait for its preload (6 s a
     study, measured on the shipped tuning example's second MiniLM trial).
+    A backend that closes leaves its healthy servers to the next backend of this process with
+    the same environment (`IDLE`): that backend's first job starts warm too.
     `folder` holds the servers' own logs (what they print on stderr: a traceback if one
     fails). `launcher`: the command that runs this file as the server (tests start it beside
     a thread of their own)."""
@@ -617,6 +676,10 @@ class WarmStart:
         with self._lock:  # two hosts of a job ask at once: one server
             if key not in self._seen:
                 self._seen.add(key)
+                idle = IDLE.take((tuple(self.launcher), key))
+                if idle is not None:
+                    self._servers[key] = idle
+                    return idle
                 if self._early:
                     self._starting[key] = self._start_early(env)
                 return None
@@ -657,13 +720,14 @@ class WarmStart:
         print(f"warm start: {reason}; the job starts cold", file=self.echo, flush=True)
 
     def close(self) -> None:
-        """Stop every server (their jobs have ended) and remove their folder."""
+        """Leave the healthy servers (their jobs have ended) to the next backend of this
+        process (`IDLE`), stop the others, and remove their folder."""
         with self._lock:
-            servers, self._servers = list(self._servers.values()), {}
-            starting, self._starting = list(self._starting.values()), {}
-        servers += [f.result() for f in starting if f.exception() is None]
-        for server in servers:
-            server.close()
+            servers, self._servers = list(self._servers.items()), {}
+            starting, self._starting = list(self._starting.items()), {}
+        servers += [(key, f.result()) for key, f in starting if f.exception() is None]
+        for key, server in servers:
+            IDLE.keep((tuple(self.launcher), key), server)
         for log in self.folder.glob("server-*.log") if self.folder.exists() else []:
             log.unlink()
         if self.folder.exists() and not any(self.folder.iterdir()):
