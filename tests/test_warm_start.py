@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import shutil
 import signal
@@ -215,17 +216,27 @@ def test_jobs_sure_to_follow_find_a_server_started_beside_the_first(shipped, tmp
     assert wait_gone([p.pid for p in servers]) == []
 
 
-def test_a_closed_backends_server_starts_the_next_runs_first_job_warm(shipped, tmp_path):
+def test_a_closed_backends_server_starts_the_next_runs_first_job_warm(
+    shipped, tmp_path, monkeypatch
+):
     """A backend that closes leaves its server to the next backend of the process whose jobs
-    have the same environment: that run's first job is forked by it, from the same preloaded
-    state (a job of the first run leaked into its own process, not into the server)."""
+    have the same environment but for what no library reads at import (other credentials,
+    another test): that run's first job is forked by it, from the same preloaded state (a job
+    of the first run leaked into its own process, not into the server), with its own
+    environment; the server holds no credentials."""
     store, _ = shipped
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "first-run")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     first = local(store, tmp_path / "run-1")
     first.run_processing(probe("cold"))
     first.run_processing(probe("warm", "--leak"))
     first.close(succeeded=True)
     server = seen(store, "warm")["server"]
     assert alive(server)
+    assert "AWS_ACCESS_KEY_ID" not in psutil.Process(server).environ()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "second-run")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-1")
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test (call)")
     second = local(store, tmp_path / "run-2")
     result = second.run_processing(probe("next-run"))
     second.close(succeeded=True)
@@ -233,6 +244,73 @@ def test_a_closed_backends_server_starts_the_next_runs_first_job_warm(shipped, t
     after = seen(store, "next-run")
     assert after["preloaded"] and after["server"] == server and not after["leak_seen"]
     assert after["cwd"] == str(tmp_path / "run-2/next-run")
+    assert after["env"]["AWS_DEFAULT_REGION"] == "eu-west-1"  # (the key's value is masked)
+    assert after["env"]["PYTEST_CURRENT_TEST"] == "another test (call)"
+
+
+# Reads of os.environ during a preload, in a fresh interpreter: each key read and the library
+# file that read it, and the files that iterated the whole environment.
+TRACE_READS = textwrap.dedent("""
+    import json, os, sys, traceback
+    reads, iterated = set(), set()
+    def reader():
+        frames = [f for f in traceback.extract_stack() if "site-packages" in f.filename]
+        return frames[-1].filename.split("site-packages/")[1] if frames else "?"
+    Environ = type(os.environ)
+    get, contains, iterate = Environ.__getitem__, Environ.__contains__, Environ.__iter__
+    def traced_get(self, key):
+        reads.add((key, reader()))
+        return get(self, key)
+    def traced_contains(self, key):
+        reads.add((key, reader()))
+        return contains(self, key)
+    def traced_iter(self):
+        iterated.add(reader())
+        return iterate(self)
+    Environ.__getitem__, Environ.__contains__ = traced_get, traced_contains
+    Environ.__iter__ = traced_iter
+    from pipeline.backends.warm_start import preload
+    preload()
+    print(json.dumps({"reads": sorted(reads), "iterated": sorted(iterated)}))
+""")
+# Libraries that iterate the environment at import, and the one prefix each keeps.
+READS_BY_PREFIX = {"tqdm/utils.py": "TQDM_", "fsspec/config.py": "FSSPEC_"}
+
+
+def test_no_preloaded_library_reads_at_import_what_a_server_leaves_out():
+    """A server's environment leaves out variables no preloaded library reads when imported
+    (warm_start.NOT_READ_AT_IMPORT): the preload's os.environ reads, traced, touch none of
+    them, and the libraries that iterate the environment keep only a prefix of their own.
+    (Reads from C, OMP_NUM_THREADS by libgomp, cannot be traced: those stay in the key.)"""
+    from pipeline.backends.warm_start import NOT_READ_AT_IMPORT, NOT_READ_AT_IMPORT_PREFIXES
+
+    env = {**dict.fromkeys(NOT_READ_AT_IMPORT, "x"), "SMPIPE_X": "x", "PYTEST_X": "x"}
+    out = subprocess.run(
+        [sys.executable, "-c", TRACE_READS],
+        env={**os.environ, **env},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    traced = json.loads(out.stdout.strip().splitlines()[-1])
+    read = [
+        key
+        for key, where in traced["reads"]
+        # a library that iterates the environment reads each value, and keeps its prefix's
+        if where not in READS_BY_PREFIX or key.startswith(READS_BY_PREFIX[where])
+    ]
+    assert "HF_HUB_OFFLINE" in read  # the trace sees what huggingface_hub reads
+    left_out = [
+        key
+        for key in read
+        if key in NOT_READ_AT_IMPORT or key.startswith(NOT_READ_AT_IMPORT_PREFIXES)
+    ]
+    assert left_out == []
+    assert set(traced["iterated"]) <= set(READS_BY_PREFIX), (
+        "a preloaded library iterates the environment: check what it reads at import",
+        traced["iterated"],
+    )
 
 
 def test_idle_servers_keep_the_newest_and_stop_the_rest(tmp_path):

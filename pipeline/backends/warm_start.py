@@ -18,7 +18,9 @@ Environment snapshot: the libraries read some variables when they are imported
 (huggingface_hub's HF_HOME and HF_HUB_OFFLINE become constants, OpenBLAS and libgomp read
 OMP_NUM_THREADS when they load, Python reads PYTHONHASHSEED when it starts). So a server starts
 with a job's environment minus the variables that name one job (`per_job_variables`: the job
-root, PYTHONPATH, the job's name, its torchrun rendezvous, ...), and the backend keeps one
+root, PYTHONPATH, the job's name, its torchrun rendezvous, ...) and those no preloaded library
+reads when imported (`NOT_READ_AT_IMPORT`: this project's own, pytest's per-test bookkeeping,
+which AWS to call and as whom; a test traces the preload's reads), and the backend keeps one
 server per distinct such environment (in practice one per run, and a closed backend's server
 serves the next run of the same process: `IdleServers`): a job whose import-relevant
 environment differs gets a server of its own. What stays shared by every job of a server:
@@ -446,6 +448,37 @@ def per_job_variables() -> frozenset[str]:
     )
 
 
+# Variables left out of a server's environment besides the per-job ones, because no preloaded
+# library reads them when imported (tests/test_warm_start.py traces every os.environ read of a
+# preload): a job still gets them, in its own environment. SMPIPE_*: this project's (the server
+# imports nothing of it). PYTEST_*: pytest's bookkeeping (PYTEST_CURRENT_TEST changes with every
+# test phase). Which AWS to call and as whom: botocore reads these when a session or client is
+# made, never at import; a server kept between runs (IDLE) then holds no run's credentials.
+NOT_READ_AT_IMPORT_PREFIXES = ("SMPIPE_", "PYTEST_")
+NOT_READ_AT_IMPORT = frozenset(
+    {
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_ENDPOINT_URL",
+        "AWS_DEFAULT_REGION",
+        "AWS_REGION",
+        "AWS_PROFILE",
+    }
+)
+
+
+def server_env(env: dict[str, str], per_job: frozenset[str]) -> dict[str, str]:
+    """What of a job's environment its server starts with (and is chosen by)."""
+    return {
+        k: v
+        for k, v in env.items()
+        if k not in per_job
+        and k not in NOT_READ_AT_IMPORT
+        and not k.startswith(NOT_READ_AT_IMPORT_PREFIXES)
+    }
+
+
 class WarmProcess:
     """A warm-started job as subprocess.Popen shows one: `pid` (a session leader, so killpg
     reaches all of it), `args`, `stdout` (its output, bytes), `poll()`, `wait()`,
@@ -657,7 +690,7 @@ class WarmStart:
         which becomes the server's pid: the job's parent, which follows the driver."""
         from steps.entrypoint import DRIVER_PID_VARIABLE
 
-        shared = {k: v for k, v in env.items() if k not in self._per_job}
+        shared = server_env(env, self._per_job)
         server = self._server(shared)
         if server is None:
             return None  # the first job of this environment
