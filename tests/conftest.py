@@ -76,11 +76,13 @@ def write_settings(path: Path, store: str, **overrides: dict[str, str]) -> Path:
     parser = configparser.ConfigParser(interpolation=None, delimiters=("=",))
     parser.optionxform = str.upper
     parser.read(ROOT / "settings.ini")
+    # MiniLM's checkpoint (weights and AdamW's moments) is 270 MB, written by the job and
+    # uploaded to the store when it ends: epoch ends only, one kept, unless a test checkpoints.
     small = {
         "experiment": {"STORE": store, "NAME": "test-exp"},
         "data": {"MAX_SEQUENCE_LENGTH": "32"},
         "training": {"EPOCHS": "1", "BATCH_SIZE": "8", "MAX_PER_DEVICE_BATCH_SIZE": "4",
-                     "CHECKPOINT_EVERY_STEPS": "2", "MAX_RESTARTS": "0"},
+                     "CHECKPOINT_EVERY_STEPS": "0", "KEEP_CHECKPOINTS": "1", "MAX_RESTARTS": "0"},
         "tracking": {"WANDB_MODE": "disabled"},
     }  # fmt: skip
     for section, values in list(small.items()) + list(overrides.items()):
