@@ -44,7 +44,7 @@ def with_new_label(demo_raw, out):
 def test_reused_models_are_tested_on_their_own_data_even_in_a_moved_store(demo_raw, tmp_path):
     store = tmp_path / "store"
     path = write_settings(tmp_path / "s.ini", str(store), models={"MODEL_NAMES": "bow"},
-                          data={"RAW_DATA": str(demo_raw)})  # fmt: skip
+                          data={"RAW_DATA": str(demo_raw)}, training={"CHECKPOINT_EVERY_STEPS": "2"})  # fmt: skip
     first = run(path)
     # A completed run keeps no resume state: its checkpoints went when it completed.
     assert first["checkpoints_removed_bytes"] > 0
