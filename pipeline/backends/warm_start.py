@@ -453,7 +453,7 @@ def per_job_variables() -> frozenset[str]:
 # preload): a job still gets them, in its own environment. SMPIPE_*: this project's (the server
 # imports nothing of it). PYTEST_*: pytest's bookkeeping (PYTEST_CURRENT_TEST changes with every
 # test phase). Which AWS to call and as whom: botocore reads these when a session or client is
-# made, never at import; a server kept between runs (IDLE) then holds no run's credentials.
+# made, never at import; a server kept between runs (IDLE) then holds no run's AWS credentials.
 NOT_READ_AT_IMPORT_PREFIXES = ("SMPIPE_", "PYTEST_")
 NOT_READ_AT_IMPORT = frozenset(
     {
