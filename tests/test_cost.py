@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import cost
+from pipeline.backends import container
 from pipeline.backends.local import LocalBackend
 from pipeline.config import ConfigError, load_settings
 from pipeline.console import summary_lines
@@ -371,27 +372,42 @@ def test_an_emulated_run_prints_its_cost_in_summary_report_and_runs(demo_raw, tm
     assert f"${record['cost']['usd']:,.4f}" in runs.stdout and "cost" in runs.stdout
 
 
-def test_a_local_job_reports_its_cpu_seconds_children_included(tmp_path):
+@pytest.mark.parametrize("start", ["cold", "warm"])
+def test_a_local_job_reports_its_cpu_seconds_children_included(start, tmp_path, monkeypatch):
+    """Cold, the driver reads the exited entrypoint's time before reaping it; warm, the fork
+    server reaps the job and sends its wait4 figure. Either counts the child the step waited for.
+    Warm: the second job of a backend starts warm (the first may, from a server left idle)."""
+    monkeypatch.setenv("SMPIPE_WARM_START", "0" if start == "cold" else "1")
+    # The driver's samples of the job's CPU time as sparse as its memory samples (0.5 s): the
+    # job's last half second is then in no sample, and only its exit figure can count it.
+    monkeypatch.setattr(container, "CPU_SAMPLE_SECONDS", 10)
     here = LocalStore(str(tmp_path / "store"))
     ship_code(here)
-    job = ProcessingJob(
-        name="burn",
-        step="tests.jobs.burn_cpu",
-        code="code/",
-        inputs={},
-        outputs={"out": "outputs/burn/"},
-        arguments=["--seconds", "1.2"],
-        env={"SMPIPE_USER_FUNCTIONS": "user_functions"},
-    )
-    backend = LocalBackend(here, RUN, echo=io.StringIO(), work_root=str(tmp_path / "work"))
+
+    def job(name: str) -> ProcessingJob:
+        return ProcessingJob(
+            name=name,
+            step="tests.jobs.burn_cpu",
+            code="code/",
+            inputs={},
+            outputs={"out": f"outputs/{name}/"},
+            arguments=["--seconds", "1.2"],
+            env={"SMPIPE_USER_FUNCTIONS": "user_functions"},
+        )
+
+    echo = io.StringIO()
+    backend = LocalBackend(here, RUN, echo=echo, work_root=str(tmp_path / "work"))
     try:
-        result = backend.run_processing(job)
+        results = [backend.run_processing(job(name)) for name in ("burn-1", "burn-2")]
     finally:
         backend.close(succeeded=True)
-    assert result.status == "Completed", result.failure_reason
-    [used] = result.billing
-    # 1.2 s burnt, half in a child the step waited for; plus the interpreter's own start.
-    assert 1.2 <= used["cpu_seconds"] < 1.2 + 15 and used["peak_memory_mb"] > 0
+    for result in results:
+        assert result.status == "Completed", result.failure_reason
+    assert (tmp_path / "store/outputs/burn-2/started.txt").read_text() == start, echo.getvalue()
+    for result in results:
+        [used] = result.billing
+        # 1.2 s burnt, half in a child the step waited for; plus the interpreter's own start.
+        assert 1.2 <= used["cpu_seconds"] < 1.2 + 15 and used["peak_memory_mb"] > 0
     recorded = cost.run_cost(result.billing, None, "local")
     assert recorded["measure"] == "CPU-seconds" and "usd" not in recorded
     lines = summary_lines(

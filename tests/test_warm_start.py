@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -364,6 +365,29 @@ def test_a_crash_fails_only_its_job_and_the_server_serves_the_next(
         assert f"exited with status {status}" in crashed.failure_reason, crashed.failure_reason
     assert seen(store, "before")["preloaded"] and seen(store, "after")["preloaded"]
     assert seen(store, "before")["server"] == seen(store, "after")["server"]
+
+
+def test_the_server_reports_a_jobs_exit_with_its_cpu_time_children_included():
+    """The server, not the driver, is a warm job's parent and reaps it: it sends the job's
+    status and its CPU time with that of the processes the job waited for (wait4), which the
+    driver can no longer read once the job is reaped."""
+    from pipeline.backends.warm_start import WarmProcess, report_exit
+
+    burn = "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass"
+    pid = os.fork()
+    if pid == 0:  # the job: a child that burns 0.4 s, waited for; then 0.4 s of its own; exit 3
+        try:
+            subprocess.run([sys.executable, "-c", burn], check=True)
+            end = time.process_time() + 0.4
+            while time.process_time() < end:
+                pass
+        finally:
+            os._exit(3)
+    server_side, driver_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    report_exit(pid, server_side)
+    job = WarmProcess(driver_side, pid, ["job"], io.BytesIO())
+    assert job.wait(timeout=10) == 3
+    assert 0.8 <= job.cpu_seconds < 0.8 + 5, job.cpu_seconds
 
 
 def test_sigterm_to_a_warm_job_reaches_its_step(shipped, tmp_path):

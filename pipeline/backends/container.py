@@ -862,7 +862,7 @@ def _watch_memory(pid: int, peak: dict, stop: threading.Event) -> None:
         return
     # Memory every 0.5 s, and more often at first: a warm-started job may end within half a
     # second. CPU time every 0.05 s (a read of /proc/<pid>/stat a process) over the processes
-    # last seen: a warm-started job's final figure is the last sample (_exit_cpu_seconds).
+    # last seen: the figure that stands when a job's exact one cannot be had (_exit_cpu_seconds).
     procs, pause, memory_due = [root], 0.02, 0.0
     while not stop.wait(min(pause, CPU_SAMPLE_SECONDS)):
         if time.monotonic() >= memory_due:
@@ -906,12 +906,14 @@ def _tree_cpu(times) -> float:
 def _exit_cpu_seconds(proc) -> float | None:
     """The whole CPU time of a container this process started: read from the exited entrypoint
     before it is reaped (waitid's WNOWAIT leaves it waitable), so its step and every process it
-    waited for are in. A warm-started one is the fork server's child, not ours: None (its
-    sampled figure stands, which misses at most its last CPU_SAMPLE_SECONDS)."""
+    waited for are in. A warm-started one is the fork server's child, not ours: the server
+    reaps it and sends its wait4 figure (warm_start.report_exit); None if the server died
+    first (the sampled figure stands, which misses at most its last CPU_SAMPLE_SECONDS)."""
     import psutil
 
     if not isinstance(proc, subprocess.Popen):
-        return None
+        proc.wait()
+        return proc.cpu_seconds
     try:
         os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
         return _tree_cpu(psutil.Process(proc.pid).cpu_times())

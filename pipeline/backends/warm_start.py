@@ -240,10 +240,17 @@ def serve(control: socket.socket, driver: int, safe_threads: set[int]) -> None:
 
 
 def report_exit(pid: int, connection: socket.socket) -> None:
-    """The child's exit status, as Popen.returncode reports it, to whoever started it."""
-    _, status = os.waitpid(pid, 0)
+    """The child's exit status, as Popen.returncode reports it, and its whole CPU time, to whoever
+    started it. wait4(2)'s rusage is the child's own time with that of every child it waited
+    for (Linux fills it as getrusage's RUSAGE_BOTH): the job's step and its subprocesses, which
+    the driver, not being the parent, cannot read once the job is reaped."""
+    _, status, usage = os.wait4(pid, 0)
+    report = {
+        "status": os.waitstatus_to_exitcode(status),
+        "cpu_seconds": usage.ru_utime + usage.ru_stime,
+    }
     try:
-        connection.send(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode())
+        connection.send(json.dumps(report).encode())
     except OSError:
         pass  # the driver's side went away first
     connection.close()
@@ -487,6 +494,7 @@ class WarmProcess:
     def __init__(self, connection: socket.socket, pid: int, args: list[str], stdout) -> None:
         self.pid, self.args, self.stdout = pid, args, stdout
         self.returncode: int | None = None
+        self.cpu_seconds: float | None = None  # the server's wait4 figure, once it has exited
         self._connection = connection
         self._lock = threading.Lock()
 
@@ -511,7 +519,12 @@ class WarmProcess:
             except (TimeoutError, BlockingIOError):
                 return None
             self._connection.close()
-            self.returncode = json.loads(message)["status"] if message else self._lost()
+            if not message:
+                self.returncode = self._lost()
+                return self.returncode
+            report = json.loads(message)
+            self.cpu_seconds = report["cpu_seconds"]
+            self.returncode = report["status"]
             return self.returncode
         finally:
             self._lock.release()

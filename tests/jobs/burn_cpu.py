@@ -1,9 +1,12 @@
 """A processing job that spends a known CPU time, half of it in a child process it waits
-for: what the local backend measures of a job must count both."""
+for: what the local backend measures of a job must count both. It writes how it was started
+(`warm`: forked by a warm-start server, pipeline/backends/warm_start.py; else `cold`)."""
 
 import subprocess
 import sys
 import time
+
+import psutil
 
 from steps.contract import processing_output, run_step
 
@@ -16,7 +19,10 @@ def main():
     end = time.process_time() + seconds / 2
     while time.process_time() < end:
         pass
-    (processing_output("out") / "done.txt").write_text("burnt")
+    # A warm-started entrypoint's parent is the server: `python .../warm_start.py FD PID`.
+    commands = [p.cmdline()[1:2] for p in psutil.Process().parents()]
+    warm = any(c and c[0].endswith("backends/warm_start.py") for c in commands)
+    (processing_output("out") / "started.txt").write_text("warm" if warm else "cold")
 
 
 if __name__ == "__main__":
