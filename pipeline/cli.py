@@ -28,6 +28,7 @@ examples:
   smpipe predict settings.ini new.csv out.csv    label new texts with the newest run's winner
   smpipe registry settings.ini                   the registered versions of [registry]'s group
   smpipe approve settings.ini 4 [--reject]       approve (or reject) version 4
+  smpipe iam settings.ini                        the IAM policies a SageMaker run needs
 """
 
 
@@ -169,7 +170,8 @@ def parser() -> argparse.ArgumentParser:
     upload.add_argument(
         "--if-empty",
         action="store_true",
-        help="do nothing when the experiment already has raw data",
+        help="kept for scripts: a raw/ that holds this folder's content is left as it is, "
+        "and one that holds other content is refused, with or without it",
     )
     command("runs", "list the experiment's runs: status, models, test macro-F1, data, duration")
     compare = command(
@@ -186,6 +188,7 @@ def parser() -> argparse.ArgumentParser:
     report = command("report", "rebuild a run's report.html (the newest run by default)")
     report.add_argument("run_num", type=run_number, nargs="?", metavar="RUN_NUM")
     prune_options(command("prune", PRUNE))
+    command("iam", IAM)  # pipeline/iam.py
     predict_options(command("predict", PREDICT))
     return root
 
@@ -235,7 +238,9 @@ def predict_options(predict: argparse.ArgumentParser) -> None:
         "output",
         type=Path,
         help="the predictions, in the format its suffix names (.csv, .tsv, .jsonl, .parquet): "
-        "id, predicted, probability_<label> per label, error; OUTPUT.json says what they came from",
+        "id, predicted, probability_<label> per label, error; OUTPUT.json says what they came "
+        "from. Never a file of yours: an existing OUTPUT is replaced only with the OUTPUT.json "
+        "beside it that an earlier predict wrote of it, unchanged since",
     )
     predict.add_argument("--run", type=run_number, metavar="RUN_NUM", help="a completed run")
     predict.add_argument("--model", metavar="NAME", help="a model trained in that run")
@@ -269,7 +274,12 @@ def main(argv: list[str] | None = None) -> int:
         # any other missing argument (so `smpipe $COMMAND` with an empty variable fails).
         parser().print_help(sys.stderr)
         return 2
-    args = parser().parse_args(argv)
+    try:
+        args = parser().parse_args(argv)  # --version and --help print here
+    except BrokenPipeError:
+        if not stdout_closed():
+            raise
+        return quiet_exit()
     from pipeline.config import ConfigError
     from pipeline.errors import PipelineError
     from pipeline.history import HistoryError
@@ -280,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command in ("run", "plan"):
-            return run_command(args)
+            return flushed(run_command(args))
         commands = {
             "init": init_command,
             "registry": registry_command,
@@ -291,8 +301,13 @@ def main(argv: list[str] | None = None) -> int:
             "upload": upload_command,
             "prune": prune_command,
             "predict": predict_command,
+            "iam": iam_command,
         }
-        return commands[args.command](args)
+        return flushed(commands[args.command](args))
+    except BrokenPipeError:
+        if not stdout_closed():
+            raise
+        return quiet_exit()
     except (ConfigError, UserFunctionError, ProjectError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -301,13 +316,61 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         said = (
-            "its job was stopped and OUTPUT was not written"
+            "its job was stopped; OUTPUT and OUTPUT.json are as they were (the run keeps the "
+            "job's log, if it started, with a record saying so)"
             if args.command == "predict"
             else "its jobs were stopped; the run is marked interrupted and its completed "
             "outputs stay"
         )
         print(f"interrupted: {said}", file=sys.stderr)
         return 130
+
+
+def flushed(code: int) -> int:
+    """`code`, once stdout is flushed: a pipe closed early (`smpipe runs S | head -1`) says
+    so here, inside main()'s try, not at exit as an "Exception ignored" traceback."""
+    sys.stdout.flush()
+    return code
+
+
+def stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone: the BrokenPipeError is that pipe's,
+    not one of a job's. Linux marks such a pipe's write end POLLERR (fs/pipe.c, pipe_poll:
+    `if (!pipe->readers) mask |= EPOLLERR`)."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+    except (AttributeError, OSError, ValueError):  # not a file (pytest's capture), no poll
+        return False
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+
+
+def quiet_exit() -> int:
+    """The reader of stdout has gone: say nothing more, as the Python docs' recipe for a
+    closed pipe does (https://docs.python.org/3/library/signal.html#note-on-sigpipe):
+    stdout pointed at /dev/null, so that the flush at exit does not fail again, and status 1,
+    Python's own on EPIPE."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 1
+
+
+IAM = (
+    "print the least-privilege IAM policies a run on the sagemaker backend needs, read off its "
+    "plan: the driver's (whoever runs smpipe) and the execution role's ([experiment] ROLE_ARN)"
+)
+
+
+def iam_command(args) -> int:
+    """Both policies, each under a heading (pipeline/iam.py); nothing is asked of AWS."""
+    from pipeline.config import load_settings
+    from pipeline.iam import said
+
+    print(said(load_settings(args.settings)))
+    return 0
 
 
 def init_command(args) -> int:
@@ -534,31 +597,54 @@ def report_command(args) -> int:
 
 
 def prune_command(args) -> int:
-    """What would go (or goes, with --yes), run by run, and the bytes it frees."""
+    """What would go (or goes, with --yes), run by run, and the bytes it frees; what is kept
+    because something still reads it, and why."""
+    from pipeline.errors import PipelineError
     from pipeline.history import human_bytes
     from pipeline.paths import ExperimentTree
     from pipeline.prune import prune_plan, prune_run
+    from pipeline.registry import package_models
 
     settings, store = open_experiment(args.settings)
     tree = ExperimentTree(settings.experiment.name)
-    removals = prune_plan(store, tree, args.keep)
+    try:  # before anything is removed: what SageMaker's registered versions point at
+        packages = package_models(settings, store)
+    except PipelineError as e:
+        group = settings.registry.model_package_group
+        raise PipelineError(
+            f"prune: the versions of model package group {group!r} cannot be read, so the "
+            f"models they point at are not known; nothing was removed ({e})"
+        ) from None
+    removals = prune_plan(store, tree, args.keep, packages)
     if not removals:
         print(f"nothing to prune: no run before the newest {args.keep} completed holds bulky files")
         return 0
     verb = "removed" if args.yes else "would remove"
     for removal in removals:
-        if args.yes:
+        if args.yes and removal.files:
             prune_run(store, removal, args.keep)
         what = ", ".join(f"{where} {human_bytes(n)}" for where, n in removal.groups.items())
+        did = f"{verb} {human_bytes(removal.bytes)} in {len(removal.files)} files: {what}"
         print(
             f"run {removal.run.label} ({removal.status}, {human_bytes(removal.run_bytes)}): "
-            f"{verb} {human_bytes(removal.bytes)} in {len(removal.files)} files: {what}"
+            + (did if removal.files else "nothing to remove")
         )
-    freed = human_bytes(sum(r.bytes for r in removals))
-    if args.yes:
-        print(f"freed {freed} in {len(removals)} runs; their Metadata, logs and reports stay")
+        for where, why in removal.why.items():
+            print(f"  kept {where} ({human_bytes(removal.kept[where])}): {'; '.join(why)}")
+    pruned = [r for r in removals if r.files]
+    freed = human_bytes(sum(r.bytes for r in pruned))
+    if not pruned:
+        print(
+            f"nothing to prune: the runs before the newest {args.keep} completed keep only "
+            "what is still read"
+        )
+    elif args.yes:
+        print(f"freed {freed} in {len(pruned)} runs; their Metadata, logs and reports stay")
     else:
-        print(f"would free {freed} in {len(removals)} runs; nothing was removed (--yes removes it)")
+        print(f"would free {freed} in {len(pruned)} runs; nothing was removed (--yes removes it)")
+    kept = sum(sum(r.kept.values()) for r in removals)
+    if kept:
+        print(f"kept {human_bytes(kept)} that runs, registered versions or predictions still read")
     return 0
 
 
@@ -598,24 +684,29 @@ def predict_command(args) -> int:
 
 
 def upload_command(args) -> int:
-    """Raw data is the user's: it is copied as it is, never mixed with other data. An
-    experiment whose raw/ holds these very files is left as it is."""
-    from pipeline.errors import PipelineError
+    """Raw data is the user's: its data files (hidden ones are not data) are copied as they
+    are, never mixed with other data nor written over, since earlier runs read raw/. A raw/
+    that holds this very content (sizes and sha256) is left as it is; one that holds other
+    content is refused, naming each file that differs (pipeline/raw_data.py). --if-empty
+    asks for nothing more: a raw/ with data is compared all the same."""
     from pipeline.paths import ExperimentTree
-    from pipeline.sources import check_raw_upload, upload_raw
+    from pipeline.raw_data import unfinished_upload, upload_raw
 
     settings, store = open_experiment(args.settings)
     tree = ExperimentTree(settings.experiment.name)
-    if not args.folder.is_dir() or not any(p.is_file() for p in args.folder.rglob("*")):
-        raise PipelineError(f"upload: {args.folder} is not a folder with files in it")
-    if args.if_empty and store.list_keys(tree.raw):
-        print(f"raw data already uploaded at {store.uri_of(tree.raw)}")
-        return 0
-    problems = check_raw_upload(store, tree, args.folder)
-    if problems:
-        raise PipelineError("upload: " + "; ".join(problems))
-    if upload_raw(store, tree, args.folder) == 0:
-        print(f"{store.uri_of(tree.raw)} holds these files already")
+    try:
+        uploaded = upload_raw(store, tree, args.folder)
+    except KeyboardInterrupt:
+        unfinished = unfinished_upload(store, tree)  # no run reads raw/ until it is finished
+        print(f"interrupted: {unfinished or 'nothing was uploaded'}", file=sys.stderr)
+        return 130
+    if uploaded == 0:
+        print(
+            f"{store.uri_of(tree.raw)} holds this folder's content already (the same files, "
+            "sizes and sha256)"
+        )
+    else:
+        print(f"uploaded {uploaded} files from {args.folder} to {store.uri_of(tree.raw)}")
     return 0
 
 

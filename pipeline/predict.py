@@ -1,16 +1,21 @@
 """`smpipe predict settings.ini INPUT OUTPUT`: a run's exported model on new texts.
 
 check   the run (the newest completed one that trained a model, or --run), its model (the
-        winner by test macro-F1, or --model), INPUT's format and columns, OUTPUT's format,
-        the request as SageMaker checks it: every problem at once, before anything runs
+        winner by test macro-F1, or --model), INPUT's format, encoding and columns, every file
+        predict writes (OUTPUT, OUTPUT.json: not INPUT, not a file of the user's, their folder
+        writable), the request as SageMaker checks it: every problem at once, before anything
+        runs
 upload  INPUT read a part at a time into parquet parts under the run's
         predictions/<label>/input/ (pipeline/predict_files.py), with the job's code: this
         project's steps/ and the run's own user functions
 job     one processing job on the configured backend (steps/predict.py), its input sharded
         across --instance-count instances by S3 key; each writes a part per part it gets
 output  OUTPUT written from the parts in the input's order, and beside it OUTPUT.json:
-        the run, model, data, the input's sha256, counts and the malformed rows; the same
-        record in the run tree (predictions/<label>/record.json)
+        the run, model, data, the input's and the output's sha256, counts and the malformed
+        rows; the same record in the run tree (predictions/<label>/record.json). Both are
+        written beside themselves and renamed into place, the record first
+        (predict_files.place). A predict that fails or is interrupted changes neither, and
+        leaves in the run tree only its job's log and a record saying so (`left_behind`)
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import secrets
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,10 +46,16 @@ from pipeline.predict_files import (
     SAID,
     TEXT,
     OutputWriter,
+    check_targets,
     format_of,
     input_columns,
     input_sha256,
+    interrupts_held,
+    parquet_rows,
+    place,
     read_rows,
+    record_path,
+    unreadable,
     write_parts,
 )
 from pipeline.runs import existing_run_nums
@@ -52,8 +64,10 @@ from pipeline.store import (
     MANIFEST,
     NotFound,
     Store,
+    StoreError,
     artifact_key,
     download_dir,
+    file_sha256,
     is_complete,
     upload_dir,
 )
@@ -192,25 +206,29 @@ def choose(
 
 def check_files(
     source: Path, output: Path, columns: list[str] | None
-) -> tuple[str | None, str | None, list[str]]:
-    """INPUT's and OUTPUT's formats, and every problem with either (INPUT's columns checked
-    against `columns`, the text columns of the run's data, when they are known)."""
+) -> tuple[str | None, str | None, list[str], bytes | None]:
+    """INPUT's and OUTPUT's formats, every problem with either (INPUT's columns checked
+    against `columns`, the text columns of the run's data, when they are known) and with the
+    files predict writes (predict_files.check_targets), and the record of an earlier predict
+    into OUTPUT that this one replaces."""
     problems = []
     kind = format_of(source) if source.exists() else None
     if not source.exists():
         problems.append(f"INPUT {source} does not exist")
     elif kind is None:
         problems.append(f"INPUT {source}: predict reads {SAID} or a folder of .txt files")
+    elif kind in ("csv", "tsv", "jsonl") and (why := unreadable(source, kind)):
+        problems.append(why)
     elif columns is not None:
         problems += check_columns(source, kind, columns)
     out_kind = format_of(output) if not output.is_dir() else None
+    previous = None
     if output.is_dir() or out_kind is None or out_kind == FOLDER:
         problems.append(f"OUTPUT {output}: predict writes {SAID}, told by the suffix")
-    elif not output.parent.is_dir():
-        problems.append(f"OUTPUT {output}: its folder {output.parent} does not exist")
-    elif source.exists() and output.resolve() == source.resolve():
-        problems.append(f"OUTPUT {output} is INPUT: predictions never overwrite their texts")
-    return kind, out_kind, problems
+    else:
+        targets, previous = check_targets(source, output)
+        problems += targets
+    return kind, out_kind, problems, previous
 
 
 def check_columns(source: Path, kind: str, columns: list[str]) -> list[str]:
@@ -223,6 +241,8 @@ def check_columns(source: Path, kind: str, columns: list[str]) -> list[str]:
         found, not_text = input_columns(source, kind)
     except (ValueError, OSError) as e:
         return [f"INPUT {source} cannot be read as {kind}: {e}"]
+    if kind == "parquet" and parquet_rows(source) == 0:
+        return [f"INPUT {source} is empty: it holds no rows"]
     if kind == FOLDER and not found:
         return [f"INPUT {source} is a folder without .txt files (each file is one text)"]
     if kind == FOLDER and columns != [TEXT]:
@@ -293,8 +313,11 @@ def upload_texts(
 ) -> list[int]:
     """INPUT as parquet parts in the store; the rows of each part."""
 
+    told = [0]  # parts end at PART_ROWS rows or PART_CHARS characters: a line per 100,000 rows
+
     def said(rows: int) -> None:
-        if rows % 100_000 == 0:
+        if rows // 100_000 > told[0]:
+            told[0] = rows // 100_000
             log.info(f"read {rows:,} rows of {source}")
 
     with tempfile.TemporaryDirectory(prefix="smpipe-predict-input-") as tmp:
@@ -324,14 +347,16 @@ def run_job(settings: Settings, store: Store, job: ProcessingJob, run: RunTree, 
 
 def write_output(
     store: Store, prediction: PredictionTree, sizes: list[int], output: Path, kind: str
-) -> dict:
-    """OUTPUT from the job's parts, in the input's order, renamed into place once whole;
-    the counts and the first LISTED malformed rows."""
+) -> tuple[dict, Path]:
+    """OUTPUT from the job's parts, in the input's order, written whole to a hidden file beside
+    it (`place` renames it into place); the counts and the first LISTED malformed rows, and
+    that file. A write that fails (a full disk) is one PipelineError naming OUTPUT."""
     keys = set(store.list_keys(prediction.output))
-    writer = OutputWriter(output, kind)
     counts = {"rows": 0, "predicted": 0, "malformed": 0}
     listed: list[dict] = []
     columns: list[str] = []
+    with writing(output):
+        writer = OutputWriter(output, kind)
     try:
         with tempfile.TemporaryDirectory(prefix="smpipe-predict-output-") as tmp:
             for number, size in enumerate(sizes):
@@ -341,7 +366,8 @@ def write_output(
                         f"part {number} of the predictions has {table.num_rows} rows where its "
                         f"input had {size}: {store.uri_of(prediction.output)}"
                     )
-                writer.write(table)
+                with writing(output):
+                    writer.write(table)
                 columns = [c for c in table.column_names if c != "row"]
                 errors = table.column("error").to_pylist()
                 ids = table.column("id").to_pylist()
@@ -350,11 +376,31 @@ def write_output(
                 counts["rows"] += size
                 counts["malformed"] += len(bad)
                 counts["predicted"] += size - len(bad)
+        with writing(output):
+            written = writer.finish()
+            digest = file_sha256(written)
     except BaseException:
-        writer.close(whole=False)
+        writer.discard()
         raise
-    writer.close(whole=True)
-    return {"columns": columns, **counts, "malformed_rows": listed}
+    return {
+        "columns": columns,
+        **counts,
+        "malformed_rows": listed,
+        "output_sha256": digest,
+    }, written
+
+
+@contextmanager
+def writing(path: Path):
+    """An OSError while writing `path` (beside it: a full disk, a folder made read-only
+    since the check) as one line naming it; the traceback says nothing the user can act on."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except (OSError, pa.ArrowException) as e:
+        why = getattr(e, "strerror", None) or str(e)
+        raise PipelineError(f"cannot write {path} ({why}): it was not written") from None
 
 
 def read_part(store: Store, key: str, keys: set[str], tmp: str):
@@ -391,9 +437,11 @@ def predict(
     make_backend=default_backend,
 ) -> dict:
     """Predict INPUT's rows with a run's model into OUTPUT; the record of what was done
-    (also OUTPUT.json and the run's predictions/<label>/record.json)."""
+    (also OUTPUT.json and the run's predictions/<label>/record.json). A predict that fails or
+    is interrupted leaves OUTPUT and OUTPUT.json as they were, and in the run's tree only the
+    job's log with a record saying so (`left_behind`)."""
     started = time.time()
-    chosen, kind, out_kind = checked(settings, store, source, output, run_num, model)
+    chosen, kind, out_kind, previous = checked(settings, store, source, output, run_num, model)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(started))
     prediction = chosen.run.prediction(f"{chosen.model}-{stamp}-{secrets.token_hex(3)}")
     job = predict_job(settings, chosen, prediction, instance_count)
@@ -404,12 +452,8 @@ def predict(
         f"predicting {source} with model {chosen.model!r} of run {chosen.run.label} "
         f"({chosen.why}), into {output}"
     )
-    digest = input_sha256(source)
-    sizes, result = upload_and_run(
-        settings, store, chosen, job, prediction, source, kind, echo, make_backend
-    )
-    completed_or_said(store, result, output)
     record = {
+        "status": "completed",
         "run": chosen.run.label,
         "experiment": settings.experiment.name,
         "model": chosen.model,
@@ -420,20 +464,106 @@ def predict(
         "data_snapshot_hash": chosen.snapshot,
         "input": str(source.resolve()),
         "input_format": kind,
-        "input_sha256": digest,
+        "input_sha256": input_sha256(source),
         "output": str(output.resolve()),
         "output_format": out_kind,
-        **write_output(store, prediction, sizes, output, out_kind),
-        **job_facts(result, backend, instance_count, basis),
-        "seconds": round(time.time() - started, 1),
-        "predictions": store.uri_of(prediction.prefix),
-        "created": md.iso(started),
     }
-    text = json.dumps(record, indent=2, ensure_ascii=False)
-    store.put_bytes(prediction.record, text.encode())
-    Path(f"{output}.json").write_text(text + "\n", encoding="utf-8")
+    written = None
+    try:
+        sizes, result = upload_and_run(
+            settings, store, chosen, job, prediction, source, kind, echo, make_backend
+        )
+        completed_or_said(store, result, output)
+        facts, written = write_output(store, prediction, sizes, output, out_kind)
+        previous = checked_again(source, output)
+        record |= {
+            **facts,
+            **job_facts(result, backend, instance_count, basis),
+            "seconds": round(time.time() - started, 1),
+            "predictions": store.uri_of(prediction.prefix),
+            "created": md.iso(started),
+        }
+        text = json.dumps(record, indent=2, ensure_ascii=False)
+        store.put_bytes(prediction.record, text.encode())
+        came = placed(output, written, text + "\n", previous)
+    except BaseException as e:
+        if written is not None:
+            written.unlink(missing_ok=True)
+        left_behind(store, chosen.run, prediction, job, record, e, started)
+        raise
+    if came:
+        log.warning(f"interrupted while {output} was put in place: it and its record are whole")
     say_done(record)
     return record
+
+
+def checked_again(source: Path, output: Path) -> bytes | None:
+    """The files predict writes, checked again once the job has ended, just before they are put
+    in place: a file the user made there meanwhile is theirs. The record OUTPUT.json holds
+    now (a predict that ended meanwhile may have written it)."""
+    problems, previous = check_targets(source, output)
+    if problems:
+        said = "; ".join(problems)
+        raise PipelineError(f"{output} was not written, since the job began: {said}")
+    return previous
+
+
+def placed(output: Path, written: Path, text: str, previous: bytes | None) -> list[int]:
+    """OUTPUT and OUTPUT.json put in place (predict_files.place), a failure one line naming
+    the file; the signals that came meanwhile."""
+    try:
+        return place(output, written, text, previous)
+    except OSError as e:
+        what = e.filename2 or e.filename or record_path(output)
+        raise PipelineError(
+            f"cannot put {what} in place ({e.strerror or e}): {output} and {record_path(output)} "
+            "are as they were before"
+        ) from None
+
+
+def left_behind(
+    store: Store,
+    run: RunTree,
+    prediction: PredictionTree,
+    job: ProcessingJob,
+    record: dict,
+    error: BaseException,
+    started: float,
+) -> None:
+    """What a predict that failed or was interrupted leaves in the run's tree: its job's log
+    (where the run keeps every job's) and, beside the log, a record saying what happened and
+    where the log is; nothing else (the code, the texts and any parts of predictions go).
+    A predict that ended before its job started leaves nothing. No model is named by key in
+    this record: it made nothing that needs one. Held from Ctrl-C: a second one would leave
+    half of it; a store that fails here is said, and the first error stands."""
+    status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+    if status == "interrupted":
+        reason = "Ctrl-C or SIGTERM: the job was stopped"
+    elif isinstance(error, PipelineError | ConfigError):
+        reason = str(error)
+    else:
+        reason = f"{type(error).__name__}: {error}"
+    with interrupts_held():
+        try:
+            for key in store.list_keys(prediction.prefix):
+                store.delete(key)
+            if not store.exists(run.log(job.name)):
+                return
+            kept = {k: v for k, v in record.items() if k != "model_artifact"}
+            failed = {
+                **kept,
+                "status": status,
+                "reason": reason,
+                "job_name": job.name,
+                "job_log": store.uri_of(run.log(job.name)),
+                "seconds": round(time.time() - started, 1),
+                "created": md.iso(started),
+            }
+            text = json.dumps(failed, indent=2, ensure_ascii=False)
+            store.put_bytes(prediction.record, text.encode())
+        except (StoreError, OSError) as e:
+            where = store.uri_of(prediction.prefix)
+            log.warning(f"predict {status}, and {where} could not be tidied: {e}")
 
 
 def job_facts(result, backend: str, instance_count: int, basis: dict | None) -> dict:
@@ -492,14 +622,15 @@ def checked(
     output: Path,
     run_num: int | None,
     model: str | None,
-) -> tuple[Chosen, str, str]:
-    """What predicts, INPUT's format and OUTPUT's; PredictError with every problem."""
+) -> tuple[Chosen, str, str, bytes | None]:
+    """What predicts, INPUT's format and OUTPUT's, and the earlier record OUTPUT.json holds
+    (see check_files); PredictError with every problem."""
     chosen, problems = choose(settings, store, run_num, model)
     columns = chosen.text_columns if chosen else None
-    kind, out_kind, file_problems = check_files(source, output, columns)
+    kind, out_kind, file_problems, previous = check_files(source, output, columns)
     if problems or file_problems:
         raise PredictError(problems + file_problems, "smpipe predict")
-    return chosen, kind, out_kind
+    return chosen, kind, out_kind, previous
 
 
 def say_done(record: dict) -> None:

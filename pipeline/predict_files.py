@@ -11,7 +11,9 @@ row's id is its `id` column's value when the input has one, else that number.
 A row that cannot be read (a CSV line with too many or too few fields, a line that is not a
 JSON object, bytes that are not UTF-8, a value that is not text) is kept in its place with the
 reason; the job gives it no prediction, and the output says why in its `error` column.
-OUTPUT's format is its suffix's; it is written beside itself and renamed into place whole.
+OUTPUT's format is its suffix's. Every file predict writes (OUTPUT, its record OUTPUT.json and
+the hidden temporaries beside them) is checked before the job runs (`check_targets`), written
+beside itself and renamed into place whole, the record first (`place`).
 """
 
 from __future__ import annotations
@@ -21,9 +23,13 @@ import hashlib
 import json
 import os
 import re
+import signal
+import stat
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -34,6 +40,9 @@ from pipeline.store import FILE_MODE, file_sha256
 # Rows per part: prepare encodes the run's data in batches of this many (datasets' map,
 # batch_size=1000), and the job reads, predicts and writes one part at a time.
 PART_ROWS = 1000
+# Characters of text per part, at most (a row longer than this has a part of its own): the
+# driver and the job hold a part at a time, so a thousand long texts do not take gigabytes.
+PART_CHARS = 64 << 20
 PART = "part-{:05d}.parquet"
 FORMATS = {
     ".csv": "csv",
@@ -78,6 +87,48 @@ def input_sha256(path: Path) -> str:
 
 # -- what an input holds, checked before anything runs ------------------------------------------
 
+# Byte order marks of the encodings a file that is not UTF-8 text most often is in
+# (https://www.unicode.org/faq/utf_bom.html#bom4); UTF-32's before UTF-16's, which they begin with.
+BOMS = {
+    b"\xff\xfe\x00\x00": "UTF-32",
+    b"\x00\x00\xfe\xff": "UTF-32",
+    b"\xff\xfe": "UTF-16",
+    b"\xfe\xff": "UTF-16",
+}
+PEEK = 1 << 16  # bytes read from INPUT's start to tell its encoding and whether it is empty
+
+
+def unreadable(path: Path, kind: str) -> str | None:
+    """Why a CSV, TSV or JSON Lines INPUT cannot be read at all, in one line: it is empty, or
+    its first line (a CSV's header, the first JSON object) is not UTF-8. Predict reads UTF-8,
+    as datasets' loaders do (csv: pandas' default; json: JsonConfig.encoding "utf-8"); a
+    later row that is not UTF-8 costs that row only (its `error` says so). Only the start of
+    the file is read."""
+    with open(path, "rb") as f:
+        start = f.read(PEEK)
+        while start and start.isspace():  # blank lines before the first row: no row yet
+            start = f.read(PEEK)
+    if not start:
+        return f"INPUT {path} is empty: it holds no {'lines' if kind == 'jsonl' else 'rows'}"
+    for bom, name in BOMS.items():
+        if start.startswith(bom):
+            return f"INPUT {path} is {name} (it starts with a {name} byte order mark): {UTF8}"
+    first = start.lstrip().split(b"\n", 1)[0]
+    if b"\x00" in first:
+        return (
+            f"INPUT {path} holds NUL bytes in its first line, as UTF-16 or binary data does: {UTF8}"
+        )
+    try:
+        first.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(first) - 4 or len(first) < len(start):  # not a character cut by PEEK
+            byte = f"byte {first[e.start]:#04x}"
+            return f"INPUT {path}: its first line is not UTF-8 ({byte}): {UTF8}"
+    return None
+
+
+UTF8 = "predict reads UTF-8 text, as datasets does; save it as UTF-8"
+
 
 def input_columns(path: Path, kind: str) -> tuple[list[str], dict[str, str]]:
     """The columns the input has (a CSV's header, the first JSON object's keys, a Parquet
@@ -96,17 +147,26 @@ def input_columns(path: Path, kind: str) -> tuple[list[str], dict[str, str]]:
         strings = (pa.string(), pa.large_string(), pa.string_view())
         return schema.names, {f.name: str(f.type) for f in schema if f.type not in strings}
     with open(path, "rb") as f:
-        first = next((line for line in f if line.strip()), b"")
-    if first.lstrip().startswith(b"["):
-        raise ValueError(
-            "it is one JSON document; predict reads JSON Lines (one object per line), as "
-            "datasets' json loader reads .jsonl"
-        )
+        # The first character, before the first line is read whole: one JSON document may be
+        # one line of gigabytes.
+        while (char := f.read(1)) and char.isspace():
+            pass
+        if char == b"[":
+            raise ValueError(
+                "it is one JSON document; predict reads JSON Lines (one object per line), as "
+                "datasets' json loader reads .jsonl"
+            )
+        first = char + f.readline() if char else b""
     try:
         row = json.loads(first) if first else {}
     except ValueError as e:
         raise ValueError(f"its first line is not JSON ({e})") from None
     return (list(row) if isinstance(row, dict) else []), {}
+
+
+def parquet_rows(path: Path) -> int:
+    """The rows a Parquet file holds, from its footer."""
+    return pq.ParquetFile(path).metadata.num_rows
 
 
 # -- reading rows ---------------------------------------------------------------------------
@@ -215,14 +275,16 @@ def _folder_rows(path: Path) -> Iterator[dict]:
 
 
 def write_parts(rows: Iterator[dict], folder: Path, columns: list[str], every=None) -> list[int]:
-    """The rows as parquet parts of PART_ROWS rows in `folder` (row, id, error, columns);
-    the rows in each part. `every(rows so far)` is called after each part."""
+    """The rows as parquet parts of PART_ROWS rows and PART_CHARS characters of text at most in
+    `folder` (row, id, error, columns); the rows in each part. `every(rows so far)` is
+    called after each part."""
     schema = pa.schema(
         [("row", pa.int64()), ("id", pa.string()), ("error", pa.string())]
         + [(c, pa.string()) for c in columns]
     )
     sizes: list[int] = []
     chunk: list[dict] = []
+    chars = 0
 
     def flush() -> None:
         table = pa.Table.from_pylist(chunk, schema=schema)
@@ -233,9 +295,15 @@ def write_parts(rows: Iterator[dict], folder: Path, columns: list[str], every=No
             every(sum(sizes))
 
     for number, row in enumerate(rows):
+        size = sum(len(row[c]) for c in columns if isinstance(row.get(c), str))
+        if chunk and chars + size > PART_CHARS:
+            flush()
+            chars = 0
         chunk.append({**row, "row": number, "id": str(number) if row["id"] is None else row["id"]})
+        chars += size
         if len(chunk) == PART_ROWS:
             flush()
+            chars = 0
     if chunk:
         flush()
     return sizes
@@ -243,19 +311,147 @@ def write_parts(rows: Iterator[dict], folder: Path, columns: list[str], every=No
 
 # -- writing OUTPUT -------------------------------------------------------------------------
 
+# Keys every record of `smpipe predict` has (pipeline/predict.py): how an OUTPUT.json that
+# predict wrote is told from a file of the user's of the same name.
+RECORD_KEYS = frozenset({"model", "input_sha256", "output", "predictions"})
+# A record lists at most 100 malformed rows (pipeline/predict.py LISTED): far below this.
+RECORD_BYTES = 16 << 20
+REFUSED = "predict never replaces a file it did not make: move it, or choose another OUTPUT"
+
+
+def record_path(output: Path) -> Path:
+    """OUTPUT.json: the record of what OUTPUT came from, beside it."""
+    return output.with_name(output.name + ".json")
+
+
+def temporary(target: Path) -> Path:
+    """A new hidden file beside `target`, mode FILE_MODE: what `target` is written to before
+    it is renamed into place. Created exclusively (mkstemp), so never a file that was there."""
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    try:
+        os.fchmod(fd, FILE_MODE)  # mkstemp's 0600 would stay on the renamed file
+    finally:
+        os.close(fd)
+    return Path(name)
+
+
+def check_targets(source: Path, output: Path) -> tuple[list[str], bytes | None]:
+    """Every problem with the files predict will write, found before anything runs. OUTPUT and
+    OUTPUT.json are neither INPUT nor in an INPUT folder, neither a folder, a link nor another
+    kind of file, and neither is a file predict did not make; their folder takes new files (a
+    temporary is made there and removed, as the writes will be). An existing OUTPUT.json is
+    predict's when it is a predict record naming this OUTPUT; an existing OUTPUT is predict's
+    when such a record is beside it and OUTPUT's sha256 is the one it recorded (an OUTPUT
+    edited since is the user's). Returns the problems, and that record's bytes if there is one
+    (put back if OUTPUT cannot be renamed into place)."""
+    record = record_path(output)
+    folder = output.parent
+    if not folder.is_dir():
+        return [f"OUTPUT {output}: its folder {folder} does not exist"], None
+    output_wrong = target_problems("OUTPUT", output, source)
+    record_wrong = target_problems("OUTPUT.json", record, source)
+    problems = output_wrong + record_wrong
+    try:
+        if not output_wrong:  # never a file made in an INPUT folder, even for a moment
+            temporary(output).unlink()
+    except OSError as e:
+        why = f"creating a file there failed: {e.strerror or e}"
+        problems.append(f"OUTPUT {output}: its folder {folder} cannot be written ({why})")
+    try:
+        previous = None if record_wrong else read_record(record)
+        recorded = recorded_output(previous, output)
+        mine = not output_wrong and output.exists() and bool(recorded)  # a regular file
+        changed = mine and recorded != file_sha256(output)
+    except OSError as e:
+        return [*problems, f"{e.filename} cannot be read ({e.strerror or e})"], None
+    whys = []
+    if previous is not None and recorded is None:
+        whys.append(f"OUTPUT.json {record} exists and is not predict's record of {output}")
+    if not output_wrong and output.exists() and recorded is None:
+        whys.append(f"OUTPUT {output} exists and no {record.name} beside it says predict wrote it")
+    elif not output_wrong and changed:
+        whys.append(
+            f"OUTPUT {output} was changed since predict wrote it (its sha256 is not the one "
+            f"{record.name} records)"
+        )
+    problems += [f"{why}: {REFUSED}" for why in whys]
+    if not problems:
+        problems = sticky_problems(folder, [t for t in (output, record) if t.exists()])
+    return problems, previous if recorded is not None else None
+
+
+def read_record(path: Path) -> bytes | None:
+    """OUTPUT.json's bytes, if it is there; a file too large to be a record reads as b""."""
+    if not path.exists():
+        return None
+    if path.stat().st_size > RECORD_BYTES:
+        return b""
+    return path.read_bytes()
+
+
+def recorded_output(record: bytes | None, output: Path) -> str | None:
+    """The sha256 a predict record of this OUTPUT gives it ("" in records from before it was
+    recorded); None when `record` is not one."""
+    try:
+        parsed = json.loads(record) if record is not None else None
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+    if not isinstance(parsed, dict) or not RECORD_KEYS <= parsed.keys():
+        return None
+    if parsed["output"] != str(output.resolve()):
+        return None
+    return str(parsed.get("output_sha256") or "")
+
+
+def target_problems(what: str, target: Path, source: Path) -> list[str]:
+    """`target` (OUTPUT or OUTPUT.json) is not INPUT (by path or, for a link, by file), not in
+    an INPUT folder, and a regular file if it is there at all."""
+    if source.exists() and (
+        target.resolve() == source.resolve()
+        or (target.exists() and os.path.samefile(target, source))
+    ):
+        return [f"{what} {target} is INPUT: predictions never overwrite their texts"]
+    if source.is_dir() and target.resolve().is_relative_to(source.resolve()):
+        return [f"{what} {target} is inside the INPUT folder {source}: predict never writes there"]
+    if target.is_symlink():
+        return [
+            f"{what} {target} is a symbolic link: predict writes a new file and renames it into "
+            "place, which would replace the link; name the file it points to"
+        ]
+    if target.is_dir():
+        return [f"{what} {target} is a folder: predict writes a file there"]
+    if target.exists() and not target.is_file():
+        return [f"{what} {target} is not a regular file: predict writes a file there"]
+    return []
+
+
+def sticky_problems(folder: Path, existing: list[Path]) -> list[str]:
+    """In a sticky folder (/tmp) only a file's owner, the folder's or root may replace it
+    (unlink(2), rename(2): EPERM), which the temporary made there does not show."""
+    mode, me = folder.stat(), os.geteuid()
+    if not mode.st_mode & stat.S_ISVTX or me in (0, mode.st_uid):
+        return []
+    return [
+        f"{target} belongs to another user in the sticky folder {folder}: predict cannot replace it"
+        for target in existing
+        if target.stat().st_uid != me
+    ]
+
 
 class OutputWriter:
-    """OUTPUT, a part at a time, in the format its suffix names: written to a hidden file
-    beside it and renamed into place once whole (`close(True)`)."""
+    """OUTPUT, a part at a time, in the format its suffix names, written to a hidden file
+    beside it (`tmp`): `finish()` once whole, `discard()` otherwise; `place` puts it in place."""
 
     def __init__(self, path: Path, kind: str) -> None:
         self.path, self.kind = path, kind
-        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        os.fchmod(fd, FILE_MODE)  # mkstemp's 0600 would stay on the renamed file
-        os.close(fd)
-        self.tmp = Path(name)
+        self.tmp = temporary(path)
         self._parquet = None
-        self._text = None if kind == "parquet" else open(self.tmp, "w", encoding="utf-8")
+        self._text = None
+        try:
+            self._text = None if kind == "parquet" else open(self.tmp, "w", encoding="utf-8")
+        except BaseException:
+            self.tmp.unlink(missing_ok=True)
+            raise
         self._first = True
 
     def write(self, table: pa.Table) -> None:
@@ -275,11 +471,83 @@ class OutputWriter:
             frame.to_csv(self._text, sep=sep, index=False, header=self._first, lineterminator="\n")
         self._first = False
 
-    def close(self, whole: bool) -> None:
-        for handle in (self._parquet, self._text):
+    def _close(self) -> None:
+        handles, self._parquet, self._text = (self._parquet, self._text), None, None
+        for handle in handles:
             if handle is not None:
-                handle.close()
-        if whole:
-            os.replace(self.tmp, self.path)
-        else:
+                handle.close()  # a text file's last bytes are written here: it may fail
+
+    def finish(self) -> Path:
+        """The whole output, closed (a failure to write its last bytes raises here)."""
+        self._close()
+        return self.tmp
+
+    def discard(self) -> None:
+        try:
+            self._close()
+        finally:
             self.tmp.unlink(missing_ok=True)
+
+
+def place(output: Path, written: Path, record: str, previous: bytes | None) -> list[int]:
+    """OUTPUT's record and then OUTPUT renamed into place from the files written beside them,
+    Ctrl-C and SIGTERM held meanwhile (the signals that came are returned). The record goes
+    first, so that OUTPUT appears only with its record beside it: whoever waits for OUTPUT
+    finds the record of these very predictions (its sha256 included), and a crash between the
+    two renames leaves a record whose OUTPUT is missing or not the one it names, which a
+    rerun replaces, never predictions without a record. A rename that fails puts the old
+    record back (or removes the new one) and raises OSError naming the file it was to put
+    in place (`filename2`, or `filename`); `written` is removed however it ends."""
+    target = record_path(output)
+    staged = None
+    try:
+        try:
+            staged = temporary(target)
+            with open(staged, "w", encoding="utf-8") as f:
+                f.write(record)
+        except OSError as e:  # named for the file it was to become
+            raise OSError(e.errno, e.strerror, str(target)) from None
+        with interrupts_held() as held:
+            os.replace(staged, target)
+            staged = None
+            try:
+                os.replace(written, output)
+            except OSError:
+                put_back(target, previous)
+                raise
+        return held
+    finally:
+        written.unlink(missing_ok=True)
+        if staged is not None:
+            staged.unlink(missing_ok=True)
+
+
+def put_back(record: Path, previous: bytes | None) -> None:
+    """The record as it was before `place` replaced it: the earlier one, or none."""
+    try:
+        if previous is None:
+            record.unlink(missing_ok=True)
+            return
+        again = temporary(record)
+        again.write_bytes(previous)
+        os.replace(again, record)
+    except OSError:  # the rename's error is the one to say
+        pass
+
+
+@contextmanager
+def interrupts_held():
+    """SIGINT and SIGTERM held for a few renames that must all happen or none: the numbers of
+    those that came are in the list yielded. Only the main thread can set handlers
+    (signal.signal); elsewhere nothing is held."""
+    came: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield came
+        return
+    signals = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not None]
+    before = {s: signal.signal(s, lambda signum, _frame: came.append(signum)) for s in signals}
+    try:
+        yield came
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)

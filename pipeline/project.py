@@ -14,6 +14,7 @@ holds the two equal.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import textwrap
@@ -102,17 +103,31 @@ def project_name(folder: Path) -> str:
 
 
 def check_folder(folder: Path) -> None:
-    """A project starts in a new or empty folder: whatever is there is named, and refused."""
+    """A project starts in a new or empty folder: whatever is there is named, and refused. A
+    link on the way that leads nowhere (DIR itself or a folder above it) is named too: the
+    folders cannot be made through it."""
+    for path in (folder, *folder.parents):
+        if path.is_symlink() and not path.exists():
+            raise ProjectError(
+                f"{path} is a symbolic link to {os.readlink(path)}, which does not exist (or "
+                f"loops): {folder} cannot be made through it; make what it points to, or "
+                "choose another folder"
+            )
     if folder.exists() and not folder.is_dir():
         raise ProjectError(f"{folder} is a file, not a folder")
-    entries = (
-        sorted(p.name + ("/" * p.is_dir()) for p in folder.iterdir()) if folder.exists() else []
-    )
+    entries = sorted(entry_name(p) for p in folder.iterdir()) if folder.exists() else []
     if entries:
         raise ProjectError(
             f"{folder} is not empty ({', '.join(entries)}): a project starts in a new or "
             "empty folder, and nothing of yours is overwritten"
         )
+
+
+def entry_name(path: Path) -> str:
+    """An entry of a folder as the refusal lists it: folders with '/', dead links said so."""
+    if path.is_symlink() and not path.exists():
+        return f"{path.name} -> {os.readlink(path)}, a link to nothing"
+    return path.name + "/" * path.is_dir()
 
 
 def init_project(folder: Path) -> tuple[str, list[Path]]:
@@ -131,6 +146,12 @@ def init_project(folder: Path) -> tuple[str, list[Path]]:
         target = folder / relative
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
+        except FileExistsError as e:  # a file or a dead link made since the check
+            why = "something else is there"
+            raise ProjectError(f"cannot create the folder {e.filename}: {why}") from None
+        except OSError as e:
+            raise ProjectError(f"cannot create the folder {e.filename}: {e.strerror}") from None
+        try:
             with open(target, "xb") as f:  # never overwrites, even a file made since the check
                 f.write(content)
         except FileExistsError:

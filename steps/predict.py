@@ -14,8 +14,10 @@ Outputs: predictions  a part of the same name per part: `row`, `id`, `predicted`
                       `probability_<label>` for every label, `error` (why a row has no
                       prediction: empty text, a text that is not a string, encode refused it)
 
-Parts are read, encoded, predicted and written one at a time: memory does not grow with
-the input. A progress line per part is the job's log.
+Parts are read, encoded, predicted and written one at a time, and long texts are cut before
+the user's encode exactly as prepare cuts them (steps/prepare.py `clip_limits`, `encode_cut`):
+memory grows neither with the input nor with one text. A progress line per part is the job's
+log.
 """
 
 from __future__ import annotations
@@ -24,19 +26,20 @@ import argparse
 import os
 import tarfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from steps.batching import Batches, check_encoded, length_column, read_inputs
+from steps.batching import Batches, length_column, read_inputs
 from steps.contract import processing_input, processing_output, run_step
 from steps.inference import load_program, run_batches
 from steps.model_files import RECORD, read_record
-from steps.prepare import tokenizer_identity
+from steps.prepare import clip_limits, encode_cut, tokenizer_identity
 from steps.prepared_files import read_encoding
 from steps.user_code import UserFunctions, call, load_user_functions
 
@@ -67,7 +70,8 @@ def model_folder() -> Path:
 
 @dataclass
 class Encoder:
-    """The user's encode of one model, as prepare called it for the run's data."""
+    """The user's encode of one model, as prepare called it for the run's data: texts cut
+    before encode as prepare cuts them, so that memory does not grow with a text."""
 
     functions: UserFunctions
     tokenizer: object
@@ -75,10 +79,36 @@ class Encoder:
     keys: list[str]
     max_length: int
     where: str
+    said: set[str] = field(default_factory=set)  # the columns whose cut the log has told
+
+    def encode(self, batch: dict[str, list]):
+        return call(self.functions, "encode", batch, self.tokenizer, self.name, self.max_length)
 
     def __call__(self, batch: dict[str, list]) -> tuple[dict[str, pa.Array], list[int]]:
-        encoded = call(self.functions, "encode", batch, self.tokenizer, self.name, self.max_length)
-        columns, _, lengths = check_encoded(encoded, len(batch["id"]), self.keys, self.where)
+        """A batch encoded and checked as prepare encodes its data (steps/prepare.py): each text
+        column cut on the evidence of its first text longer than the budget (clip_limits),
+        a cut row short of max_length encoded whole (encode_cut). The batch is the data set
+        the evidence is taken from, as prepare's is its whole data: a batch of predict is a
+        part of the input, or one row where encode refused the part."""
+        limits = clip_limits(
+            datasets.Dataset.from_dict(batch),
+            self.encode,
+            self.keys,
+            self.max_length,
+            self.tokenizer,
+            self.where,
+        )
+        for column in sorted(set(limits) - self.said):
+            self.said.add(column)
+            print(
+                f"texts of column {column!r} longer than {limits[column]} characters are cut "
+                f"there before {self.where}",
+                flush=True,
+            )
+        rows = len(batch["id"])
+        columns, _, lengths = encode_cut(
+            self.encode, batch, rows, limits, self.keys, self.max_length, self.where
+        )
         return columns, lengths
 
 

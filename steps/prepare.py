@@ -58,6 +58,27 @@ def check_labels(label_counts: dict[str, int]) -> None:
         )
 
 
+# How many of the labels short of rows a failed split names; the rest are counted.
+NAMED_LABELS = 5
+
+
+def rows_a_label_needs(train: float, validation: float, test: float) -> int:
+    """The fewest rows a label needs for `stratified_split` to put it in every split, from the
+    rules scikit-learn's train_test_split(stratify=...) splits by (sklearn/model_selection/
+    _split.py, StratifiedShuffleSplit._iter_indices): every class has 2 members at least ("The
+    least populated classes in y have only 1 member"), the train and test sizes are each at
+    least the number of classes ("The test_size = %d should be greater or equal to the number
+    of classes = %d"), and each class gets its share of either size (_approximate_mode).
+    Here the rows are split twice, train from validation and test together (their share,
+    `held`), then validation from test: a label needs one row in train, two in the held part
+    (the second split's least populated class), one in validation and one in test. A label
+    of n rows gets about n times each fraction, so n is the largest of 1/train, 2/held,
+    1/validation and 1/test, rounded up."""
+    held = validation + test
+    # The tolerance keeps 2 / 0.2 at 10 where floating point gives 10.000000000000002.
+    return max(math.ceil(x - 1e-9) for x in (1 / train, 2 / held, 1 / validation, 1 / test))
+
+
 def stratified_split(
     labels: list[int], id2label: dict[int, str], args: argparse.Namespace
 ) -> dict[str, np.ndarray]:
@@ -74,18 +95,34 @@ def stratified_split(
             stratify=rest_labels,
             random_state=args.seed,
         )
-    except ValueError:
-        # Each split should hold every label: validation and test need one row of it each.
-        need = math.ceil(max(2 / held_out, 1 / min(args.validation_fraction, args.test_fraction)))
-        counts = collections.Counter(id2label[i] for i in labels)
-        short = {label: n for label, n in sorted(counts.items()) if n < need} or dict(counts)
-        raise ValueError(
-            f"cannot split {len(labels)} rows stratified by label into train/validation/test "
-            f"{args.train_fraction:g}/{args.validation_fraction:g}/{args.test_fraction:g}: labels "
-            f"with too few rows {short} (about {need} rows per label are needed; add rows, "
-            "merge or drop those labels, or raise VALIDATION_FRACTION and TEST_FRACTION)"
-        ) from None
+    except ValueError as e:
+        raise ValueError(cannot_split(labels, id2label, args, str(e))) from None
     return {"train": np.sort(train), "validation": np.sort(validation), "test": np.sort(test)}
+
+
+def cannot_split(
+    labels: list[int], id2label: dict[int, str], args: argparse.Namespace, why: str
+) -> str:
+    """Why the split failed, in one line: how many rows a label needs for these fractions,
+    and the few labels short of it (the fewest rows first), with a count of the others."""
+    need = rows_a_label_needs(args.train_fraction, args.validation_fraction, args.test_fraction)
+    counts = collections.Counter(id2label[i] for i in labels)
+    short = sorted((n, label) for label, n in counts.items() if n < need)
+    named = {label: n for n, label in short[:NAMED_LABELS]}
+    more = f" and {len(short) - len(named)} more" if len(short) > len(named) else ""
+    fractions = f"{args.train_fraction:g}/{args.validation_fraction:g}/{args.test_fraction:g}"
+    head = (
+        f"cannot split {len(labels)} rows stratified by label into train/validation/test "
+        f"{fractions}: a label needs at least {need} rows for these fractions (one in train, "
+        "one in validation, one in test: two held out)"
+    )
+    if not short:  # every label has enough: the split failed on a total (scikit-learn says)
+        return f"{head}; every label of {len(counts)} has them, but scikit-learn says: {why}"
+    return (
+        f"{head}; labels with too few rows {named}{more} ({len(short)} of {len(counts)} "
+        "labels): add rows, merge or drop those labels, or raise VALIDATION_FRACTION and "
+        "TEST_FRACTION"
+    )
 
 
 # Characters a text may be cut to before the user's encode, per token kept, and at least
@@ -134,6 +171,28 @@ def clip(batch: dict, limits: dict[str, int]) -> dict:
         k: [v[: limits[k]] if k in limits and isinstance(v, str) else v for v in values]
         for k, values in batch.items()
     }
+
+
+def encode_cut(
+    user_encode, batch, rows: int, limits: dict[str, int], keys: list[str], max_length: int, where
+) -> tuple[dict, set[str], list[int]]:
+    """One batch through the user's encode with its texts cut to `limits` (clip_limits), checked
+    (check_encoded): the model's columns, the names encode returned beyond `keys`, the lengths.
+    Predict encodes its texts through this too (steps/predict.py)."""
+    cut = [
+        i
+        for i in range(rows)
+        if any(isinstance(batch[c][i], str) and len(batch[c][i]) > n for c, n in limits.items())
+    ]
+    encoded = user_encode(clip(batch, limits) if cut else batch)
+    columns, extra, lengths = check_encoded(encoded, rows, keys, where)
+    # A cut text that came out short of max_length may have lost tokens (a text of mostly
+    # whitespace): those rows are encoded whole.
+    short = [i for i in cut if lengths[i] < max_length]
+    if short:
+        whole = user_encode({k: [v[i] for i in short] for k, v in batch.items()})
+        replace_rows(columns, lengths, short, *check_encoded(whole, len(short), keys, where))
+    return columns, extra, lengths
 
 
 def replace_rows(
@@ -217,20 +276,10 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
 
     def encode(table: pa.Table) -> pa.Table:
         batch, rows = as_python.format_batch(table), table.num_rows
-        cut = [
-            i
-            for i in range(rows)
-            if any(isinstance(batch[c][i], str) and len(batch[c][i]) > n for c, n in limits.items())
-        ]
-        encoded = user_encode(clip(batch, limits) if cut else batch)
-        columns, extra, lengths = check_encoded(encoded, rows, keys, where)
+        columns, extra, lengths = encode_cut(
+            user_encode, batch, rows, limits, keys, max_length, where
+        )
         dropped.update(extra)
-        # A cut text that came out short of max_length may have lost tokens (a text of mostly
-        # whitespace): those rows are encoded whole.
-        short = [i for i in cut if lengths[i] < max_length]
-        if short:
-            whole = user_encode({k: [v[i] for i in short] for k, v in batch.items()})
-            replace_rows(columns, lengths, short, *check_encoded(whole, len(short), keys, where))
         for k, values in columns.items():
             table = table.append_column(f"{model_name}_{k}", values)
         return table.append_column(length_column(model_name), pa.array(lengths, pa.int64()))

@@ -76,14 +76,19 @@ def test_a_new_project_runs_its_sample_locally(tmp_path):
 @pytest.mark.slow
 def test_a_new_project_runs_its_sample_on_emulated_sagemaker(tmp_path):
     project = new_project(tmp_path)
-    run_sample(project, "--backend", "emulated")
+    record = run_sample(project, "--backend", "emulated")
+    # Priced from SageMaker's billing fields: the template's instance types have a price in
+    # its region (pipeline/cost.py PRICE_TABLE), so the run ends with dollars, not "unknown".
+    assert record["cost"]["usd"] is not None and record["cost"]["usd"] > 0, record["cost"]
     # Trained by a CreateTrainingJob: SageMaker's model.tar.gz, under OutputDataConfig.
     run = project / "artifacts" / "my-project" / "runs" / "0001"
     assert (
         len(list(run.glob("jobs/training/my-project-0001-train-minilm-*/output/model.tar.gz"))) == 1
     )
-    # RAW_DATA (the sample beside settings.ini) went to the experiment's raw/, as on SageMaker.
-    raw = project / "artifacts" / "my-project" / "raw" / "news.csv"
+    # RAW_DATA (the sample beside settings.ini) went to the store as the raw version the run
+    # names (pipeline/raw_data.py), as on SageMaker.
+    assert record["raw_path"].startswith("my-project/raw-versions/")
+    raw = project / "artifacts" / record["raw_path"] / "news.csv"
     assert raw.read_bytes() == (project / "data" / "news.csv").read_bytes()
 
 
@@ -195,3 +200,50 @@ def test_no_command_lists_every_command_and_exits_2(capsys):
     for name in commands:
         assert re.search(rf"^    {name} ", err, re.MULTILINE), name
     assert "examples:\n  smpipe init my-project" in err
+
+
+def test_init_names_a_link_that_leads_nowhere(tmp_path, capsys):
+    """DIR a link to nothing, DIR under one, a dead link inside DIR: each named, nothing made
+    (it said "`.gitignore` appeared meanwhile")."""
+    broken = tmp_path / "broken"
+    broken.symlink_to(tmp_path / "gone")
+    for folder in (broken, broken / "project"):
+        assert main(["init", str(folder)]) == 2
+        error = capsys.readouterr().err
+        assert (
+            f"error: {broken} is a symbolic link to {tmp_path / 'gone'}, which does not exist"
+            in error
+        )
+        assert "appeared meanwhile" not in error
+    inside = tmp_path / "work"
+    inside.mkdir()
+    (inside / "data").symlink_to("nowhere")
+    assert main(["init", str(inside)]) == 2
+    assert f"{inside} is not empty (data -> nowhere, a link to nothing)" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "work"]
+
+
+@pytest.mark.parametrize("command", ["init", "--version", "runs"])
+def test_output_to_a_closed_pipe_ends_quietly(tmp_path, command):
+    """`smpipe init x | true`, `smpipe --version | true`, `smpipe runs settings.ini | head -0`:
+    the reader has gone before smpipe writes; it ends with status 1 and nothing on stderr, no
+    BrokenPipeError traceback (the Python docs' recipe for SIGPIPE; rich's Console, which
+    `runs` prints with, follows it too)."""
+    args = {"init": ["init", "x"], "--version": ["--version"], "runs": ["runs", "settings.ini"]}
+    cwd = new_project(tmp_path) if command == "runs" else tmp_path
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before smpipe starts
+    try:
+        done = subprocess.run(
+            [SMPIPE, *args[command]],
+            cwd=cwd,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (1, "")
+    if command == "init":
+        assert (tmp_path / "x" / "settings.ini").exists()  # done; only its message was lost

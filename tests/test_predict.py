@@ -6,9 +6,12 @@ to the inference step's, row by row."""
 from __future__ import annotations
 
 import csv
+import dataclasses
+import errno
 import hashlib
 import io
 import json
+import os
 import re
 import signal
 import subprocess
@@ -24,6 +27,7 @@ import pytest
 from pipeline import cli
 from pipeline.config import ConfigError, load_settings
 from pipeline.driver import parse_steps, run_pipeline
+from pipeline.errors import PipelineError
 from pipeline.paths import ExperimentTree
 from pipeline.predict import Chosen, PredictError, choose, predict, predict_job
 from pipeline.predict_files import read_rows, write_parts
@@ -403,3 +407,331 @@ def test_a_text_encode_refuses_costs_its_row_only():
         ValueError, match="boom"
     ):  # refusing every text: encode is wrong, not the data
         encode_rows(Refusing(everything=True), rows, ["text"])
+
+
+# -- hostile use (issue 29): every file predict writes checked before the job, a failure after
+# it one line that leaves OUTPUT and its record as they were, nothing left behind but a log
+# and a record saying so, long texts cut before encode as prepare cuts them ------------------
+
+
+def store_for(trained, backend: str, request):
+    """The trained store as `backend` sees it (emulated: the local folder seen as a bucket)."""
+    if backend == "local":
+        return trained["store"]
+    from pipeline.backends.emulated import S3View
+
+    request.getfixturevalue("aws_env")
+    return S3View(trained["store"])
+
+
+def few_texts(trained, path: Path, rows: int = 6) -> Path:
+    trained["texts"].iloc[:rows].to_csv(path, index=False)
+    return path
+
+
+def predictions_left(store, run_num: int = 2) -> dict[str, list[str]]:
+    """Each predict's folder in the run's tree, and what it holds."""
+    prefix = TREE.run(run_num).prefix + "predictions/"
+    held: dict[str, list[str]] = {}
+    for key in store.list_keys(prefix):
+        label, rest = key[len(prefix) :].split("/", 1)
+        held.setdefault(label, []).append(rest)
+    return held
+
+
+def cli_predict(trained, *args: str) -> int:
+    handler = signal.getsignal(signal.SIGTERM)  # predict_command sets its own
+    try:
+        return cli.main(["predict", str(trained["settings"]), *args])
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+
+
+@pytest.mark.slow
+def test_predict_never_writes_over_its_input_or_a_file_it_did_not_make(trained, tmp_path, capsys):
+    """`smpipe predict S texts.csv.json texts.csv`: the record OUTPUT.json would be INPUT.
+    Refused before anything runs (exit 2), as is an OUTPUT.json or an OUTPUT of the user's;
+    their bytes and the run's tree are as they were."""
+    store = trained["store"]
+    before = store.list_keys("test-exp/runs/")
+    source = tmp_path / "texts.csv.json"  # JSON Lines, as .json is read
+    source.write_text('{"id": "a", "text": "Shares rallied after the results"}\n')
+    kept = source.read_bytes()
+    assert cli_predict(trained, str(source), str(tmp_path / "texts.csv")) == 2
+    said = capsys.readouterr().err
+    assert f"OUTPUT.json {source} is INPUT: predictions never overwrite their texts" in said
+    settings = load_settings(trained["settings"], env={})
+    notes = tmp_path / "out.csv.json"
+    notes.write_text('{"my": "notes"}\n')
+    why = f"OUTPUT.json {notes} exists and is not predict's record of {tmp_path / 'out.csv'}"
+    with pytest.raises(PredictError, match=re.escape(why)):
+        predict(settings, store, source, tmp_path / "out.csv")
+    mine = tmp_path / "mine.csv"
+    mine.write_text("id,label\n1,sport\n")
+    why = f"OUTPUT {mine} exists and no mine.csv.json beside it says predict wrote it"
+    with pytest.raises(PredictError, match=re.escape(why)):
+        predict(settings, store, source, mine)
+    assert source.read_bytes() == kept and notes.read_text() == '{"my": "notes"}\n'
+    assert mine.read_text() == "id,label\n1,sport\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "mine.csv",
+        "out.csv.json",
+        "texts.csv.json",
+    ]
+    assert store.list_keys("test-exp/runs/") == before  # nothing uploaded, nothing run
+
+
+@pytest.mark.slow
+def test_outputs_that_cannot_be_written_are_refused_before_the_job(trained, tmp_path, capsys):
+    """OUTPUT under /proc, OUTPUT.json a folder, OUTPUT a link or inside an INPUT folder, a
+    read-only folder: each is a problem listed before anything runs, with the others (exit 2,
+    PredictError), not an OSError traceback after the job."""
+    store = trained["store"]
+    before = store.list_keys("test-exp/runs/")
+    source = few_texts(trained, tmp_path / "texts.csv")
+    # Two problems at once, and one of the run: every one is said.
+    (tmp_path / "out.csv.json").mkdir()
+    assert cli_predict(trained, str(source), str(tmp_path / "out.csv"), "--model", "nope") == 2
+    said = capsys.readouterr().err
+    assert "2 problem(s)" in said
+    assert "--model nope: run 0002 trained no model 'nope'" in said
+    assert f"OUTPUT.json {tmp_path / 'out.csv.json'} is a folder" in said
+    settings = load_settings(trained["settings"], env={})
+
+    def refused(output: Path, why: str) -> None:
+        with pytest.raises(PredictError, match=re.escape(why)):
+            predict(settings, store, source, output)
+
+    refused(Path("/proc/out.csv"), "OUTPUT /proc/out.csv: its folder /proc cannot be written")
+    folder = tmp_path / "articles"
+    folder.mkdir()
+    (folder / "a.txt").write_text("Shares rallied after the results")
+    with pytest.raises(PredictError, match=re.escape(f"is inside the INPUT folder {folder}")):
+        predict(settings, store, folder, folder / "out.csv")
+    (tmp_path / "link.csv").symlink_to(tmp_path / "elsewhere.csv")
+    refused(tmp_path / "link.csv", f"OUTPUT {tmp_path / 'link.csv'} is a symbolic link")
+    if os.geteuid() != 0:  # root writes into a folder of mode 0555 all the same
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o555)
+        refused(locked / "out.csv", f"its folder {locked} cannot be written")
+    assert store.list_keys("test-exp/runs/") == before  # nothing uploaded, nothing run
+    assert not list(Path("/proc").glob(".out.csv.*"))
+
+
+class Sabotaged:
+    """The configured backend, with `after(job)` done once its job has ended (the driver then
+    writes OUTPUT), or with the job changed by `job(job)` before it runs."""
+
+    def __init__(self, after=None, job=None):
+        self.after, self.change = after, job
+
+    def __call__(self, settings, store, run, echo):
+        from pipeline.backends import make_backend
+
+        backend = make_backend(settings, store, run, echo)
+        real = backend.run_processing
+
+        def run_processing(job):
+            result = real(self.change(job) if self.change else job)
+            if self.after:
+                self.after(job)
+            return result
+
+        backend.run_processing = run_processing
+        return backend
+
+
+@pytest.mark.slow
+def test_a_rerun_replaces_its_own_output_and_a_failed_write_changes_nothing(
+    trained, tmp_path, monkeypatch
+):
+    """A rerun into the same OUTPUT replaces OUTPUT and OUTPUT.json (both predict's, OUTPUT's
+    sha256 the one recorded); an OUTPUT edited since is the user's, and so is an OUTPUT.json
+    made during the job (checked again before writing). A write that fails after the job is
+    one line naming the file; OUTPUT and its record are as they were, no temporary stays, and
+    the run's tree keeps only the job's log and a record that says the predict failed. Files
+    on this machine only: the backend plays no part (the emulated one's, see the next test)."""
+    store = trained["store"]
+    settings = load_settings(trained["settings"], env={})
+    source, output = few_texts(trained, tmp_path / "texts.csv"), tmp_path / "out.csv"
+    record = tmp_path / "out.csv.json"
+    predict(settings, store, source, output, echo=io.StringIO())
+    second = predict(settings, store, source, output, echo=io.StringIO())
+    assert json.loads(record.read_text()) == second and second["status"] == "completed"
+    assert second["output_sha256"] == hashlib.sha256(output.read_bytes()).hexdigest()
+    predicted, recorded = output.read_bytes(), record.read_bytes()
+
+    output.write_bytes(predicted + b"my,correction\n")
+    why = f"OUTPUT {output} was changed since predict wrote it"
+    with pytest.raises(PredictError, match=re.escape(why)):
+        predict(settings, store, source, output)
+    output.write_bytes(predicted)
+
+    def notes_appear(job) -> None:  # during the job, the user writes OUTPUT.json of their own
+        (tmp_path / "other.csv.json").write_text("my notes")
+
+    with pytest.raises(PipelineError, match="other.csv was not written, since the job began"):
+        predict(
+            settings,
+            store,
+            source,
+            tmp_path / "other.csv",
+            echo=io.StringIO(),
+            make_backend=Sabotaged(after=notes_appear),
+        )
+    assert (tmp_path / "other.csv.json").read_text() == "my notes"
+
+    real = os.replace
+
+    def rename_fails(job) -> None:  # after the job, renaming onto OUTPUT fails (a disk error)
+        def replace(source, target):
+            if Path(target) == output:
+                raise OSError(errno.EIO, "Input/output error", str(source), None, str(target))
+            real(source, target)
+
+        monkeypatch.setattr(os, "replace", replace)
+
+    left = set(predictions_left(trained["store"]))
+    with pytest.raises(PipelineError) as raised:
+        sabotaged = Sabotaged(after=rename_fails)
+        predict(settings, store, source, output, echo=io.StringIO(), make_backend=sabotaged)
+    monkeypatch.setattr(os, "replace", real)
+    said = str(raised.value)
+    assert "\n" not in said and f"cannot put {output} in place (Input/output error)" in said
+    assert output.read_bytes() == predicted and record.read_bytes() == recorded  # as they were
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "other.csv.json",
+        "out.csv",
+        "out.csv.json",
+        "texts.csv",
+    ]
+    [label] = set(predictions_left(trained["store"])) - left
+    assert predictions_left(trained["store"])[label] == ["record.json"]
+    failed = json.loads(store.get_bytes(TREE.run(2).prediction(label).record))
+    assert failed["status"] == "failed" and f"cannot put {output} in place" in failed["reason"]
+    assert store.exists(key_of(store, failed["job_log"]))
+
+
+class InterruptOnce:
+    """An echo that presses Ctrl-C (SIGINT to this process) once the job says it predicts."""
+
+    def __init__(self):
+        self.text, self.sent = "", False
+
+    def write(self, text: str) -> int:
+        self.text += text
+        if not self.sent and re.search(r"predicting [\d,]+ rows", self.text):
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGINT)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["local", "emulated"])
+@pytest.mark.parametrize("how", ["failed", "interrupted"])
+def test_a_failed_or_interrupted_predict_leaves_only_its_log_and_a_record(
+    trained, tmp_path, backend, how, request
+):
+    """A predict whose job fails (its arguments refused) or that is interrupted while its job
+    runs (Ctrl-C) leaves no OUTPUT, no OUTPUT.json, no temporary; in the run's tree no code,
+    texts or parts of predictions: the job's log, and a record that says what happened and
+    where that log is."""
+    store = store_for(trained, backend, request)
+    settings = load_settings(trained["settings"], env={"SMPIPE__EXPERIMENT__BACKEND": backend})
+    source, output = few_texts(trained, tmp_path / "texts.csv"), tmp_path / "out.csv"
+    left = set(predictions_left(trained["store"]))
+    if how == "failed":
+        wrong = Sabotaged(  # a format the step refuses (argparse: exit 2)
+            job=lambda job: dataclasses.replace(
+                job, arguments=[*job.arguments, "--model-format", "onnx"]
+            )
+        )
+        with pytest.raises(PipelineError, match="predict failed in job"):
+            predict(settings, store, source, output, echo=io.StringIO(), make_backend=wrong)
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            predict(settings, store, source, output, echo=InterruptOnce())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["texts.csv"]
+    [label] = set(predictions_left(trained["store"])) - left
+    assert predictions_left(trained["store"])[label] == ["record.json"]
+    record = json.loads(store.get_bytes(TREE.run(2).prediction(label).record))
+    assert record["status"] == how and "model_artifact" not in record
+    assert store.get_bytes(key_of(store, record["job_log"]))  # the log is where it says
+
+
+def test_predict_cuts_long_texts_before_encode_as_prepare_does():
+    """One text of 300,000 characters with MAX_SEQUENCE_LENGTH 32: the user's encode is never
+    given more than twice prepare's budget (clip_limits' two probes; 4,096 characters at 32
+    tokens), so memory does not grow with a text, and it returns what the whole text gives."""
+    import user_functions
+    from steps.predict import Encoder, encode_rows
+    from steps.prepare import BUDGET_FLOOR, CHARS_PER_TOKEN
+    from steps.user_code import load_user_functions
+
+    given: list[int] = []
+
+    def encode(batch, tokenizer, model_name, max_length):
+        given.append(max(len(t) for t in batch["text"]))
+        return user_functions.encode(batch, tokenizer, model_name, max_length)
+
+    functions = dataclasses.replace(load_user_functions("user_functions"), encode=encode)
+    tokenizer = user_functions.load_tokenizer("bow")
+    encoder = Encoder(functions, tokenizer, "bow", ["input_ids", "attention_mask"], 32, "encode")
+    long = ("Shares rallied after the results, and the market followed. " * 5000)[:300_000]
+    rows = [
+        {"row": 0, "id": "long", "error": None, "text": long},
+        {"row": 1, "id": "short", "error": None, "text": "Shares rallied"},
+    ]
+    table, good, errors = encode_rows(encoder, rows, ["text"])
+    assert good == [0, 1] and not errors
+    assert max(given) <= 2 * max(BUDGET_FLOOR, CHARS_PER_TOKEN * 32), given
+    whole = user_functions.encode({"text": [long]}, tokenizer, "bow", 32)["input_ids"][0]
+    assert table.column("bow_input_ids").to_pylist()[0] == whole
+    assert table.column("bow__length").to_pylist()[0] == 32
+
+
+def test_long_texts_make_smaller_parts(tmp_path, monkeypatch):
+    """Parts end at PART_CHARS characters of text as well as at PART_ROWS rows: the driver and
+    the job hold a part at a time, so a thousand long texts never share one."""
+    from pipeline import predict_files
+
+    monkeypatch.setattr(predict_files, "PART_CHARS", 2500)
+    rows = [{"id": None, "error": None, "text": "x" * 1000} for _ in range(5)]
+    rows.insert(2, {"id": None, "error": None, "text": "y" * 6000})  # longer than a part
+    assert write_parts(iter(rows), tmp_path, ["text"]) == [2, 1, 2, 1]
+    table = pq.read_table(tmp_path / "part-00001.parquet")
+    assert table.column("row").to_pylist() == [2]
+
+
+def test_input_that_cannot_be_read_at_all_is_one_line(tmp_path):
+    """An empty file, one of blank lines, UTF-16, NUL bytes, a first line that is not UTF-8,
+    an empty Parquet file: each one clear line before anything runs. A later row that is not
+    UTF-8 costs its row only (test_inputs_are_read_as_datasets_reads_them)."""
+    from pipeline.predict import check_files
+
+    files = {
+        "empty.csv": b"",
+        "blank.jsonl": b"\n  \n\n",
+        "utf16.csv": "id,text\n1,caf\u00e9\n".encode("utf-16"),
+        "nul.tsv": b"i\x00d\x00\t\x00t\x00e\x00x\x00t\x00\n\x00",
+        "latin1.jsonl": '{"text": "caf\u00e9"}\n'.encode("latin-1"),
+    }
+    expected = {
+        "empty.csv": "is empty: it holds no rows",
+        "blank.jsonl": "is empty: it holds no lines",
+        "utf16.csv": "is UTF-16 (it starts with a UTF-16 byte order mark): predict reads UTF-8",
+        "nul.tsv": "holds NUL bytes in its first line",
+        "latin1.jsonl": "its first line is not UTF-8 (byte 0xe9)",
+        "empty.parquet": "is empty: it holds no rows",
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    expected["doc.jsonl"] = "is one JSON document"  # refused from its first character
+    (tmp_path / "doc.jsonl").write_text('[{"text": "' + "x" * 100_000 + '"}]')
+    for name, why in expected.items():
+        [problem] = check_files(tmp_path / name, tmp_path / "out.csv", ["text"])[2]
+        assert problem.startswith(f"INPUT {tmp_path / name}") and why in problem, problem
