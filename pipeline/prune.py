@@ -11,18 +11,27 @@ SageMaker's model archives). What says what a run was and did stays: metadata.js
 step sections, settings.ini, logs, inference results, report.html, and each model's records
 (history, curves, smpipe.json). Data versions (data/) and the cache are never touched, and
 neither is a run that may still be running (its driver alive, or no Metadata yet).
+
+What is still referenced is found before anything is removed, and kept, with why: a model
+that a run prune leaves whole tested (its inference read an older run's models/, `--steps
+inference`), a model a registered version points at (the local registry's records, of every
+group; on sagemaker and emulated the model packages of [registry] MODEL_PACKAGE_GROUP: their
+archive and the folder they were registered from), and a model a predict record names
+(predictions/<label>/record.json; a prediction without one may be running).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pipeline.errors import log
 from pipeline.history import human_bytes, run_rows
 from pipeline.paths import ExperimentTree, RunTree
-from pipeline.store import MANIFEST, Store, StoreError
+from pipeline.registry import registered_models
+from pipeline.store import MANIFEST, NotFound, Store, StoreError, artifact_key
 from steps.model_files import EXPORTS
 
 # A model folder's weights (safetensors, or a Hugging Face save's .bin) and its exports
@@ -31,6 +40,8 @@ WEIGHTS = (".safetensors", ".bin", *EXPORTS.values())
 # Runs that may still be written to: a live driver's, or one claimed whose Metadata is not
 # written yet (pipeline/history.py's statuses).
 LIVE = ("running", "claimed")
+# A key, or a prefix of keys, that something still reads, and what: prune keeps it.
+Reference = tuple[str, str]
 
 
 class PruneError(ValueError):
@@ -69,16 +80,23 @@ class Removal:
     run_bytes: int  # the whole run on the store, before
     files: dict[str, int] = field(default_factory=dict)
     groups: dict[str, int] = field(default_factory=dict)  # a folder of the run -> bytes
+    # The bulky folders kept because something reads them: folder -> bytes, and why.
+    kept: dict[str, int] = field(default_factory=dict)
+    why: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def bytes(self) -> int:
         return sum(self.files.values())
 
 
-def bulky_files(store: Store, run: RunTree, status: str) -> Removal:
-    """The files of `run` that prune removes, each counted under the folder it goes with."""
+def bulky_files(
+    store: Store, run: RunTree, status: str, references: Sequence[Reference] = ()
+) -> Removal:
+    """The files of `run` that prune removes, each counted under the folder it goes with; a
+    bulky file that `references` name is kept instead, with why."""
     sizes = store.list_sizes(run.prefix)
-    folders = [run.checkpoints_root, run.training_output] + [
+    # A failed local job's folder, kept in the run when the store is a folder here.
+    folders = [run.checkpoints_root, run.training_output, run.failed_jobs] + [
         f"{run.tuning(model)}{trial}/"
         for model in store.list_children(run.tuning_root)
         for trial in store.list_children(run.tuning(model))
@@ -94,16 +112,26 @@ def bulky_files(store: Store, run: RunTree, status: str) -> Removal:
         # no later run mistakes it for a model it can test (pipeline/sources.py).
         if folder is None and model and (key.endswith(WEIGHTS) or key == model + MANIFEST):
             folder = model
-        if folder is not None:
+        if folder is None:
+            continue
+        where = folder[len(run.prefix) :]
+        reasons = [why for prefix, why in references if key.startswith(prefix)]
+        if reasons:
+            removal.kept[where] = removal.kept.get(where, 0) + size
+            said = removal.why.setdefault(where, [])
+            said += [why for why in reasons if why not in said]
+        else:
             removal.files[key] = size
-            where = folder[len(run.prefix) :]
             removal.groups[where] = removal.groups.get(where, 0) + size
     return removal
 
 
-def prune_plan(store: Store, tree: ExperimentTree, keep: int) -> list[Removal]:
-    """What pruning all but the newest `keep` completed runs removes, run by run (runs with
-    nothing left to remove are left out)."""
+def prune_plan(
+    store: Store, tree: ExperimentTree, keep: int, packages: Sequence[Reference] = ()
+) -> list[Removal]:
+    """What pruning all but the newest `keep` completed runs removes, run by run, and what it
+    keeps because something reads it (runs with nothing left to remove or keep are left out).
+    `packages`: what SageMaker's registered versions point at (registry.package_models)."""
     if keep < 1:
         raise PruneError(
             f"--keep {keep}: keep at least 1 completed run (the newest N completed runs and "
@@ -114,14 +142,82 @@ def prune_plan(store: Store, tree: ExperimentTree, keep: int) -> list[Removal]:
     if len(completed) <= keep:
         return []
     oldest_kept = completed[-keep]
+    pruned = [r for r in rows if int(r["run"]) < oldest_kept and r["status"] not in LIVE]
+    staying = [tree.run(int(r["run"])) for r in rows if r not in pruned]
+    runs = [tree.run(int(r["run"])) for r in pruned]
+    references = [
+        *read_by(store, tree, staying),
+        *registered_models(store, tree),
+        *predicted(store, runs),
+        *packages,
+    ]
     removals = []
-    for row in rows:
-        if int(row["run"]) >= oldest_kept or row["status"] in LIVE:
-            continue
-        removal = bulky_files(store, tree.run(int(row["run"])), row["status"])
-        if removal.files:
+    for row, run in zip(pruned, runs, strict=True):
+        removal = bulky_files(store, run, row["status"], references)
+        if removal.files or removal.kept:
             removals.append(removal)
     return removals
+
+
+def read_by(store: Store, tree: ExperimentTree, runs: list[RunTree]) -> list[Reference]:
+    """What the runs prune leaves whole read of other runs: the models their inference tested
+    (Metadata's sources: an inference-only run tests an earlier run's models/) and any model
+    their Metadata records outside their own folder."""
+    found = []
+    for run in runs:
+        try:
+            record = json.loads(store.get_bytes(run.metadata))
+        except (NotFound, ValueError, UnicodeDecodeError):
+            continue  # claimed, its Metadata not written yet: it has read nothing yet
+        folder = artifact_key(store, (record.get("sources") or {}).get("models") or "")
+        if folder and not folder.startswith(run.prefix):
+            owner = models_owner(tree, folder)
+            tested = sorted(record.get("holdout_performance") or {})
+            read = f"run {owner.label}'s models/" if owner else folder
+            why = f"run {run.label} tested it (its inference read {read}: --steps inference)"
+            keys = [owner.final_model(m) for m in tested] if owner and tested else [folder]
+            found += [(key, why) for key in keys]
+        for model, where in (record.get("model_artifacts") or {}).items():
+            key = artifact_key(store, where)
+            if key and not key.startswith(run.prefix):
+                found.append((key, f"run {run.label} records it as its model {model!r}"))
+    return found
+
+
+def models_owner(tree: ExperimentTree, models: str) -> RunTree | None:
+    """The run whose models/ folder `models` is; None for another folder."""
+    label = models[len(tree.runs_root) :].split("/", 1)[0]
+    owner = tree.run(int(label)) if label.isdigit() else None
+    return owner if owner and owner.models == models else None
+
+
+def predicted(store: Store, runs: list[RunTree]) -> list[Reference]:
+    """The models the runs' predictions name: each predict record's model_artifact (a failed
+    or interrupted predict's record names none: it made nothing that needs its model). A
+    prediction without a record may be running still (or was killed): the model its label
+    names is kept; a record that cannot be read keeps every model of its run."""
+    found = []
+    for run in runs:
+        for label in store.list_children(run.predictions):
+            record = run.prediction(label).record
+            where = run.prediction(label).prefix[len(run.prefix) :]
+            try:
+                said = json.loads(store.get_bytes(record))
+            except NotFound:  # predict labels its folder <model>-<time>-<hex>
+                model = run.final_model(label.rsplit("-", 2)[0])
+                found.append((model, f"{where} has no record: a predict that may be running"))
+                continue
+            except (ValueError, UnicodeDecodeError) as e:
+                said = e
+            if not isinstance(said, dict):
+                log.warning(f"prune: {store.uri_of(record)} is no predict record ({said!r})")
+                found.append((run.models, f"{where}record.json cannot be read, it may name it"))
+                continue
+            model = said.get("model_artifact")
+            key = artifact_key(store, model) if isinstance(model, str) else None
+            if key:
+                found.append((key, f"the predict record {where}record.json names it"))
+    return found
 
 
 def prune_run(store: Store, removal: Removal, keep: int) -> None:
@@ -130,16 +226,39 @@ def prune_run(store: Store, removal: Removal, keep: int) -> None:
     run = removal.run
     for key in sorted(removal.files, key=lambda k: not k.endswith(MANIFEST)):
         store.delete(key)
+    # Failed jobs' folders kept on this machine for an S3 store (in the run itself for a
+    # folder store: removed with the files above).
+    elsewhere = remove_kept_jobs(store, run)
     record = json.loads(store.get_bytes(run.metadata))
     before = record.get("pruned") or {}
     removed = dict(before.get("removed") or {})
     for where, size in removal.groups.items():
         removed[where] = removed.get(where, 0) + size
+    if elsewhere:
+        removed["failed-jobs/ (this machine)"] = elsewhere
     record["pruned"] = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "keep": keep,
         "removed_files": before.get("removed_files", 0) + len(removal.files),
         "removed_bytes": before.get("removed_bytes", 0) + removal.bytes,
         "removed": removed,
+        "kept": removal.why,  # a folder of the run -> why it stayed, at this prune
     }
     store.put_bytes(run.metadata, json.dumps(record, indent=2).encode())
+
+
+def remove_kept_jobs(store: Store, run: RunTree) -> int:
+    """Remove the folders of `run`'s failed local jobs, kept on this machine for inspection
+    (pipeline/backends/local.py `kept_jobs_folder`); the bytes freed (0 when there are none,
+    or when they were kept on another machine)."""
+    import shutil
+    from pathlib import Path
+
+    from pipeline.backends.local import kept_jobs_folder
+
+    folder: Path = kept_jobs_folder(store, run)
+    if not folder.is_dir():
+        return 0
+    size = sum(f.lstat().st_size for f in folder.rglob("*") if f.is_file() or f.is_symlink())
+    shutil.rmtree(folder, ignore_errors=True)
+    return size

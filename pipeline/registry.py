@@ -12,6 +12,10 @@ inference named best by test macro-F1 (metadata.winner), becomes one new version
 - local: a record `<experiment>/registry/<group>/<version>.json` (version, run, model, test
   metrics, data version and hash, approval status), created with the store's conditional write
   so two drivers never take the same version; a record of the same run and model is reused.
+  The record is never rewritten: each later approval change is an object of its own,
+  `<version>/<change>.json`, created the same way, so changes made at once are all kept (a
+  read, change and write back of the record would lose all but one). A file there that is no
+  record or change (a note, a record truncated by hand) is named in a warning and skipped.
 
 `smpipe registry` lists the group's versions (ListModelPackages on SageMaker), `smpipe approve
 VERSION [--reject]` sets one's status (UpdateModelPackage). Every request is checked against
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import tarfile
 import tempfile
 import time
@@ -32,16 +37,36 @@ from pipeline import metadata as md
 from pipeline.config import ConfigError, Settings
 from pipeline.errors import PipelineError, log
 from pipeline.paths import ExperimentTree, RunTree, run_label
-from pipeline.store import NotFound, Store, download_dir, read_manifest
+from pipeline.store import (
+    NotFound,
+    Store,
+    artifact_key,
+    download_dir,
+    is_complete,
+    key_of,
+    read_manifest,
+)
 
 STEP = "register"
 # The statuses `smpipe approve` sets: SageMaker's ModelApprovalStatus (CreateModelPackage and
 # UpdateModelPackage in botocore's sagemaker service-2.json).
 APPROVED, REJECTED, PENDING = "Approved", "Rejected", "PendingManualApproval"
+STATUSES = (APPROVED, REJECTED, PENDING)
 # The test metrics a registered version carries, as inference writes them (overall.json).
 METRICS = ("accuracy", "macro_f1", "weighted_f1")
 # Namespace of the deterministic client tokens (a fixed UUID of this project's own).
 TOKENS = uuid.UUID("5b0e5a3c-3f4e-4d2a-9a51-1c0d3e7f6a21")
+# The names of the local registry's files under a group's folder (pipeline/paths.py): a
+# version's record (and a change's own name in its version's folder), and an approval change.
+RECORD_NAME = re.compile(r"(\d+)\.json")
+CHANGE_NAME = re.compile(r"(\d+)/(\d+)\.json")
+# What a record must hold to be listed, approved and kept from prune: what register writes.
+RECORD_FIELDS = {"experiment": str, "run": str, "model": str, "model_artifact": str}
+# How many change numbers an approval tries before giving up: each one refused was taken by
+# another approval meanwhile, so this many at once on one version.
+CHANGE_ATTEMPTS = 1000
+# The model folder a SageMaker version was registered from, in its CustomerMetadataProperties.
+ARTIFACT_PROPERTY = "smpipe:model-artifact"
 
 
 def with_registration(settings: Settings, steps: list[str]) -> list[str]:
@@ -138,9 +163,90 @@ def register_locally(store: Store, tree: ExperimentTree, entry: dict, settings: 
 
 
 def local_versions(store: Store, tree: ExperimentTree, group: str) -> list[dict]:
-    """Every version record of `group` in the local registry, oldest first."""
-    records = [json.loads(store.get_bytes(k)) for k in store.list_keys(tree.registry(group))]
-    return sorted(records, key=lambda r: r["version"])
+    """Every version record of `group` in the local registry, oldest first, with the approval
+    changes made since folded in: approval_status is the newest change's, history holds them
+    all. A file that is no record or change, or one that cannot be read as one, is named in a
+    warning and skipped: it never fails `registry`, `approve` or a run's register step."""
+    folder = tree.registry(group)
+    records, changes = {}, {}
+    for key in store.list_keys(folder):
+        name = key[len(folder) :]
+        record_name, change_name = RECORD_NAME.fullmatch(name), CHANGE_NAME.fullmatch(name)
+        if not (record_name or change_name):
+            skipped(store, key, "not a version (<version>.json) or a change (<version>/<n>.json)")
+            continue
+        try:
+            document = json.loads(store.get_bytes(key))
+        except NotFound:  # removed meanwhile
+            continue
+        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+            skipped(store, key, f"not JSON ({e})")
+            continue
+        if record_name:
+            why = record_problem(document, int(record_name.group(1)))
+            if why:
+                skipped(store, key, why)
+            else:
+                records[document["version"]] = document
+        elif change_problem(document):
+            skipped(store, key, change_problem(document))
+        else:
+            version, number = int(change_name.group(1)), int(change_name.group(2))
+            changes.setdefault(version, {})[number] = document
+    folded = []
+    for version, record in sorted(records.items()):
+        made = [changes.get(version, {})[n] for n in sorted(changes.get(version, {}))]
+        history = [*record.get("history", []), *made]
+        status = made[-1]["approval_status"] if made else record["approval_status"]
+        folded.append({**record, "approval_status": status, "history": history})
+    return folded
+
+
+def record_problem(record, version: int) -> str | None:
+    """Why a <version>.json is no version record to use, or None."""
+    if not isinstance(record, dict):
+        return "not a version record (a JSON object)"
+    if record.get("version") != version:
+        return f"its version is {record.get('version')!r}, not {version} as its name says"
+    if record.get("approval_status") not in STATUSES:
+        return f"its approval_status {record.get('approval_status')!r} is not SageMaker's"
+    if not isinstance(record.get("history", []), list):
+        return "its history is not a list"
+    missing = [f for f, kind in RECORD_FIELDS.items() if not isinstance(record.get(f), kind)]
+    if missing or not isinstance(record.get("test_metrics"), dict):
+        return f"it lacks {', '.join(missing or ['test_metrics'])}"
+    return None
+
+
+def change_problem(change) -> str | None:
+    """Why a <version>/<n>.json is no approval change, or None."""
+    if not isinstance(change, dict) or change.get("approval_status") not in STATUSES:
+        return "not an approval change (approval_status and time)"
+    return None
+
+
+def skipped(store: Store, key: str, why: str) -> None:
+    log.warning(f"registry: skipped {store.uri_of(key)}: {why}")
+
+
+def add_change(store: Store, tree: ExperimentTree, group: str, version: int, change: dict) -> int:
+    """Change `change` appended to the version's changes: the next free number, taken with the
+    store's conditional create (an exclusive link on a folder; PutObject's If-None-Match on S3,
+    https://docs.aws.amazon.com/AmazonS3/latest/userguide/conditional-writes.html). A number
+    another approval took meanwhile is refused, and the next one is tried: every change lands,
+    in one order all readers see. Its number."""
+    folder = tree.registry_changes(group, version)
+    names = (RECORD_NAME.fullmatch(key[len(folder) :]) for key in store.list_keys(folder))
+    number = max((int(m.group(1)) for m in names if m), default=0) + 1
+    document = json.dumps(change, indent=2).encode()
+    for _ in range(CHANGE_ATTEMPTS):
+        if store.create(tree.registry_change(group, version, number), document):
+            return number
+        number += 1
+    raise PipelineError(
+        f"registry: version {version} of {group!r}: {CHANGE_ATTEMPTS} change numbers were taken "
+        f"meanwhile at {store.uri_of(folder)}; nothing was changed, try again"
+    )
 
 
 def register_package(client, store, run, entry, settings, git_sha) -> dict:
@@ -212,22 +318,29 @@ def ensure_group(client, group: str, experiment: str) -> None:
     """The model package group, created when it does not exist: a version can only be created
     in an existing group (CreateModelPackageGroup, then CreateModelPackage), and the group is
     named in the settings, as the experiment is, which the first run creates too."""
-    from botocore.exceptions import ClientError
-
-    try:
-        client.describe_model_package_group(ModelPackageGroupName=group)
+    if group_exists(client, group):
         return
-    except ClientError as e:
-        if "does not exist" not in str(e):
-            raise PipelineError(
-                f"register: DescribeModelPackageGroup {group} failed: {e}"
-            ) from None
     request = {
         "ModelPackageGroupName": group,
         "ModelPackageGroupDescription": f"The winning models of smpipe experiment {experiment}",
     }
     call(client, "CreateModelPackageGroup", request)
     log.info(f"created model package group {group!r}")
+
+
+def group_exists(client, group: str) -> bool:
+    """Whether the model package group exists (DescribeModelPackageGroup)."""
+    from botocore.exceptions import ClientError
+
+    try:
+        client.describe_model_package_group(ModelPackageGroupName=group)
+        return True
+    except ClientError as e:
+        if "does not exist" not in str(e):
+            raise PipelineError(
+                f"registry: DescribeModelPackageGroup {group} failed: {e}"
+            ) from None
+    return False
 
 
 def model_archive(client, store: Store, run: RunTree, entry: dict) -> str:
@@ -277,10 +390,11 @@ def model_quality(metrics: dict) -> dict:
 
 def description(entry: dict) -> str:
     """ModelPackageDescription: what ListModelPackages shows of a version (`smpipe registry`)."""
-    f1, data = entry["test_metrics"].get("macro_f1"), entry["data_version"]
-    snapshot = (entry["data_snapshot_hash"] or "")[:8]
-    return f"{entry['experiment']} run {entry['run']}: {entry['model']}, test macro-F1 {f1:.4f}" + (
-        f"; data {run_label(data)} {snapshot}".rstrip() if data else ""
+    f1, data = entry["test_metrics"].get("macro_f1"), entry.get("data_version")
+    snapshot = (entry.get("data_snapshot_hash") or "")[:8]
+    score = f"test macro-F1 {f1:.4f}" if isinstance(f1, int | float) else "no test macro-F1"
+    return f"{entry['experiment']} run {entry['run']}: {entry['model']}, {score}" + (
+        f"; data {run_label(data)} {snapshot}".rstrip() if isinstance(data, int) else ""
     )
 
 
@@ -293,6 +407,9 @@ def customer_metadata(entry: dict) -> dict[str, str]:
         "smpipe:model": entry["model"],
         "smpipe:data-version": run_label(entry["data_version"]) if entry["data_version"] else "",
         "smpipe:data-snapshot-hash": entry["data_snapshot_hash"] or "",
+        # The model folder registered (another run's, for a --steps inference run): what
+        # `smpipe prune` keeps for the version. Left out past the value's 256 characters.
+        ARTIFACT_PROPERTY: entry["model_artifact"] if len(entry["model_artifact"]) <= 256 else "",
         **{
             f"smpipe:test-{k.replace('_', '-')}": f"{v:.6f}"
             for k, v in entry["test_metrics"].items()
@@ -369,16 +486,84 @@ def set_status(settings: Settings, store: Store, version: int, status: str, clie
             f"registry: no version {version} in model package group {group!r} ({there})"
         )
     if settings.experiment.backend != "local":
+        client = client or sagemaker_client(settings)
+        if status == APPROVED:
+            described = call(client, "DescribeModelPackage", {"ModelPackageName": row["arn"]})
+            archives = [key_of(store, url) for url in model_data_urls(described)]
+            gone = [key for key in archives if key and not store.exists(key)]
+            if gone:
+                raise PipelineError(model_gone(group, version, store.uri_of(gone[0])))
         update = {"ModelPackageArn": row["arn"], "ModelApprovalStatus": status}
-        call(client or sagemaker_client(settings), "UpdateModelPackage", update)
+        call(client, "UpdateModelPackage", update)
         return {**row, "approval_status": status}
     tree = ExperimentTree(settings.experiment.name)
-    try:
-        record = json.loads(store.get_bytes(tree.registry_version(group, version)))
-    except NotFound:
-        raise PipelineError(f"registry: version {version} of {group!r} is gone") from None
-    now = md.iso(time.time())
-    record["approval_status"] = status
-    record["history"] = [*record.get("history", []), {"approval_status": status, "time": now}]
-    store.put_bytes(tree.registry_version(group, version), json.dumps(record, indent=2).encode())
-    return {**record, "description": description(record)}
+    model = artifact_key(store, row["model_artifact"])
+    if status == APPROVED and not (model and is_complete(store, model)):
+        raise PipelineError(model_gone(group, version, store.uri_of(model or "")))
+    change = {"approval_status": status, "time": md.iso(time.time())}
+    add_change(store, tree, group, version, change)
+    return {**row, "approval_status": status, "history": [*row["history"], change]}
+
+
+def model_gone(group: str, version: int, where: str) -> str:
+    return (
+        f"approve: version {version} of {group!r} points at a model that is no longer complete "
+        f"({where}): approving it would approve a model that cannot be served. --reject it, "
+        "or register the model again"
+    )
+
+
+# -- what the versions point at (smpipe prune keeps it) --------------------------------------
+
+
+def model_data_urls(described: dict) -> list[str]:
+    """The model archives a model package serves (DescribeModelPackage's
+    InferenceSpecification.Containers[].ModelDataUrl, where register_package puts them)."""
+    containers = (described.get("InferenceSpecification") or {}).get("Containers") or []
+    return [c["ModelDataUrl"] for c in containers if c.get("ModelDataUrl")]
+
+
+def registered_models(store: Store, tree: ExperimentTree) -> list[tuple[str, str]]:
+    """(key, why) for the model folder of every version in the local registry, every group of
+    the experiment (a group the settings named before counts too)."""
+    found = []
+    for group in store.list_children(tree.registry_root):
+        for record in local_versions(store, tree, group):
+            key = artifact_key(store, record["model_artifact"])
+            if key:
+                found.append((key, version_said(group, record)))
+    return found
+
+
+def package_models(settings: Settings, store: Store, client=None) -> list[tuple[str, str]]:
+    """(key, why) for what each version of [registry] MODEL_PACKAGE_GROUP on SageMaker points
+    at in this store: its model archive (ModelDataUrl) and the model folder it was registered
+    from (CustomerMetadataProperties). None locally, or when no group is named. A group that
+    cannot be listed is a PipelineError: what it points at cannot be known."""
+    group = settings.registry.model_package_group
+    if settings.experiment.backend == "local" or not group:
+        return []
+    client = client or sagemaker_client(settings)
+    if not group_exists(client, group):
+        return []
+    found = []
+    for package in packages(client, group):
+        described = call(
+            client, "DescribeModelPackage", {"ModelPackageName": package["ModelPackageArn"]}
+        )
+        why = version_said(
+            group,
+            {
+                "version": described.get("ModelPackageVersion"),
+                "approval_status": described.get("ModelApprovalStatus"),
+            },
+        )
+        folder = (described.get("CustomerMetadataProperties") or {}).get(ARTIFACT_PROPERTY)
+        keys = [key_of(store, url) for url in model_data_urls(described)] + [folder]
+        found += [(key, why) for key in keys if key]
+    return found
+
+
+def version_said(group: str, record: dict) -> str:
+    status = record["approval_status"]
+    return f"version {record['version']} of model package group {group!r} ({status}) points at it"
