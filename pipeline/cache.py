@@ -2,8 +2,9 @@
 
 Each data step's output is keyed by the hash of everything it reads:
 
-    reconcile  the raw data (every file's path and content hash), what the user's
-               `reconcile` can reach in their code, the step's own code, its arguments
+    reconcile  the raw data (every data file's path and content hash; hidden files are not
+               data: pipeline/raw_data.py), what the user's `reconcile` can reach in their
+               code, the step's own code, its arguments
     prepare    the reconcile key it reads (or the snapshot's hash when that was reused by
                --steps), what `load_tokenizer`, `encode`, `ordered_input_keys` can reach,
                the step's own code, its arguments (models, MAX_SEQUENCE_LENGTH,
@@ -38,7 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from types import BuiltinFunctionType, CodeType, FunctionType, ModuleType
 
-from pipeline.paths import SPLITS, ExperimentTree
+from pipeline.paths import SPLITS, ExperimentTree, raw_version_digest
+from pipeline.raw_data import folder_digest, is_hidden
 from pipeline.store import NotFound, Store, file_sha256, is_complete, open_store
 
 STEPS_DIR = Path(__file__).resolve().parent.parent / "steps"
@@ -299,23 +301,31 @@ def functions_digest(functions: list, own: dict[str, Path]) -> tuple[str, str | 
     return digest(*(f"{k}\n{closure.parts[k]}" for k in sorted(closure.parts)), *data), None
 
 
+def step_reaches(functions, own: dict[str, Path]) -> dict[str, tuple[str, str | None]]:
+    """`functions_digest` of each data step's user functions (CALLS), by step."""
+    return {
+        step: functions_digest([getattr(functions, name) for name in names], own)
+        for step, names in CALLS.items()
+    }
+
+
 def raw_digest(store: Store, raw: str) -> str | None:
-    """Every raw file's path and content hash; None when the driver cannot list them (raw
-    data in another bucket, readable only by the jobs)."""
-    if "://" not in raw and not raw.startswith("/"):
+    """Every raw data file's path and content hash; None when the driver cannot list them (raw
+    data in another bucket, readable only by the jobs). Hidden files are not data, here as
+    everywhere (pipeline/raw_data.py). A local folder and the raw version of it give the same
+    key: its content digest, which names the version."""
+    if raw.startswith("/"):
+        return f"raw {folder_digest(Path(raw))}"
+    if "://" not in raw and raw_version_digest(raw):
+        return f"raw {raw_version_digest(raw)}"
+    if "://" not in raw:
         files = store.fingerprints(raw)
-    elif raw.startswith("/"):
-        root = Path(raw)
-        files = {
-            p.relative_to(root).as_posix(): file_sha256(p)
-            for p in sorted(root.rglob("*"))
-            if p.is_file()
-        }
     else:
         try:
             files = open_store(raw).fingerprints("")
         except Exception:  # noqa: BLE001 -- other credentials: the job reads it, we cannot
             return None
+    files = {k: v for k, v in files.items() if not is_hidden(k)}
     return digest(*(f"{k} {v}" for k, v in sorted(files.items()))) if files else None
 
 
@@ -389,19 +399,17 @@ def plan(
     raw: str,
     snapshot_hash: str | None,
     arguments: dict[str, list[str]],
-    functions,
+    reaches: dict[str, tuple[str, str | None]],
     use_cache: bool,
-    own: dict[str, Path],
 ) -> dict[str, CacheEntry]:
     """The verdict for each data step in `steps`. `raw`: where reconcile reads;
     `snapshot_hash`: the snapshot prepare reads when reconcile is not in `steps`;
-    `arguments`: each step's job arguments; `functions`: the loaded user functions; `own`:
-    the user's modules as the run ships them."""
+    `arguments`: each step's job arguments; `reaches`: `step_reaches` of the user functions
+    (computed where the driver checked them: pipeline/user_check.py)."""
     notes: dict[str, str] = {}
 
     def inputs(step: str) -> dict[str, str | None]:
-        fns = [getattr(functions, name) for name in CALLS[step]]
-        reach, why = functions_digest(fns, own)
+        reach, why = reaches[step]
         if why:
             notes[step] = f"keyed by every file of the user code ({why})"
         return {

@@ -1,7 +1,14 @@
 """Every key of the run tree, named here and nowhere else.
 
     <store>/<experiment>/
-        raw/                                  the user's raw data (input, never written by a run)
+        raw/                                  the user's raw data (`smpipe upload`; never
+                                              written over, never written by a run)
+        raw.json                              what `smpipe upload` put in raw/: each file's
+                                              size, sha256 and the store's fingerprint of it
+        raw-versions/<digest>/                a local RAW_DATA folder for jobs that run
+                                              elsewhere, named by its content: files/ (its
+                                              files as they are) and a manifest
+                                              (pipeline/raw_data.py)
         data/<data_version>/                  experiment-level data, shared by later runs
             reconciled/                       snapshot + manifest (hash, rows, label counts, drops)
             prepared/                         train/ validation/ test/ (save_to_disk), labels/
@@ -10,7 +17,8 @@
         cache/<step>/<key>.json               reconcile/prepare: the data version computed from
                                               exactly these inputs (pipeline/cache.py)
         registry/<group>/<version>.json       the local model registry: one record per version
-                                              (pipeline/registry.py)
+                                              (pipeline/registry.py); <version>/<change>.json:
+                                              each approval change since, created once
         runs/<run_num>/                       everything one run produces
             CLAIM                             written first, atomically: the run_num is taken
             settings.ini                      the settings as applied, secrets redacted
@@ -21,6 +29,9 @@
             models/<model>/                   model/ (safetensors, the programs EXPORTS names,
                                               curves), output/; best-trial/ while a tuned
                                               model waits for its export
+            failed-jobs/<job_name>/           a failed local job's folder, kept for inspection
+                                              (a local store); removed when the run completes
+                                              or by prune
             checkpoints/<model>/              synced training State (spot, restarts, --resume);
                                               removed when the run completes (pipeline/prune.py)
             tuning/<model>/                   trials.json/.csv/.png, tuning.json; trial-NNN/output/
@@ -68,6 +79,20 @@ class ExperimentTree:
         return f"{self.experiment}/raw/"
 
     @property
+    def raw_record(self) -> str:
+        """What `smpipe upload` put in raw/, so a later upload is compared by content without
+        reading raw/ back (pipeline/raw_data.py)."""
+        return f"{self.experiment}/raw.json"
+
+    @property
+    def raw_versions_root(self) -> str:
+        return f"{self.experiment}/raw-versions/"
+
+    def raw_version(self, digest: str) -> RawVersion:
+        """A local RAW_DATA folder's content in the store, named by its digest."""
+        return RawVersion(f"{self.raw_versions_root}{digest}/")
+
+    @property
     def data_root(self) -> str:
         return f"{self.experiment}/data/"
 
@@ -80,16 +105,54 @@ class ExperimentTree:
         label = data_version if isinstance(data_version, str) else run_label(data_version)
         return DataTree(f"{self.data_root}{label}/")
 
+    @property
+    def registry_root(self) -> str:
+        """The local model registry: one folder per model package group."""
+        return f"{self.experiment}/registry/"
+
     def registry(self, group: str) -> str:
         """The local model registry's versions of one model package group."""
-        return f"{self.experiment}/registry/{group}/"
+        return f"{self.registry_root}{group}/"
 
     def registry_version(self, group: str, version: int) -> str:
         return f"{self.registry(group)}{version:0{RUN_NUM_WIDTH}d}.json"
 
+    def registry_changes(self, group: str, version: int) -> str:
+        """The approval changes of one version (`smpipe approve`), each an object of its own."""
+        return f"{self.registry(group)}{version:0{RUN_NUM_WIDTH}d}/"
+
+    def registry_change(self, group: str, version: int, change: int) -> str:
+        """Change `change` (1, 2, ...) of a version's approval, created once and never rewritten."""
+        return f"{self.registry_changes(group, version)}{change:06d}.json"
+
     def run(self, run_num: int | str) -> RunTree:
         label = run_num if isinstance(run_num, str) else run_label(run_num)
         return RunTree(f"{self.runs_root}{label}/", run_num if isinstance(run_num, int) else 0)
+
+
+@dataclass(frozen=True)
+class RawVersion:
+    """One content of a local RAW_DATA folder: files/ holds exactly its data files (what the
+    reconcile job reads, nothing of ours among them); the manifest beside files/ lists them and
+    is written last."""
+
+    prefix: str
+
+    @property
+    def digest(self) -> str:
+        return self.prefix.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def files(self) -> str:
+        return f"{self.prefix}files/"
+
+
+def raw_version_digest(key: str) -> str | None:
+    """The digest of the raw version whose files/ `key` is, or None for any other key."""
+    parts = key.rstrip("/").split("/")
+    if len(parts) >= 4 and parts[-3] == "raw-versions" and parts[-1] == "files":
+        return parts[-2]
+    return None
 
 
 @dataclass(frozen=True)
@@ -180,6 +243,12 @@ class RunTree:
         return f"{self.prefix}checkpoints/"
 
     @property
+    def failed_jobs(self) -> str:
+        """The folders of the run's failed local jobs, kept for inspection when the store is a
+        folder on this machine (pipeline/backends/local.py `kept_jobs_folder`)."""
+        return f"{self.prefix}failed-jobs/"
+
+    @property
     def tuning_root(self) -> str:
         return f"{self.prefix}tuning/"
 
@@ -196,9 +265,13 @@ class RunTree:
     def inference(self) -> str:
         return f"{self.prefix}inference/"
 
+    @property
+    def predictions(self) -> str:
+        return f"{self.prefix}predictions/"
+
     def prediction(self, label: str) -> PredictionTree:
         """One `smpipe predict` with a model of this run (pipeline/predict.py)."""
-        return PredictionTree(f"{self.prefix}predictions/{label}/")
+        return PredictionTree(f"{self.predictions}{label}/")
 
     def report(self, step: str) -> str:
         """Where a processing job's own Metadata section (step_metadata.json) lands."""

@@ -19,6 +19,14 @@ from pipeline.config import ConfigError, Settings
 from pipeline.errors import PipelineError, log
 from pipeline.history import settings_changes
 from pipeline.paths import SPLITS, DataTree, ExperimentTree, RunTree, run_label
+from pipeline.raw_data import (
+    LocalRaw,
+    folder_problems,
+    local_version,
+    stored_sizes,
+    unfinished_upload,
+)
+from pipeline.raw_data import upload_raw as upload_raw  # `smpipe upload`'s, named here too
 from pipeline.runs import existing_run_nums, silent_driver
 from pipeline.store import NotFound, Store, artifact_key, is_complete
 from steps.prepared_files import ENCODING, parse_encoding
@@ -29,6 +37,9 @@ class Sources:
     """Where each step reads from: this run's outputs or an earlier run's, named up front."""
 
     raw: str  # store prefix or URI
+    # A local RAW_DATA on a backend whose jobs run elsewhere: the raw version `raw` names,
+    # uploaded before the run is claimed (pipeline/raw_data.py); recorded as the folder.
+    local_raw: LocalRaw | None = None
     reconciled: DataTree | None = None  # the data version whose snapshot prepare reads
     prepared: DataTree | None = None  # the data version whose splits train and inference read
     data_version: int | None = None
@@ -39,6 +50,7 @@ class Sources:
         """What Metadata keeps, so a resumed run reads exactly what the run started with."""
         return {
             "raw": self.raw,
+            **({"raw_from": str(self.local_raw.folder)} if self.local_raw else {}),
             "data_version": self.data_version,
             "models": self.models,
             "reconciled": self.reconciled.prefix if self.reconciled else None,
@@ -159,34 +171,21 @@ def check_reused_models(
 
 
 def check_raw_data(settings: Settings, store: Store, tree: ExperimentTree) -> list[str]:
-    local_raw = settings.raw_data_uri() and "://" not in settings.raw_data_uri()
-    if local_raw and not any(p.is_file() for p in Path(settings.raw_data_uri()).rglob("*")):
-        return [f"[data] RAW_DATA: {settings.raw_data_uri()} is not a folder with files in it"]
-    if local_raw and settings.experiment.backend != "local":
-        return check_raw_upload(store, tree, Path(settings.raw_data_uri()))
-    if not settings.data.raw_data and not store.list_keys(tree.raw):
-        return [
-            f"no raw data at {store.uri_of(tree.raw)} ([data] RAW_DATA is empty, so the "
-            "experiment's raw/ folder is used)"
-        ]
+    """Where the settings say the raw data is, checked by content (pipeline/raw_data.py): a
+    local folder holds data files and nothing the store would take for its own; the
+    experiment's raw/ holds files and no unfinished upload."""
+    raw = settings.raw_data_uri()
+    if raw and "://" not in raw:
+        return [f"[data] RAW_DATA: {problem}" for problem in folder_problems(Path(raw))]
+    if not raw:
+        if not stored_sizes(store, tree.raw):
+            return [
+                f"no raw data at {store.uri_of(tree.raw)} ([data] RAW_DATA is empty, so the "
+                "experiment's raw/ folder is used)"
+            ]
+        unfinished = unfinished_upload(store, tree)
+        return [unfinished] if unfinished else []
     # RAW_DATA in another bucket is checked by the job itself: it may need other credentials.
-    return []
-
-
-def local_files(folder: Path) -> dict[str, Path]:
-    return {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def check_raw_upload(store: Store, tree: ExperimentTree, folder: Path) -> list[str]:
-    """A SageMaker job cannot read a folder on this machine: its files go to the experiment's
-    raw/ first. That is refused when raw/ already holds other data (nothing is mixed)."""
-    there = {k[len(tree.raw) :] for k in store.list_keys(tree.raw)}
-    if there and there != set(local_files(folder)):
-        return [
-            f"[data] RAW_DATA: {folder} would be uploaded to {store.uri_of(tree.raw)}, which "
-            "already holds other files; leave RAW_DATA empty to use those, or use another "
-            "experiment NAME"
-        ]
     return []
 
 
@@ -239,13 +238,20 @@ def resolve_sources(
 ) -> Sources:
     """Decide where every step reads from, or say what is missing; writes nothing."""
     problems = []
-    uploads_raw = settings.experiment.backend != "local" and settings.raw_data_uri()
-    raw = tree.raw if uploads_raw or not settings.raw_data_uri() else settings.raw_data_uri()
-    sources = Sources(raw=raw)
+    sources = Sources(raw=settings.raw_data_uri() or tree.raw)
     newest = f"{store.uri_of(tree.data_root)} holds no complete"
     # Where the settings say the raw data is: a problem of the settings (exit 2), said with
     # the rest.
     raw_problems = check_raw_data(settings, store, tree) if "reconcile" in steps else []
+    local = settings.raw_data_uri() and "://" not in settings.raw_data_uri()
+    elsewhere = settings.experiment.backend != "local"
+    if "reconcile" in steps and local and elsewhere and not raw_problems:
+        # Jobs that run elsewhere cannot read this machine's folder: they read its content
+        # as a raw version of the store, which the run names (the local backend reads the
+        # folder where it is).
+        sources.local_raw = local_version(tree, Path(settings.raw_data_uri()))
+        sources.raw = sources.local_raw.version.files
+        say_raw_version(store, sources.local_raw)
     if "prepare" in steps and "reconcile" not in steps:
         version = newest_data(store, tree, "reconciled")
         if version is None:
@@ -268,6 +274,19 @@ def resolve_sources(
     if problems:
         raise PipelineError("cannot start: " + "; ".join(problems))
     return sources
+
+
+def say_raw_version(store: Store, raw: LocalRaw) -> None:
+    version = raw.version
+    named = f"raw version {version.digest[:12]} of {raw.folder}"
+    if is_complete(store, version.prefix):
+        log.info(f"raw data: {named}, in the store already: {store.uri_of(version.files)}")
+    else:
+        size = sum(c.size for c in raw.found.values())
+        log.info(
+            f"raw data: {named}, new: its {len(raw.files)} files ({size:,} bytes) are uploaded "
+            f"to {store.uri_of(version.files)} before the run starts"
+        )
 
 
 def reuse_models(
@@ -301,21 +320,6 @@ def reuse_models(
 def log_reused(sources: Sources) -> None:
     for what, where in sources.reused.items():
         log.info(f"reusing {what}: {where}")
-
-
-def upload_raw(store: Store, tree: ExperimentTree, folder: Path) -> int:
-    """Raw data on this machine, for jobs that run elsewhere: its files, as they are, into the
-    experiment's raw/, once (nothing is uploaded when raw/ holds these very files already).
-    Returns how many files were uploaded. `check_raw_upload` says first whether raw/ holds
-    other data, which is never mixed in."""
-    there = {k[len(tree.raw) :] for k in store.list_keys(tree.raw)}
-    files = local_files(folder)
-    if there == set(files):
-        return 0
-    for rel, path in files.items():
-        store.upload_file(path, tree.raw + rel)
-    log.info(f"uploaded {len(files)} raw files from {folder} to {store.uri_of(tree.raw)}")
-    return len(files)
 
 
 RESUMABLE = ("failed", "interrupted", "abandoned")

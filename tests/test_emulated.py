@@ -240,8 +240,8 @@ def test_a_failing_step_ends_in_one_paragraph(tmp_path, demo_raw):
     assert record["backend"] == "emulated" and "<redacted>" not in json.dumps(record)
     assert record["steps"]["prepare"]["status"] == "failed"
     assert "this encode is broken" in record["steps"]["prepare"]["failure_reason"]
-    # The raw data went to the experiment's raw/ before the run was claimed.
-    assert (tmp_path / "store/test-exp/raw/labels.csv").exists()
+    # The raw data went to the store, as the raw version the run names, before it was claimed.
+    assert (tmp_path / "store" / record["raw_path"] / "labels.csv").exists()
 
 
 def test_stop_ends_the_emulated_job(staged, bucket, tmp_path):

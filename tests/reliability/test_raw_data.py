@@ -1,0 +1,250 @@
+"""Issue 29, cases 5-7: raw data by content. `smpipe upload` and a run compare what files hold
+(size and sha256), never names alone; hidden files and folders are not data on either side;
+names the store uses for itself are refused at the boundary; the experiment's raw/ is never
+overwritten; and a local RAW_DATA on a backend whose jobs cannot read this machine becomes a
+content-addressed raw version, so an edit is the next run's data."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline import cli
+from pipeline.config import load_settings
+from pipeline.driver import parse_steps, run_pipeline
+from pipeline.paths import ExperimentTree
+from pipeline.sources import upload_raw
+from pipeline.store import MANIFEST, LocalStore, S3Store
+from tests.conftest import write_settings
+
+TREE = ExperimentTree("test-exp")
+
+
+def small_raw(out: Path) -> Path:
+    """Raw data as the demo's user keeps it, small: two articles and their labels."""
+    (out / "articles").mkdir(parents=True)
+    (out / "articles" / "a1.txt").write_text("Shares rose after the results.")
+    (out / "articles" / "a2.txt").write_text("The striker scored twice.")
+    (out / "labels.csv").write_text("id,label\na1,business\na2,sport\n")
+    return out
+
+
+def upload(settings: Path, folder: Path, capsys) -> tuple[int, str]:
+    code = cli.main(["upload", str(settings), str(folder)])
+    out, err = capsys.readouterr()
+    return code, out + err
+
+
+def stored(store, prefix: str) -> list[str]:
+    """Every file under `prefix`, hidden ones included (a LocalStore's listing skips those)."""
+    if isinstance(store, LocalStore):
+        root = Path(store.uri_of(prefix))
+        return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    return sorted(k[len(prefix) :] for k in store.list_keys(prefix))
+
+
+def test_upload_after_an_edit_is_refused_naming_each_file_and_raw_is_kept(store, tmp_path, capsys):
+    """Case 5: an edit that keeps every name and size is told by content, and refused: raw/
+    is what earlier runs read, so it is never overwritten."""
+    raw = small_raw(tmp_path / "raw")
+    settings = write_settings(tmp_path / "s.ini", store.uri)
+    assert upload(settings, raw, capsys)[0] == 0
+    before = store.get_bytes(TREE.raw + "labels.csv")
+    # The same names, the same sizes ("business" and "politics" are both 8 letters).
+    (raw / "labels.csv").write_text("id,label\na1,politics\na2,sport\n")
+    assert (raw / "labels.csv").stat().st_size == len(before)
+    code, said = upload(settings, raw, capsys)
+    assert code == 1, said
+    assert "changed: labels.csv" in said and "never overwritten" in said
+    assert "RAW_DATA" in said  # what to do instead
+    assert store.get_bytes(TREE.raw + "labels.csv") == before
+    # Added and removed files are named too, and nothing is uploaded.
+    (raw / "notes.txt").write_text("added")
+    (raw / "articles" / "a2.txt").unlink()
+    code, said = upload(settings, raw, capsys)
+    assert code == 1 and "added: notes.txt" in said and "removed: articles/a2.txt" in said
+    assert stored(store, TREE.raw) == ["articles/a1.txt", "articles/a2.txt", "labels.csv"]
+    # The folder as it was: raw/ holds it already.
+    small_raw(tmp_path / "again")
+    code, said = upload(settings, tmp_path / "again", capsys)
+    assert code == 0 and "holds this folder's content already" in said
+
+
+def test_an_unchanged_folder_is_recognized_without_downloading_raw(store, tmp_path, monkeypatch):
+    """The record `smpipe upload` keeps beside raw/ (each file's sha256, and the store's own
+    fingerprint of it: S3's ETag, not an MD5 for a multipart or SSE-KMS upload) tells an
+    unchanged folder without reading raw/ back."""
+    raw = small_raw(tmp_path / "raw")
+    assert upload_raw(store, TREE, raw) == 3
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("raw/ was downloaded to be compared")
+
+    monkeypatch.setattr(type(store), "download_file", no_download)
+    assert upload_raw(store, TREE, raw) == 0
+
+
+def test_hidden_files_are_not_data_on_either_side(store, tmp_path, capsys):
+    """Case 7, `upload`: .DS_Store and .git/ are neither uploaded nor compared, whichever side
+    holds them (`aws s3 sync` copies hidden files into S3; a LocalStore's listing skips them)."""
+    raw = small_raw(tmp_path / "raw")
+    (raw / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    (raw / ".git").mkdir()
+    (raw / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    settings = write_settings(tmp_path / "s.ini", store.uri)
+    assert upload(settings, raw, capsys)[0] == 0
+    assert stored(store, TREE.raw) == ["articles/a1.txt", "articles/a2.txt", "labels.csv"]
+    (raw / ".DS_Store").write_bytes(b"Finder moved a window")
+    store.put_bytes(TREE.raw + ".DS_Store", b"put there by hand")
+    code, said = upload(settings, raw, capsys)
+    assert code == 0 and "holds this folder's content already" in said, said
+
+
+def test_a_file_named_as_the_store_names_its_own_is_refused(store, tmp_path, capsys):
+    """A user's _MANIFEST.json would be read as the store's own manifest of the folder (and
+    checked against files it does not list): refused by name, before anything is written."""
+    raw = small_raw(tmp_path / "raw")
+    (raw / "articles" / MANIFEST).write_text("{}")
+    settings = write_settings(tmp_path / "s.ini", store.uri, data={"RAW_DATA": str(raw)})
+    code, said = upload(settings, raw, capsys)
+    assert code == 1 and f"articles/{MANIFEST}" in said and "rename" in said, said
+    assert stored(store, TREE.raw) == []
+    # A run pointed at the folder is refused before anything too (a problem of the settings).
+    assert cli.main(["plan", str(settings)]) == 2
+    assert f"articles/{MANIFEST}" in capsys.readouterr().err
+
+
+def retitled(folder: Path, ids: list[str], label: str) -> None:
+    """labels.csv with the articles `ids` given `label`."""
+    lines = (folder / "labels.csv").read_text().splitlines()
+    out = [lines[0]] + [
+        f"{line.split(',')[0]},{label}" if line.split(",")[0] in ids else line for line in lines[1:]
+    ]
+    (folder / "labels.csv").write_text("\n".join(out) + "\n")
+
+
+def label_counts(store, version: int) -> dict[str, int]:
+    return json.loads(store.get_bytes(TREE.data(version).snapshot_info))["label_counts"]
+
+
+def emulated(tmp_path, raw: Path, store_uri: str):
+    path = write_settings(tmp_path / "s.ini", store_uri, models={"MODEL_NAMES": "bow"},
+                          experiment={"BACKEND": "emulated"}, data={"RAW_DATA": str(raw)})  # fmt: skip
+    return load_settings(path, env={})
+
+
+@pytest.mark.slow
+def test_an_edited_raw_data_folder_is_the_next_emulated_run_s_data(bucket, demo_raw, tmp_path):
+    """Case 6: jobs on SageMaker (emulated here) cannot read this machine's folder, so it
+    becomes a raw version named by its content; an edit is a new version, which the next run
+    reads (and the cache computes again), and the earlier one stays as the first run read it."""
+    raw = shutil.copytree(demo_raw, tmp_path / "raw")
+    store = S3Store(f"s3://{bucket}/root")
+    settings = emulated(tmp_path, raw, store.uri)
+    first = run_pipeline(settings, store, parse_steps("reconcile"), echo=io.StringIO())
+    assert first["status"] == "completed"
+    ids = [line.split(",")[0] for line in (raw / "labels.csv").read_text().splitlines()[1:]]
+    retitled(raw, ids[1:4], "weather")
+    second = run_pipeline(settings, store, parse_steps("reconcile"), echo=io.StringIO())
+    # Not the first run's output again: reconcile read the edited labels.
+    assert second["data_steps"]["reconcile"]["status"] == "computed", second["data_steps"]
+    assert label_counts(store, 2)["weather"] == 3 and "weather" not in label_counts(store, 1)
+    # Each run names the raw version it read.
+    assert first["raw_path"].startswith(TREE.root + "raw-versions/")
+    assert second["raw_path"].startswith(TREE.root + "raw-versions/")
+    assert second["raw_path"] != first["raw_path"]
+    # The first version is kept whole: what run 1 read is still there to read.
+    assert store.list_keys(first["raw_path"]) and store.list_keys(second["raw_path"])
+
+
+@pytest.mark.slow
+def test_a_ds_store_does_not_refuse_the_next_emulated_run(aws_env, demo_raw, tmp_path, caplog):
+    """Case 7, a run, with a local STORE as `smpipe run --backend emulated` opens it: the
+    folder with a .DS_Store, unchanged otherwise, is the same raw version: not refused,
+    nothing uploaded, reconcile reused."""
+    from pipeline.backends.emulated import S3View
+
+    raw = shutil.copytree(demo_raw, tmp_path / "raw")
+    (raw / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    settings = emulated(tmp_path, raw, str(tmp_path / "store"))
+    store = S3View(LocalStore(tmp_path / "store"))
+    first = run_pipeline(settings, store, parse_steps("reconcile"), echo=io.StringIO())
+    assert first["status"] == "completed"
+    (raw / ".DS_Store").write_bytes(b"Finder moved a window")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="smpipe"):
+        second = run_pipeline(settings, store, parse_steps("reconcile"), echo=io.StringIO())
+    assert second["raw_path"] == first["raw_path"]
+    assert second["data_steps"]["reconcile"]["status"] == "reused"
+    assert "uploaded" not in caplog.text
+    assert not list((tmp_path / "store").rglob(".DS_Store"))
+
+
+@pytest.mark.slow
+def test_the_local_backend_reads_the_folder_without_its_hidden_files(demo_raw, tmp_path):
+    """The local backend reads RAW_DATA where it is (no raw version), and its job sees what a
+    raw version holds: no hidden files or folders; an edit of one computes nothing again."""
+    raw = shutil.copytree(demo_raw, tmp_path / "raw")
+    (raw / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    (raw / ".git").mkdir()
+    (raw / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    path = write_settings(tmp_path / "s.ini", str(tmp_path / "store"), models={"MODEL_NAMES": "bow"},
+                          data={"RAW_DATA": str(raw)})  # fmt: skip
+    settings = load_settings(path, env={})
+    store = LocalStore(settings.store_uri())
+    first = run_pipeline(settings, store, parse_steps("reconcile"), echo=sys.stdout)
+    assert first["raw_path"] == str(raw)
+    data_files = [p for p in raw.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    assert first["steps"]["reconcile"]["details"]["raw_files"] == len(data_files) - 1  # .git/HEAD
+    (raw / ".git" / "HEAD").write_text("ref: refs/heads/other\n")
+    second = run_pipeline(settings, store, parse_steps("reconcile"), echo=sys.stdout)
+    assert second["data_steps"]["reconcile"]["status"] == "reused"
+
+
+def test_an_unfinished_upload_is_read_by_no_run_and_finished_by_its_folder(
+    tmp_path, monkeypatch, capsys
+):
+    """An upload cut short (Ctrl-C, a lost connection) leaves raw/ claimed but not complete: no
+    run reads it, an upload of other files is refused, the same folder's upload finishes it."""
+    from pipeline import raw_data
+
+    raw = small_raw(tmp_path / "raw")
+    settings = write_settings(tmp_path / "s.ini", str(tmp_path / "store"))
+    sent = raw_data.send
+
+    def cut_short(store, files, prefix):
+        sent(store, dict(list(files.items())[:1]), prefix)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(raw_data, "send", cut_short)
+    code, said = upload(settings, raw, capsys)
+    assert code == 130 and "is not complete" in said, said
+    monkeypatch.setattr(raw_data, "send", sent)
+    assert cli.main(["plan", str(settings)]) == 2
+    assert "has not finished" in capsys.readouterr().err
+    other = small_raw(tmp_path / "other")
+    (other / "labels.csv").write_text("id,label\na1,tech\na2,sport\n")
+    code, said = upload(settings, other, capsys)
+    assert code == 1 and "has not finished" in said and "changed: labels.csv" in said, said
+    (raw / "articles" / "a2.txt").unlink()  # edited meanwhile: its own upload goes on as it is now
+    assert upload(settings, raw, capsys)[0] == 0
+    assert stored(LocalStore(tmp_path / "store"), TREE.raw) == ["articles/a1.txt", "labels.csv"]
+    assert cli.main(["plan", str(settings), "--steps", "reconcile"]) == 0
+
+
+def test_raw_data_in_a_bucket_is_read_where_it_is(tmp_path):
+    """RAW_DATA = s3://...: the jobs read it there, on every backend (a backend other than
+    local read the experiment's raw/ in its place)."""
+    from pipeline.sources import resolve_sources
+
+    path = write_settings(tmp_path / "s.ini", str(tmp_path / "store"), experiment={"BACKEND": "emulated"},
+                          data={"RAW_DATA": "s3://their-bucket/raw/"})  # fmt: skip
+    settings = load_settings(path, env={})
+    sources = resolve_sources(settings, LocalStore(settings.store_uri()), TREE, ["reconcile"])
+    assert sources.raw == "s3://their-bucket/raw/" and sources.local_raw is None
