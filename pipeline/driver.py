@@ -16,18 +16,18 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 from pipeline import cache, cost, registry, service_model
 from pipeline import metadata as md
 from pipeline.backends import identity, make_backend
-from pipeline.code_bundle import PROJECT_ROOT, ship_code, user_code
+from pipeline.code_bundle import PROJECT_ROOT, ship_code
 from pipeline.config import ConfigError, Settings
 from pipeline.console import log_summary
 from pipeline.errors import PipelineError, log
 from pipeline.jobs import JobFailed, request_for
 from pipeline.paths import ExperimentTree, RunTree
 from pipeline.prune import remove_checkpoints
+from pipeline.raw_data import upload_version
 from pipeline.runs import claim_run_num, heartbeat, mark_abandoned
 from pipeline.service_model import as_if_on_s3
 from pipeline.sources import (
@@ -38,7 +38,6 @@ from pipeline.sources import (
     resumed_run,
     snapshot_hash,
     steps_to_run,
-    upload_raw,
 )
 from pipeline.stages import (
     STAGES,
@@ -52,8 +51,8 @@ from pipeline.stages import (
     plan_lines,
 )
 from pipeline.store import Store, StoreError, is_complete
+from pipeline.user_check import check_user_functions
 from steps.entrypoint import secret_values
-from steps.user_code import load_user_functions
 
 
 def parse_steps(text: str | None) -> list[str]:
@@ -85,8 +84,11 @@ def run_pipeline(
     `resume`: the run_num of a failed, interrupted or abandoned run to continue in place.
     `use_cache`: reuse a data step's earlier output when its inputs are unchanged.
     `make_backend(settings, store, run, echo)` builds the backend once the run is claimed;
-    only the outermost caller needs another one (a test's SageMaker client, say)."""
-    functions = load_user_functions(settings.experiment.user_functions, settings.base_dir)
+    only the outermost caller needs another one (a test's SageMaker client, say).
+
+    The user functions are checked in a process of their own (pipeline/user_check.py):
+    nothing their import does reaches this process, and so none of the jobs it starts."""
+    reaches = check_user_functions(settings)
     tree = ExperimentTree(settings.experiment.name)
     data_steps: dict[str, cache.CacheEntry] = {}
     if resume is not None:
@@ -96,7 +98,7 @@ def run_pipeline(
         run = tree.run("<next run_num>")
         steps = registry.with_registration(settings, steps_to_run(settings, store, tree, steps))
         sources = resolve_sources(settings, store, tree, steps)
-        data_steps = consult_cache(settings, store, tree, steps, sources, functions, use_cache)
+        data_steps = consult_cache(settings, store, tree, steps, sources, reaches, use_cache)
         skipped = {s for s, entry in data_steps.items() if entry.status in ("reused", "skipped")}
         steps = [s for s in steps if s not in skipped]
     planned = build_jobs(settings, steps, run, sources)
@@ -108,8 +110,8 @@ def run_pipeline(
         return None
     mark_abandoned(store, tree)
     if resume is None:
-        if "reconcile" in steps and sources.raw == tree.raw and settings.raw_data_uri():
-            upload_raw(store, tree, Path(settings.raw_data_uri()))
+        if sources.local_raw is not None:  # the raw version the run names, in the store
+            upload_version(store, sources.local_raw)
         run, base = claim_run(settings, store, tree, steps, sources)
         base.data_steps = {step: entry.record() for step, entry in data_steps.items()}
     with heartbeat(store, run.heartbeat):
@@ -122,19 +124,17 @@ def consult_cache(
     tree: ExperimentTree,
     steps: list[str],
     sources: Sources,
-    functions,
+    reaches: dict[str, tuple[str, str | None]],
     use_cache: bool,
 ) -> dict[str, cache.CacheEntry]:
     """Each data step of `steps` reused (its sources pointed at the earlier output) or to be
-    computed; prepare's output for these inputs makes reconcile unnecessary too."""
+    computed; prepare's output for these inputs makes reconcile unnecessary too. `reaches`:
+    what each data step's user functions can reach (check_user_functions)."""
     placeholder = tree.run("<next run_num>")
     jobs = build_jobs(settings, steps, placeholder, sources)
     arguments = {j.step: j.arguments for j in jobs if j.kind == "processing"}
     snapshot = snapshot_hash(store, sources.reconciled) if sources.reconciled else None
-    own_code = user_code(settings)
-    entries = cache.plan(
-        store, tree, steps, sources.raw, snapshot, arguments, functions, use_cache, own_code
-    )
+    entries = cache.plan(store, tree, steps, sources.raw, snapshot, arguments, reaches, use_cache)
     prepare, reconcile = entries.get("prepare"), entries.get("reconcile")
     if prepare and prepare.status == "reused" and reconcile and reconcile.status != "reused":
         reconcile.status, reconcile.note = "skipped", "prepare's output for these inputs exists"
@@ -275,6 +275,12 @@ def execute(
     except JobFailed as e:
         ended(ctx, started, "failed", str(e))
         where = store.uri_of(e.result.log_key) if e.result.log_key else "the backend"
+        kept = e.result.kept_folder
+        if kept:  # a local job's folder: this machine's, until the run completes or is pruned
+            where += (
+                f"; its folder is kept at {kept} until the run completes (--resume "
+                f"{run.run_num}) or `smpipe prune` prunes it"
+            )
         raise PipelineError(
             f"step '{e.step}' failed in job {e.result.name}: {e.result.failure_reason}. "
             f"The job's log is at {where}; run {run.label} is marked failed at "

@@ -46,6 +46,7 @@ def job_name(
     *detail: str,
     limit: int = JOB_NAME_LIMIT,
     stamp: str | None = None,
+    case_sensitive: bool = True,
 ) -> str:
     """A valid, traceable job name: experiment, run, step, model, trial, and a time stamp.
 
@@ -53,7 +54,12 @@ def job_name(
     digits of a hash of the whole name are added: names that differ before shortening differ
     after it (`roberta-base` and `roberta-large` both shorten to `roberta`). SageMaker refuses
     a name used before in the account and region (ResourceInUse), and a job's CloudWatch log
-    streams are named after it. The run, the step and the stamp are always kept whole."""
+    streams are named after it. The run, the step and the stamp are always kept whole.
+
+    `case_sensitive=False`, for a name SageMaker compares without case (a tuning job's: "The
+    name is not case sensitive", CreateHyperParameterTuningJob's HyperParameterTuningJobName in
+    botocore's sagemaker service-2.json): a name with a capital letter carries the hash too, so
+    experiments `News` and `news` never ask for the same name."""
     stamp = stamp or time.strftime("%H%M%S", time.gmtime())
     flexible = [_clean(p) for p in (experiment, *detail)]
     fixed = [_clean(run), _clean(step), stamp]
@@ -63,7 +69,7 @@ def job_name(
         return "-".join(p for p in parts if p)
 
     whole = joined()
-    if len(whole) <= limit:
+    if len(whole) <= limit and (case_sensitive or whole == whole.lower()):
         return whole
     digest = hashlib.sha256(whole.encode()).hexdigest()[:DIGEST_LENGTH]
     while len(joined(digest)) > limit:
@@ -421,6 +427,8 @@ class JobResult:
     # What it used, one record per billed thing (a job, a tuning trial, a warm pool): the
     # backend's own terms, priced in pipeline/cost.py.
     billing: list[dict] = field(default_factory=list)
+    # A failed local job's folder, kept on this machine for inspection (backends/local.py).
+    kept_folder: str | None = None
 
     @property
     def seconds(self) -> float:

@@ -8,10 +8,13 @@ directories they mount. No step script names an /opt/ml path itself.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import json
 import os
 import sys
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,14 +90,16 @@ def finished_marker() -> Path | None:
 
 def run_step(step: str, main) -> None:
     """Run a step's main(); on an exception write SageMaker's failure file (the reason the
-    driver shows the user) and exit non-zero with the traceback in the log."""
+    driver shows the user) with the traceback in the log. Either way the process then ends
+    (`end_process`): a step whose work is over never waits for threads user code left."""
     try:
         main()
         marker = finished_marker()  # each host's container has its own: its first process
         if marker is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
             marker.write_text(step)
-    except SystemExit:
-        raise
+        code = 0
+    except SystemExit as e:  # a step's own status (train's 75 after a checkpoint on SIGTERM)
+        code = exit_status(e.code)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the failure file
         traceback.print_exc()
         reason = f"{step}: {type(e).__name__}: {e}"
@@ -102,12 +107,79 @@ def run_step(step: str, main) -> None:
         if path is not None and int(os.environ.get("RANK", "0")) == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(reason[:1024])
-        sys.exit(1)
-    finally:
-        # The interpreter's shutdown garbage-collects every object torch and transformers
-        # made (1.2 s of a job that imported the Trainer, 0.5 s for torch alone, measured);
-        # frozen objects are skipped there. atexit handlers still run (wandb's finish).
+        code = 1
+    end_process(code)
+
+
+def exit_status(code: object) -> int:
+    """SystemExit's code as the interpreter turns it into a status: None is 0, an integer is
+    itself, anything else is printed and is 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+# How long a step whose work is over waits for the threads still running (a user module's
+# logger or client started one at import, not as a daemon) before it ends without them.
+THREAD_GRACE_SECONDS = 2.0
+
+
+def end_process(code: int, grace: float = THREAD_GRACE_SECONDS) -> None:
+    """End this process with `code`. The interpreter's own exit when every thread has ended
+    within `grace` seconds (modules torn down, their files closed; garbage frozen first, not
+    collected: the objects torch and transformers made cost a second of a training job).
+    Otherwise the threads still running are named in the log and left behind: the
+    interpreter would join them forever, and so would the job, its driver and whoever stops
+    them. The step's own teardown still runs first, in the interpreter's order (atexit
+    handlers: wandb's finish, Accelerate's and torch's; then the streams flushed), and the
+    process leaves with os._exit, as sagemaker-training-toolkit ends every training job
+    (src/sagemaker_training/trainer.py, `_exit_processes`)."""
+    left = join_threads(grace)
+    if not left:
         gc.freeze()
+        sys.exit(code)
+    names = ", ".join(sorted(repr(t.name) for t in left))
+    print(
+        f"the step is over; {len(left)} thread(s) still running are not waited for: {names}",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code & 0xFF)
+
+
+def join_threads(seconds: float) -> list[threading.Thread]:
+    """Wait up to `seconds` for this process's non-daemon threads, as the interpreter does at
+    exit (Lib/threading.py `_shutdown`: first the hooks of threading._register_atexit, which
+    end concurrent.futures' idle workers, then each thread joined); the ones still running."""
+    deadline = time.monotonic() + seconds
+
+    def hooks() -> None:
+        for hook in reversed(getattr(threading, "_threading_atexits", [])):
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - as at exit: one failing hook stops none other
+                traceback.print_exc()
+
+    if getattr(threading, "_threading_atexits", None):  # they join what they end: bounded too
+        runner = threading.Thread(target=hooks, name="threading-atexit", daemon=True)
+        runner.start()
+        runner.join(max(0.0, deadline - time.monotonic()))
+    me = threading.current_thread()
+    waited = [t for t in threading.enumerate() if t is not me and not t.daemon]
+    for thread in waited:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return [t for t in waited if t.is_alive()]
 
 
 def write_step_metadata(directory: Path, section: dict) -> None:

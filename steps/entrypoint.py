@@ -36,11 +36,15 @@ import traceback
 from collections import deque
 from pathlib import Path
 
-from steps.contract import EXIT_INTERRUPTED, FINISHED
+from steps.contract import EXIT_INTERRUPTED, FINISHED, THREAD_GRACE_SECONDS, join_threads
 
 # The image's ENTRYPOINT, exec form: `docker/Dockerfile` must say exactly this (a test checks).
 ENTRYPOINT = ["python3", "-m", "steps.entrypoint"]
 ML_ROOT_VARIABLE = "SMPIPE_ML_ROOT"
+# Where a job's reason for failing goes, which SageMaker returns: a training job's
+# output/failure as FailureReason, a processing job's output/message as ExitMessage
+# (your-algorithms-training-algo-output.html, build-your-own-processing-container.html).
+FAILURE_FILES = {"train": "output/failure", "process": "output/message"}
 # Which module a training job runs (the demo's and every user's: steps.train).
 STEP_VARIABLE = "SMPIPE_STEP"
 PROCESSES_VARIABLE = "SMPIPE_PROCESSES_PER_HOST"
@@ -144,15 +148,26 @@ def _deserialize(value: str) -> object:
         return value
 
 
+class JobSetupError(RuntimeError):
+    """The job cannot start its step: a config file or a secret it needs cannot be read."""
+
+
+def read_config(path: Path) -> dict:
+    """One of the JSON files SageMaker writes for the job, or why it cannot be read."""
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise JobSetupError(f"{path} cannot be read: {e.strerror or e}") from None
+    except ValueError as e:
+        raise JobSetupError(f"{path} is not valid JSON: {e}") from None
+
+
 def training_variables(root: Path) -> dict[str, str]:
     """The SM_* variables of SageMaker's framework containers, from the job's config files."""
     config = root / "input/config"
-    hps = {
-        k: _deserialize(v)
-        for k, v in json.loads((config / "hyperparameters.json").read_text()).items()
-    }
-    resource = json.loads((config / "resourceconfig.json").read_text())
-    input_config = json.loads((config / "inputdataconfig.json").read_text())
+    hps = {k: _deserialize(v) for k, v in read_config(config / "hyperparameters.json").items()}
+    resource = read_config(config / "resourceconfig.json")
+    input_config = read_config(config / "inputdataconfig.json")
     channels = sorted(input_config)
     hosts = resource["hosts"]
     checkpoints = root / "checkpoints"
@@ -167,7 +182,7 @@ def training_variables(root: Path) -> dict[str, str]:
         "SM_INPUT_DATA_DIR": root / "input/data",
         "SM_INPUT_CONFIG_DIR": config,
         "SM_OUTPUT_DIR": root / "output",
-        "SM_OUTPUT_FAILURE": root / "output/failure",
+        "SM_OUTPUT_FAILURE": root / FAILURE_FILES["train"],
         "SM_OUTPUT_DATA_DIR": root / "output/data",
         "SM_CHECKPOINT_DIR": checkpoints,
         "SM_LOG_LEVEL": 20,
@@ -224,8 +239,8 @@ def distributed_variables(interface: str, hosts: int, gpus: int) -> dict[str, st
 
 def processing_variables(root: Path) -> dict[str, str]:
     """SM_PROCESSING_INPUT_/OUTPUT_<NAME>, from the processing job's own config file."""
-    config = json.loads((root / "config/processingjobconfig.json").read_text())
-    env = {"SM_OUTPUT_FAILURE": str(root / "output/message")}
+    config = read_config(root / "config/processingjobconfig.json")
+    env = {"SM_OUTPUT_FAILURE": str(root / FAILURE_FILES["process"])}
     for item in config.get("ProcessingInputs", []):
         local = (item.get("S3Input") or {}).get("LocalPath")
         if local:
@@ -250,7 +265,7 @@ def job_region(root: Path) -> str | None:
     arn = os.environ.get("TRAINING_JOB_ARN", "")
     config = root / "config/processingjobconfig.json"
     if not arn and config.exists():
-        arn = json.loads(config.read_text()).get("ProcessingJobArn", "")
+        arn = read_config(config).get("ProcessingJobArn", "")
     parts = arn.split(":")
     return parts[3] if len(parts) > 5 and parts[3] else None
 
@@ -270,7 +285,13 @@ def keys_from_secrets(root: Path) -> dict[str, str]:
     keys = {}
     for variable, secret_id in wanted.items():
         key = SECRETS_FROM_MANAGER[variable]
-        value = client.get_secret_value(SecretId=secret_id)["SecretString"]
+        try:
+            value = client.get_secret_value(SecretId=secret_id)["SecretString"]
+        except Exception as e:  # noqa: BLE001 - denied, missing, no region, binary: said whole
+            raise JobSetupError(
+                f"secret {secret_id!r} ({variable}) cannot be read from Secrets Manager in "
+                f"{region or 'no region'}: {type(e).__name__}: {e}"
+            ) from None
         try:  # a secret stored as {"WANDB_API_KEY": "..."} or as the bare key
             value = json.loads(value)[key]
         except (ValueError, KeyError, TypeError):
@@ -503,9 +524,10 @@ def _become_step(command: list[str], env: dict[str, str], output: int, ready: in
 def _run_module_as_main(module: str, args: list[str]) -> int:
     """`python -m module args...` in this process, and the status the interpreter would exit
     with: SystemExit's code, 1 for an uncaught exception, death by SIGINT for an uncaught
-    KeyboardInterrupt (as CPython since 3.8); non-daemon threads joined and atexit handlers
-    run on the way out. pipeline/backends/warm_start.py does the same for the entrypoint
-    (steps/ cannot import pipeline/, and the server imports nothing of steps/)."""
+    KeyboardInterrupt (as CPython since 3.8); non-daemon threads joined (for at most
+    THREAD_GRACE_SECONDS: the caller then leaves with os._exit) and atexit handlers run on
+    the way out. pipeline/backends/warm_start.py does the same for the entrypoint (steps/
+    cannot import pipeline/, and the server imports nothing of steps/)."""
     import atexit
     import runpy
 
@@ -523,7 +545,7 @@ def _run_module_as_main(module: str, args: list[str]) -> int:
     except BaseException:  # noqa: BLE001 - reported as the interpreter reports it
         sys.excepthook(*sys.exc_info())
         code = 1
-    threading._shutdown()  # as multiprocessing's children do (process.py, _bootstrap)
+    join_threads(THREAD_GRACE_SECONDS)  # as threading._shutdown, with a deadline
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -614,28 +636,49 @@ def follow_driver() -> None:
         sys.exit(f"the driver (pid {driver}) that started this job is gone")
 
 
-def main(argv: list[str]) -> int:
-    root = ml_root()
-    follow_driver()
-    if argv[:1] == ["train"]:
+def set_up(root: Path, argv: list[str]) -> tuple[list[str], dict[str, str], str, list[Path]]:
+    """The step's command, its environment, its name in messages and its output folders."""
+    if argv[0] == "train":
         env = {**training_variables(root), **keys_from_secrets(root)}
         Path(env["SM_CHECKPOINT_DIR"]).mkdir(parents=True, exist_ok=True)
         for sub in ("model", "output/data"):
             (root / sub).mkdir(parents=True, exist_ok=True)
-        return run(
-            training_command(env),
-            env,
-            Path(env["SM_OUTPUT_FAILURE"]),
-            "the training step",
-            [root / "model"],
-        )
-    if argv[:1] == ["process"] and len(argv) >= 2:
-        env = {**processing_variables(root), **keys_from_secrets(root)}
-        command = [sys.executable, "-m", step_module(argv[1]), *argv[2:]]
-        outputs = [Path(v) for k, v in env.items() if k.startswith("SM_PROCESSING_OUTPUT_")]
-        return run(command, env, Path(env["SM_OUTPUT_FAILURE"]), f"step {argv[1]}", outputs)
-    print(f"usage: {' '.join(ENTRYPOINT)} train | process STEP [ARGS ...]", file=sys.stderr)
-    return 2
+        return training_command(env), env, "the training step", [root / "model"]
+    env = {**processing_variables(root), **keys_from_secrets(root)}
+    command = [sys.executable, "-m", step_module(argv[1]), *argv[2:]]
+    outputs = [Path(v) for k, v in env.items() if k.startswith("SM_PROCESSING_OUTPUT_")]
+    return command, env, f"step {argv[1]}", outputs
+
+
+def failed_to_start(failure: Path, error: BaseException) -> int:
+    """An error before the step starts: its reason in the failure file, where SageMaker
+    reads it, as sagemaker-training-toolkit's trainer.py `train()` writes any error of its
+    own setup (files.py `write_failure_file`); secrets masked. Exit status 1."""
+    said = str(error) if isinstance(error, JobSetupError) else f"{type(error).__name__}: {error}"
+    reason = redact(f"the job could not start its step: {said}", secret_values(dict(os.environ)))
+    if not isinstance(error, JobSetupError):
+        traceback.print_exc()
+    print(reason, file=sys.stderr, flush=True)
+    try:
+        failure.parent.mkdir(parents=True, exist_ok=True)
+        failure.write_text(reason[:1024])  # SageMaker returns the first 1024 characters
+    except OSError as e:
+        print(f"{failure} cannot be written: {e}", file=sys.stderr, flush=True)
+    return 1
+
+
+def main(argv: list[str]) -> int:
+    root = ml_root()
+    follow_driver()
+    if argv[:1] not in (["train"], ["process"]) or (argv[0] == "process" and len(argv) < 2):
+        print(f"usage: {' '.join(ENTRYPOINT)} train | process STEP [ARGS ...]", file=sys.stderr)
+        return 2
+    failure = root / FAILURE_FILES[argv[0]]
+    try:
+        command, env, what, outputs = set_up(root, argv)
+    except Exception as e:  # noqa: BLE001 - whatever it is, SageMaker must be told why
+        return failed_to_start(failure, e)
+    return run(command, env, Path(env["SM_OUTPUT_FAILURE"]), what, outputs)
 
 
 if __name__ == "__main__":

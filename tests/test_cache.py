@@ -16,7 +16,7 @@ from pipeline.driver import consult_cache, parse_steps, run_pipeline
 from pipeline.paths import ExperimentTree
 from pipeline.sources import resolve_sources
 from pipeline.store import LocalStore, is_complete
-from steps.user_code import load_user_functions
+from pipeline.user_check import check_user_functions
 from tests.conftest import write_settings
 from tests.test_user_functions import REVIEWS, write_module, write_reviews
 
@@ -47,8 +47,8 @@ def planned(tmp_path, **data) -> dict[str, str]:
     settings = load_settings(path, env={})
     store, steps = LocalStore(settings.store_uri()), parse_steps("reconcile,prepare")
     sources = resolve_sources(settings, store, TREE, steps)
-    functions = load_user_functions(settings.experiment.user_functions, settings.base_dir)
-    entries = consult_cache(settings, store, TREE, steps, sources, functions, use_cache=True)
+    reaches = check_user_functions(settings)
+    entries = consult_cache(settings, store, TREE, steps, sources, reaches, use_cache=True)
     return {step: entry.status for step, entry in entries.items()}
 
 

@@ -39,7 +39,15 @@ def probe_processing(name: str, *arguments: str) -> ProcessingJob:
 
 
 def backend(store, tmp_path, echo=None) -> LocalBackend:
-    return LocalBackend(store, RUN, echo=echo or io.StringIO(), work_root=str(tmp_path / "work"))
+    """Jobs run in tmp_path/work; a failed one's folder is kept in tmp_path/kept (an S3 store's
+    would go to the user's cache folder)."""
+    return LocalBackend(
+        store,
+        RUN,
+        echo=echo or io.StringIO(),
+        work_root=str(tmp_path / "work"),
+        kept_root=str(tmp_path / "kept"),
+    )
 
 
 def test_processing_job_sees_the_contract(store, tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Protocol
 
 from pipeline.jobs import Status
+from pipeline.raw_data import is_hidden
 from pipeline.store import (
     NotFound,
     Store,
@@ -131,13 +133,18 @@ def fetch_input(store: Store, uri: str, local: Path, shard: tuple[int, int] = (0
     order, dealt out in turn (the i-th to host i mod n). A shard is not the whole folder its
     manifest lists, so it is not checked against it; it may be empty."""
     key = key_of(store, uri)
-    if key is None:
+    elsewhere = key is None
+    if elsewhere:
         store, key = open_store(uri), ""
     index, count = shard
     if count == 1 and is_complete(store, key):
         download_dir(store, key, local)
         return
     keys = store.list_keys(key)
+    if elsewhere and "://" not in uri:
+        # A folder on this machine (the local backend's RAW_DATA): its hidden files and
+        # folders are not data, as everywhere (pipeline/raw_data.py).
+        keys = [k for k in keys if not is_hidden(k)]
     if not keys:
         raise NotFound(f"nothing at {store.uri_of(key) if key else store.uri}")
     local.mkdir(parents=True, exist_ok=True)
@@ -700,7 +707,10 @@ class Containers:
             exact_cpu = _exit_cpu_seconds(proc)
             code = proc.wait()
         except BaseException:
-            os.killpg(proc.pid, signal.SIGTERM)
+            # The driver is stopping (Ctrl-C, an error): the container is stopped as `docker
+            # stop` stops one, SIGKILL to all of it `grace_seconds` after the SIGTERM, so this
+            # wait ends even where the step ignores SIGTERM.
+            self._signal(proc.pid, signal.SIGTERM)
             proc.wait()
             raise
         finally:
@@ -817,13 +827,21 @@ class Containers:
         return exits
 
 
+# How long the output of a container that has exited is still read: a process it started
+# that left its session (setsid) may hold the output open for as long as it lives.
+OUTPUT_GRACE_SECONDS = 10
+
+
 def follow_output(proc, secrets: list[str], log, on_line, metric_regexes: dict[str, str]) -> dict:
     """Every line the container prints, redacted, to `log` and `on_line`; the last value each
-    metric regex found (SageMaker reads MetricDefinitions off the log the same way)."""
+    metric regex found (SageMaker reads MetricDefinitions off the log the same way). Read
+    until the output ends, and no longer than OUTPUT_GRACE_SECONDS once the entrypoint has
+    exited."""
     compiled = {k: re.compile(v) for k, v in metric_regexes.items()}
     metrics: dict[str, float] = {}
-    for raw in iter(proc.stdout.readline, b""):
-        line = redact(raw.decode("utf-8", errors="replace").rstrip("\n"), secrets)
+
+    def take(raw: bytes) -> None:
+        line = redact(raw.decode("utf-8", errors="replace"), secrets)
         log.write(line + "\n")
         if on_line is not None:
             on_line(line)
@@ -834,7 +852,33 @@ def follow_output(proc, secrets: list[str], log, on_line, metric_regexes: dict[s
                     metrics[metric] = float(found.group(1))
                 except (ValueError, IndexError):
                     pass
+
+    fd, pending, exited = proc.stdout.fileno(), b"", None
+    while exited is None or time.monotonic() < exited + OUTPUT_GRACE_SECONDS:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        chunk = os.read(fd, 1 << 16) if ready else None
+        if chunk == b"":  # every writer has closed it
+            break
+        if chunk:
+            *lines, pending = (pending + chunk).split(b"\n")
+            for raw in lines:
+                take(raw)
+        if exited is None and _has_exited(proc):
+            exited = time.monotonic()
+    if pending:
+        take(pending)
     return metrics
+
+
+def _has_exited(proc) -> bool:
+    """Whether the entrypoint has exited, without reaping it (`_exit_cpu_seconds` reads it
+    first): waitid's WNOWAIT for a child of ours, the fork server's report for a warm one."""
+    if not isinstance(proc, subprocess.Popen):
+        return proc.poll() is not None
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped already
+        return True
 
 
 def _left_in_output(failure: Path, secrets: list[str]) -> tuple[bool, str | None]:

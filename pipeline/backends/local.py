@@ -45,7 +45,7 @@ from pipeline.jobs import (
 )
 from pipeline.paths import RunTree
 from pipeline.service_model import as_if_on_s3, refused
-from pipeline.store import Store, StoreError, upload_dir
+from pipeline.store import LocalStore, Store, StoreError, upload_dir
 
 WORK_PREFIX = "smpipe-jobs-"
 OWNER = "driver.json"  # in a work root while its driver runs: who to ask whether it still does
@@ -92,6 +92,22 @@ def local_restart(exits: list, restarts: int, max_restarts: int) -> bool:
     return restarts < max_restarts and any(e.interrupted or e.killed for e in exits)
 
 
+def kept_jobs_folder(store: Store, run: RunTree) -> Path:
+    """Where the folders of `run`'s failed local jobs are kept for inspection: in the run's own
+    folder when the store is a folder on this machine (<store>/<experiment>/runs/<NNNN>/
+    failed-jobs/), so that they go with the run; otherwise in this user's cache folder, under
+    the store's and the run's names ($XDG_CACHE_HOME, by default ~/.cache, then
+    smpipe/failed-jobs/<bucket>/<prefix>/<experiment>/runs/<NNNN>/). Never the system's
+    temporary folder, where nothing would remove them. They are removed when the run
+    completes (a resumed run included) and by `smpipe prune` (pipeline/prune.py
+    `remove_kept_jobs`)."""
+    if isinstance(store, LocalStore):
+        return Path(store.uri_of(run.failed_jobs))
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    where = store.uri_of(run.prefix).split("://", 1)[-1]  # bucket/prefix/experiment/runs/NNNN/
+    return Path(cache, "smpipe", "failed-jobs", where)
+
+
 def remove_orphaned_work_roots(echo) -> None:
     """Job folders of drivers on this machine that died without a word (SIGKILL, power loss):
     their jobs died with them (see DRIVER_PID_VARIABLE), so the folders only take space."""
@@ -101,7 +117,7 @@ def remove_orphaned_work_roots(echo) -> None:
         try:
             owner = json.loads((root / OWNER).read_text())
         except (OSError, ValueError):
-            continue  # not ours, or kept on purpose (a failed job's folder)
+            continue  # not ours
         if owner.get("host") == socket.gethostname() and not psutil.pid_exists(owner["pid"]):
             shutil.rmtree(root, ignore_errors=True)
             gone = f"removed {root}: job folders of a driver (pid {owner['pid']}) that is gone"
@@ -111,8 +127,18 @@ def remove_orphaned_work_roots(echo) -> None:
 class LocalBackend:
     name = "local"
 
-    def __init__(self, store: Store, run: RunTree, echo=None, work_root: str | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        run: RunTree,
+        echo=None,
+        work_root: str | None = None,
+        kept_root: str | None = None,
+    ) -> None:
+        """`work_root`: where jobs run (a new folder of the system's temporary one by
+        default); `kept_root`: where failed jobs' folders are kept (`kept_jobs_folder`)."""
         self.store, self.run = store, run
+        self.kept_root = Path(kept_root) if kept_root else kept_jobs_folder(store, run)
         self.echo = echo if echo is not None else sys.stdout
         if work_root is None:
             remove_orphaned_work_roots(self.echo)
@@ -269,22 +295,37 @@ class LocalBackend:
         self.containers.stop()
 
     def close(self, succeeded: bool) -> None:
-        """Stop the fork servers; remove the work root, unless a failed job's folder is kept
-        in it for inspection."""
+        """Stop the fork servers and remove the work root (failed jobs' folders are kept
+        elsewhere: `_cleanup`). A run that completed needs none of its failed jobs' folders
+        any more (a failed trial's, an earlier attempt's): they go too."""
         if self._finalizer is not None:
             self._finalizer()  # WarmStart.close, once
-        kept = (
-            [p for p in self.work_root.iterdir() if p.is_dir()] if self.work_root.exists() else []
-        )
-        if succeeded or not kept:
-            shutil.rmtree(self.work_root, ignore_errors=True)
-        else:
-            (self.work_root / OWNER).unlink(missing_ok=True)  # kept on purpose: not an orphan
+        shutil.rmtree(self.work_root, ignore_errors=True)
+        if succeeded:
+            shutil.rmtree(self.kept_root, ignore_errors=True)
 
     def _cleanup(self, root: Path, result: JobResult) -> None:
-        # A failed job's directory is kept for inspection; a finished one is removed, and so
-        # is one the driver stopped (its checkpoints are in the store).
+        """A finished job's folder is removed, and so is one the driver stopped (its
+        checkpoints are in the store); a failed one's is moved to `kept_root` for inspection,
+        and its log and result say where."""
         if result.status == "Completed" or self.containers.stopping:
             shutil.rmtree(root, ignore_errors=True)
+            return
+        kept = self.kept_root / root.name
+        try:
+            shutil.rmtree(kept, ignore_errors=True)  # an earlier attempt's: the newest stays
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(root, kept)
+        except OSError as e:
+            shutil.rmtree(root, ignore_errors=True)
+            said = f"job folder not kept: it could not be moved to {kept} ({e}); removed"
         else:
-            self.say(result.name, f"job directory kept for inspection: {root}")
+            result.kept_folder = str(kept)
+            said = f"job folder kept for inspection: {kept}"
+        self.say(result.name, said)
+        try:  # the job's log ends by saying it
+            with open(self._log_path(result.name), "a", encoding="utf-8") as log:
+                log.write(f"smpipe: {said}\n")
+            self._upload_log(result.name)
+        except (OSError, StoreError):
+            pass  # its log as it was stands

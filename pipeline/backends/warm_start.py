@@ -357,7 +357,9 @@ def run_module_as_main(module: str, args: list[str]) -> int:
     """`python -m module args...` in this process; the exit status the interpreter would have:
     SystemExit's code, 1 and the traceback for an uncaught exception, death by SIGINT for an
     uncaught KeyboardInterrupt (CPython does the same since 3.8, bpo-1054041). Then what the
-    interpreter does on its way out: non-daemon threads are joined and atexit handlers run."""
+    interpreter does on its way out: non-daemon threads are joined (for THREAD_GRACE_SECONDS
+    at most: the caller leaves with os._exit, without the ones still running) and atexit
+    handlers run."""
     sys.argv = ["-m", *args]  # runpy puts the module's file in argv[0], as `-m` does
     code = 0
     try:
@@ -370,7 +372,7 @@ def run_module_as_main(module: str, args: list[str]) -> int:
     except BaseException:  # noqa: BLE001 - reported as the interpreter reports it
         sys.excepthook(*sys.exc_info())
         code = 1
-    threading._shutdown()  # as multiprocessing's children do (process.py, _bootstrap)
+    join_threads(THREAD_GRACE_SECONDS)
     import atexit
 
     atexit._run_exitfuncs()
@@ -383,6 +385,22 @@ def run_module_as_main(module: str, args: list[str]) -> int:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     return code & 0xFF
+
+
+# A job's threads still running this long after its module returned are left behind, as
+# steps/contract.py's `end_process` leaves a step's (this file imports nothing of steps/).
+THREAD_GRACE_SECONDS = 2.0
+
+
+def join_threads(seconds: float) -> None:
+    """threading._shutdown with a deadline: the hooks of threading._register_atexit, then
+    every non-daemon thread joined until `seconds` have passed (Lib/threading.py)."""
+    deadline = time.monotonic() + seconds
+    for hook in reversed(getattr(threading, "_threading_atexits", [])):
+        hook()
+    me = threading.current_thread()
+    for thread in [t for t in threading.enumerate() if t is not me and not t.daemon]:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def exit_code(code: object) -> int:
@@ -488,6 +506,11 @@ def server_env(env: dict[str, str], per_job: frozenset[str]) -> dict[str, str]:
     }
 
 
+# StopTrainingJob's time between SIGTERM and SIGKILL (API_StopTrainingJob.html), as
+# backends/container.py's STOP_GRACE_SECONDS.
+LOST_GRACE_SECONDS = 120
+
+
 class WarmProcess:
     """A warm-started job as subprocess.Popen shows one: `pid` (a session leader, so killpg
     reaches all of it), `args`, `stdout` (its output, bytes), `poll()`, `wait()`,
@@ -533,15 +556,24 @@ class WarmProcess:
 
     def _lost(self) -> int:
         """The server died before the job: the job got SIGTERM (its PR_SET_PDEATHSIG) and its
-        status went to whoever adopted it; wait until it is gone and report that SIGTERM."""
+        status went to whoever adopted it; wait until it is gone and report that SIGTERM. A
+        job still there LOST_GRACE_SECONDS later (its step ignores SIGTERM) is killed with
+        every process under it, as a container that outlives `docker stop`'s grace."""
         import psutil
 
+        deadline = time.monotonic() + LOST_GRACE_SECONDS
         while True:
             try:
-                if psutil.Process(self.pid).status() == psutil.STATUS_ZOMBIE:
+                job = psutil.Process(self.pid)
+                if job.status() == psutil.STATUS_ZOMBIE:
                     break
+                tree = [job, *job.children(recursive=True)]
             except psutil.NoSuchProcess:
                 break
+            if time.monotonic() > deadline:
+                for process in tree:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        process.kill()
             time.sleep(0.2)
         return -signal.SIGTERM
 

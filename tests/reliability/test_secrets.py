@@ -48,7 +48,8 @@ def test_a_failed_jobs_kept_folder_and_outputs_hold_no_secret(store, tmp_path, m
     echo = io.StringIO()
     failed = backend(store, tmp_path, echo).run_processing(failing)
     assert failed.status == "Failed" and "asked to fail with" in failed.failure_reason
-    kept = tmp_path / "work/probe-fail"
+    kept = tmp_path / "kept/probe-fail"
+    assert failed.kept_folder == str(kept)
     assert (kept / "output/message").exists() and "<redacted>" in (
         kept / "output/message"
     ).read_text()
