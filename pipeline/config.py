@@ -286,6 +286,11 @@ class Cost(Section):
                 bad.append(f"{instance!r} is not {what}{hint}")
             elif not (math.isfinite(number) and number > 0):
                 bad.append(f"{pair!r}: write INSTANCE_TYPE: USD per hour, a number above 0")
+            elif instance in prices:  # one price each, as a key is set once in a section
+                bad.append(
+                    f"{instance!r} is priced twice ({prices[instance]:g} and {number:g}); "
+                    "write it once"
+                )
             else:
                 prices[instance] = number
         if bad:
@@ -868,6 +873,60 @@ def _tuning_needs(
             "[tuning] EARLY_STOPPING: Hyperband stops trials early by itself; set "
             "EARLY_STOPPING = Off (SageMaker refuses both)"
         )
+    if "tuning" in parsed:
+        problems += _tuning_limits(parsed["tuning"], spaces, own)
+    return problems
+
+
+# Automatic model tuning's resource limits (https://docs.aws.amazon.com/sagemaker/latest/dg/
+# automatic-model-tuning-limits.html; pipeline/service_model.py TRAINING_JOBS_LIMIT checks the
+# request too): "Number of training jobs per hyperparameter tuning job" is 750 for "[Bayesian
+# optimization]", "[Hyperband]" and "[Grid] ..., either specified explicitly or inferred from
+# the search space", none of them increasable; "[Random search]" 750, "Can be increased to"
+# 10000 ([tuning] MAX_JOBS's own bound). Checked on every backend, as every SageMaker limit
+# is: the same settings run anywhere. Hyperband's MaxResource ("The maximum value is 20,000
+# epochs") is a trial's most epochs, which [training] EPOCHS bounds at 10,000.
+TRAINING_JOBS_PER_TUNING_JOB = 750
+RANDOM_TRAINING_JOBS_PER_TUNING_JOB = 10_000
+LIMITS_PAGE = "automatic-model-tuning-limits.html"
+
+
+def _tuning_limits(
+    tuning: Tuning,
+    spaces: dict[str, tuple[str, dict[str, Tunable]]],
+    own: dict[str, dict[str, Tunable]],
+) -> list[str]:
+    """[tuning] MAX_JOBS, and a grid's combinations, against SageMaker's training jobs per
+    tuning job; a Random search past 750 is said to need a quota increase."""
+    problems: list[str] = []
+    limit, strategy = TRAINING_JOBS_PER_TUNING_JOB, tuning.strategy
+    if strategy in ("Bayesian", "Hyperband") and tuning.max_jobs > limit:
+        problems.append(
+            f"[tuning] MAX_JOBS: {tuning.max_jobs}; with STRATEGY = {strategy} SageMaker runs at "
+            f"most {limit} training jobs per hyperparameter tuning job, a limit that cannot be "
+            f"increased ({LIMITS_PAGE}); STRATEGY = Random goes up to "
+            f"{RANDOM_TRAINING_JOBS_PER_TUNING_JOB:,} with a quota increase"
+        )
+    if strategy == "Random" and tuning.max_jobs > limit:
+        log.warning(
+            f"warning: [tuning] MAX_JOBS = {tuning.max_jobs}: SageMaker's default limit is "
+            f'{limit} training jobs per tuning job with Random search; it "can be increased to" '
+            f"{RANDOM_TRAINING_JOBS_PER_TUNING_JOB:,} (Service Quotas, {LIMITS_PAGE})"
+        )
+    for model, (section, tunables) in spaces.items() if strategy == "Grid" else ():
+        options = {k: v.options for k, v in tunables.items() if isinstance(v, Categorical)}
+        combinations = math.prod(len(o) for o in options.values())
+        if combinations > limit:
+            keys = " x ".join(
+                f"[{section if k in own.get(model, {}) else HP}] {k.upper()} ({len(o)})"
+                for k, o in options.items()
+            )
+            problems.append(
+                f"{keys}: STRATEGY = Grid runs every combination, {combinations:,} for {model}; "
+                f"SageMaker runs at most {limit} training jobs per hyperparameter tuning job, "
+                f'"either specified explicitly or inferred from the search space" '
+                f"({LIMITS_PAGE}): fewer options, or STRATEGY = Random"
+            )
     return problems
 
 

@@ -27,9 +27,17 @@ import time
 #   instanceType "<type>-Training") answered in aws-samples/amazon-sagemaker-training-jobs-
 #   benchmarks (instance_types_benchmark_roberta.ipynb, commit 2a7c651c, SageMaker SDK 2.77.1,
 #   2022): "ml.p3.2xlarge-Training price is $3.8250000000/hr", ml.g5.2xlarge $1.515.
-# Only what those sources state is here (the shipped settings' ml.g5.xlarge and ml.m5.xlarge
-# in us-east-1 are not): an instance type without a price is named as unpriced until
-# [cost] PRICES gives it.
+# - us-east-1, the shipped settings' types (ml.g5.xlarge training, ml.m5.xlarge training and
+#   processing): no repository of AWS's own states them, so they are AWS Price List API answers
+#   as public logs quote them (2026-09): "processing price ml.m5.xlarge = $0.2300/h" for
+#   {"instanceType": "ml.m5.xlarge-Processing", "usagetype": "USE1-Processing:ml.m5.xlarge"},
+#   and ml.g5.xlarge-Training $1.408 (the figure most often quoted for us-east-1). Training
+#   is priced as processing for ml.m5.xlarge, as the eu-west-1 bill above prices both at $0.257.
+#   Confidence: medium; AWS's own bulk price file is the source to check them against:
+#   https://pricing.us-east-1.amazonaws.com/offers/v1.0/aws/AmazonSageMaker/current/us-east-1/
+#   index.json (usage types USE1-Train:ml.g5.xlarge, USE1-Processing:ml.m5.xlarge).
+# Any other instance type without a price is named as unpriced until [cost] PRICES gives it;
+# tests/test_shipped_prices.py holds that every shipped settings file is priced.
 PRICE_TABLE = {
     "eu-west-1": {
         "date": "2023-12",
@@ -46,13 +54,20 @@ PRICE_TABLE = {
         "processing": {"ml.m5.xlarge": 0.257},
     },
     "us-east-1": {
-        "date": "2022",
+        "date": "2022 (ml.p3.2xlarge, ml.g5.2xlarge); 2026-09 (ml.g5.xlarge, ml.m5.xlarge)",
         "source": (
             "https://github.com/aws-samples/amazon-sagemaker-training-jobs-benchmarks/blob/"
             "2a7c651cfb92d9c5da8f00e1baeb2d09c928f471/instance_types_RoBERTa_benchmark/"
-            "instance_types_benchmark_roberta.ipynb"
+            "instance_types_benchmark_roberta.ipynb; AWS Price List API answers quoted in "
+            "public logs (ml.g5.xlarge, ml.m5.xlarge: see pipeline/cost.py)"
         ),
-        "training": {"ml.p3.2xlarge": 3.825, "ml.g5.2xlarge": 1.515},
+        "training": {
+            "ml.p3.2xlarge": 3.825,
+            "ml.g5.2xlarge": 1.515,
+            "ml.g5.xlarge": 1.408,
+            "ml.m5.xlarge": 0.23,
+        },
+        "processing": {"ml.m5.xlarge": 0.23},
     },
 }
 # A warm pool's instances are billed as training compute: "Multiply

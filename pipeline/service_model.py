@@ -15,14 +15,17 @@ the request writes it (`--show-requests` prints the same request).
 
 Patterns are the service's Java regular expressions, matched against the whole value as
 Java's `String.matches` does (SageMaker's own errors quote them anchored: `^[a-zA-Z0-9](-*
-[a-zA-Z0-9]){0,62}` for a job name). The `regex` package reads their `\\p{L}`-style classes,
-which Python's `re` does not; transformers depends on it already.
+[a-zA-Z0-9]){0,62}` for a job name), with Java's meaning of `.`, `$`, `\\d`, `\\s`, `\\w` and
+the POSIX classes (`as_java`): a value with a `\\r` fails `.*` there as here. The `regex`
+package reads their `\\p{L}`-style classes, which Python's `re` does not; transformers
+depends on it already.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +69,116 @@ def _pattern(text: str):
 
     # Java writes a code point above U+FFFF as its UTF-16 surrogate pair; Python as itself.
     text = text.replace("\\uD800\\uDC00-\\uDBFF\\uDFFF", "\\U00010000-\\U0010FFFF")
-    return regex.compile(text)
+    return regex.compile(as_java(text))
+
+
+# What java.util.regex.Pattern means by the constructs whose meaning Python's differs from
+# (https://docs.oracle.com/en/java/javase/21/docs/api/java.base/java/util/regex/Pattern.html,
+# "Predefined character classes", "POSIX character classes (US-ASCII only)", "Line
+# terminators"; openjdk/jdk src/java.base/share/classes/java/util/regex/Pattern.java):
+# - "A line terminator is a one- or two-character sequence that marks the end of a line of the
+#   input character sequence": \n, \r\n, \r, \u0085, \u2028, \u2029; "If UNIX_LINES mode is not
+#   activated, the regular expression . matches any character except a line terminator unless
+#   the DOTALL flag is specified" (Python's `.` excludes \n alone);
+# - \d is [0-9], \s [ \t\n\x0B\f\r], \w [a-zA-Z_0-9] "if UNICODE_CHARACTER_CLASS is not set"
+#   (Python's are Unicode: '٣' is a \d, 'é' a \w, '\u00a0' a \s), their negations [^...];
+# - \p{Alnum} and the other POSIX classes are US-ASCII only (regex's \p{Alnum} is Unicode);
+# - `$`: "When not in multiline mode, the $ can only match at the very end of the input, unless
+#   the input ends in a line terminator in which it matches right before the last line
+#   terminator" (Pattern.java, class Dollar; Python's `$` before a final \n only).
+# SageMaker's service sets none of DOTALL, UNIX_LINES, UNICODE_CHARACTER_CLASS: its patterns
+# are matched as they are written (its errors quote them so).
+JAVA_TERMINATORS = "\\n\\r\\x85\\u2028\\u2029"
+JAVA_CLASSES = {  # escape -> its members, written for inside a [...] set
+    "d": "0-9",
+    "s": " \\t\\n\\x0B\\f\\r",
+    "w": "a-zA-Z_0-9",
+    "h": " \\t\\xA0\\u1680\\u180e\\u2000-\\u200a\\u202f\\u205f\\u3000",
+    "v": "\\n\\x0B\\f\\r\\x85\\u2028\\u2029",
+    "p{Lower}": "a-z",
+    "p{Upper}": "A-Z",
+    "p{ASCII}": "\\x00-\\x7F",
+    "p{Alpha}": "a-zA-Z",
+    "p{Digit}": "0-9",
+    "p{Alnum}": "a-zA-Z0-9",
+    "p{Punct}": "!-/:-@\\[-`{-~",
+    "p{Graph}": "!-~",
+    "p{Print}": " -~",
+    "p{Blank}": " \\t",
+    "p{Cntrl}": "\\x00-\\x1F\\x7F",
+    "p{XDigit}": "0-9a-fA-F",
+    "p{Space}": " \\t\\n\\x0B\\f\\r",
+}
+JAVA_NEGATED = {
+    "D": "d",
+    "S": "s",
+    "W": "w",
+    "H": "h",
+    "V": "v",
+    **{f"P{k[1:]}": k for k in JAVA_CLASSES if k[0] == "p"},
+}
+
+
+def as_java(pattern: str) -> str:
+    """`pattern` rewritten so that Python's `regex` matches what Java's Pattern matches: `.`,
+    `$`, the predefined and POSIX classes spelt out (JAVA_CLASSES). Raises ValueError on a
+    construct whose translation is not written here (a nested set), rather than match it
+    otherwise than SageMaker does; a test translates every pattern of the service model."""
+    out, i, in_set = [], 0, None  # in_set: the positive members and negated escapes of a [...]
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            escape = pattern[i + 1 : i + 2]
+            if escape in "pP" and pattern[i + 2 : i + 3] == "{":
+                escape = pattern[i + 1 : pattern.index("}", i) + 1]
+            if escape in ("Q", "E"):
+                raise ValueError(f"{pattern!r}: \\Q...\\E quoting is not translated")
+            i += 1 + len(escape)
+            if in_set is not None:
+                if escape in JAVA_CLASSES:
+                    in_set[0].append(JAVA_CLASSES[escape])
+                elif escape in JAVA_NEGATED:
+                    in_set[1].append(JAVA_CLASSES[JAVA_NEGATED[escape]])
+                else:
+                    in_set[0].append("\\" + escape)
+            elif escape in JAVA_CLASSES:
+                out.append(f"[{JAVA_CLASSES[escape]}]")
+            elif escape in JAVA_NEGATED:
+                out.append(f"[^{JAVA_CLASSES[JAVA_NEGATED[escape]]}]")
+            else:
+                out.append("\\" + escape)
+            continue
+        if in_set is not None:
+            if char == "[":
+                raise ValueError(f"{pattern!r}: a nested character class is not translated")
+            if char == "]" and (in_set[0] or in_set[1]) and in_set[0] != ["^"]:
+                out.append(_java_set(*in_set))
+                in_set = None
+            else:
+                in_set[0].append(char)
+        elif char == "[":
+            in_set = ([], [])
+        elif char == ".":
+            out.append(f"[^{JAVA_TERMINATORS}]")
+        elif char == "$":
+            out.append(f"(?=(?:\\r\\n|[{JAVA_TERMINATORS}])?\\Z)")
+        else:
+            out.append(char)
+        i += 1
+    if in_set is not None:
+        raise ValueError(f"{pattern!r}: an unclosed character class")
+    return "".join(out)
+
+
+def _java_set(members: list[str], negated: list[str]) -> str:
+    """A [...] set whose members may include negated classes (Java's [\\S\\s]): the union of
+    the plain set and each negated class, as Python's V0 sets cannot hold a negated class."""
+    plain = "".join(members)
+    if not negated:
+        return f"[{plain}]"
+    if plain.startswith("^"):
+        raise ValueError(f"[{plain}...]: a negated set holding a negated class is not translated")
+    return "(?:" + "|".join(([f"[{plain}]"] if plain else []) + [f"[^{n}]" for n in negated]) + ")"
 
 
 def check(operation: str, request: dict) -> list[Violation]:
@@ -299,7 +411,41 @@ def _tuning(request: dict) -> list[Violation]:
     strategy = config.get("Strategy")
     if strategy == "Hyperband":
         found += _hyperband(config, static)
+    found += _training_jobs(config)
     return found
+
+
+# Automatic model tuning's limits (https://docs.aws.amazon.com/sagemaker/latest/dg/
+# automatic-model-tuning-limits.html): "Number of training jobs per hyperparameter tuning job"
+# 750 for Bayesian optimization, Hyperband and Grid ("either specified explicitly or inferred
+# from the search space"), not increasable; Random search 750, "Can be increased to" 10000.
+TRAINING_JOBS_LIMIT = {"Bayesian": 750, "Hyperband": 750, "Grid": 750, "Random": 10_000}
+# HyperbandStrategyConfig.MaxResource: "The maximum value is 20,000 epochs." (botocore's
+# sagemaker service-2.json; the model itself has only its min).
+HYPERBAND_MAX_RESOURCE = 20_000
+
+
+def _training_jobs(config: dict) -> list[Violation]:
+    strategy = config.get("Strategy")
+    limit = TRAINING_JOBS_LIMIT.get(strategy)
+    limits = config.get("ResourceLimits") or {}
+    asked = limits.get("MaxNumberOfTrainingJobs")
+    if strategy == "Grid" and asked is None:  # inferred from the search space
+        ranges = (config.get("ParameterRanges") or {}).get("CategoricalParameterRanges", [])
+        asked = math.prod(len(r.get("Values", [])) for r in ranges)
+    if limit is None or not isinstance(asked, int) or asked <= limit:
+        return []
+    field = "ResourceLimits.MaxNumberOfTrainingJobs"
+    if "MaxNumberOfTrainingJobs" not in limits:
+        field = "ParameterRanges.CategoricalParameterRanges"  # the grid's combinations
+    return [
+        Violation(
+            f"HyperParameterTuningJobConfig.{field}",
+            f"Member must be at most {limit} training jobs per hyperparameter tuning job for "
+            f"Strategy {strategy}",
+            asked,
+        )
+    ]
 
 
 def _tuning_metrics(config: dict, definition: dict) -> list[Violation]:
@@ -354,6 +500,14 @@ def _hyperband(config: dict, static: dict) -> list[Violation]:
             )
         )
     low, high = hyperband.get("MinResource"), hyperband.get("MaxResource")
+    if isinstance(high, int) and high > HYPERBAND_MAX_RESOURCE:
+        found.append(
+            Violation(
+                "HyperParameterTuningJobConfig.StrategyConfig.HyperbandStrategyConfig.MaxResource",
+                f"Member must have value less than or equal to {HYPERBAND_MAX_RESOURCE} epochs",
+                high,
+            )
+        )
     if isinstance(low, int) and isinstance(high, int) and low > high:
         found.append(
             Violation(

@@ -385,7 +385,14 @@ def tuning_job(settings: Settings, run: RunTree, model: str, channels: dict) -> 
     """A tuning job of `model` over [tuning.hyperparameters] (and its own section)."""
     tuning = settings.tuning
     return TuningJob(
-        name=job_name(run.experiment, run.label, "tune", model, limit=TUNING_JOB_NAME_LIMIT),
+        name=job_name(
+            run.experiment,
+            run.label,
+            "tune",
+            model,
+            limit=TUNING_JOB_NAME_LIMIT,
+            case_sensitive=False,  # SageMaker compares tuning job names without case
+        ),
         trial=training_job(settings, run, model, channels, "tuning"),
         ranges=settings.tuning_space(model)[1],
         strategy=tuning.strategy,

@@ -236,11 +236,12 @@ def test_a_price_list_refused_falls_back_and_says_which_permission(tmp_path, cap
 
 
 def test_a_price_nobody_knows_is_named_never_guessed(tmp_path, caplog):
-    settings = sagemaker_settings(tmp_path)  # us-east-1, and the Price List has no answer
+    # A region the shipped table has no figures for, and the Price List has no answer.
+    settings = sagemaker_settings(tmp_path, experiment={"REGION": "ap-southeast-2"})
     said = plan_said(settings, caplog)
     assert said[-2:] == [
-        "most this plan can cost: unknown, no price for ml.g5.xlarge (training, us-east-1); "
-        "no price for ml.m5.xlarge (processing, us-east-1): set [cost] PRICES",
+        "most this plan can cost: unknown, no price for ml.g5.xlarge (training, ap-southeast-2); "
+        "no price for ml.m5.xlarge (processing, ap-southeast-2): set [cost] PRICES",
         # The bound that holds whatever the price: MaxRuntimeInSeconds x instances, summed.
         f"most instance-hours it can use: {2 * 86400 / 3600 + 600 / 3600:,.1f} h of "
         f"ml.g5.xlarge, {3 * 86400 / 3600:,.1f} h of ml.m5.xlarge",
@@ -261,11 +262,13 @@ def test_a_price_nobody_knows_is_named_never_guessed(tmp_path, caplog):
             "billable_seconds": 10,
         },
     ]
-    recorded = cost.run_cost(billed, cost.price_basis("us-east-1", {"ml.m5.xlarge": 0.36}), "x")
+    recorded = cost.run_cost(
+        billed, cost.price_basis("ap-southeast-2", {"ml.m5.xlarge": 0.36}), "x"
+    )
     assert recorded["usd"] is None and recorded["priced_usd"] == pytest.approx(10 * 0.36 / 3600)
-    assert recorded["unpriced"] == ["no price for ml.g5.xlarge (training, us-east-1)"]
+    assert recorded["unpriced"] == ["no price for ml.g5.xlarge (training, ap-southeast-2)"]
     assert cost.said(recorded).startswith(
-        "cost: unknown, no price for ml.g5.xlarge (training, us-east-1) (set [cost] PRICES)"
+        "cost: unknown, no price for ml.g5.xlarge (training, ap-southeast-2) (set [cost] PRICES)"
     )
     # A price that is not one is refused by key, with what was meant.
     path = write_settings(

@@ -299,6 +299,11 @@ class Emulator:
             **self._moto.training_jobs,
             **self._moto.hyper_parameter_tuning_jobs,
         }
+        if model.name == KINDS["tuning"].create and isinstance(name, str):
+            # A tuning job's name "is not case sensitive" (HyperParameterTuningJobName,
+            # botocore's sagemaker service-2.json): `News-...` is taken once `news-...` is.
+            taken = {n.lower(): n for n in self._moto.hyper_parameter_tuning_jobs}
+            name = taken.get(name.lower(), name)
         if name not in known:
             return None
         kind = {

@@ -1,0 +1,442 @@
+"""`smpipe iam settings.ini`: the least-privilege IAM policies a SageMaker run needs, read off
+its plan.
+
+Two identities act in a run on the sagemaker backend:
+
+- the driver, whoever runs `smpipe run` (or `predict`, `registry`, `approve`, `prune`): it
+  passes the execution role to SageMaker, creates, describes, stops and lists the jobs,
+  reads their CloudWatch logs, reads, writes and removes the experiment's files in the
+  store, asks the AWS Price List API, and registers the winning model;
+- the execution role ([experiment] ROLE_ARN), which SageMaker assumes to run each job: it
+  pulls the image from its ECR repository, reads the job's inputs and writes its outputs and
+  checkpoints, reads the secrets the settings name, writes the job's logs and metrics.
+
+Both come from the very jobs `smpipe plan` builds (pipeline/stages.py `build_jobs`), every
+step of a run with a placeholder `*` for its run number and data version, and the job
+`smpipe predict` runs: a bucket, prefix or secret the plan does not name never appears; every
+one it names does. Each action is checked against botocore's service models before anything
+is printed (`check_actions`): an action name that is no operation of its service, nor a
+permission-only action whose operation's own documentation names it, is an error.
+
+Sources are cited where each statement is made; where AWS documents a narrower resource than
+the one used here, the narrower one is used.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from pipeline.config import ConfigError, Settings
+from pipeline.errors import PipelineError
+from pipeline.jobs import KINDS
+
+VERSION = "2012-10-17"  # the IAM policy language's current version (IAM JSON policy reference)
+# IAM's service prefix -> botocore's service name (botocore/data/<name>/<version>/service-2.json).
+SERVICES = {
+    "sagemaker": "sagemaker",
+    "s3": "s3",
+    "logs": "logs",
+    "ecr": "ecr",
+    "cloudwatch": "cloudwatch",
+    "pricing": "pricing",
+    "secretsmanager": "secretsmanager",
+    "iam": "iam",
+}
+# Permission-only actions: no operation of that name, but the operation named here documents
+# that it needs the action (its text in botocore's service model, checked by check_actions).
+PERMISSION_ONLY = {
+    # CreateTrainingJob's RoleArn: "To be able to pass this role to SageMaker, the caller of
+    # this API must have the iam:PassRole permission."
+    "iam:PassRole": ("sagemaker", "CreateTrainingJob"),
+    # HeadBucket: "you must have permissions to perform the s3:ListBucket action"; so must
+    # ListObjectsV2; HeadObject answers 404 for a missing key only with s3:ListBucket (403
+    # otherwise, which the store reports as an error, not as "absent").
+    "s3:ListBucket": ("s3", "HeadBucket"),
+}
+# SageMaker's own service principal: what iam:PassedToService names (sagemaker-roles.html,
+# "Passing Roles", and its trust policy's "Service": "sagemaker.amazonaws.com").
+SAGEMAKER_PRINCIPAL = "sagemaker.amazonaws.com"
+# The CloudWatch Logs groups SageMaker writes a job's output to, by kind (the backend reads
+# them: pipeline/backends/sagemaker.py LOG_GROUPS); a tuning job's trials are training jobs.
+LOG_GROUP_OF = {
+    "training": "/aws/sagemaker/TrainingJobs",
+    "tuning": "/aws/sagemaker/TrainingJobs",
+    "processing": "/aws/sagemaker/ProcessingJobs",
+}
+ECR_IMAGE = re.compile(
+    r"^(?P<account>\d{12})\.dkr\.ecr(?:-fips)?\.(?P<region>[a-z0-9-]+)\.amazonaws\.com(?:\.cn)?"
+    r"/(?P<repository>[^:@]+)"
+)
+ROLE = re.compile(r"^arn:(?P<partition>aws[a-z-]*):iam::(?P<account>\d{12}):role/")
+
+
+@dataclass(frozen=True)
+class Where:
+    """What every ARN of a run is built from: the role's partition and account (SageMaker runs
+    the jobs in the account that creates them; the role is that account's), the region."""
+
+    partition: str
+    account: str
+    region: str
+
+    def arn(self, service: str, resource: str) -> str:
+        return f"arn:{self.partition}:{service}:{self.region}:{self.account}:{resource}"
+
+    def s3(self, bucket: str, key: str | None = None) -> str:
+        return f"arn:{self.partition}:s3:::{bucket}" + (f"/{key}" if key is not None else "")
+
+
+# -- the plan -------------------------------------------------------------------------------------
+
+RUN = "*"  # the run number and data version of every run: the policies hold for all of them
+
+
+def planned_requests(settings: Settings) -> list[tuple[str, dict]]:
+    """(kind, request) of every job of a whole run and of `smpipe predict`, as pipeline/driver.py
+    builds them for `smpipe plan`, with `*` for the run and its data version."""
+    from pipeline.backends import identity
+    from pipeline.jobs import request_for
+    from pipeline.paths import ExperimentTree
+    from pipeline.predict import Chosen, predict_job
+    from pipeline.sources import Sources
+    from pipeline.stages import STEPS, build_jobs
+
+    tree = ExperimentTree(settings.experiment.name)
+    run = tree.run(RUN)
+    # Where reconcile reads raw data (pipeline/sources.py resolve_sources): on the sagemaker
+    # backend always the experiment's raw/ (a RAW_DATA folder is uploaded there first).
+    jobs = build_jobs(settings, list(STEPS), run, Sources(raw=tree.raw))
+    data = tree.data(RUN)
+    for model in settings.models.model_names:  # `smpipe predict` with any model of any run
+        chosen = Chosen(
+            run=run,
+            model=model,
+            why="",
+            model_key=run.final_model(model),
+            data_version=0,
+            data=data,
+            snapshot=None,
+            text_columns=["text"],
+            user_functions=settings.experiment.user_functions,
+        )
+        jobs.append(predict_job(settings, chosen, run.prediction(RUN), instance_count=1))
+    image, role = identity(settings)
+    store = settings.store_uri().rstrip("/")
+    return [(job.kind, request_for(job, image, role, lambda key: f"{store}/{key}")) for job in jobs]
+
+
+def _locations(kind: str, request: dict) -> tuple[set[str], set[str], set[str]]:
+    """The S3 URIs a job reads, writes, and keeps its checkpoints at (read, written, removed:
+    SageMaker copies checkpoints both ways and deletes what the job deleted,
+    model-checkpoints.html)."""
+    if kind == "processing":
+        reads = {i["S3Input"]["S3Uri"] for i in request["ProcessingInputs"]}
+        writes = {o["S3Output"]["S3Uri"] for o in request["ProcessingOutputConfig"]["Outputs"]}
+        return reads, writes, set()
+    definition = request["TrainingJobDefinition"] if kind == "tuning" else request
+    reads = {c["DataSource"]["S3DataSource"]["S3Uri"] for c in definition["InputDataConfig"]}
+    writes = {definition["OutputDataConfig"]["S3OutputPath"]}
+    checkpoints = (
+        {definition["CheckpointConfig"]["S3Uri"]} if "CheckpointConfig" in definition else set()
+    )
+    return reads, writes, checkpoints
+
+
+def _environment(kind: str, request: dict) -> dict[str, str]:
+    definition = request.get("TrainingJobDefinition", request) if kind == "tuning" else request
+    return definition.get("Environment") or {}
+
+
+def _split(uri: str) -> tuple[str, str]:
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    return bucket, key
+
+
+def _objects(where: Where, uris: set[str]) -> list[str]:
+    """Every object under each URI's prefix, and none elsewhere; a prefix inside another is
+    already covered by it."""
+    prefixes = sorted({_split(u)[0] + "/" + _split(u)[1].rstrip("/") + "/" for u in uris})
+    kept = [p for p in prefixes if not any(p != q and p.startswith(q) for q in prefixes)]
+    return [where.s3(*p.split("/", 1)) + "*" for p in kept]
+
+
+# -- the policies ---------------------------------------------------------------------------------
+
+
+def statement(sid: str, actions: list[str], resources: list[str] | str, **condition) -> dict:
+    made = {
+        "Sid": sid,
+        "Effect": "Allow",
+        "Action": sorted(set(actions)),
+        "Resource": resources if isinstance(resources, str) else sorted(set(resources)),
+    }
+    if condition:
+        made["Condition"] = condition
+    return made
+
+
+def policies(settings: Settings) -> tuple[dict, dict]:
+    """(the driver's policy, the execution role's policy), each a whole IAM policy document,
+    every action checked against botocore's service models."""
+    problems = []
+    e = settings.experiment
+    if e.backend != "sagemaker":
+        problems.append(
+            f"[experiment] BACKEND = {e.backend}: `smpipe iam` prints what a run on the sagemaker "
+            "backend needs; set BACKEND = sagemaker (or SMPIPE__EXPERIMENT__BACKEND=sagemaker)"
+        )
+    role = ROLE.match(e.role_arn)
+    image = ECR_IMAGE.match(e.image_uri)
+    if e.backend == "sagemaker" and not role:
+        problems.append(f"[experiment] ROLE_ARN: {e.role_arn!r} is not an IAM role ARN")
+    if e.backend == "sagemaker" and not image:
+        problems.append(
+            f"[experiment] IMAGE_URI: {e.image_uri!r} is not an Amazon ECR image "
+            "(<account>.dkr.ecr.<region>.amazonaws.com/<repository>[:tag]): its repository "
+            "cannot be named"
+        )
+    if problems:
+        raise ConfigError(problems, settings.source)
+    where = Where(role["partition"], role["account"], e.region)
+    requests = planned_requests(settings)
+    driver, execution = (
+        driver_policy(settings, where, requests),
+        role_policy(settings, where, requests, image),
+    )
+    check_actions(driver)
+    check_actions(execution)
+    return driver, execution
+
+
+def driver_policy(settings: Settings, where: Where, requests: list[tuple[str, dict]]) -> dict:
+    e = settings.experiment
+    kinds = sorted({kind for kind, _ in requests})
+    # Resource types as the service model writes each job's ARN (TrainingJobArn
+    # "...:training-job/...", ProcessingJobArn "...:processing-job/...",
+    # HyperParameterTuningJobArn "...:hyper-parameter-tuning-job/..."): every job name of
+    # every run, in this account and region (a job's name carries its run and a time stamp).
+    jobs = [where.arn("sagemaker", f"{_resource_type(kind)}/*") for kind in kinds]
+    actions = [
+        f"sagemaker:{getattr(KINDS[k], verb)}"
+        for k in kinds
+        for verb in ("create", "describe", "stop")
+    ]
+    if "tuning" in kinds:  # each trial's DescribeTrainingJob (billing, the best trial's model)
+        actions.append("sagemaker:DescribeTrainingJob")
+        jobs.append(where.arn("sagemaker", f"{_resource_type('training')}/*"))
+    statements = [
+        # sagemaker-roles.html, "Passing Roles": iam:PassRole with iam:PassedToService.
+        statement(
+            "PassTheExecutionRoleToSageMaker",
+            ["iam:PassRole"],
+            e.role_arn,
+            StringEquals={"iam:PassedToService": SAGEMAKER_PRINCIPAL},
+        ),
+        statement("RunAndFollowJobs", actions, jobs),
+    ]
+    listing = ["sagemaker:ListTrainingJobsForHyperParameterTuningJob"] if "tuning" in kinds else []
+    group = settings.registry.model_package_group
+    if group:  # pipeline/registry.py: the run's winner registered, `registry`, `approve`
+        listing.append("sagemaker:ListModelPackages")
+        # Written as the settings name it, and in lower case too: how SageMaker cases a group
+        # in its ARNs is not stated in botocore's model, and a policy's ARN is matched as written.
+        names = sorted({group, group.lower()})
+        statements.append(
+            statement(
+                "RegisterTheWinningModel",
+                [
+                    "sagemaker:CreateModelPackage",
+                    "sagemaker:CreateModelPackageGroup",
+                    "sagemaker:DescribeModelPackage",
+                    "sagemaker:DescribeModelPackageGroup",
+                    "sagemaker:UpdateModelPackage",
+                ],
+                [where.arn("sagemaker", f"model-package-group/{n}") for n in names]
+                + [where.arn("sagemaker", f"model-package/{n}/*") for n in names],
+            )
+        )
+    if listing:
+        # A List action is granted on "*": it names no single job or package, and a resource
+        # type the action does not take would deny it.
+        statements.append(statement("ListTrialsAndVersions", listing, "*"))
+    groups = sorted({LOG_GROUP_OF[k] for k in kinds})
+    statements.append(
+        statement(
+            "ReadJobLogs",  # DescribeLogStreams, then GetLogEvents per stream (_read_logs)
+            ["logs:DescribeLogStreams", "logs:GetLogEvents"],
+            [where.arn("logs", f"log-group:{g}:*") for g in groups],
+        )
+    )
+    bucket, prefix = _split(settings.store_uri())
+    experiment = f"{prefix.strip('/') + '/' if prefix.strip('/') else ''}{e.name}/*"
+    statements += [
+        # pipeline/store.py S3Store: get, head, put (also conditional, IfNoneMatch), upload
+        # and download (multipart: "You must be allowed to perform the s3:PutObject action on
+        # an object to create a multipart upload request", and s3:AbortMultipartUpload to abort
+        # one, https://docs.aws.amazon.com/AmazonS3/latest/userguide/mpuoverview.html
+        # #mpuAndPermissions), delete (prune, tidied trials): only the experiment's own keys.
+        statement(
+            "ReadWriteAndPruneTheExperiment",
+            ["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
+            [where.s3(bucket, experiment)],
+        ),
+        # HeadBucket (the store's reachability check, before anything is written) takes no
+        # prefix, so the listing cannot be narrowed to one with an s3:prefix condition.
+        statement("ListTheStore", ["s3:ListBucket"], [where.s3(bucket)]),
+    ]
+    if _asks_prices(settings, requests):
+        # pipeline/cost.py ask_price_list: the Price List API names no resource.
+        statements.append(statement("AskTheDaysPrices", ["pricing:GetProducts"], "*"))
+    return {"Version": VERSION, "Statement": statements}
+
+
+def _resource_type(kind: str) -> str:
+    """`training-job` from the service model's TrainingJobArn pattern, and so on."""
+    from pipeline.service_model import shape
+
+    pattern = shape(f"{KINDS[kind].resource}Arn").metadata["pattern"]
+    return re.search(r":\[0-9\]\{12\}:([a-z-]+)/", pattern)[1]
+
+
+def _asks_prices(settings: Settings, requests: list[tuple[str, dict]]) -> bool:
+    """Whether the driver asks the Price List API: for an instance type [cost] PRICES does not
+    price (pipeline/driver.py prices_for)."""
+    from pipeline.cost import uses_of
+
+    used = {instance for kind, request in requests for _, instance in uses_of(kind, request)}
+    return bool(used - set(settings.cost.prices))
+
+
+def role_policy(settings: Settings, where: Where, requests: list[tuple[str, dict]], image) -> dict:
+    """The execution role's, as sagemaker-roles.html lists it for CreateTrainingJob,
+    CreateProcessingJob and CreateHyperParameterTuningJob ("Execution Role Permissions"):
+    cloudwatch:PutMetricData, the logs writes, s3:GetObject, s3:PutObject, s3:ListBucket and the
+    ECR pulls, scoped as that page scopes them ("Scope the s3:ListBucket permission to the
+    specific bucket ..., s3:GetObject, s3:PutObject, and s3:DeleteObject ... to ... S3Uri ...
+    S3OutputPath"; "Scope Amazon ECR permissions to the registry path"; "The cloudwatch and
+    logs actions are applicable for "*" resources", narrowed here to SageMaker's log groups);
+    and the secrets the jobs read (steps/entrypoint.py keys_from_secrets)."""
+    from steps.entrypoint import SECRETS_FROM_MANAGER
+
+    reads, writes, checkpoints = set(), set(), set()
+    secrets: set[str] = set()
+    for kind, request in requests:
+        read, written, kept = _locations(kind, request)
+        reads |= read
+        writes |= written
+        checkpoints |= kept
+        env = _environment(kind, request)
+        secrets |= {env[v] for v in SECRETS_FROM_MANAGER if env.get(v)}
+    buckets = sorted({_split(u)[0] for u in reads | writes | checkpoints})
+    # The image's own registry: its account and region, which may differ from the run's.
+    repository = (
+        f"arn:{where.partition}:ecr:{image['region']}:{image['account']}:"
+        f"repository/{image['repository']}"
+    )
+    statements = [
+        statement("ReadJobInputs", ["s3:GetObject"], _objects(where, reads)),
+        statement("WriteJobOutputs", ["s3:PutObject"], _objects(where, writes)),
+    ]
+    if checkpoints:
+        statements.append(
+            statement(
+                "SyncCheckpoints",
+                ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
+                _objects(where, checkpoints),
+            )
+        )
+    statements += [
+        statement("ListJobBuckets", ["s3:ListBucket"], [where.s3(b) for b in buckets]),
+        # GetAuthorizationToken names no repository ("Resource": "*" on that page too).
+        statement("PullTheImageToken", ["ecr:GetAuthorizationToken"], "*"),
+        statement(
+            "PullTheImage",
+            ["ecr:BatchCheckLayerAvailability", "ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer"],
+            [repository],
+        ),
+        statement(
+            "WriteJobLogs",
+            [
+                "logs:CreateLogGroup",
+                "logs:CreateLogStream",
+                "logs:DescribeLogStreams",
+                "logs:PutLogEvents",
+            ],
+            [where.arn("logs", "log-group:/aws/sagemaker/*")],
+        ),
+        statement("PutJobMetrics", ["cloudwatch:PutMetricData"], "*"),
+    ]
+    if secrets:
+        statements.append(
+            statement(
+                "ReadTheNamedSecrets",
+                ["secretsmanager:GetSecretValue"],
+                [_secret_arn(where, s) for s in sorted(secrets)],
+            )
+        )
+    return {"Version": VERSION, "Statement": statements}
+
+
+def _secret_arn(where: Where, secret: str) -> str:
+    """A secret named by ARN, as it is; by name, its ARN with the six characters Secrets Manager
+    appends matched by '??????' ("Using '??????' as a wildcard to match the 6 random characters
+    assigned by Secrets Manager avoids a problem that occurs if you use the '*' wildcard",
+    https://docs.aws.amazon.com/secretsmanager/latest/userguide/permissions_grant-limited-resources.html)."""
+    if secret.startswith("arn:"):
+        return secret
+    return where.arn("secretsmanager", f"secret:{secret}-??????")
+
+
+# -- every action checked against botocore --------------------------------------------------------
+
+
+def check_actions(policy: dict) -> None:
+    """Raise PipelineError naming each action botocore does not know: its service prefix maps to
+    no service model, or its name is no operation of that service and no permission-only
+    action whose operation's documentation names it."""
+    import botocore.session
+
+    session = botocore.session.get_session()
+    unknown = []
+    for action in sorted({a for s in policy["Statement"] for a in s["Action"]}):
+        prefix, _, name = action.partition(":")
+        if prefix not in SERVICES:
+            unknown.append(f"{action}: no botocore service for the prefix {prefix!r}")
+            continue
+        model = session.get_service_model(SERVICES[prefix])
+        if name in model.operation_names:
+            continue
+        evidence = PERMISSION_ONLY.get(action)
+        if evidence and action in _documentation(session, *evidence):
+            continue
+        unknown.append(
+            f"{action}: {name} is no operation of botocore's {SERVICES[prefix]} service model"
+        )
+    if unknown:
+        raise PipelineError("IAM actions botocore does not know: " + "; ".join(unknown))
+
+
+def _documentation(session, service: str, operation: str) -> str:
+    """An operation's documentation and its input members' in botocore's model."""
+    op = session.get_service_model(service).operation_model(operation)
+    members = op.input_shape.members.values() if op.input_shape else ()
+    return " ".join([op.documentation or "", *(m.documentation or "" for m in members)])
+
+
+def said(settings: Settings) -> str:
+    """What `smpipe iam` prints: each policy under a heading."""
+    driver, execution = policies(settings)
+    e = settings.experiment
+    return "\n".join(
+        [
+            "# The driver's policy: attach it to whoever runs `smpipe run`, `plan`, `predict`,",
+            "# `registry`, `approve` and `prune` for this experiment.",
+            json.dumps(driver, indent=2),
+            "",
+            f"# The execution role's policy: attach it to {e.role_arn}, whose trust policy lets",
+            f"# {SAGEMAKER_PRINCIPAL} assume it (sts:AssumeRole, sagemaker-roles.html).",
+            json.dumps(execution, indent=2),
+        ]
+    )
