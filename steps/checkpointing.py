@@ -4,6 +4,22 @@ A checkpoint is written to a fresh directory `ckpt-<step>.tmp`, every file flush
 directory is renamed to `ckpt-<step>` and the pointer file `CURRENT` is replaced (write aside,
 fsync, rename). A crash at any moment leaves the previous checkpoint whole and current: a
 `.tmp` directory is never read, and `CURRENT` only ever names a renamed, complete one.
+
+The folder is also a copy of S3, and one that may lag. SageMaker copies what the job writes in
+/opt/ml/checkpoints to S3 during training, deletions included ("If a checkpoint is deleted in
+the SageMaker AI container, it will also be deleted in the S3 folder": model-checkpoints.html),
+in an order it does not document, and not when the job is terminated ("Writes to S3 when job
+is terminated: No" for /opt/ml/checkpoints: model-train-storage.html). So S3 may hold a
+checkpoint with some of its files, each whole ("Amazon S3 never adds partial objects":
+PutObject in botocore's s3 service-2.json; "there is no way to make atomic updates across
+keys": the S3 User Guide's consistency model), or a CURRENT naming one it lacks: a checkpoint
+lists its files in `meta.json`, and one that lacks any of them is not loaded.
+And the newest checkpoint is never the only one: the one before it stays until the next save
+begins (`KEEP_CHECKPOINTS = 1` keeps two between saves, and still at most two on disk while
+one is written). A checkpoint is removed only once a newer one has been complete, and copied
+to S3, for a whole checkpoint interval; the job cannot see S3 (SageMaker reports nothing of its
+copy), so that interval is the assurance. The checkpoint written on SIGTERM is best effort: it
+may never reach S3, and never costs the one written before it.
 """
 
 from __future__ import annotations
@@ -24,6 +40,7 @@ CURRENT = "CURRENT"
 OBJECTS = ("model", "optimizer", "scheduler", "scaler", "sampler")
 STATE_FILE = "state.pt"
 BEST_FILE = "best_model.pt"
+MANIFEST = "meta.json"  # the checkpoint's step, and the files it is made of
 
 # Everything a State serializes, in one place (OBJECTS load through their own state dicts).
 # The main process writes these to state.pt; each process writes its RNG and its share of
@@ -234,8 +251,28 @@ def checkpoint_names(directory: Path) -> list[str]:
     return sorted(names, key=lambda n: int(n.split("-")[1]))
 
 
-def begin_checkpoint(directory: Path, step: int) -> Path:
-    """Main process: a fresh, empty directory for the checkpoint of `step`."""
+def kept(keep: int) -> int:
+    """How many checkpoints a folder holds at most, the one being written included: KEEP_
+    CHECKPOINTS, and never fewer than two, so that the newest complete one stays while the
+    next is written and copied to S3 (this module's docstring)."""
+    return max(keep, 2)
+
+
+def rotate(directory: Path, at_most: int) -> None:
+    """Remove the oldest checkpoints beyond the newest `at_most`."""
+    for name in checkpoint_names(directory)[:-at_most]:
+        shutil.rmtree(directory / name, ignore_errors=True)
+
+
+def begin_checkpoint(directory: Path, step: int, keep: int | None = None) -> Path:
+    """Main process: a fresh, empty directory for the checkpoint of `step`. Given KEEP_
+    CHECKPOINTS, room is made first: the oldest go now, so the folder never holds more than
+    `kept(keep)` checkpoints, this one included, and the newest complete one stays."""
+    if keep is not None and directory.is_dir():
+        rotate(directory, kept(keep) - 1)
+        # A save cut short left its `.tmp` (a save is collective: none is being written now).
+        for stale in directory.glob("ckpt-*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = directory / f"ckpt-{step:08d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -248,34 +285,47 @@ def write_rank_state(tmp: Path, rank: int, state: State) -> None:
     _save({"rng": rng_state(), "epoch_loss": list(state.epoch_loss)}, tmp / f"rank{rank}.pt")
 
 
+def point_current(directory: Path, checkpoint: Path) -> None:
+    """CURRENT names `checkpoint`: written aside, flushed, renamed over the old pointer."""
+    pointer = directory / f".{CURRENT}.tmp"
+    with open(pointer, "w") as f:
+        f.write(checkpoint.name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer, directory / CURRENT)
+    _fsync_dir(directory)
+
+
 def finish_checkpoint(
     directory: Path, tmp: Path, state: State, best_weights: dict | None, keep: int
 ) -> Path:
-    """Main process: write the State, then make it current atomically; prune old ones."""
+    """Main process: write the State and the manifest, then make it current atomically; the
+    folder keeps `kept(keep)` checkpoints (the one before this one among them)."""
     _save(state.state_dict(), tmp / STATE_FILE)
     previous = current_checkpoint(directory)
     if best_weights is not None:
         _save(best_weights, tmp / BEST_FILE)
     elif previous is not None and (previous / BEST_FILE).exists():
         os.link(previous / BEST_FILE, tmp / BEST_FILE)  # unchanged best: share the file
-    (tmp / "meta.json").write_text(
+    # Last, once every file of this node is in place (the processes wrote their rank files
+    # before): what a copy of this checkpoint must hold to be loaded.
+    files = sorted(p.name for p in tmp.iterdir() if p.is_file())
+    (tmp / MANIFEST).write_text(
         json.dumps(
-            {"step": state.step, "epoch": state.epoch, "batch_in_epoch": state.batch_in_epoch}
+            {
+                "step": state.step,
+                "epoch": state.epoch,
+                "batch_in_epoch": state.batch_in_epoch,
+                "files": files,
+            }
         )
     )
     _fsync_dir(tmp)
     final = directory / tmp.name.removesuffix(".tmp")
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
-    pointer = directory / f".{CURRENT}.tmp"
-    with open(pointer, "w") as f:
-        f.write(final.name)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pointer, directory / CURRENT)
-    _fsync_dir(directory)
-    for name in checkpoint_names(directory)[:-keep]:
-        shutil.rmtree(directory / name, ignore_errors=True)
+    point_current(directory, final)
+    rotate(directory, kept(keep))
     return final
 
 
@@ -290,8 +340,7 @@ def finish_rank_files(directory: Path, tmp: Path, keep: int) -> None:
         tmp.rmdir()
     else:
         os.rename(tmp, final)
-    for name in checkpoint_names(directory)[:-keep]:
-        shutil.rmtree(directory / name, ignore_errors=True)
+    rotate(directory, kept(keep))
 
 
 def save_checkpoint(
@@ -304,7 +353,7 @@ def save_checkpoint(
     started = time.time()
     tmp = directory / f"ckpt-{state.step:08d}.tmp"
     if accelerator.is_local_main_process:
-        begin_checkpoint(directory, state.step)
+        begin_checkpoint(directory, state.step, keep)
     accelerator.wait_for_everyone()
     write_rank_state(tmp, accelerator.process_index, state)
     accelerator.wait_for_everyone()
@@ -332,8 +381,45 @@ def resume_candidates(directory: Path) -> list[Path]:
     return ordered
 
 
+def step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.split("-")[1])
+
+
+def settle_after_resume(directory: Path, resumed: Path | None, failed: list[Path]) -> list[str]:
+    """After a resume from `resumed` (None: from the start), each node's first process removes
+    the checkpoints that failed to load and are newer than it (one cut short on its way to S3,
+    the SIGTERM one say): left, it would count as the newest when the folder is rotated, and
+    the one resumed from would be removed before it. CURRENT names the one resumed from, so
+    that the next checkpoint shares its best model. Returns the names removed."""
+    after = step_of(resumed) if resumed is not None else -1
+    removed = []
+    for path in failed:
+        if path.is_dir() and step_of(path) > after:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    if resumed is not None and current_checkpoint(directory) != resumed:
+        point_current(directory, resumed)
+    return removed
+
+
+def check_complete(path: Path) -> None:
+    """A checkpoint holds every file its manifest lists: a copy cut short on its way to S3 or
+    back (SageMaker copies it file by file, each file whole or not at all, and nothing once
+    the job is terminated) is refused, never loaded in part. A checkpoint written before
+    manifests listed files passes on its manifest alone."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        raise FileNotFoundError(f"{manifest} is missing: the checkpoint is incomplete")
+    missing = [
+        n for n in json.loads(manifest.read_text()).get("files", []) if not (path / n).is_file()
+    ]
+    if missing:
+        raise FileNotFoundError(f"{path} is incomplete: {missing} of its {MANIFEST} missing")
+
+
 def load_checkpoint(path: Path, state: State, rank: int) -> dict | None:
     """Load a checkpoint into `state` and this rank's RNG; return the best weights, if any."""
+    check_complete(path)
     saved = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
     rank_file = path / f"rank{rank}.pt"
     if not rank_file.exists():

@@ -379,6 +379,7 @@ def resume(job: Job) -> None:
     """From the newest checkpoint that loads; every rank from the same one, or none."""
     accelerator, state = job.accelerator, job.state
     started = time.time()
+    failed, resumed = [], None
     for candidate in ckpt.resume_candidates(job.env.checkpoint_dir):
         try:
             job.best_weights = ckpt.load_checkpoint(candidate, state, accelerator.process_index)
@@ -387,7 +388,9 @@ def resume(job: Job) -> None:
                 f"checkpoint {candidate} could not be loaded ({type(e).__name__}: {e}); "
                 "trying the previous one"
             )
+            failed.append(candidate)
             continue
+        resumed = candidate
         job.resumed_from = {
             "checkpoint": str(candidate),
             "step": state.step,
@@ -406,6 +409,13 @@ def resume(job: Job) -> None:
             raise RuntimeError(
                 f"processes resumed from different checkpoints: steps {steps.tolist()}"
             )
+    if accelerator.is_local_main_process:
+        removed = ckpt.settle_after_resume(job.env.checkpoint_dir, resumed, failed)
+        if removed:
+            accelerator.print(
+                f"removed {removed}: newer than the checkpoint resumed from, and not loadable"
+            )
+    accelerator.wait_for_everyone()
 
 
 def interrupted(accelerator: Accelerator) -> bool:

@@ -10,7 +10,9 @@ extended with earlier trials); its parts map onto SageMaker's strategies one for
 
 `[tuning] EARLY_STOPPING = Auto` adds the median pruner: a trial whose objective falls behind
 the median of earlier trials at the same epoch is stopped. What ran is what was asked for,
-and the Metadata and the terminal say so.
+and the Metadata and the terminal say so. A trial is never stopped at its last epoch (its
+model is all but saved: stopping it would save nothing and lose the model), and a stopped
+trial keeps the last objective it reported, as SageMaker reports one.
 
 Trials are local training jobs, `MAX_PARALLEL_JOBS` at once. Each one's objective is read
 live from its log with the metric definition's regex, the regex SageMaker uses; a pruned
@@ -47,11 +49,14 @@ from pipeline.jobs import JobResult, TrainingJob, TuningJob, job_name
 from pipeline.paths import RunTree
 from pipeline.service_model import TUNING_OBJECTIVE
 from pipeline.store import NotFound, Store, download_dir, is_complete, upload_dir
+from steps.hyperparameters import HYPERPARAMETERS, parse_hyperparameters
 
 if TYPE_CHECKING:
     from pipeline.backends.local import LocalBackend
 
-EPOCH = re.compile(r"^epoch=(\d+) ")  # the metric line, not the final "best ..." line
+# The metric line (steps/metrics.py metric_line), not the final "best ..." line: its epoch and
+# the optimizer steps taken by then.
+EPOCH = re.compile(r"^epoch=(\d+) step=(\d+) ")
 
 
 class TrialFailed(RuntimeError):
@@ -262,18 +267,34 @@ def trial_objective(
         record = started_record(number, trial_job, values)
         trials.record(record)
         verdict: dict[str, str] = {}
-        watch = pruning(trial, record, objective_regex, job.objective_metric, verdict)
+        watch = pruning(
+            trial, record, objective_regex, job.objective_metric, verdict, last_epoch(trial_job)
+        )
         result = backend.run_training(trial_job, watch=watch)
         status = "Stopped" if verdict else result.status
         if trials.stopping.is_set() and status != "Completed":
             status = "Interrupted"  # continued from its checkpoint when the run is resumed
         elif status not in ("Completed", "Stopped"):
             status = "Failed"
-        completed = status == "Completed"
+        objective = None
+        if status == "Completed":
+            objective = result.metrics.get(job.objective_metric)
+        elif status == "Stopped":
+            # As SageMaker reports a trial its tuning job stopped early: TrainingJobStatus
+            # Stopped, with FinalHyperParameterTuningJobObjectiveMetric "the latest objective
+            # metric emitted by a training job that was launched by a hyperparameter tuning
+            # job" (botocore's sagemaker service-2.json; API_HyperParameterTrainingJobSummary;
+            # API_FinalHyperParameterTuningJobObjectiveMetric.html); an ObjectiveStatus of
+            # Failed "typically occurs when the training job failed or did not emit an
+            # objective metric" (ObjectiveStatus, ibid.). It is still not the best trial: that
+            # is the one "that completed with the best current" objective
+            # (DescribeHyperParameterTuningJob's BestTrainingJob), and a stopped trial saved no
+            # model.
+            objective = last_reported(record)
         record.update(
             status=status,
             seconds=result.seconds,
-            objective=result.metrics.get(job.objective_metric) if completed else None,
+            objective=objective,
             stop_reason=verdict.get("stopped") or result.failure_reason,
         )
         trials.record(record)
@@ -312,17 +333,40 @@ def started_record(number: int, trial_job: TrainingJob, values: dict) -> dict:
     }
 
 
-def pruning(trial, record: dict, objective_regex, metric: str, verdict: dict):
+def last_epoch(trial_job: TrainingJob):
+    """Whether a trial's metric line (its epoch, the optimizer steps by then) is its last: the
+    epoch is its EPOCHS, or MAX_STEPS is reached, as steps/train.py ends its loop (the
+    hyperparameters read as train.py reads them; a name the table does not know is the
+    training program's own business, refused by the job if at all)."""
+    known = {k: v for k, v in trial_job.hyperparameters.items() if k in HYPERPARAMETERS}
+    hp = parse_hyperparameters(known)
+    epochs, max_steps = hp["epochs"], hp["max_steps"]
+    return lambda epoch, steps: epoch >= epochs or bool(max_steps and steps >= max_steps)
+
+
+def last_reported(record: dict) -> float | None:
+    """The objective of a trial's latest epoch (its epochs are numbers, or strings once read
+    back from trials.json)."""
+    epochs = record["epochs"]
+    return epochs[max(epochs, key=int)] if epochs else None
+
+
+def pruning(trial, record: dict, objective_regex, metric: str, verdict: dict, is_last=None):
     """What watches a trial's log: each epoch's objective recorded and reported to the pruner;
-    True (stop the trial) when the pruner says so, with why in `verdict`."""
+    True (stop the trial) when the pruner says so, with why in `verdict`. The pruner is not
+    asked after the last epoch (`is_last(epoch, steps)`): the trial saves its model next, and
+    stopping it then would lose that model for nothing. Nothing is reported after a verdict:
+    the trial is stopping."""
 
     def watch(line: str) -> bool:
         epoch, found = EPOCH.match(line), objective_regex.search(line)
-        if not (epoch and found):
+        if verdict or not (epoch and found):
             return False
         step, value = int(epoch.group(1)), float(found.group(1))
         record["epochs"][step] = value
         trial.report(value, step)
+        if is_last is not None and is_last(step, int(epoch.group(2))):
+            return False
         if trial.should_prune():
             verdict["stopped"] = f"early stopping: {metric}={value:.4f} at epoch {step}"
             return True
@@ -489,8 +533,14 @@ def draw(
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    done = [t for t in trials if t["objective"] is not None]
-    left.scatter([t["number"] for t in done], [t["objective"] for t in done], label="trial")
+    scored = [t for t in trials if t["objective"] is not None]
+    for status, marker, color in (("Completed", "o", "C0"), ("Stopped", "x", "C3")):
+        shown = [t for t in scored if t["status"] == status]
+        if shown:
+            x, y = [t["number"] for t in shown], [t["objective"] for t in shown]
+            left.scatter(x, y, marker=marker, color=color, label=f"trial ({status.lower()})")
+    # The best so far among the completed trials, the ones that can be promoted (`finish`).
+    done = [t for t in scored if t["status"] == "Completed"]
     best, line = None, []
     for t in done:
         best = t["objective"] if best is None or sign * t["objective"] > sign * best else best
