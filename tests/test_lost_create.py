@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+import uuid
 
 import boto3
 import pytest
@@ -76,7 +77,14 @@ def training(tmp_path, bucket):
     path = write_settings(
         tmp_path / "settings.ini",
         f"s3://{bucket}/root",
-        experiment={"BACKEND": "sagemaker", "ROLE_ARN": ROLE, "IMAGE_URI": IMAGE},
+        # A name of its own: SageMaker's (moto's) job names are the account's, and another
+        # test on this worker may have made a job of the shared experiment's name.
+        experiment={
+            "BACKEND": "sagemaker",
+            "ROLE_ARN": ROLE,
+            "IMAGE_URI": IMAGE,
+            "NAME": f"lost-{uuid.uuid4().hex[:8]}",
+        },
         training={"INSTANCE_TYPE": "ml.g5.xlarge", "KEEP_ALIVE_SECONDS": "0"},
     )
     settings = load_settings(path, env={})
