@@ -20,7 +20,6 @@ import sys
 import time
 
 import boto3
-import pytest
 
 from pipeline import cli, registry
 from pipeline import metadata as md
@@ -33,16 +32,6 @@ from pipeline.store import LocalStore, S3Store, is_complete
 from tests.conftest import ROOT, write_settings
 from tests.test_prune import KEPT, TREE, NoBackend, write_run
 from tests.test_sagemaker_backend import IMAGE, ROLE
-
-
-@pytest.fixture(params=["local", "s3"])
-def store_at(request, tmp_path):
-    """A store and the STORE setting that names it (the local backend's registry lives there)."""
-    if request.param == "s3":
-        uri = f"s3://{request.getfixturevalue('bucket')}/root"
-        return S3Store(uri), uri
-    return LocalStore(tmp_path / "store"), str(tmp_path / "store")
-
 
 # -- what is still read is kept, and said ---------------------------------------------------------
 
