@@ -216,6 +216,10 @@ class Inference(Section):
     instance_type: str = "ml.m5.xlarge"
     batch_size: int = Field(64, ge=1, le=65_536)
     model_format: Literal["torchscript", "exported"] = "torchscript"
+    # auto: bf16 on a CPU that computes it natively (AMX or AVX512-BF16), else fp32
+    # (steps/precision.py); inference then also runs up to 512 test rows in fp32 and records
+    # how the two agree. no: fp32.
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
 
 
 class Tracking(hyperparameters_of("tracking")):  # WANDB_PROJECT, WANDB_MODE

@@ -274,6 +274,7 @@ def predict_job(
         "--model-name": chosen.model,
         "--batch-size": settings.inference.batch_size,
         "--model-format": settings.inference.model_format,
+        "--mixed-precision": settings.inference.mixed_precision,
         "--text-columns": ",".join(chosen.text_columns),
     }
     job = processing_job(
@@ -460,6 +461,8 @@ def predict(
         "model_chosen": chosen.why,
         "model_artifact": chosen.model_key,
         "model_format": settings.inference.model_format,
+        # The setting; what it resolved to on the job's CPU is in the job's log.
+        "mixed_precision": settings.inference.mixed_precision,
         "data_version": chosen.data_version,
         "data_snapshot_hash": chosen.snapshot,
         "input": str(source.resolve()),

@@ -77,7 +77,9 @@ def context(store: Store, tree: ExperimentTree, run_num: int) -> dict:
     results = run.inference if inference else None
     tuned = train.get("step") == "tune"
     names = record.get("model_artifacts") or sorted(record.get("holdout_performance") or {})
-    models = [_model_view(store, run, record, name, trained, results, tuned) for name in names]
+    models = [
+        _model_view(store, run, record, name, trained, results, tuned, inference) for name in names
+    ]
     # The prepare report of the run that made the data (an earlier run's when it was reused).
     reports = [
         _json(store, tree.run(n).report("prepare") + "step_metadata.json")
@@ -123,6 +125,7 @@ def _model_view(
     trained: dict,
     results: str | None,
     tuned: bool,
+    inference: dict,
 ) -> dict:
     """One model's part of the page: where it is, its curves, test results and tuning."""
     recorded = (record.get("model_artifacts") or {}).get(name)
@@ -141,6 +144,10 @@ def _model_view(
         "per_label": sorted(per_label, key=lambda r: -float(r["f1"])),
         "confusion": confusion,
         "tuning": _tuning(store, run, name, tuned),
+        # What the test ran in and why, and bf16's predictions against fp32's when it ran bf16.
+        "tested_in": inference.get("mixed_precision"),
+        "tested_in_because": inference.get("precision_reason"),
+        "against_fp32": (inference.get("against_fp32") or {}).get(name),
     }
 
 

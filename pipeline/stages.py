@@ -281,6 +281,7 @@ class Inference:
             "--model-names": ",".join(settings.models.model_names),
             "--batch-size": settings.inference.batch_size,
             "--model-format": settings.inference.model_format,
+            "--mixed-precision": settings.inference.mixed_precision,
             # Each model is logged to wandb as a `model` artifact of its training run, with
             # its test metrics (steps/model_artifact.py).
             "--wandb-mode": settings.tracking.wandb_mode,

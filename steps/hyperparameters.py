@@ -64,6 +64,8 @@ _SATISFIED = {
 }
 _SYMBOL = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 
+# MIXED_PRECISION's words (steps/precision.py resolves them on the job's hardware).
+PRECISION_CHOICES = ("auto", "no", "bf16", "fp16")
 # [training] EXPORTS as a job receives it: the formats in one order, or none (a tuning trial).
 EXPORT_CHOICES = ("torchscript", "exported", "torchscript,exported", "none")
 
@@ -102,8 +104,9 @@ TABLE: tuple[Hyperparameter, ...] = (
       help="wandb project"),
     H("wandb_mode",     str,   "offline", section="tracking",
       choices=("offline", "online", "disabled"), help="wins over a WANDB_API_KEY in the env"),
-    H("mixed_precision", str,  "auto", choices=("auto", "no", "bf16", "fp16"), per_model=True,
-      help="auto: bf16 on GPUs that have it, else fp16 with a loss scaler; no on CPU"),
+    H("mixed_precision", str,  "auto", choices=PRECISION_CHOICES, per_model=True,
+      help="auto: bf16 where the GPU or CPU computes it natively (steps/precision.py), fp16 "
+           "with a loss scaler on older GPUs, fp32 on other CPUs"),
     H("group_by_length", bool, True,
       help="batches of rows of similar length (as the Trainer's group_by_length): less padding"),
     H("compile",        bool,  False, per_model=True,

@@ -34,6 +34,9 @@ from steps.batching import Batches, by_length, read_inputs, read_split
 from steps.contract import processing_input, processing_output, run_step, write_step_metadata
 from steps.model_artifact import log_models
 from steps.model_files import RECORD, read_record, usable_export
+from steps.precision import Precision, autocast, resolve
+
+FP32 = Precision("no", "fp32")
 
 
 def parse_args() -> argparse.Namespace:
@@ -48,6 +51,8 @@ def parse_args() -> argparse.Namespace:
         "--wandb-mode", choices=["online", "offline", "disabled"], default="disabled"
     )
     parser.add_argument("--wandb-project", default="smpipe")
+    # [inference] MIXED_PRECISION; auto: bf16 where the CPU computes it (steps/precision.py)
+    parser.add_argument("--mixed-precision", choices=["auto", "no", "bf16"], default="auto")
     return parser.parse_args()
 
 
@@ -70,14 +75,37 @@ def load_program(directory: Path, model_format: str, name: str):
     return torch.jit.load(str(path), map_location="cpu").eval()
 
 
-def predict(name: str, test: pa.Table, batch_size: int, model_format: str):
-    """Predicted label ids and their confidence, in the test split's order."""
+def predict(name: str, test: pa.Table, batch_size: int, model_format: str, precision: Precision):
+    """Predicted label ids and their confidence, in the test split's order; and, when the
+    program ran in bf16, how its predictions compare with fp32's (`against_fp32`)."""
     directory = model_dir(name)
     keys = read_record(directory)["ordered_input_keys"]
     inputs = read_inputs(processing_input("labels"), name, keys)
     batches = Batches(test, name, keys, inputs, labels=False)
-    logits = run_batches(load_program(directory, model_format, name), batches, keys, batch_size)
-    return logits.argmax(-1).numpy(), torch.softmax(logits, -1).max(-1).values.numpy()
+    program = load_program(directory, model_format, name)
+    logits = run_batches(program, batches, keys, batch_size, precision)
+    checked = against_fp32(program, batches, keys, batch_size, logits) if precision.bf16 else None
+    return logits.argmax(-1).numpy(), torch.softmax(logits, -1).max(-1).values.numpy(), checked
+
+
+# Test rows run again in fp32 when inference ran in bf16: every row of a test split up to this
+# many, else this many spread over the lengths (the same rows every run).
+FP32_CHECK_ROWS = 512
+
+
+def against_fp32(program, batches: Batches, keys: list[str], batch_size: int, logits) -> dict:
+    """The bf16 predictions against the same program's in fp32 on the same rows: how often
+    they agree, and the largest difference of any label's probability."""
+    rows = np.arange(len(batches))
+    if len(rows) > FP32_CHECK_ROWS:
+        rows = np.argsort(batches.lengths, kind="stable")[
+            np.linspace(0, len(rows) - 1, FP32_CHECK_ROWS).round().astype(int)
+        ]
+    fp32 = run_batches(program, batches, keys, batch_size, FP32, rows)
+    low = logits[torch.as_tensor(rows)]
+    agree = (low.argmax(-1) == fp32.argmax(-1)).float().mean().item()
+    difference = (torch.softmax(low, -1) - torch.softmax(fp32, -1)).abs().max().item()
+    return {"rows": len(rows), "agreement": agree, "max_probability_difference": difference}
 
 
 # Tokens in one forward pass at most (rows x width; BATCH_SIZE rows at most). 64 rows of 128
@@ -90,18 +118,31 @@ def predict(name: str, test: pa.Table, batch_size: int, model_format: str):
 MAX_TOKENS_PER_PASS = 1024
 
 
-def run_batches(model, batches: Batches, keys: list[str], batch_size: int) -> torch.Tensor:
-    """Logits for every row: rows sorted by length, each batch padded to its longest row and
-    held to MAX_TOKENS_PER_PASS tokens, the results put back in the rows' order."""
+def run_batches(
+    model,
+    batches: Batches,
+    keys: list[str],
+    batch_size: int,
+    precision: Precision = FP32,
+    rows: np.ndarray | None = None,
+) -> torch.Tensor:
+    """Logits (fp32) for every row, or for `rows` in their order: rows sorted by length, each
+    batch padded to its longest row and held to MAX_TOKENS_PER_PASS tokens, the results put
+    back in order. In bf16 the program runs under autocast (steps/precision.py)."""
+    rows = np.arange(len(batches)) if rows is None else np.asarray(rows)
     logits = None
     # TorchScript's profiling executor re-optimizes for every new input shape, and every batch
     # here has a width of its own: measured on 2 CPU cores it costs 10% on 128-token batches.
-    with torch.inference_mode(), torch.jit.optimized_execution(False):
-        for chunk in by_length(batches.lengths, batch_size, MAX_TOKENS_PER_PASS):
-            batch = batches(chunk)
+    with (
+        torch.inference_mode(),
+        torch.jit.optimized_execution(False),
+        autocast(precision),
+    ):
+        for chunk in by_length(batches.lengths[rows], batch_size, MAX_TOKENS_PER_PASS):
+            batch = batches(rows[chunk].tolist())
             out = model(*(batch[k] for k in keys)).float()
             if logits is None:
-                logits = torch.empty(len(batches), out.shape[-1])
+                logits = torch.empty(len(rows), out.shape[-1])
             logits[chunk] = out
     return logits
 
@@ -335,9 +376,15 @@ def main() -> None:
     y_true = np.asarray(test.column("label_id"))
     ids = test.column("id").to_pylist() if "id" in test.column_names else list(range(len(test)))
 
-    performance, predictions = {}, {}
+    precision = resolve(args.mixed_precision, num_gpus=0)
+    print(f"inference computes in {precision.applied}: {precision.reason}")
+    performance, predictions, checked = {}, {}, {}
     for name in names:
-        y_pred, confidence = predict(name, test, args.batch_size, args.model_format)
+        y_pred, confidence, checked[name] = predict(
+            name, test, args.batch_size, args.model_format, precision
+        )
+        if checked[name]:
+            print(f"{name}: bf16 against fp32 on {checked[name]}")
         predictions[name] = y_pred
         performance[name] = write_results(
             out / name, name, y_true, y_pred, confidence, ids, id2label
@@ -354,6 +401,9 @@ def main() -> None:
             "holdout_performance": performance,
             "comparison": comparison,
             "model_format": args.model_format,
+            "mixed_precision": precision.applied,
+            "precision_reason": precision.reason,
+            "against_fp32": checked if precision.bf16 else None,
             "wandb_artifacts": logged,
         },
     )

@@ -39,6 +39,7 @@ from steps.batching import Batches, length_column, read_inputs
 from steps.contract import processing_input, processing_output, run_step
 from steps.inference import load_program, run_batches
 from steps.model_files import RECORD, read_record
+from steps.precision import Precision, resolve
 from steps.prepare import clip_limits, encode_cut, tokenizer_identity
 from steps.prepared_files import read_encoding
 from steps.user_code import UserFunctions, call, load_user_functions
@@ -54,6 +55,8 @@ def parse_args() -> argparse.Namespace:
         "--model-format", choices=["torchscript", "exported"], default="torchscript"
     )
     parser.add_argument("--text-columns", required=True, help="comma separated")
+    # [inference] MIXED_PRECISION; auto: bf16 where the CPU computes it (steps/precision.py)
+    parser.add_argument("--mixed-precision", choices=["auto", "no", "bf16"], default="auto")
     return parser.parse_args()
 
 
@@ -181,7 +184,13 @@ def encode_rows(
 
 
 def predict_part(
-    rows: list[dict], encoder: Encoder, program, inputs: dict, args, labels: list[str]
+    rows: list[dict],
+    encoder: Encoder,
+    program,
+    inputs: dict,
+    args,
+    labels: list[str],
+    precision: Precision,
 ) -> pa.Table:
     """One part's predictions: a row each, in the part's order."""
     text_columns = args.text_columns.split(",")
@@ -192,7 +201,7 @@ def predict_part(
         batches = Batches(
             table, encoder.name, encoder.keys, inputs, encoder.max_length, labels=False
         )
-        logits = run_batches(program, batches, encoder.keys, args.batch_size)
+        logits = run_batches(program, batches, encoder.keys, args.batch_size, precision)
         probabilities[good] = torch.softmax(logits, -1).numpy()
         for position, label_id in zip(good, logits.argmax(-1).tolist(), strict=True):
             predicted[position] = labels[label_id]  # the logits' argmax, as inference takes it
@@ -235,6 +244,7 @@ def main() -> None:
     inputs = read_inputs(processing_input("labels"), name, keys)
     encoder = load_encoder(name, keys, encoding)
     program = load_program(directory, args.model_format, name)
+    precision = resolve(args.mixed_precision, num_gpus=0)
     parts = sorted(processing_input("texts").glob("part-*.parquet"))
     if not parts:  # ShardedByS3Key may give an instance none (about 1/n of the objects each)
         print("no part of the input reached this instance: nothing to predict here")
@@ -243,12 +253,13 @@ def main() -> None:
     out, started, done, bad = processing_output("predictions"), time.time(), 0, 0
     print(
         f"predicting {total:,} rows in {len(parts)} part(s) with model {name!r} "
-        f"({args.model_format}, {len(labels)} labels, rows of up to {encoder.max_length} tokens)",
+        f"({args.model_format}, {len(labels)} labels, rows of up to {encoder.max_length} tokens, "
+        f"computed in {precision.applied}: {precision.reason})",
         flush=True,
     )
     for part in parts:
         rows = pq.read_table(part).to_pylist()
-        predictions = predict_part(rows, encoder, program, inputs, args, labels)
+        predictions = predict_part(rows, encoder, program, inputs, args, labels, precision)
         pq.write_table(predictions, out / part.name)
         done += len(rows)
         bad += len(rows) - predictions.column("error").null_count

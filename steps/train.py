@@ -51,6 +51,7 @@ from steps.export import check_exports, export_programs, logits_of
 from steps.hyperparameters import parse_hyperparameters, reserved_hyperparameters
 from steps.metrics import metric_line, plot_curves
 from steps.model_files import write_record
+from steps.precision import Precision, resolve
 from steps.prepared_files import read_encoding
 from steps.user_code import call, load_user_functions
 
@@ -88,17 +89,6 @@ class Interrupt:
     @classmethod
     def install(cls) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(cls, "requested", True))
-
-
-def mixed_precision(setting: str, num_gpus: int) -> str:
-    """auto: bf16 where the GPU has it, else fp16 (Accelerate adds the loss scaler); no on CPU."""
-    if num_gpus == 0:
-        if setting == "fp16":
-            raise ValueError("MIXED_PRECISION = fp16 needs a GPU (use bf16 or no on CPU)")
-        return "no" if setting == "auto" else setting
-    if setting == "auto":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return setting
 
 
 def adamw(groups: list[dict], lr: float) -> tuple[torch.optim.Optimizer, str]:
@@ -166,7 +156,9 @@ def optimizer_for(model: torch.nn.Module, hp: dict, total_steps: int):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor), kind
 
 
-def accelerator_for(hp: dict, env: TrainingEnv, accumulation: int) -> tuple[Accelerator, str, bool]:
+def accelerator_for(
+    hp: dict, env: TrainingEnv, accumulation: int
+) -> tuple[Accelerator, Precision, bool]:
     """Accelerate for this job: the device, mixed precision, wandb, and gradient accumulation
     by step count. Returns it, the precision applied, and whether wandb logs."""
     on_gpu = env.num_gpus > 0
@@ -177,13 +169,13 @@ def accelerator_for(hp: dict, env: TrainingEnv, accumulation: int) -> tuple[Acce
         os.environ["WANDB_MODE"] = hp["wandb_mode"]
         os.environ.setdefault("WANDB_DIR", str(env.output_data_dir))
         os.environ.setdefault("WANDB_SILENT", "true")
-    precision = mixed_precision(hp["mixed_precision"], env.num_gpus)
+    precision = resolve(hp["mixed_precision"], env.num_gpus)
     if on_gpu:  # TF32 matmuls on Ampere and later (ignored before)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     accelerator = Accelerator(
         cpu=not on_gpu,
-        mixed_precision=precision,
+        mixed_precision=precision.applied,  # on a CPU, bf16 is torch.autocast("cpu", bfloat16)
         log_with="wandb" if wandb_on else None,
         # Accumulation groups line up with epochs by construction (see ResumableBatchSampler),
         # so syncing on the step count alone is exact, and resumable.
@@ -345,11 +337,14 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
         model, compiled = torch.compile(model, dynamic=True), True
     state = training_state(accelerator, model, optimizer, scheduler, sampler, hp, env)
     settings = {
-        "mixed_precision": precision,
+        "mixed_precision": precision.applied,
+        "precision_reason": precision.reason,
         "optimizer": f"AdamW ({optimizer_kind})",
         "compile": compiled,
         "group_by_length": hp["group_by_length"],
         "pad_to_multiple_of": multiple_of,
+        "dataloader_workers": train_loader.num_workers,
+        "pin_memory": train_loader.pin_memory,
     }
     announce(accelerator, hp, per_device, accumulation, settings)
     return Job(
@@ -646,7 +641,9 @@ def leave(job: Job) -> None:
 def keep_model(job: Job) -> None:
     """The best model, its exports and curves, and the Metadata section."""
     accelerator, state, hp, env = job.accelerator, job.state, job.hp, job.env
-    final = accelerator.unwrap_model(job.model, keep_torch_compile=False)
+    # Without Accelerate's mixed-precision wrapper: a program traced through it would carry
+    # its casts, computing in bf16 wherever it ran (inference chooses its own precision).
+    final = accelerator.unwrap_model(job.model, keep_fp32_wrapper=False, keep_torch_compile=False)
     if job.best_weights is not None:
         final.load_state_dict(job.best_weights)
     final = final.float().eval().cpu()

@@ -226,16 +226,6 @@ def test_malformed_encode_fails_prepare_naming_encode_and_manifests_nothing(tmp_
     assert not store.list_keys(ExperimentTree("short").data(1).prepared)
 
 
-def test_mixed_precision_is_resolved_for_the_device():
-    from steps.train import mixed_precision
-
-    assert mixed_precision("auto", num_gpus=0) == "no"
-    assert mixed_precision("bf16", num_gpus=0) == "bf16"  # CPUs with bf16 units use it
-    with pytest.raises(ValueError, match="fp16 needs a GPU"):
-        mixed_precision("fp16", num_gpus=0)
-    assert mixed_precision("no", num_gpus=1) == "no"
-
-
 def test_a_split_reads_as_datasets_reads_it(tmp_path):
     """Training and inference read prepare's splits without datasets: the same rows, in the
     same order, over every shard save_to_disk wrote."""

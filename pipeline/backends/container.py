@@ -89,9 +89,10 @@ def image_env(root: Path) -> dict[str, str]:
 # then what SageMaker sets. HOME is the job's own, empty folder: root's home in a new container
 # holds no cache (a Hugging Face cache on this machine is not the job's).
 DOCKER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-# What this machine needs to run the image's programs at all, passed on when set; nothing a job
-# reads: OpenBLAS's core type, on processors that older OpenBLAS builds misdetect.
-HOST_VARIABLES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+# What this machine's processor is, passed on when set, as the processor a job runs on is the
+# host's: OpenBLAS's core type, on processors that older OpenBLAS builds misdetect; and the
+# override of the bf16 detection (steps/precision.py), set where torch misjudges the CPU.
+HOST_VARIABLES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "SMPIPE_CPU_BF16")
 
 
 def fresh_container_env(root: Path) -> dict[str, str]:

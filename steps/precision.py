@@ -1,0 +1,98 @@
+"""Which precision a job computes in, and why: one answer for training, inference and predict.
+
+`MIXED_PRECISION = auto` is bf16 where the hardware computes bf16 natively and fp32 elsewhere:
+- a GPU: bf16 where it has it (Ampere and later), else fp16 with Accelerate's loss scaler;
+- a CPU: bf16 where it has AMX or AVX512-BF16 (Intel Sapphire Rapids and later: AWS's m7i,
+  c7i, r7i), fp32 elsewhere. A CPU without them runs bf16 matmuls through conversions to fp32
+  and back: on this project's AVX2 machine a MiniLM forward under bf16 autocast took 6.5x the
+  fp32 time (16 rows x 128 tokens, 2 threads), so "auto" must not pick it there.
+
+The CPU's ability is read from what torch exposes of the CPU it dispatches on:
+`torch.cpu._is_amx_tile_supported()` and `torch.cpu._is_avx512_bf16_supported()` (cpuinfo's
+flags, as torch's own inductor reads them to pick AMX kernels: torch/_inductor/cpu_vec_isa.py).
+`torch.backends.cpu.get_cpu_capability()` cannot tell: it names the vector ISA ("AVX512"), not
+whether bf16 is in it, and `torch.ops.mkldnn._is_mkldnn_bf16_supported()` is true on any
+AVX512 core, where oneDNN emulates bf16.
+
+`SMPIPE_CPU_BF16` = `native` or `none` overrides the detection: for a test to play either CPU,
+and for a CPU torch misjudges (an ARM core with BF16, which torch does not report here).
+
+Computing in bf16 means torch.autocast: weights and optimizer state stay fp32, matmuls run in
+bf16, and reductions (softmax, layer norm, the loss) stay fp32 by autocast's own op lists. The
+exported programs (TorchScript and torch.export) run under it too: both dispatch their aten ops
+through the autocast key (their logits under it match eager's under it exactly: tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+from steps.hyperparameters import PRECISION_CHOICES
+
+# The variable that overrides the CPU detection (see above).
+CPU_BF16_VARIABLE = "SMPIPE_CPU_BF16"
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What a job computes in (`no`: fp32, `bf16`, `fp16`), and why, in words for its report."""
+
+    applied: str
+    reason: str
+
+    @property
+    def bf16(self) -> bool:
+        return self.applied == "bf16"
+
+
+def cpu_bf16() -> tuple[bool, str]:
+    """Whether this CPU computes bf16 natively, and what says so."""
+    forced = os.environ.get(CPU_BF16_VARIABLE, "")
+    if forced:
+        if forced not in ("native", "none"):
+            raise ValueError(f"{CPU_BF16_VARIABLE}={forced!r}: use native or none")
+        return forced == "native", f"{CPU_BF16_VARIABLE}={forced}"
+    found = [
+        name
+        for name, check in (
+            ("AMX", torch.cpu._is_amx_tile_supported),
+            ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported),
+        )
+        if check()
+    ]
+    if found:
+        return True, f"this CPU has {' and '.join(found)}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    return False, f"this CPU ({capability}) has neither AMX nor AVX512-BF16"
+
+
+def resolve(setting: str, num_gpus: int) -> Precision:
+    """The precision MIXED_PRECISION asks for, on this machine."""
+    if setting not in PRECISION_CHOICES:
+        raise ValueError(f"MIXED_PRECISION = {setting}: use one of {', '.join(PRECISION_CHOICES)}")
+    if num_gpus:
+        if setting != "auto":
+            return Precision(setting, f"MIXED_PRECISION = {setting}")
+        if torch.cuda.is_bf16_supported():
+            return Precision("bf16", "auto: the GPU computes bf16")
+        return Precision("fp16", "auto: the GPU has no bf16, fp16 with a loss scaler")
+    if setting == "fp16":
+        raise ValueError("MIXED_PRECISION = fp16 needs a GPU (use bf16 or no on CPU)")
+    if setting != "auto":
+        return Precision(setting, f"MIXED_PRECISION = {setting}")
+    native, why = cpu_bf16()
+    if native:
+        return Precision("bf16", f"auto: bf16, {why}")
+    return Precision("no", f"auto: fp32, {why}")
+
+
+def autocast(precision: Precision, device: str = "cpu"):
+    """The context a forward pass runs in: autocast to bf16 or fp16, or nothing for fp32."""
+    if precision.applied in ("bf16", "fp16"):
+        dtype = torch.bfloat16 if precision.applied == "bf16" else torch.float16
+        return torch.autocast(device, dtype=dtype)
+    return contextlib.nullcontext()

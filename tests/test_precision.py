@@ -1,0 +1,149 @@
+"""MIXED_PRECISION = auto: bf16 where the CPU computes it natively, fp32 elsewhere, in training,
+inference and predict; what was applied, and why, in the model's report.
+
+This machine's CPU has neither AMX nor AVX512-BF16, so both kinds of CPU are played through
+SMPIPE_CPU_BF16 (steps/precision.py), which replaces only the detection: the jobs then really
+compute in what it resolves to."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from pipeline.config import load_settings
+from pipeline.driver import parse_steps, run_pipeline
+from pipeline.paths import ExperimentTree
+from pipeline.sources import upload_raw
+from pipeline.store import LocalStore
+from steps import precision
+from steps.precision import CPU_BF16_VARIABLE, resolve
+from tests.conftest import write_settings
+
+
+def test_auto_is_bf16_only_on_a_cpu_that_computes_it(monkeypatch):
+    monkeypatch.setenv(CPU_BF16_VARIABLE, "native")
+    assert resolve("auto", num_gpus=0) == precision.Precision(
+        "bf16", f"auto: bf16, {CPU_BF16_VARIABLE}=native"
+    )
+    assert resolve("no", num_gpus=0).applied == "no"  # no keeps fp32 everywhere
+    monkeypatch.setenv(CPU_BF16_VARIABLE, "none")
+    assert resolve("auto", num_gpus=0).applied == "no"
+    assert resolve("bf16", num_gpus=0).applied == "bf16"  # asked for: done, if slowly
+    with pytest.raises(ValueError, match="fp16 needs a GPU"):
+        resolve("fp16", num_gpus=0)
+    monkeypatch.setenv(CPU_BF16_VARIABLE, "yes")
+    with pytest.raises(ValueError, match=f"{CPU_BF16_VARIABLE}='yes': use native or none"):
+        resolve("auto", num_gpus=0)
+
+
+def test_without_the_override_the_detection_is_torch_s(monkeypatch):
+    monkeypatch.delenv(CPU_BF16_VARIABLE, raising=False)
+    native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    applied = resolve("auto", num_gpus=0)
+    assert applied.applied == ("bf16" if native else "no")
+    if not native:
+        assert "has neither AMX nor AVX512-BF16" in applied.reason
+        assert torch.backends.cpu.get_cpu_capability() in applied.reason
+
+
+def test_on_a_gpu_auto_is_bf16_where_it_has_it_else_fp16(monkeypatch):
+    # No CUDA here: only the GPU's answer is played; the branch is this module's.
+    for has_bf16, expected in ((True, "bf16"), (False, "fp16")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda has=has_bf16: has)
+        assert resolve("auto", num_gpus=1).applied == expected
+    assert resolve("no", num_gpus=1).applied == "no"
+
+
+def minilm_programs(tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from steps.export import LogitsOnly
+    from user_functions import minilm_path
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=5)
+    texts = ["a short one", "a sentence of some length, longer than the first by far"] * 2
+    encoded = tokenizer(texts, padding=True, return_tensors="pt")
+    args = (encoded["input_ids"], encoded["attention_mask"])
+    wrapper = LogitsOnly(model.eval(), ["input_ids", "attention_mask"]).eval()
+    dim = torch.export.Dim.DYNAMIC
+    with torch.no_grad():
+        torch.jit.trace(wrapper, args, strict=False, check_trace=False).save(tmp_path / "ts.pt")
+        shapes = ({0: dim, 1: dim}, {0: dim, 1: dim})
+        exported = torch.export.export(wrapper, args, dynamic_shapes=(shapes,), strict=False)
+        torch.export.save(exported, tmp_path / "model.pt2")
+    programs = {
+        "torchscript": torch.jit.load(tmp_path / "ts.pt"),
+        "exported": torch.export.load(tmp_path / "model.pt2").module(),
+    }
+    return wrapper, programs, args
+
+
+def test_both_exported_programs_compute_in_bf16_under_autocast(tmp_path):
+    """Inference runs the exported programs under autocast: each must then compute as the
+    eager model does under it (bf16 matmuls), not silently in fp32."""
+    eager, programs, args = minilm_programs(tmp_path)
+    bf16 = precision.Precision("bf16", "test")
+    with torch.inference_mode(), torch.jit.optimized_execution(False):
+        fp32 = eager(*args)
+        with precision.autocast(bf16):
+            low = eager(*args).float()
+        for name, program in programs.items():
+            with precision.autocast(bf16):
+                got = program(*args)
+            assert got.dtype == torch.bfloat16, name
+            assert torch.allclose(got.float(), low, atol=1e-2), name
+    assert (low - fp32).abs().max() > 1e-4  # bf16 really ran: it is not fp32's answer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cpu", ["native", "none"])
+def test_a_run_computes_in_what_the_cpu_has_and_its_report_says_so(
+    cpu, tmp_path, demo_raw, monkeypatch
+):
+    """Training and inference in bf16 on a CPU with native bf16, in fp32 on one without;
+    Metadata and report.html say which and why, and a bf16 inference says how its predictions
+    compare with fp32's on the same model."""
+    monkeypatch.setenv(CPU_BF16_VARIABLE, cpu)
+    path = write_settings(
+        tmp_path / "settings.ini",
+        str(tmp_path / "store"),
+        models={"MODEL_NAMES": "bow"},  # the baseline: seconds where MiniLM takes a minute
+        data={"MAX_SEQUENCE_LENGTH": "32"},
+    )
+    settings = load_settings(path, env={})
+    store = LocalStore(tmp_path / "store")
+    upload_raw(store, ExperimentTree("test-exp"), demo_raw)
+    record = run_pipeline(settings, store, parse_steps(None), echo=sys.stdout)
+    assert record["status"] == "completed"
+    trained = record["steps"]["train"]["details"]["models"]["bow"]
+    tested = record["steps"]["inference"]["details"]
+    applied = "bf16" if cpu == "native" else "no"
+    why = f"auto: {'bf16' if cpu == 'native' else 'fp32'}, {CPU_BF16_VARIABLE}={cpu}"
+    assert (trained["mixed_precision"], trained["precision_reason"]) == (applied, why)
+    assert (tested["mixed_precision"], tested["precision_reason"]) == (applied, why)
+    page = (tmp_path / "store/test-exp/runs/0001/report.html").read_text()
+    shown = "bf16" if cpu == "native" else "fp32"
+    assert f"Computed in {shown}: {why}." in page and f"Tested in {shown}: {why}." in page
+    rows = tested["holdout_performance"]["bow"]["rows"]
+    if cpu == "none":
+        assert tested["against_fp32"] is None and "Against fp32" not in page
+        return
+    # The program trained in bf16 was exported in fp32: it computes in what inference chooses
+    # (traced through Accelerate's autocast wrapper, it would carry bf16 casts everywhere).
+    folder = tmp_path / "store/test-exp/runs/0001/models/bow/model"
+    program = torch.jit.load(folder / "model.torchscript.pt")
+    ids, mask = torch.randint(1000, 2000, (2, 16)), torch.ones(2, 16, dtype=torch.long)
+    with torch.inference_mode(), torch.jit.optimized_execution(False):
+        assert program(ids, mask).dtype == torch.float32
+        with precision.autocast(precision.Precision("bf16", "test")):
+            assert program(ids, mask).dtype == torch.bfloat16
+    checked = tested["against_fp32"]["bow"]
+    assert checked["rows"] == rows  # a small test split is checked whole
+    assert 0 <= checked["agreement"] <= 1 and 0 <= checked["max_probability_difference"] <= 1
+    # bf16 really ran: its probabilities are not fp32's.
+    assert checked["max_probability_difference"] > 0
+    assert f"Against fp32 on {rows} test rows" in page
