@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_RAW := build/demo_raw
 
-.PHONY: install browser run test lint bench figures screenshot clean
+.PHONY: install browser run test lint bench gpu-check figures screenshot clean
 
 # torch goes in first, pinned to the CPU build on this disk: anything that pulled torch
 # before it would drag in a multi-GB CUDA build. The project's ranges (pyproject.toml) then
@@ -48,6 +48,12 @@ bench: install
 	$(PY) bench/speed.py
 	$(PY) bench/checkpoint_cost.py
 	$(PY) bench/run_cost.py
+
+# The GPU path on this machine's GPUs, through the real jobs (bench/gpu_check.py): bf16
+# training and its MFU, two processes on NCCL, loader workers with pinned memory, SIGTERM and
+# resume, COMPILE, bf16 inference and predict. Prints a table; exits 1 if a check failed.
+gpu-check: install
+	$(PY) bench/gpu_check.py
 
 # The "Runs you can trust" table of README.md, made from what its tests count as they run
 # (build/figures/, tests/reliability/figures.py): those tests, then the table written over

@@ -1,22 +1,29 @@
-"""Speed against the ecosystem's own tools, every figure a ratio to a baseline measured in the
-same process, interleaved, after warm-up, same model (MiniLM), rows, batch size, steps and
-threads on both sides. Rates are medians of --repeat runs (training, jobs) or --rounds
-(inference, prepare); a ratio is the median of the ratios taken within each round, since this
-machine's speed drifts within a minute:
+"""Speed against the ecosystem's own tools at their best, and against the machine's peak.
+Every figure is a ratio to a baseline measured in the same process, interleaved, after
+warm-up, same model (MiniLM), rows, batch size, steps and threads on every side (bf16 peers
+without native bf16: a share, BF16_SHARE_WITHOUT_NATIVE). Rates are
+medians of --repeat runs (training, jobs) or rounds (inference, prepare); a ratio is the median
+of the ratios taken within each round, since this machine's speed drifts within a minute:
 
-1. training: our training job's loop (steps/train.py) against the Hugging Face `Trainer` with
-   `DataCollatorWithPadding` and `group_by_length=True`, on long texts (BBC articles) and
-   short ones (their lead sentences), both at MAX_SEQUENCE_LENGTH 128;
-2. inference: our inference step's batching (steps/inference.py over the TorchScript export,
-   64 rows a batch, each pass held to its MAX_TOKENS_PER_PASS) against
-   `transformers.pipeline("text-classification")` at batch size 64 and a one-row-at-a-time loop;
-3. preparation: our prepare's encode (steps/prepare.py) against one tokenizer call over the
+1. training: our training job's loop (steps/train.py, MIXED_PRECISION = auto) against the
+   Hugging Face `Trainer` at its best CPU settings, `DataCollatorWithPadding` and grouped by
+   length, in bf16 (`bf16=True`) and in fp32: which is faster depends on the CPU, so both run
+   and the ratio is given against each and against the faster; on long texts (BBC articles)
+   and short ones (their lead sentences), both at MAX_SEQUENCE_LENGTH 128;
+2. inference: our inference step's batching (steps/inference.py's run_batches over the
+   TorchScript export, 64 rows a batch, each pass held to its MAX_TOKENS_PER_PASS, in the
+   precision auto applies) against `transformers.pipeline("text-classification")` at batch
+   size 64 in bf16 and in fp32, and a one-row-at-a-time loop;
+3. model FLOP/s of each side (`encoder_flops`) and MFU: over the matmul peak of the precision
+   it ran in and over the bf16 peak, both measured here (`matmul_peak`);
+4. preparation: our prepare's encode (steps/prepare.py) against one tokenizer call over the
    whole column (the floor) and an unbatched per-row `datasets.map`;
-4. orchestration: what the local backend adds to a job, and `run_pipeline.py --help` start-up.
+5. orchestration: what the local backend adds to a job, and `run_pipeline.py --help` start-up.
 
-    python bench/speed.py [--rows N] [--steps N] [--repeat N] [--rounds N]
+    python bench/speed.py [--rows N] [--steps N] [--repeat N] [--rounds N] [--inference-rounds N]
 
-Prints a table and writes bench/results.json. Checkpoint cost: bench/checkpoint_cost.py.
+Prints a table and writes bench/results.json (with the machine: CPU, whether it computes bf16
+natively, what auto applied, the date). Checkpoint cost: bench/checkpoint_cost.py.
 """
 
 from __future__ import annotations
@@ -24,11 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +52,9 @@ import datasets  # noqa: E402
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from transformers import (  # noqa: E402
+    AutoConfig,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     DataCollatorWithPadding,
@@ -52,7 +64,9 @@ from transformers import (  # noqa: E402
     pipeline,
 )
 
+from steps import export as export_step  # noqa: E402
 from steps import inference as inference_step  # noqa: E402
+from steps import precision as precision_step  # noqa: E402
 from steps import prepare as prepare_step  # noqa: E402
 from steps import train as train_step  # noqa: E402
 from steps.batching import Batches, write_inputs  # noqa: E402
@@ -66,6 +80,30 @@ from user_functions.demo_data import bbc_articles  # noqa: E402
 MAX_LENGTH = 128
 BATCH = 16
 WARM = 2  # optimizer steps before the clock starts, on both sides
+# Our training job's hyperparameters in every training measure (the Trainer's get the same).
+HYPERPARAMETERS = {
+    "model_name": "minilm",
+    "epochs": "1",
+    "learning_rate": "1e-4",
+    "batch_size": str(BATCH),
+    "max_per_device_batch_size": str(BATCH),
+    "warmup_ratio": "0.1",
+    "weight_decay": "0.01",
+    "seed": "42",
+    "checkpoint_every_steps": "0",
+    "keep_checkpoints": "1",
+    "wandb_project": "b",
+    "wandb_mode": "disabled",
+}
+# Where the CPU has no native bf16, the bf16 peers run 5x (inference) to 17x (a training step,
+# whose backward matmuls take a slower bf16 kernel than the forward's: 30 s against 1 s in
+# fp32, MiniLM 16 x 128, 2 threads) slower than fp32, and do this share of the others' work:
+# a quarter of the timed steps after one warm-up step, a quarter of the rows. Their rates are
+# per example, and the ratio to them is far from 1 there, which this much work measures well;
+# where bf16 is native they do all of it.
+BF16_SHARE_WITHOUT_NATIVE = 4
+# MIXED_PRECISION's values (steps/precision.py) as this bench names a side's precision.
+PRECISION_NAMES = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 datasets.disable_progress_bars()
 
 
@@ -105,35 +143,55 @@ def prepared_dir(tokenizer, data: tuple[list[str], list[int]], root: Path) -> di
     """The channels our training job reads, as prepare writes them."""
     text, labels = data
     enc = tokenizer(text, truncation=True, max_length=MAX_LENGTH)
-    table = datasets.Dataset.from_dict({
-        "minilm_input_ids": enc["input_ids"], "minilm_attention_mask": enc["attention_mask"],
-        "minilm__length": [len(x) for x in enc["input_ids"]], "label_id": labels,
-    })  # fmt: skip
+    table = datasets.Dataset.from_dict(
+        {
+            "minilm_input_ids": enc["input_ids"],
+            "minilm_attention_mask": enc["attention_mask"],
+            "minilm__length": [len(x) for x in enc["input_ids"]],
+            "label_id": labels,
+        }
+    )
     table.save_to_disk(str(root / "train"))
     table.select(range(min(32, len(table)))).save_to_disk(str(root / "validation"))
     (root / "labels").mkdir(parents=True, exist_ok=True)
     (root / "labels/id2label.json").write_text(json.dumps({str(i): f"l{i}" for i in range(5)}))
-    write_inputs(root / "labels", {"minilm": {"keys": ["input_ids", "attention_mask"],
-                 "pad": {"input_ids": tokenizer.pad_token_id, "attention_mask": 0},
-                 "sequence": ["input_ids", "attention_mask"]}})  # fmt: skip
+    write_inputs(
+        root / "labels",
+        {
+            "minilm": {
+                "keys": ["input_ids", "attention_mask"],
+                "pad": {"input_ids": tokenizer.pad_token_id, "attention_mask": 0},
+                "sequence": ["input_ids", "attention_mask"],
+            }
+        },
+    )
     write_encoding(root / "labels", encoding_record(MAX_LENGTH, {"minilm": {}}))
     return {c: root / c for c in ("train", "validation", "labels")}
 
 
 def ours_training(channels: dict[str, Path], root: Path, steps: int) -> dict:
-    hp = parse_hyperparameters({
-        "model_name": "minilm", "epochs": "1",
-        "learning_rate": "1e-4", "batch_size": str(BATCH), "max_per_device_batch_size": str(BATCH),
-        "warmup_ratio": "0.1", "weight_decay": "0.01",
-        "seed": "42", "checkpoint_every_steps": "0", "keep_checkpoints": "1", "wandb_project": "b",
-        "wandb_mode": "disabled", "max_steps": "0",
-    })  # fmt: skip
+    hp = parse_hyperparameters({**HYPERPARAMETERS, "max_steps": "0"})
     for sub in ("model", "out", "ckpt"):
         (root / sub).mkdir(parents=True, exist_ok=True)
-    env = TrainingEnv(model_dir=root / "model", output_data_dir=root / "out", checkpoint_dir=root / "ckpt",
-                      failure_file=root / "failure", channels=channels, hyperparameters=hp,
-                      hosts=["algo-1"], current_host="algo-1", num_gpus=torch.cuda.device_count(),
-                      num_cpus=os.cpu_count() or 1, job_name="bench")  # fmt: skip
+    env = TrainingEnv(
+        model_dir=root / "model",
+        output_data_dir=root / "out",
+        checkpoint_dir=root / "ckpt",
+        failure_file=root / "failure",
+        channels=channels,
+        hyperparameters=hp,
+        hosts=["algo-1"],
+        current_host="algo-1",
+        num_gpus=torch.cuda.device_count(),
+        num_cpus=os.cpu_count() or 1,
+        job_name="bench",
+    )
+    # Every side trains in this one process, and a Trainer leaves Accelerate's process-wide
+    # state at its precision, which our job's Accelerator may not change (a job is a process
+    # of its own and never meets this): reset as the Trainer does before building its own
+    # (transformers' training_args.py) and Accelerate's tests do between cases.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
     job = train_step.set_up(hp, env)
     job.total_steps = WARM
     train_step.train_epoch(job)
@@ -142,10 +200,16 @@ def ours_training(channels: dict[str, Path], root: Path, steps: int) -> dict:
     train_step.train_epoch(job)
     seconds = time.perf_counter() - started
     batches = job.sampler.global_batches()[WARM : WARM + steps]
-    lengths = job.sampler.lengths
-    real = sum(int(lengths[b].sum()) for b in batches)
-    padded = sum(len(b) * int(lengths[b].max()) for b in batches)
-    return {"seconds": seconds, "examples": steps * BATCH, "real_tokens": real, "tokens": padded}
+    # The shapes the model saw: the loader's own padding of those batches, untimed.
+    shapes = [tuple(job.train_loader.collate_fn(b)[job.keys[0]].shape) for b in batches]
+    return {
+        "seconds": seconds,
+        "examples": steps * BATCH,
+        "real_tokens": sum(int(job.sampler.lengths[b].sum()) for b in batches),
+        "tokens": sum(rows * width for rows, width in shapes),
+        "shapes": shapes,
+        "precision": PRECISION_NAMES[job.settings["mixed_precision"]],
+    }
 
 
 class ClockAt(TrainerCallback):
@@ -162,73 +226,201 @@ class CountingCollator(DataCollatorWithPadding):
 
     def __call__(self, features):
         batch = super().__call__(features)
-        self.seen.append((int(batch["attention_mask"].sum()), batch["attention_mask"].numel()))
+        mask = batch["attention_mask"]
+        self.seen.append((int(mask.sum()), tuple(mask.shape)))
         return batch
 
 
-def trainer_training(tokenizer, data, root: Path, steps: int) -> dict:
+def trainer_training(tokenizer, data, root: Path, steps: int, bf16: bool, warm: int = WARM) -> dict:
+    """The Trainer at its best CPU settings: grouped by length, padded per batch, and bf16
+    (`bf16=True`: Accelerate's torch.autocast) or fp32, the faster of which depends on the CPU."""
     text, labels = data
     enc = tokenizer(text, truncation=True, max_length=MAX_LENGTH)
-    train = datasets.Dataset.from_dict({"input_ids": enc["input_ids"],
-                                        "attention_mask": enc["attention_mask"], "labels": labels})  # fmt: skip
+    train = datasets.Dataset.from_dict(
+        {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": labels}
+    )
     torch.manual_seed(42)
     model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=5)
     collator = CountingCollator(tokenizer)
     collator.seen = []
-    clock = ClockAt(WARM, WARM + steps)
+    clock = ClockAt(warm, warm + steps)
     args = TrainingArguments(
-        output_dir=str(root), per_device_train_batch_size=BATCH, train_sampling_strategy="group_by_length",
-        max_steps=WARM + steps, learning_rate=1e-4, weight_decay=0.01,
-        report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
-        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, seed=42,
-    )  # fmt: skip
-    Trainer(model=model, args=args, train_dataset=train, data_collator=collator,
-            callbacks=[clock]).train()  # fmt: skip
-    timed = collator.seen[WARM : WARM + steps]
-    return {"seconds": clock.times[WARM + steps] - clock.times[WARM], "examples": steps * BATCH,
-            "real_tokens": sum(r for r, _ in timed), "tokens": sum(t for _, t in timed)}  # fmt: skip
+        output_dir=str(root),
+        per_device_train_batch_size=BATCH,
+        train_sampling_strategy="group_by_length",
+        max_steps=warm + steps,
+        learning_rate=1e-4,
+        weight_decay=0.01,
+        bf16=bf16,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
+        seed=42,
+    )
+    Trainer(
+        model=model, args=args, train_dataset=train, data_collator=collator, callbacks=[clock]
+    ).train()
+    timed = collator.seen[warm : warm + steps]
+    return {
+        "seconds": clock.times[warm + steps] - clock.times[warm],
+        "examples": steps * BATCH,
+        "real_tokens": sum(real for real, _ in timed),
+        "tokens": sum(rows * width for _, (rows, width) in timed),
+        "shapes": [shape for _, shape in timed],
+        "precision": "bf16" if bf16 else "fp32",
+    }
 
 
-def matmul_peak() -> float:
-    """FLOP/s of a float32 matmul on this machine: the ceiling for model FLOP/s."""
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    for _ in range(3):
-        a @ b
-    runs = []
-    for _ in range(5):
-        started = time.perf_counter()
-        for _ in range(10):
+# -- model FLOPs, and the most a matmul reaches here ----------------------------------------
+
+
+def encoder_flops(config, shapes: list[tuple[int, int]], backward: bool = False) -> dict[str, int]:
+    """Matmul FLOPs of a BERT-like encoder with a sequence-classification head, over batches
+    of the given (rows, width) shapes: padding included, as it is computed. Split into parts:
+
+    - linear: per token, 2 FLOPs per weight of the layers' matrices (Q, K, V, the attention
+      output, the two feed-forward ones): the "2 x non-embedding parameters" of Kaplan et al.
+      2020 (Scaling Laws, table 1) without biases and norms, which are not matmuls;
+    - attention: per token, QK^T and AV, 2 x width x hidden FLOPs each per layer: the
+      4 x layers x hidden x width of PaLM's count (Chowdhery et al. 2022, appendix B; there
+      12 for training), exact for an encoder, which attends to every position;
+    - head: the pooler and classifier, on each row's first token only.
+
+    A backward pass computes two matmuls per forward one (the gradient of the input and of
+    the weight), so training is 3x the forward. tests/test_bench_flops.py holds this to
+    torch's FlopCounterMode on the real MiniLM."""
+    layers, hidden, inner = config.num_hidden_layers, config.hidden_size, config.intermediate_size
+    per_token = 2 * layers * (4 * hidden * hidden + 2 * hidden * inner)
+    parts = {"linear": 0, "attention": 0, "head": 0}
+    for rows, width in shapes:
+        parts["linear"] += per_token * rows * width
+        parts["attention"] += 4 * layers * hidden * width * rows * width
+        parts["head"] += 2 * rows * (hidden * hidden + hidden * config.num_labels)
+    return {part: (3 if backward else 1) * flops for part, flops in parts.items()}
+
+
+def model_flops(config, shapes: list[tuple[int, int]], backward: bool = False) -> int:
+    return sum(encoder_flops(config, shapes, backward).values())
+
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PEAK_SIZES = (512, 1024, 2048, 3072)
+PEAK_SECONDS = 2.0  # the longest one product may take (estimated from the size below it)
+
+
+def matmul_peak(dtype: torch.dtype) -> dict:
+    """The most FLOP/s a matmul in `dtype` reaches on this machine, the ceiling for model
+    FLOP/s: square matrices of PEAK_SIZES, as `a @ b` and as nn.Linear lays its weight out
+    (`x @ w.T`), the best of up to 5 products each after one to warm up. Larger matrices come
+    closer to the peak, but not in every layout: bf16 without native bf16 runs in a fallback
+    kernel that reached 18 GFLOP/s here as `x @ w.T` and under 1 GFLOP/s as `a @ b` (one 2048
+    product of those would take over a minute), so a size whose product would take over
+    PEAK_SECONDS at the rate of the size below is not tried."""
+    best = {"flops_per_s": 0.0}
+    for layout in ("a @ b", "x @ w.T"):
+        rate = None
+        for n in PEAK_SIZES:
+            flops = 2 * n**3
+            if rate and flops / rate > PEAK_SECONDS:
+                break
+            a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+            if layout == "x @ w.T":
+                b = b.t()
             a @ b
-        runs.append(10 * 2 * 1024**3 / (time.perf_counter() - started))
-    return max(runs)
+            started, runs = time.perf_counter(), []
+            while len(runs) < 5 and (len(runs) < 2 or time.perf_counter() - started < 3):
+                begun = time.perf_counter()
+                a @ b
+                runs.append(flops / (time.perf_counter() - begun))
+            rate = max(runs)
+            if rate > best["flops_per_s"]:
+                best = {"flops_per_s": rate, "size": n, "layout": layout}
+    return best
 
 
-def bench_training(corpora, tokenizer, steps: int, repeat: int, work: Path) -> dict:
-    # 6 FLOPs per parameter per token for a forward and backward pass (embeddings excluded).
-    model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=5)
-    params = sum(p.numel() for n, p in model.named_parameters() if "embeddings" not in n)
-    peak = matmul_peak()
+def matmul_peaks(before: dict | None = None) -> dict[str, dict]:
+    """Each precision's peak, or the better of it and `before`'s: measured at the start and
+    again at the end, as other work on the machine can hold one measurement down."""
+    now = {name: matmul_peak(dtype) for name, dtype in PRECISIONS.items()}
+    if before is None:
+        return now
+    return {
+        name: max(now[name], before[name], key=lambda peak: peak["flops_per_s"]) for name in now
+    }
+
+
+def add_mfu(tables: list[dict], peaks: dict) -> None:
+    """MFU for every side that counted its model FLOP/s: against the peak of the precision it
+    ran in, and against the bf16 peak (issue 30: model FLOP/s over the most a bf16 matmul
+    reaches here; on a CPU without native bf16 an fp32 side exceeds 100% of it)."""
+    for table in tables:
+        for sides in table.values():
+            for name in [
+                key.removesuffix("_precision") for key in sides if key.endswith("_precision")
+            ]:
+                flops = sides[f"{name}_model_flops_per_s"]
+                sides[f"{name}_mfu"] = flops / peaks[sides[f"{name}_precision"]]["flops_per_s"]
+                sides[f"{name}_mfu_vs_bf16_peak"] = flops / peaks["bf16"]["flops_per_s"]
+
+
+def against_peers(runs: dict[str, list[dict]], peer: str, config, backward: bool) -> dict:
+    """Ours against a peer run in bf16 and in fp32 in the same rounds: rates, paired ratios
+    against each and against the peer at its best (whichever precision is faster by median:
+    the one a user would pick), and model FLOP/s (MFU follows the peak: `add_mfu`)."""
+    out = {}
+    per_example = {}
+    for name, done in runs.items():
+        per_example[name] = [run["seconds"] / run["examples"] for run in done]
+        flops = median(
+            [model_flops(config, run["shapes"], backward) / run["seconds"] for run in done]
+        )
+        out[f"{name}_examples_per_s"] = median([run["examples"] / run["seconds"] for run in done])
+        out[f"{name}_precision"] = done[0]["precision"]
+        out[f"{name}_model_flops_per_s"] = flops
+    for precision in PRECISIONS:
+        side = f"{peer}_{precision}"
+        out[f"ratio_vs_{side}"] = paired_ratio(per_example["ours"], per_example[side])
+    best = max(PRECISIONS, key=lambda p: out[f"{peer}_{p}_examples_per_s"])
+    out[f"{peer}_best"] = best
+    out[f"ratio_vs_{peer}_best"] = out[f"ratio_vs_{peer}_{best}"]
+    return out
+
+
+def rotated(names: list[str], round_: int) -> list[str]:
+    """The sides in a round's order: each round starts one later, so no side always runs
+    first (after a slow one, or in a process the others have warmed)."""
+    shift = round_ % len(names)
+    return names[shift:] + names[:shift]
+
+
+def bench_training(
+    corpora, tokenizer, steps: int, repeat: int, work: Path, bf16_share: int = 1
+) -> dict:
+    config = AutoConfig.from_pretrained(minilm_path(), num_labels=5)
+    bf16_steps, bf16_warm = (steps, WARM) if bf16_share == 1 else (max(1, steps // bf16_share), 1)
+    sides = {
+        "ours": lambda data, channels, root: ours_training(channels, root, steps),
+        "trainer_bf16": lambda data, channels, root: trainer_training(
+            tokenizer, data, root, bf16_steps, bf16=True, warm=bf16_warm
+        ),
+        "trainer_fp32": lambda data, channels, root: trainer_training(
+            tokenizer, data, root, steps, bf16=False
+        ),
+    }
     out = {}
     for kind, data in corpora.items():
         channels = prepared_dir(tokenizer, data, work / f"prepared-{kind}")
-        ours, theirs = [], []
+        runs = {name: [] for name in sides}
         for r in range(repeat):
-            ours.append(ours_training(channels, work / f"ours-{kind}-{r}", steps))
-            theirs.append(trainer_training(tokenizer, data, work / f"trainer-{kind}-{r}", steps))
-        rate = {name: median([x["examples"] / x["seconds"] for x in runs])
-                for name, runs in (("ours", ours), ("trainer", theirs))}  # fmt: skip
-        tokens = {name: median([x["real_tokens"] / x["seconds"] for x in runs])
-                  for name, runs in (("ours", ours), ("trainer", theirs))}  # fmt: skip
-        flops = median([6 * params * x["tokens"] / x["seconds"] for x in ours])
-        out[kind] = {
-            "ours_examples_per_s": rate["ours"], "trainer_examples_per_s": rate["trainer"],
-            "ratio": paired_ratio([x["seconds"] / x["examples"] for x in ours],
-                                  [x["seconds"] / x["examples"] for x in theirs]),
-            "ours_real_tokens_per_s": tokens["ours"], "trainer_real_tokens_per_s": tokens["trainer"],
-            "ours_real_token_share": ours[0]["real_tokens"] / ours[0]["tokens"],
-            "trainer_real_token_share": theirs[0]["real_tokens"] / theirs[0]["tokens"],
-            "ours_model_flops_share_of_matmul_peak": flops / peak,
-        }  # fmt: skip
+            for name in rotated(list(sides), r):
+                runs[name].append(sides[name](data, channels, work / f"{name}-{kind}-{r}"))
+        out[kind] = against_peers(runs, "trainer", config, backward=True) | {
+            f"{name}_real_token_share": done[0]["real_tokens"] / done[0]["tokens"]
+            for name, done in runs.items()
+        }
     return out
 
 
@@ -301,14 +493,11 @@ def bench_fixed_cost(tokenizer, data, steps: int, repeat: int, work: Path) -> di
     channels = prepared_dir(tokenizer, data, work / "fixed-prepared")
     text, labels = data
     enc = tokenizer(text, truncation=True, max_length=MAX_LENGTH)
-    datasets.Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
-                                "labels": labels}).save_to_disk(str(work / "fixed-hf"))  # fmt: skip
+    datasets.Dataset.from_dict(
+        {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": labels}
+    ).save_to_disk(str(work / "fixed-hf"))
     (work / "trainer.py").write_text(TRAINER_SCRIPT)
-    hps = {"model_name": "minilm", "epochs": "1",
-           "learning_rate": "1e-4", "batch_size": str(BATCH), "max_per_device_batch_size": str(BATCH),
-           "warmup_ratio": "0.1", "weight_decay": "0.01",
-           "seed": "42", "checkpoint_every_steps": "0", "keep_checkpoints": "1", "wandb_project": "b",
-           "wandb_mode": "disabled", "max_steps": str(steps)}  # fmt: skip
+    hps = {**HYPERPARAMETERS, "max_steps": str(steps)}
 
     def link(uri: str, local: Path) -> None:
         local.parent.mkdir(parents=True, exist_ok=True)
@@ -316,14 +505,23 @@ def bench_fixed_cost(tokenizer, data, steps: int, repeat: int, work: Path) -> di
 
     def job(name: str, steps_: int) -> tuple[Path, dict]:
         root = work / name
-        request = {"InputDataConfig": [{"ChannelName": c, "DataSource": {"S3DataSource": {"S3Uri": str(p)}}}
-                                       for c, p in channels.items()],
-                   "ResourceConfig": {"InstanceType": "local", "InstanceCount": 1}}  # fmt: skip
+        request = {
+            "InputDataConfig": [
+                {"ChannelName": c, "DataSource": {"S3DataSource": {"S3Uri": str(p)}}}
+                for c, p in channels.items()
+            ],
+            "ResourceConfig": {"InstanceType": "local", "InstanceCount": 1},
+        }
         lay_out_training(
             request, root, "algo-1", ["algo-1"], link, {**hps, "max_steps": str(steps_)}
         )
-        env = {**os.environ, **image_env(root), "SMPIPE_USER_FUNCTIONS": "user_functions",
-               "PYTHONPATH": str(ROOT), "TRAINING_JOB_NAME": "fixed-cost"}  # fmt: skip
+        env = {
+            **os.environ,
+            **image_env(root),
+            "SMPIPE_USER_FUNCTIONS": "user_functions",
+            "PYTHONPATH": str(ROOT),
+            "TRAINING_JOB_NAME": "fixed-cost",
+        }
         return root, env
 
     argv = [sys.executable, *ENTRYPOINT[1:], "train"]
@@ -359,9 +557,20 @@ def bench_fixed_cost(tokenizer, data, steps: int, repeat: int, work: Path) -> di
 
         for name, same_work in (("trainer", "0"), ("trainer_same_work", "1")):
             started = time.perf_counter()
-            done = subprocess.run([sys.executable, str(work / "trainer.py"), minilm_path(), str(work / "fixed-hf"),
-                                   str(work / f"fixed-{name}-{r}"), str(steps), same_work],
-                                  check=True, capture_output=True, text=True)  # fmt: skip
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    str(work / "trainer.py"),
+                    minilm_path(),
+                    str(work / "fixed-hf"),
+                    str(work / f"fixed-{name}-{r}"),
+                    str(steps),
+                    same_work,
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
             wall = time.perf_counter() - started
             loop = next(line for line in done.stdout.splitlines() if line.startswith("LOOP"))
             runs[name].append((wall, float(loop.split()[1])))
@@ -378,57 +587,144 @@ def bench_fixed_cost(tokenizer, data, steps: int, repeat: int, work: Path) -> di
 # -- 2. inference ----------------------------------------------------------------------------
 
 
-def bench_inference(corpora, tokenizer, repeat: int, work: Path, batch_size: int = 64) -> dict:
+class Recording:
+    """A program as run_batches calls it, noting each pass's shape: the FLOPs it computed."""
+
+    def __init__(self, program):
+        self.program, self.shapes = program, []
+
+    def __call__(self, *inputs):
+        self.shapes.append(tuple(inputs[0].shape))
+        return self.program(*inputs)
+
+
+def bench_inference(
+    corpora, tokenizer, rounds: int, work: Path, bf16_share: int = 1, batch_size: int = 64
+) -> dict:
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=5).eval()
     keys = ["input_ids", "attention_mask"]
-    sample = tokenizer(["a short one", "a somewhat longer sentence than that"], padding=True,
-                       return_tensors="pt")  # fmt: skip
-    traced_path = work / "model.torchscript.pt"
-    with torch.no_grad():
-        wrapper = train_step.LogitsOnly(model, keys).eval()
-        torch.jit.trace(wrapper, tuple(sample[k] for k in keys), strict=False).save(
-            str(traced_path)
+    sample = tokenizer(
+        ["a short one", "a somewhat longer sentence than that"], padding=True, return_tensors="pt"
+    )
+    inputs = {
+        "keys": keys,
+        "pad": {"input_ids": tokenizer.pad_token_id, "attention_mask": 0},
+        "sequence": keys,
+    }
+    # The TorchScript program as the training job writes it (steps/export.py), traced on two
+    # rows of different lengths.
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tracing warns about every branch it freezes
+        scripted = export_step.torchscript(
+            export_step.LogitsOnly(model, keys).eval(),
+            tuple(sample[k] for k in keys),
+            keys,
+            inputs,
+            work / "model.torchscript.pt",
+        ).eval()
+    program = Recording(scripted)
+    applied = precision_step.resolve("auto", 0)
+    # Every side runs the same weights, the new head's included. The pipelines load them as a
+    # user does, in the dtype asked for: transformers 5's `dtype` (`torch_dtype` before, now
+    # its deprecated alias) casts the whole model, so the pipeline's bf16 is bf16 weights,
+    # not autocast.
+    saved = work / "model-hf"
+    model.save_pretrained(saved)
+    tokenizer.save_pretrained(saved)
+    pipes, pipe_shapes = {}, {}
+    for name, dtype in PRECISIONS.items():
+        pipes[name] = pipeline(
+            "text-classification",
+            model=str(saved),
+            dtype=dtype,
+            device=-1,
+            batch_size=batch_size,
+            truncation=True,
+            max_length=MAX_LENGTH,
         )
-    traced = torch.jit.load(str(traced_path))
-    classify = pipeline("text-classification", model=model, tokenizer=tokenizer, device=-1,
-                        batch_size=batch_size, truncation=True, max_length=MAX_LENGTH)  # fmt: skip
-    inputs = {"keys": keys, "pad": {"input_ids": tokenizer.pad_token_id, "attention_mask": 0},
-              "sequence": keys}  # fmt: skip
+        pipe_shapes[name] = []
+        pipes[name].model.register_forward_pre_hook(
+            lambda _, args, kwargs, shapes=pipe_shapes[name]: shapes.append(
+                tuple(kwargs["input_ids"].shape)
+            ),
+            with_kwargs=True,
+        )
+
+    def ours(text):
+        enc = tokenizer(text, truncation=True, max_length=MAX_LENGTH)
+        table = pa.table(
+            {
+                "m_input_ids": enc["input_ids"],
+                "m_attention_mask": enc["attention_mask"],
+                "m__length": [len(x) for x in enc["input_ids"]],
+            }
+        )
+        batches = Batches(table, "m", keys, inputs, labels=False)
+        program.shapes = []
+        logits = inference_step.run_batches(program, batches, keys, batch_size, applied)
+        return logits.argmax(-1).tolist(), program.shapes, PRECISION_NAMES[applied.applied]
+
+    def pipeline_in(precision):
+        def run(text):
+            pipe_shapes[precision].clear()
+            labels = [int(r["label"].split("_")[-1]) for r in pipes[precision](text)]
+            return labels, list(pipe_shapes[precision]), precision
+
+        return run
+
+    def one_at_a_time(text):  # the seed's loop: one row at a time, padded to the maximum
+        labels = []
+        with torch.inference_mode():
+            for row in text:
+                enc = tokenizer(row, truncation=True, max_length=MAX_LENGTH,
+                                padding="max_length", return_tensors="pt")  # fmt: skip
+                labels.append(int(scripted(*(enc[k] for k in keys)).argmax(-1)))
+        return labels, [(1, MAX_LENGTH)] * len(text), "fp32"
+
+    sides = {
+        "ours": ours,
+        "pipeline_bf16": pipeline_in("bf16"),
+        "pipeline_fp32": pipeline_in("fp32"),
+        "one_at_a_time": one_at_a_time,
+    }
+    config = model.config
     out = {}
     for kind, (text, _) in corpora.items():
-        runs = {"ours": [], "pipeline": [], "one_at_a_time": []}
-        for _ in range(repeat + 1):  # the first round is warm-up
-            started = time.perf_counter()
-            enc = tokenizer(text, truncation=True, max_length=MAX_LENGTH)
-            table = pa.table({
-                "m_input_ids": enc["input_ids"], "m_attention_mask": enc["attention_mask"],
-                "m__length": [len(x) for x in enc["input_ids"]],
-            })  # fmt: skip
-            batches = Batches(table, "m", keys, inputs, labels=False)
-            ours = inference_step.run_batches(traced, batches, keys, batch_size).argmax(-1)
-            runs["ours"].append(time.perf_counter() - started)
-
-            started = time.perf_counter()
-            theirs = [int(r["label"].split("_")[-1]) for r in classify(text)]
-            runs["pipeline"].append(time.perf_counter() - started)
-
-            started = time.perf_counter()
-            with (
-                torch.inference_mode()
-            ):  # the seed's loop: one row at a time, padded to the maximum
-                single = [int(traced(*(tokenizer(t, truncation=True, max_length=MAX_LENGTH,
-                                                 padding="max_length", return_tensors="pt")[k]
-                                       for k in keys)).argmax(-1))
-                          for t in text]  # fmt: skip
-            runs["one_at_a_time"].append(time.perf_counter() - started)
-            assert ours.tolist() == theirs == single, "the three disagree on a prediction"
-        rate = {name: len(text) / median(times[1:]) for name, times in runs.items()}
-        out[kind] = {
-            **{f"{name}_examples_per_s": r for name, r in rate.items()},
-            "ratio_vs_pipeline": paired_ratio(runs["ours"][1:], runs["pipeline"][1:]),
-            "ratio_vs_one_at_a_time": paired_ratio(runs["ours"][1:], runs["one_at_a_time"][1:]),
-            "identical_predictions": True,
+        for side in sides.values():  # warm-up: a batch on every side
+            side(text[:batch_size])
+        rows = {name: text for name in sides}
+        rows["pipeline_bf16"] = text[: max(batch_size, len(text) // bf16_share)]
+        runs = {name: [] for name in sides}
+        predicted = {}
+        for r in range(rounds):
+            for name in rotated(list(sides), r):
+                started = time.perf_counter()
+                predicted[name], shapes, precision = sides[name](rows[name])
+                seconds = time.perf_counter() - started
+                runs[name].append({"seconds": seconds, "examples": len(rows[name]),
+                                   "shapes": shapes, "precision": precision})  # fmt: skip
+        compared = {name: runs[name] for name in ("ours", "pipeline_bf16", "pipeline_fp32")}
+        per_example = {
+            name: [x["seconds"] / x["examples"] for x in done] for name, done in runs.items()
+        }
+        # bf16 may turn a close call: agreement is counted, and exact agreement asserted among
+        # the sides that ran in fp32.
+        agreement = {
+            name: float(np.mean(np.array(labels) == predicted["pipeline_fp32"][: len(labels)]))
+            for name, labels in predicted.items()
+            if name != "pipeline_fp32"
+        }
+        fp32 = [name for name, done in runs.items() if done[0]["precision"] == "fp32"]
+        assert all(agreement.get(name, 1.0) == 1.0 for name in fp32), (
+            f"{kind}: the sides that ran in fp32 ({', '.join(fp32)}) disagree on a prediction"
+        )
+        out[kind] = against_peers(compared, "pipeline", config, backward=False) | {
+            "one_at_a_time_examples_per_s": median([1 / x for x in per_example["one_at_a_time"]]),
+            "ratio_vs_one_at_a_time": paired_ratio(
+                per_example["ours"], per_example["one_at_a_time"]
+            ),
+            "agreement_with_pipeline_fp32": agreement,
         }
     return out
 
@@ -464,13 +760,19 @@ def bench_prepare(corpora, tokenizer, repeat: int) -> dict:
             runs["ours"].append(time.perf_counter() - started)
 
             started = time.perf_counter()
-            table.map(lambda r: tokenizer(r["text"], truncation=True, max_length=MAX_LENGTH),
-                      load_from_cache_file=False)  # fmt: skip
+            table.map(
+                lambda r: tokenizer(r["text"], truncation=True, max_length=MAX_LENGTH),
+                load_from_cache_file=False,
+            )
             runs["unbatched_map"].append(time.perf_counter() - started)
         rate = {name: len(text) / median(times[1:]) for name, times in runs.items()}
-        out[kind] = {**{f"{name}_rows_per_s": r for name, r in rate.items()},
-                     **{f"ratio_vs_{name}": paired_ratio(runs["ours"][1:], runs[name][1:])
-                        for name in ("one_call", "load_and_one_call", "unbatched_map")}}  # fmt: skip
+        out[kind] = {
+            **{f"{name}_rows_per_s": r for name, r in rate.items()},
+            **{
+                f"ratio_vs_{name}": paired_ratio(runs["ours"][1:], runs[name][1:])
+                for name in ("one_call", "load_and_one_call", "unbatched_map")
+            },
+        }
     return out
 
 
@@ -519,16 +821,22 @@ def bench_orchestration(repeat: int, work: Path) -> dict:
     helps = []
     for _ in range(repeat):
         started = time.perf_counter()
-        subprocess.run([sys.executable, str(ROOT / "run_pipeline.py"), "--help"], check=True,
-                       capture_output=True)  # fmt: skip
+        subprocess.run(
+            [sys.executable, str(ROOT / "run_pipeline.py"), "--help"],
+            check=True,
+            capture_output=True,
+        )
         helps.append(time.perf_counter() - started)
     python = []
     for _ in range(repeat):
         started = time.perf_counter()
         subprocess.run([sys.executable, "-c", "pass"], check=True)
         python.append(time.perf_counter() - started)
-    return {"local_job_overhead_s": median(overhead), "help_startup_s": median(helps),
-            "bare_python_startup_s": median(python)}  # fmt: skip
+    return {
+        "local_job_overhead_s": median(overhead),
+        "help_startup_s": median(helps),
+        "bare_python_startup_s": median(python),
+    }
 
 
 def print_fixed_cost(f: dict, steps: int) -> None:
@@ -554,7 +862,7 @@ def print_fixed_cost(f: dict, steps: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument(
         "--rows", type=int, default=256, help="texts per corpus for inference (default 256)"
     )
@@ -570,12 +878,13 @@ def main() -> None:
         default=2225,
         help="texts per corpus for prepare (default all 2225)",
     )
-    parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps (default 8)")
+    parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps (default 6)")
     parser.add_argument(
         "--repeat", type=int, default=3, help="training and job repetitions, median (default 3)"
     )
+    parser.add_argument("--rounds", type=int, default=5, help="prepare rounds, median (default 5)")
     parser.add_argument(
-        "--rounds", type=int, default=9, help="inference and prepare rounds, median (default 9)"
+        "--inference-rounds", type=int, default=3, help="inference rounds, median (default 3)"
     )
     parser.add_argument(
         "--only-fixed-cost",
@@ -595,59 +904,169 @@ def main() -> None:
         (ROOT / "bench/results.json").write_text(json.dumps(results, indent=2))
         print_fixed_cost(results["training_job_fixed_cost"], args.steps)
         return
+    facts = machine()
+    share = 1 if facts["native_bf16"] else BF16_SHARE_WITHOUT_NATIVE
     results = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "threads": torch.get_num_threads(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "torch": torch.__version__,
-        },  # fmt: skip
-        "settings": vars(args) | {"batch": BATCH, "max_length": MAX_LENGTH},
-        # Inference first, in a process that has not trained: as the inference job runs. After
-        # training, glibc's malloc has raised its mmap threshold and a pass's big tensors no
-        # longer cost page faults, which hides what holding passes to a token budget saves.
-        "inference": bench_inference(corpora, tokenizer, args.rounds, work),
-        "training": bench_training(
-            texts(args.train_rows), tokenizer, args.steps, args.repeat, work
+        "machine": facts,
+        "settings": vars(args)
+        | {"batch": BATCH, "max_length": MAX_LENGTH, "bf16_peers_share_of_work": 1 / share},
+    }
+    seconds = {}
+
+    def timed(name: str, measure):
+        started = time.perf_counter()
+        results[name] = measure()
+        seconds[name] = seconds.get(name, 0) + time.perf_counter() - started
+
+    timed("matmul_peak", matmul_peaks)
+    # Inference first, in a process that has not trained: as the inference job runs. After
+    # training, glibc's malloc has raised its mmap threshold and a pass's big tensors no
+    # longer cost page faults, which hides what holding passes to a token budget saves.
+    timed(
+        "inference",
+        lambda: bench_inference(corpora, tokenizer, args.inference_rounds, work, share),
+    )
+    timed(
+        "training",
+        lambda: bench_training(
+            texts(args.train_rows), tokenizer, args.steps, args.repeat, work, share
         ),
-        "prepare": bench_prepare(texts(args.prepare_rows), tokenizer, args.rounds),
-        "orchestration": bench_orchestration(args.repeat, work),
-        "training_job_fixed_cost": bench_fixed_cost(
+    )
+    timed("prepare", lambda: bench_prepare(texts(args.prepare_rows), tokenizer, args.rounds))
+    timed("orchestration", lambda: bench_orchestration(args.repeat, work))
+    timed(
+        "training_job_fixed_cost",
+        lambda: bench_fixed_cost(
             tokenizer, texts(args.rows)["long"], args.steps, args.repeat, work
         ),
-    }
+    )
+    before = results.pop("matmul_peak")
+    timed("matmul_peak", lambda: matmul_peaks(before))
+    add_mfu([results["training"], results["inference"]], results["matmul_peak"])
+    results["seconds"] = seconds | {"total": sum(seconds.values())}
     (ROOT / "bench/results.json").write_text(json.dumps(results, indent=2))
+    print_table(results, args)
+
+
+def cpu_model() -> str:
+    """The CPU's name as the kernel reports it (Linux), else what Python's platform says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    native, why = precision_step.cpu_bf16()
+    applied = precision_step.resolve("auto", 0)
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "cpu": cpu_model(),
+        "cpus": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "native_bf16": native,
+        "native_bf16_why": why,
+        "auto_applied": PRECISION_NAMES[applied.applied],
+        "auto_reason": applied.reason,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+    }
+
+
+def print_table(results: dict, args) -> None:
+    m, peaks = results["machine"], results["matmul_peak"]
     t, i, p, o = (results[k] for k in ("training", "inference", "prepare", "orchestration"))
-    print(f"\nspeed: MiniLM, max length {MAX_LENGTH}, batch {BATCH}, texts per corpus: training "
-          f"{args.train_rows}, inference {args.rows}, prepare {args.prepare_rows}; median of "
-          f"{args.repeat} (training, jobs) or {args.rounds} rounds (bench/results.json)")  # fmt: skip
-    print(f"  {'measure':<52}{'long':>10}{'short':>10}")
-    rows = [
-        ("training examples/s, ours", t, "ours_examples_per_s", "{:.1f}"),
-        ("training examples/s, Trainer (grouped, dyn. padding)", t, "trainer_examples_per_s", "{:.1f}"),
-        ("  ratio ours / Trainer", t, "ratio", "{:.2f}x"),
-        ("real tokens per batch, ours", t, "ours_real_token_share", "{:.1%}"),
-        ("real tokens per batch, Trainer", t, "trainer_real_token_share", "{:.1%}"),
-        ("model FLOP/s as share of matmul peak, ours", t, "ours_model_flops_share_of_matmul_peak", "{:.1%}"),
-        ("inference examples/s, ours", i, "ours_examples_per_s", "{:.1f}"),
-        ("inference examples/s, transformers pipeline", i, "pipeline_examples_per_s", "{:.1f}"),
-        ("inference examples/s, one at a time padded to 128", i, "one_at_a_time_examples_per_s", "{:.1f}"),
-        ("  ratio ours / pipeline", i, "ratio_vs_pipeline", "{:.2f}x"),
-        ("  ratio ours / one at a time", i, "ratio_vs_one_at_a_time", "{:.2f}x"),
+    print(
+        f"\nspeed: MiniLM, max length {MAX_LENGTH}, batch {BATCH}, texts per corpus: training "
+        f"{args.train_rows}, inference {args.rows}, prepare {args.prepare_rows}; median of "
+        f"{args.repeat} (training, jobs), {args.inference_rounds} rounds (inference) or "
+        f"{args.rounds} (prepare) (bench/results.json)"
+    )
+    print(
+        f"  {m['cpu']}, {m['threads']} threads, {m['date']}: "
+        f"{'native' if m['native_bf16'] else 'no native'} bf16 ({m['native_bf16_why']})"
+    )
+    print(f"  ours, MIXED_PRECISION = auto: {m['auto_applied']} ({m['auto_reason']})")
+    share = results["settings"]["bf16_peers_share_of_work"]
+    if share < 1:
+        print(
+            f"  the bf16 peers, slow here, do {share:.0%} of the work: steps, rows (BF16_SHARE_WITHOUT_NATIVE)"
+        )
+    print(
+        "  matmul peak: "
+        + ", ".join(
+            f"{name} {peak['flops_per_s'] / 1e9:.1f} GFLOP/s ({peak['size']}, {peak['layout']})"
+            for name, peak in peaks.items()
+        )
+    )
+    pct, ratio, rate, giga = "{:.1%}", "{:.2f}x", "{:.1f}", lambda flops: f"{flops / 1e9:.1f}"
+    rows = []
+    for table, task, peer, name, described in (
+        (t, "training", "trainer", "Trainer", "Trainer (grouped, dyn. padding)"),
+        (i, "inference", "pipeline", "pipeline", "transformers pipeline"),
+    ):
+        sides = {
+            "ours": f"ours (auto: {table['long']['ours_precision']})",
+            f"{peer}_bf16": f"{described} bf16",
+            f"{peer}_fp32": f"{described} fp32",
+        }
+        for key, said in sides.items():
+            rows.append((f"{task} examples/s, {said}", table, f"{key}_examples_per_s", rate))
+        if task == "inference":
+            rows.append(
+                (
+                    f"{task} examples/s, one at a time padded to 128",
+                    table,
+                    "one_at_a_time_examples_per_s",
+                    rate,
+                )
+            )
+        for side in ("bf16", "fp32"):
+            rows.append((f"  ratio ours / {name} {side}", table, f"ratio_vs_{peer}_{side}", ratio))
+        rows.append((f"  ratio ours / {name} at its best", table, f"ratio_vs_{peer}_best", ratio))
+        rows.append((f"    {name} at its best in", table, f"{peer}_best", "{}"))
+        if task == "inference":
+            rows.append(("  ratio ours / one at a time", table, "ratio_vs_one_at_a_time", ratio))
+        else:
+            for key, said in (("ours", "ours"), (f"{peer}_fp32", name)):
+                rows.append(
+                    (f"real tokens per batch, {said}", table, f"{key}_real_token_share", pct)
+                )
+        for key, said in sides.items():
+            rows.append((f"{task} model GFLOP/s, {said}", table, f"{key}_model_flops_per_s", giga))
+            rows.append(("  MFU (against its precision's peak)", table, f"{key}_mfu", pct))
+            rows.append(("  MFU against the bf16 peak", table, f"{key}_mfu_vs_bf16_peak", pct))
+    rows += [
         ("prepare rows/s, ours", p, "ours_rows_per_s", "{:.0f}"),
         ("prepare rows/s, one tokenizer call (floor)", p, "one_call_rows_per_s", "{:.0f}"),
         ("prepare rows/s, unbatched map", p, "unbatched_map_rows_per_s", "{:.0f}"),
-        ("prepare rows/s, loading the tokenizer + one call", p, "load_and_one_call_rows_per_s", "{:.0f}"),
-        ("  ratio ours / one call", p, "ratio_vs_one_call", "{:.2f}x"),
-        ("  ratio ours / loading the tokenizer + one call", p, "ratio_vs_load_and_one_call", "{:.2f}x"),
-    ]  # fmt: skip
+        (
+            "prepare rows/s, loading the tokenizer + one call",
+            p,
+            "load_and_one_call_rows_per_s",
+            "{:.0f}",
+        ),
+        ("  ratio ours / one call", p, "ratio_vs_one_call", ratio),
+        ("  ratio ours / loading the tokenizer + one call", p, "ratio_vs_load_and_one_call", ratio),
+    ]
+    width = max(len(label) for label, *_ in rows) + 2
+    print(f"  {'measure':<{width}}{'long':>10}{'short':>10}")
     for label, table, key, fmt in rows:
-        print(
-            f"  {label:<52}{fmt.format(table['long'][key]):>10}{fmt.format(table['short'][key]):>10}"
-        )
+        said = [
+            fmt(table[k][key]) if callable(fmt) else fmt.format(table[k][key])
+            for k in ("long", "short")
+        ]
+        cells = "".join(f"{cell:>10}" for cell in said)
+        print(f"  {label:<{width}}{cells}")
     print_fixed_cost(results["training_job_fixed_cost"], args.steps)
-    print(f"  local backend overhead per job: {o['local_job_overhead_s']:.2f}s; "
-          f"run_pipeline.py --help {o['help_startup_s']:.2f}s (bare python {o['bare_python_startup_s']:.2f}s)")  # fmt: skip
+    print(
+        f"  local backend overhead per job: {o['local_job_overhead_s']:.2f}s; run_pipeline.py "
+        f"--help {o['help_startup_s']:.2f}s (bare python {o['bare_python_startup_s']:.2f}s)"
+    )
+    print("  seconds: " + ", ".join(f"{name} {s:.0f}" for name, s in results["seconds"].items()))
 
 
 if __name__ == "__main__":
