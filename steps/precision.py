@@ -4,8 +4,9 @@
 - a GPU: bf16 where it has it (Ampere and later), else fp16 with Accelerate's loss scaler;
 - a CPU: bf16 where it has AMX or AVX512-BF16 (Intel Sapphire Rapids and later: AWS's m7i,
   c7i, r7i), fp32 elsewhere. A CPU without them runs bf16 matmuls through conversions to fp32
-  and back: on this project's AVX2 machine a MiniLM forward under bf16 autocast took 6.5x the
-  fp32 time (16 rows x 128 tokens, 2 threads), so "auto" must not pick it there.
+  and back: on this project's AVX2 machine, under bf16 autocast, a MiniLM training step took
+  16x the fp32 time and an inference forward 7x (16 rows x 128 tokens, 2 threads, 2026-11-25:
+  bench/cpu_options.py), so "auto" must not pick it there.
 
 The CPU's ability is read from what torch exposes of the CPU it dispatches on:
 `torch.cpu._is_amx_tile_supported()` and `torch.cpu._is_avx512_bf16_supported()` (cpuinfo's
