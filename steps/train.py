@@ -305,6 +305,16 @@ def training_state(accelerator, model, optimizer, scheduler, sampler, hp, env) -
     )
 
 
+def loading(hp: dict, loader: DataLoader, multiple_of: int) -> dict:
+    """How batches reach the model, for the job's report."""
+    return {
+        "group_by_length": hp["group_by_length"],
+        "pad_to_multiple_of": multiple_of,
+        "dataloader_workers": loader.num_workers,
+        "pin_memory": loader.pin_memory,
+    }
+
+
 def set_up(hp: dict, env: TrainingEnv) -> Job:
     """Everything training needs, built in order, as Accelerate's `training_function` builds
     it: the data, the user's model, the optimizer, Accelerate's wrapping."""
@@ -341,10 +351,7 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
         "precision_reason": precision.reason,
         "optimizer": f"AdamW ({optimizer_kind})",
         "compile": compiled,
-        "group_by_length": hp["group_by_length"],
-        "pad_to_multiple_of": multiple_of,
-        "dataloader_workers": train_loader.num_workers,
-        "pin_memory": train_loader.pin_memory,
+        **loading(hp, train_loader, multiple_of),
     }
     announce(accelerator, hp, per_device, accumulation, settings)
     return Job(
