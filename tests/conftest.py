@@ -4,15 +4,15 @@ settings files, and a small slice of the demo data."""
 from __future__ import annotations
 
 import io
-import logging
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
 import boto3
 import pytest
+
+from pipeline.backends import moto_server
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -28,21 +28,10 @@ if WORKERS > 1:
         os.environ.setdefault(name, str(max(1, (os.cpu_count() or 1) // WORKERS)))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def moto_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
+    server, endpoint = moto_server.serve()
+    yield endpoint
     server.stop()
 
 
