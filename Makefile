@@ -55,13 +55,13 @@ bench: install
 gpu-check: install
 	$(PY) bench/gpu_check.py
 
-# The "Runs you can trust" table of README.md, made from what its tests count as they run
+# The "Runs you can trust" table of docs/trust.md, made from what its tests count as they run
 # (build/figures/, tests/reliability/figures.py): those tests, then the table written over
-# the README's (nothing is written while a figure is missing). The demo's figures come from a
+# the page's (nothing is written while a figure is missing). The demo's figures come from a
 # run: `$(PY) docs/figures.py demo settings.ini` after `make run`.
 figures: install
 	$(PY) -m pytest -q tests/reliability tests/test_cache_mutations.py tests/test_local_backend.py
-	$(PY) docs/figures.py reliability --readme README.md
+	$(PY) docs/figures.py reliability --write docs/trust.md
 
 # docs/report.png: the newest demo run's report.html as a browser shows it (run `make run` first).
 screenshot: install browser

@@ -53,18 +53,20 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from pipeline.backends.container import free_port, image_env, lay_out_training  # noqa: E402
 from pipeline.config import load_settings  # noqa: E402
 from pipeline.paths import ExperimentTree  # noqa: E402
+from pipeline.player.environment import image_env  # noqa: E402
+from pipeline.player.job_root import lay_out_training  # noqa: E402
+from pipeline.player.processes import free_port  # noqa: E402
 from steps import checkpointing as ckpt  # noqa: E402
 from steps.batching import read_split  # noqa: E402
-from steps.entrypoint import (  # noqa: E402
+from steps.precision import resolve  # noqa: E402
+from steps.runtime.names import (  # noqa: E402
     ENTRYPOINT,
     MASTER_ADDR_VARIABLE,
     MASTER_PORT_VARIABLE,
     PROCESSES_VARIABLE,
 )
-from steps.precision import resolve  # noqa: E402
 from tests.jobs.gate import GATE_VARIABLE, marker  # noqa: E402
 
 EXPERIMENT = "gpu-check"
@@ -633,7 +635,7 @@ def parse_args() -> argparse.Namespace:
         parser.error("--device cuda: torch sees no GPU on this machine")
     if args.device == "cpu" and any(Path("/dev").glob("nvidia[0-9]*")):
         # The entrypoint counts GPUs as SageMaker's containers do, from /dev/nvidia*
-        # (steps/entrypoint.py training_variables): every job here would train on them.
+        # (steps/runtime/variables.py training_variables): every job here would train on them.
         parser.error("--device cpu: this machine has GPUs, and every job would train on them")
     if args.work and args.work.exists() and any(args.work.iterdir()):
         parser.error(f"--work {args.work}: not empty (nothing is written over)")

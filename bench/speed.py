@@ -70,9 +70,9 @@ from steps import precision as precision_step  # noqa: E402
 from steps import prepare as prepare_step  # noqa: E402
 from steps import train as train_step  # noqa: E402
 from steps.batching import Batches, write_inputs  # noqa: E402
-from steps.contract import TrainingEnv  # noqa: E402
 from steps.hyperparameters import parse_hyperparameters  # noqa: E402
 from steps.prepared_files import encoding_record, write_encoding  # noqa: E402
+from steps.runtime.environment import TrainingEnv  # noqa: E402
 from steps.user_code import load_user_functions  # noqa: E402
 from user_functions import minilm_path  # noqa: E402
 from user_functions.demo_data import bbc_articles  # noqa: E402
@@ -486,9 +486,10 @@ def bench_fixed_cost(tokenizer, data, steps: int, repeat: int, work: Path) -> di
     [inference] MODEL_FORMAT needs by default, all ours writes then).
     The loop is the training steps alone on every side (ours: train_loop_seconds; the
     Trainer's: its first step's start to its last step's end)."""
-    from pipeline.backends.container import image_env, lay_out_training
-    from pipeline.backends.warm_start import WarmStart
-    from steps.entrypoint import ENTRYPOINT
+    from pipeline.player.environment import image_env
+    from pipeline.player.fork_client import WarmStart
+    from pipeline.player.job_root import lay_out_training
+    from steps.runtime.names import ENTRYPOINT
 
     channels = prepared_dir(tokenizer, data, work / "fixed-prepared")
     text, labels = data
@@ -536,7 +537,7 @@ def bench_fixed_cost(tokenizer, data, steps: int, repeat: int, work: Path) -> di
         if proc.wait() != 0:
             sys.exit(f"a warm-started job failed: {env['SMPIPE_ML_ROOT']}")
 
-    # The local backend's warm start (pipeline/backends/warm_start.py): its first job of an
+    # The local backend's warm start (pipeline/player/fork_client.py): its first job of an
     # environment starts cold and its second starts the server; two one-step jobs do that
     # here, untimed, so the timed warm jobs start from a server that is up, as a run's later
     # jobs do.

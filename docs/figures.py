@@ -1,11 +1,12 @@
-"""The README's figures, made from what recorded them.
+"""The manual's figures, made from what recorded them.
 
-    python docs/figures.py reliability [--readme README.md]
+    python docs/figures.py reliability [--write docs/trust.md]
         the "Runs you can trust" table, from what the tests counted as they ran
         (build/figures/, tests/reliability/figures.py; `make figures` runs those tests);
-        --readme writes it over the table in that file
+        --write writes it over the table in that file
     python docs/figures.py demo [settings.ini] [--run N]
-        the demo's figures (README "The demo"), from the newest completed run's Metadata
+        the demo's figures (docs/performance.md, "The demo"), from the newest completed run's
+        Metadata
 
 A figure nothing recorded is said to be missing, never made up.
 """
@@ -184,13 +185,13 @@ def reliability_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-def write_table(readme: Path, table: str) -> None:
+def write_table(page: Path, table: str) -> None:
     """The table that starts with `| what was tried |` replaced, up to its last row."""
-    text = readme.read_text()
+    text = page.read_text()
     found = re.search(r"^\| what was tried \|.*\n(?:\|.*\n)*", text, re.M)
     if found is None:
-        raise SystemExit(f"{readme}: no table starting with '| what was tried |'")
-    readme.write_text(text[: found.start()] + table + text[found.end() :])
+        raise SystemExit(f"{page}: no table starting with '| what was tried |'")
+    page.write_text(text[: found.start()] + table + text[found.end() :])
 
 
 def demo(settings_path: str, run: int | None) -> str:
@@ -211,7 +212,7 @@ def demo(settings_path: str, run: int | None) -> str:
 
 
 def demo_figures(record: dict) -> str:
-    """What README "The demo" says of a run, from its Metadata."""
+    """What docs/performance.md, "The demo", says of a run, from its Metadata."""
     data = ", ".join(f"{s} {d['status']}" for s, d in (record.get("data_steps") or {}).items())
     steps = record["steps"]
     models = (steps.get("train") or steps["tune"])["details"]["models"]
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     table = commands.add_parser("reliability", help='the "Runs you can trust" table')
-    table.add_argument("--readme", type=Path, help="write the table over the one in this file")
+    table.add_argument("--write", type=Path, metavar="PAGE", help="write it over the one in PAGE")
     shown = commands.add_parser("demo", help="the demo's figures, from a run's Metadata")
     shown.add_argument("settings", nargs="?", default=str(ROOT / "settings.ini"))
     shown.add_argument("--run", type=int, help="this run, not the newest completed one")
@@ -254,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     if MISSING in made:
         print(f"some figures are missing ({FIGURES}): nothing written", file=sys.stderr)
         return 1
-    if args.readme:
-        write_table(args.readme, made)
+    if args.write:
+        write_table(args.write, made)
     return 0
 
 

@@ -86,14 +86,16 @@ def step_code_digest(step: str) -> str:
     todo = [step]
     while todo:
         name = todo.pop()
-        path = STEPS_DIR / f"{name}.py"
+        path = STEPS_DIR / f"{name.replace('.', '/')}.py"  # runtime.names: steps/runtime/names.py
         if name in seen or not path.is_file():
             continue
         source = path.read_text()
         seen[name] = source
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("steps."):
-                todo.append(node.module.split(".", 1)[1])
+                module = node.module.split(".", 1)[1]
+                todo.append(module)
+                todo += [f"{module}.{a.name}" for a in node.names]  # a submodule, as names
             elif isinstance(node, ast.ImportFrom) and node.module == "steps":
                 todo += [a.name for a in node.names]
             elif isinstance(node, ast.Import):
@@ -332,14 +334,10 @@ def raw_digest(store: Store, raw: str) -> str | None:
 # -- the index -------------------------------------------------------------------------------
 
 
-def index_key(tree: ExperimentTree, step: str, key: str) -> str:
-    return f"{tree.root}cache/{step}/{key}.json"
-
-
 def lookup(store: Store, tree: ExperimentTree, step: str, key: str) -> int | None:
     """The data version holding a complete output for `key`, if any."""
     try:
-        version = json.loads(store.get_bytes(index_key(tree, step, key)))["data_version"]
+        version = json.loads(store.get_bytes(tree.cache_entry(step, key)))["data_version"]
     except (NotFound, KeyError, ValueError):
         return None
     data = tree.data(version)
@@ -382,7 +380,7 @@ def remember(
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
     ).encode()
-    where = index_key(tree, step, key)
+    where = tree.cache_entry(step, key)
     if store.create(where, record):
         return version
     earlier = lookup(store, tree, step, key)

@@ -1,7 +1,7 @@
 """`smpipe`: the command line. `python run_pipeline.py settings.ini` is `smpipe run settings.ini`.
 
 argparse, as Accelerate's and transformers' own command lines: no dependency, and `--help`
-answers before anything heavy is imported. Tables are drawn with rich.
+answers before anything heavy is imported. Tables are drawn with rich (pipeline/tables.py).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import argparse
 import os
 import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 EXAMPLES = """\
@@ -72,7 +73,7 @@ def at_least_one(text: str) -> int:
 
 class ShowVersion(argparse.Action):
     """--version: the installed package's version, looked up only when asked (importlib's
-    metadata costs 25 ms, as much as all of `smpipe --help`)."""
+    metadata costs as much as all of `smpipe --help`: docs/performance.md)."""
 
     def __init__(self, option_strings, dest, **kwargs):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
@@ -165,6 +166,7 @@ def parser() -> argparse.ArgumentParser:
         run_options(sub)
     run.add_argument("--dry-run", action="store_true", help="the same as `smpipe plan`")
     loudness(run)
+    plan.set_defaults(dry_run=True, quiet=False, verbose=False)  # what `plan` is: `run --dry-run`
     upload = command("upload", "copy a folder of raw data into the experiment's raw/ in the store")
     upload.add_argument("folder", type=Path, help="the raw data: a folder on this machine")
     upload.add_argument(
@@ -383,7 +385,7 @@ def init_command(args) -> int:
     print(f"created project {name!r} in {args.folder}:")
     for path in files:
         print(f"  {path.as_posix()}")
-    print("run its sample (MiniLM on 100 news items: about 20 s on 2 cores):")
+    print("run its sample (MiniLM on 100 news items, on this machine):")
     print(f"  cd {shlex.quote(str(args.folder))}")
     print("  smpipe run settings.ini")
     return 0
@@ -410,116 +412,77 @@ def open_experiment(path: str, backend: str | None = None):
     return settings, store
 
 
-def run_command(args) -> int:
+@contextmanager
+def displayed(verbose: bool, quiet: bool):
+    """The driver's lines and every job's output through one display (live on a terminal,
+    plain lines elsewhere); yields where the jobs' output goes: nowhere with --quiet (it stays
+    in the job logs). The logger is put back as it was afterwards (main() may be called again
+    in the same process)."""
     import logging
 
-    from pipeline.console import Display, summary_lines
+    from pipeline.console import Display
+    from pipeline.errors import log
+
+    display = Display(sys.stdout, verbose=verbose)
+    before = (log.handlers, log.propagate, log.level)
+    log.handlers, log.propagate = [display.handler()], False
+    log.setLevel(logging.WARNING if quiet else logging.INFO)
+    try:
+        with open(os.devnull, "w") as devnull:
+            yield devnull if quiet else display
+    finally:
+        display.close()
+        log.handlers, log.propagate = before[0], before[1]
+        log.setLevel(before[2])
+
+
+def run_command(args) -> int:
+    from pipeline.console import summary_lines
     from pipeline.driver import parse_steps, run_pipeline
 
-    quiet, verbose = getattr(args, "quiet", False), getattr(args, "verbose", False)
     signal.signal(signal.SIGTERM, _interrupt)
     settings, store = open_experiment(args.settings, args.backend)
     steps = parse_steps(args.steps)
-    dry_run = args.command == "plan" or getattr(args, "dry_run", False)
-    # The driver's lines and every job's output go through one display (live on a terminal,
-    # plain lines elsewhere); --quiet keeps job output in the job logs only. The logger is
-    # put back as it was afterwards (main() may be called again in the same process).
-    display = Display(sys.stdout, verbose=verbose)
-    logger = logging.getLogger("smpipe")
-    before = (logger.handlers, logger.propagate, logger.level)
-    logger.handlers, logger.propagate = [display.handler()], False
-    logger.setLevel(logging.WARNING if quiet else logging.INFO)
-    try:
-        with open(os.devnull, "w") as devnull:
-            record = run_pipeline(
-                settings,
-                store,
-                steps,
-                dry_run=dry_run,
-                show_requests=args.show_requests,
-                resume=args.resume,
-                use_cache=not args.no_cache,
-                echo=devnull if quiet else display,
-            )
-    finally:
-        display.close()
-        logger.handlers, logger.propagate = before[0], before[1]
-        logger.setLevel(before[2])
-    if quiet and record:
+    with displayed(args.verbose, args.quiet) as echo:
+        record = run_pipeline(
+            settings,
+            store,
+            steps,
+            dry_run=args.dry_run,
+            show_requests=args.show_requests,
+            resume=args.resume,
+            use_cache=not args.no_cache,
+            echo=echo,
+        )
+    if args.quiet and record:
         print("\n".join(summary_lines(record, record["artifact_uri"])))
     return 0
 
 
-def _console():
-    from rich.console import Console
-
-    # A pipe or a log file gets plain text at a width that keeps rows on one line. No markup:
-    # labels, model names and paths are the user's, and "[bold]" or "[/x]" in one is text.
-    return Console(width=None if sys.stdout.isatty() else 160, markup=False)
-
-
 def runs_command(args) -> int:
-    from rich.table import Table
-
-    from pipeline import cost
-    from pipeline.history import age, human_bytes, run_rows
+    from pipeline.history import run_rows
     from pipeline.paths import ExperimentTree
+    from pipeline.tables import console, runs_table
 
     settings, store = open_experiment(args.settings)
     rows = run_rows(store, ExperimentTree(settings.experiment.name))
-    console = _console()
-    if not rows:
-        console.print(f"no runs of {settings.experiment.name!r} in {store.uri}")
-        return 0
-    table = Table(title=f"runs of {settings.experiment.name!r} in {store.uri}")
-    columns = ("run", "status", "models", "test macro-F1", "data", "took", "cost", "started")
-    for column in (*columns, "size"):
-        table.add_column(column, justify="right" if column in ("took", "cost", "size") else "left")
-    for row in rows:
-        f1 = ", ".join(
-            f"{m} {v:.4f}" for m, v in sorted(row["macro_f1"].items(), key=lambda kv: -kv[1])
-        )
-        data = (
-            f"{row['data_version']:04d} {row['snapshot'][:8]}"
-            if row["snapshot"] and row["data_version"]
-            else ""
-        )
-        took = f"{row['seconds']:.0f}s" if row["seconds"] is not None else ""
-        table.add_row(
-            row["run"],
-            row["status"] or "",
-            ", ".join(row["models"]),
-            f1,
-            data,
-            took,
-            cost.short(row.get("cost")),  # USD from SageMaker's billing; locally CPU-seconds
-            age(row["started"]),
-            human_bytes(row["bytes"]),
-        )
-    console.print(table)
+    what = f"runs of {settings.experiment.name!r} in {store.uri}"
+    console().print(runs_table(what, rows) if rows else f"no {what}")
     return 0
 
 
 def registry_command(args) -> int:
-    from rich.table import Table
-
-    from pipeline.history import age
     from pipeline.registry import versions
+    from pipeline.tables import console, versions_table
 
     settings, store = open_experiment(args.settings)
     group = settings.registry.model_package_group
     rows = versions(settings, store)
-    console = _console()
     if not rows:
-        console.print(f"no versions of model package group {group!r} yet")
+        console().print(f"no versions of model package group {group!r} yet")
         return 0
-    table = Table(title=f"model package group {group!r} ({settings.experiment.backend})")
-    for column in ("version", "status", "registered", "what"):
-        table.add_column(column, justify="right" if column == "version" else "left")
-    for row in rows:
-        when = age(row["registered_at"])
-        table.add_row(str(row["version"]), row["approval_status"], when, row["description"])
-    console.print(table)
+    title = f"model package group {group!r} ({settings.experiment.backend})"
+    console().print(versions_table(title, rows))
     return 0
 
 
@@ -535,24 +498,15 @@ def approve_command(args) -> int:
 
 
 def compare_command(args) -> int:
-    from rich.table import Table
-
+    from pipeline import tables
     from pipeline.history import compare_runs
     from pipeline.paths import ExperimentTree
 
     settings, store = open_experiment(args.settings)
     result = compare_runs(store, ExperimentTree(settings.experiment.name), args.first, args.second)
     a, b = result["runs"]
-    console = _console()
-    for model, metrics in result["models"].items():
-        table = Table(title=f"{model}: test metrics, run {a} vs {b}")
-        for column in ("metric", a, b, "difference"):
-            table.add_column(column, justify="left" if column == "metric" else "right")
-        for metric, (x, y) in metrics.items():
-            table.add_row(metric, f"{x:.4f}", f"{y:.4f}", f"{y - x:+.4f}")
-        for label, (x, y) in result["per_label"][model].items():
-            diff = f"{y - x:+.4f}" if x is not None and y is not None else ""
-            table.add_row(f"F1 {label}", _num(x), _num(y), diff)
+    console = tables.console()
+    for table in tables.comparison_tables(result):
         console.print(table)
     for run, models in result["only_in"].items():
         if models and result["comparable"]:
@@ -570,10 +524,6 @@ def compare_command(args) -> int:
         )
         return 1
     return 0
-
-
-def _num(x: float | None) -> str:
-    return "" if x is None else f"{x:.4f}"
 
 
 def report_command(args) -> int:
@@ -650,34 +600,21 @@ def prune_command(args) -> int:
 
 def predict_command(args) -> int:
     """The job's lines and the driver's through the display, as `run` shows them."""
-    import logging
-
-    from pipeline.console import Display
-    from pipeline.errors import log
     from pipeline.predict import predict
 
     signal.signal(signal.SIGTERM, _interrupt)
     settings, store = open_experiment(args.settings, args.backend)
-    display = Display(sys.stdout, verbose=args.verbose)
-    before = (log.handlers, log.propagate, log.level)
-    log.handlers, log.propagate = [display.handler()], False
-    log.setLevel(logging.WARNING if args.quiet else logging.INFO)
-    try:
-        with open(os.devnull, "w") as devnull:
-            record = predict(
-                settings,
-                store,
-                args.input,
-                args.output,
-                run_num=args.run,
-                model=args.model,
-                instance_count=args.instance_count,
-                echo=devnull if args.quiet else display,
-            )
-    finally:
-        display.close()
-        log.handlers, log.propagate = before[0], before[1]
-        log.setLevel(before[2])
+    with displayed(args.verbose, args.quiet) as echo:
+        record = predict(
+            settings,
+            store,
+            args.input,
+            args.output,
+            run_num=args.run,
+            model=args.model,
+            instance_count=args.instance_count,
+            echo=echo,
+        )
     if args.quiet:
         print(f"{record['predicted']:,} of {record['rows']:,} rows predicted: {record['output']}")
     return 0

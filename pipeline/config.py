@@ -8,42 +8,37 @@ Environment variables override keys: `SMPIPE__<SECTION>__<KEY>`, e.g.
 `SMPIPE__TRAINING__EPOCHS=1`, `SMPIPE__TRAINING_BOW__LEARNING_RATE=1e-2` or
 `SMPIPE__TUNING_HYPERPARAMETERS__LEARNING_RATE=1e-5->1e-3` (dots in a section name become
 underscores).
+
+Its parts, each a module of its own: the file as text (config_file.py: syntax, line numbers,
+environment overrides, the applied copy), the search space a tuning job's sections write
+(search_space.py), and what no one section can check alone, SageMaker's limits included
+(config_checks.py). Everything a user of the settings needs is imported from here.
 """
 
 from __future__ import annotations
 
-import configparser
 import difflib
-import io
-import logging
 import math
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
-from steps.entrypoint import env_key
+from pipeline.config_checks import across_sections, sagemaker_limits
+from pipeline.config_file import ConfigError, apply_env, read_ini, render_redacted
+from pipeline.errors import log
+from pipeline.search_space import SECTION as HP
+from pipeline.search_space import Categorical, Interval, Tunable, merged_space, parse_tunable
+from pipeline.service_model import shape
 from steps.hyperparameters import HYPERPARAMETERS, PER_MODEL, TABLE, TUNABLE, Hyperparameter, wire
 from steps.metrics import DEFINITIONS as METRIC_DEFINITIONS
 from steps.metrics import check_definition
+from steps.runtime.names import env_key
 
-ENV_PREFIX = "SMPIPE__"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 NAME_RULE = "letters, digits, '_' or '-', starting with a letter or digit, at most 63 characters"
-SECRET_KEY_RE = re.compile(r"(key|secret|token|password)", re.IGNORECASE)
-log = logging.getLogger("smpipe")
-
-
-class ConfigError(ValueError):
-    """Every problem of one settings file, each on its own line."""
-
-    def __init__(self, problems: list[str], source: str = "settings"):
-        self.problems = problems
-        lines = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"{source}: {len(problems)} problem(s):\n{lines}")
 
 
 def check_name(value: str) -> str:
@@ -177,28 +172,9 @@ class Training(hyperparameters_of("training")):
     # model) to start on them without provisioning (train-warm-pools.html). 600: the driver's
     # adoption of one model's outputs fits before the next job is created; after the run's
     # last job the pool idles at most that long. 0: none. The range is the service model's
-    # (checked by key: LIMITED). Never sent with spot or tuning jobs (jobs.keep_alive_refused);
-    # nothing to keep on the local backend.
+    # (by key: config_checks.LIMITED). Never sent with spot or tuning jobs
+    # (jobs.keep_alive_refused); nothing to keep on the local backend.
     keep_alive_seconds: int = 600
-
-
-@dataclass(frozen=True)
-class Interval:
-    low: float
-    high: float
-    integer: bool
-    log: bool
-
-    def render(self) -> str:
-        return f"{self.low}->{self.high}{' log' if self.log else ''}"
-
-
-@dataclass(frozen=True)
-class Categorical:
-    options: tuple[str, ...]
-
-
-Tunable = Interval | Categorical
 
 
 class Tuning(Section):
@@ -253,7 +229,7 @@ class Hub(Section):
 class Registry(Section):
     # The model package group each completed run's winning model is registered in, as one new
     # version (sagemaker, emulated: SageMaker's model registry; local: <experiment>/registry/).
-    # Empty: nothing is registered. A SageMaker EntityName (checked by key: LIMITED).
+    # Empty: nothing is registered. A SageMaker EntityName (by key: config_checks.LIMITED).
     model_package_group: str = ""
     # The ModelApprovalStatus a new version gets: the enum of CreateModelPackage's
     # ModelApprovalStatus in botocore's sagemaker service-2.json (a test holds them equal).
@@ -273,8 +249,6 @@ class Cost(Section):
     def _pairs(cls, value):
         if not isinstance(value, str):
             return value
-        from pipeline.service_model import shape
-
         known = {*shape("TrainingInstanceType").enum, *shape("ProcessingInstanceType").enum}
         prices, bad = {}, []
         for pair in filter(None, (p.strip() for p in value.split(","))):
@@ -397,169 +371,13 @@ SECTIONS: dict[str, type[Section]] = {
     "registry": Registry,
     "cost": Cost,
 }
-FREE_SECTIONS = ("tuning.hyperparameters", "tuning.metric_definitions")
-HP, HP_ENV = "tuning.hyperparameters", "tuning_hyperparameters_"
+FREE_SECTIONS = (HP, "tuning.metric_definitions")
 # Keys that moved: (section, key) -> where they are now and why.
 MOVED = {
     ("training", "max_sequence_length"): (
         "moved to [data] MAX_SEQUENCE_LENGTH: prepare applies it once, for every model"
     ),
 }
-INT_RE = re.compile(r"^[+-]?\d+$")
-
-
-def merged_space(shared: tuple[dict, dict], own: tuple[dict, dict]) -> tuple[dict, dict]:
-    """(constants, tunables) of one model: its own keys replace the shared ones, whichever
-    kind either is."""
-    mine = {*own[0], *own[1]}
-    constants = {k: v for k, v in shared[0].items() if k not in mine} | own[0]
-    tunables = {k: v for k, v in shared[1].items() if k not in mine} | own[1]
-    return constants, tunables
-
-
-def parse_tunable(text: str) -> Tunable | str:
-    """`a->b` (optionally `a->b log`) is an interval, `x,y,z` categorical, else a constant."""
-    text = text.strip()
-    if "->" in text:
-        body, _, scale = text.partition(" ")
-        if scale.strip() not in ("", "log"):
-            raise ValueError(f"{text!r}: after an interval only 'log' may follow")
-        low_s, _, high_s = body.partition("->")
-        low_s, high_s = low_s.strip(), high_s.strip()
-        if not low_s or not high_s:
-            raise ValueError(f"{text!r}: an interval needs both bounds, as in 1e-5->1e-3")
-        try:
-            low, high = float(low_s), float(high_s)
-        except ValueError:
-            raise ValueError(f"{text!r}: bounds must be numbers") from None
-        if not (math.isfinite(low) and math.isfinite(high)):
-            raise ValueError(f"{text!r}: bounds must be finite")
-        if low >= high:
-            raise ValueError(f"{text!r}: empty interval, the low bound must be below the high one")
-        log = scale.strip() == "log"
-        if log and low <= 0:
-            raise ValueError(f"{text!r}: a log scale needs a low bound above 0")
-        integer = bool(INT_RE.match(low_s) and INT_RE.match(high_s))
-        return Interval(low, high, integer, log)
-    if "," in text:
-        options = tuple(o.strip() for o in text.split(","))
-        if any(not o for o in options):
-            raise ValueError(f"{text!r}: an empty categorical option")
-        if len(set(options)) != len(options):
-            raise ValueError(f"{text!r}: categorical options repeat")
-        return Categorical(options)
-    if not text:
-        raise ValueError("empty value")
-    return text
-
-
-def _read_text(path: Path) -> str:
-    """The file's text; a UTF-8 byte order mark (Windows editors write one) is dropped."""
-    try:
-        return path.read_bytes().decode("utf-8-sig")
-    except FileNotFoundError:
-        raise ConfigError([f"settings file not found: {path}"], str(path)) from None
-    except IsADirectoryError:
-        raise ConfigError(
-            [f"{path} is a folder; name the settings .ini file in it"], str(path)
-        ) from None
-    except PermissionError:
-        raise ConfigError(
-            [f"settings file {path} cannot be read (permission denied)"], str(path)
-        ) from None
-    except UnicodeDecodeError as e:
-        line = path.read_bytes()[: e.start].count(b"\n") + 1
-        raise ConfigError(
-            [
-                f"line {line}: not UTF-8 text (byte {e.object[e.start]:#04x}); "
-                "save the file as UTF-8"
-            ],
-            str(path),
-        ) from None
-
-
-def _lint_ini(text: str) -> tuple[list[str], str]:
-    """Every line configparser would refuse or silently reinterpret, with its number, and
-    the text without those lines (so the rest of the file is still checked).
-
-    configparser stops at its first error and joins an indented line to the value above it
-    (`EPOCHS = 2` then `  3` reads as "2\n3"); here each such line is a problem of its own."""
-    problems: list[str] = []
-    kept: list[str] = []
-    keys: dict[str, set[str]] = {}  # section -> its keys so far
-    section = None
-    for number, line in enumerate(text.splitlines(), 1):
-        stripped, problem = line.strip(), None
-        if not stripped or stripped[0] in "#;":
-            kept.append(line)
-            continue
-        if stripped.startswith("["):
-            name = stripped[1:-1].strip().lower() if stripped.endswith("]") else ""
-            if not name:
-                problem = f"{stripped!r} is not a [section] header"
-            elif name in keys:
-                problem = f"section [{name}] appears twice"
-            section = name or None
-            keys.setdefault(name, set())
-        elif line[0].isspace():
-            problem = (
-                f"indented line {stripped!r} would continue the value above it; start it at "
-                "the beginning of the line (or comment it out with #)"
-            )
-        elif "=" not in stripped:
-            problem = f"{stripped!r} is not KEY = value"
-        elif section is None:
-            problem = f"{stripped!r} comes before any [section] header"
-        else:
-            key = stripped.split("=", 1)[0].strip().lower()
-            if not key:
-                problem = f"{stripped!r} has no key before '='"
-            elif key in keys[section]:
-                problem = f"[{section}] {key.upper()} is set twice"
-            keys[section].add(key)
-        if problem:
-            problems.append(f"line {number}: {problem}")
-        kept.append("" if problem else line)
-    return problems, "\n".join(kept)
-
-
-def _read_ini(path: Path) -> tuple[dict[str, dict[str, str]], list[str]]:
-    """The sections and keys of the file, and every problem of its syntax."""
-    problems, text = _lint_ini(_read_text(path))
-    parser = configparser.ConfigParser(
-        interpolation=None, delimiters=("=",), inline_comment_prefixes=(";",)
-    )
-    parser.optionxform = str.lower  # keys are case-insensitive; the file writes them in capitals
-    try:
-        parser.read_string(text, source=str(path))
-    except configparser.Error as e:  # what the lint above did not foresee, still one line
-        raise ConfigError([*problems, f"not a valid ini file: {e}"], str(path)) from None
-    return {s.lower(): dict(parser.items(s)) for s in parser.sections()}, problems
-
-
-def _apply_env(raw: dict[str, dict[str, str]], env: dict[str, str]) -> list[str]:
-    """SMPIPE__<SECTION>__<KEY> overrides; one that names no section is refused, not ignored."""
-    names = {s.replace(".", "_"): s for s in list(SECTIONS) + list(FREE_SECTIONS)}
-    problems = []
-    for var, value in sorted(env.items()):
-        if not var.startswith(ENV_PREFIX):
-            continue
-        section, sep, key = var[len(ENV_PREFIX) :].lower().partition("__")
-        if not sep or not key or not section:
-            problems.append(f"environment {var}: write it as {ENV_PREFIX}<SECTION>__<KEY>")
-        elif section in names:
-            raw.setdefault(names[section], {})[key] = value
-        elif section.startswith("training_"):  # SMPIPE__TRAINING_<MODEL>__<KEY>
-            raw.setdefault("training." + section.removeprefix("training_"), {})[key] = value
-        elif section.startswith(HP_ENV):  # SMPIPE__TUNING_HYPERPARAMETERS_<MODEL>__<KEY>
-            raw.setdefault(HP + "." + section.removeprefix(HP_ENV), {})[key] = value
-        else:
-            allowed = (
-                ", ".join(n.upper() for n in names)
-                + ", TRAINING_<MODEL>, TUNING_HYPERPARAMETERS_<MODEL>"
-            )
-            problems.append(f"environment {var}: no section {section.upper()} (allowed: {allowed})")
-    return problems
 
 
 def _pydantic_problems(section: str, error: ValidationError) -> list[str]:
@@ -598,8 +416,10 @@ def _out_of_bounds(where: str, key: str, value: Tunable | str) -> list[str]:
 def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) -> Settings:
     """Read, override from the environment, validate; raise one ConfigError listing everything."""
     path = Path(path)
-    raw, problems = _read_ini(path)
-    problems += _apply_env(raw, dict(os.environ) if env is None else env)
+    raw, problems = read_ini(path)
+    problems += apply_env(
+        raw, dict(os.environ) if env is None else env, [*SECTIONS, *FREE_SECTIONS]
+    )
     problems += _unknown_sections(raw)
     parsed = _sections(raw, problems)
     # [training.<model>] and [tuning.hyperparameters.<model>] of a model not in MODEL_NAMES
@@ -629,8 +449,8 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
         )
         for m in (parsed["models"].model_names if "models" in parsed else [])
     }
-    problems += _across_sections(parsed, spaces, model_tunables, metrics)
-    problems += _sagemaker_limits(parsed, spaces, model_tunables, metrics)
+    problems += across_sections(parsed, spaces, model_tunables, metrics)
+    problems += sagemaker_limits(parsed, spaces, model_tunables, metrics)
     if problems:
         raise ConfigError(problems, str(path))
     return Settings(
@@ -643,7 +463,7 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
         metric_definitions=metrics,
         source=str(path),
         base_dir=str(path.resolve().parent),
-        applied_ini=_render_redacted(raw),
+        applied_ini=render_redacted(raw),
     )
 
 
@@ -772,255 +592,3 @@ def _metric_definitions(raw: dict, problems: list[str]) -> dict[str, str]:
             continue
         metrics[key] = regex
     return metrics
-
-
-def _across_sections(
-    parsed: dict[str, Section],
-    spaces: dict[str, tuple[str, dict[str, Tunable]]],
-    own: dict[str, dict[str, Tunable]],
-    metrics: dict[str, str],
-) -> list[str]:
-    """What no one section can check alone, as one flat list of rules, each a few lines (the
-    backend's and the tuning job's apart). `spaces`: each model's section and searched ranges,
-    `own`: the ranges its own section sets."""
-    problems: list[str] = []
-    if "data" in parsed:
-        d = parsed["data"]
-        total = d.train_fraction + d.validation_fraction + d.test_fraction
-        if abs(total - 1.0) > 1e-6:
-            problems.append(
-                "[data] TRAIN_FRACTION + VALIDATION_FRACTION + TEST_FRACTION must sum to 1 "
-                f"(got {total:g})"
-            )
-    problems += _sagemaker_needs(parsed)
-    problems += _tuning_needs(parsed, spaces, own)
-    if "tuning" in parsed and parsed["tuning"].objective_metric not in metrics:
-        problems.append(
-            f"[tuning] OBJECTIVE_METRIC: {parsed['tuning'].objective_metric!r} is not a metric "
-            f"(train.py prints {', '.join(METRIC_DEFINITIONS)}; [tuning.metric_definitions] "
-            f"defines {', '.join(k for k in metrics if k not in METRIC_DEFINITIONS) or 'no other'})"
-        )
-    if "training" in parsed and "inference" in parsed:
-        formats, needed = parsed["training"].exports, parsed["inference"].model_format
-        if formats and needed not in formats:
-            problems.append(
-                f"[training] EXPORTS ({', '.join(formats)}) leaves out {needed}, the program "
-                f"[inference] MODEL_FORMAT runs: add it, or leave EXPORTS empty"
-            )
-    if "training" in parsed:
-        t = parsed["training"]
-        if t.instance_count > 1 and not t.use_distributed:
-            problems.append("[training] INSTANCE_COUNT > 1 needs USE_DISTRIBUTED = true")
-        if t.use_spot and t.max_wait_seconds < t.max_run_seconds:
-            problems.append(
-                f"[training] MAX_WAIT_SECONDS ({t.max_wait_seconds}) must be at least "
-                f"MAX_RUN_SECONDS ({t.max_run_seconds}): SageMaker's MaxWaitTimeInSeconds "
-                "includes the run"
-            )
-    return problems
-
-
-def _sagemaker_needs(parsed: dict[str, Section]) -> list[str]:
-    """What the sagemaker backend needs of the other sections."""
-    problems: list[str] = []
-    if not ("experiment" in parsed and parsed["experiment"].backend == "sagemaker"):
-        return problems
-    e = parsed["experiment"]
-    if not e.store.startswith("s3://"):
-        problems.append("[experiment] STORE: the sagemaker backend needs an s3:// store")
-    if not e.role_arn.startswith("arn:"):
-        problems.append("[experiment] ROLE_ARN: the sagemaker backend needs an IAM role ARN")
-    if not e.image_uri:
-        problems.append(
-            "[experiment] IMAGE_URI: the sagemaker backend needs the image built from docker/"
-        )
-    tracking = parsed.get("tracking")
-    if tracking and tracking.wandb_mode == "online" and not tracking.wandb_secret_id:
-        problems.append(
-            "[tracking] WANDB_MODE = online on the sagemaker backend needs WANDB_SECRET_ID: "
-            "a SageMaker job has no WANDB_API_KEY of its own (set the secret, or "
-            "WANDB_MODE = offline)"
-        )
-    return problems
-
-
-def _tuning_needs(
-    parsed: dict[str, Section],
-    spaces: dict[str, tuple[str, dict[str, Tunable]]],
-    own: dict[str, dict[str, Tunable]],
-) -> list[str]:
-    """What JOB = tune needs of the ranges and of [tuning]."""
-    problems: list[str] = []
-    if not ("experiment" in parsed and parsed["experiment"].job == "tune"):
-        return problems
-    grid = "tuning" in parsed and parsed["tuning"].strategy == "Grid"
-    for model, (section, tunables) in spaces.items():
-        if not tunables:
-            problems.append(
-                f"[{HP}]: JOB = tune needs at least one tunable (a->b or x,y,z) for {model}"
-            )
-        ranges = [(k, v) for k, v in tunables.items() if isinstance(v, Interval)]
-        for key, value in ranges if grid else ():
-            where = section if key in own.get(model, {}) else HP
-            problem = (
-                f"[{where}] {key.upper()}: STRATEGY = Grid takes categorical options only "
-                f"(x,y,z), not {value.render()}"
-            )
-            if problem not in problems:  # a shared range is one problem, not one per model
-                problems.append(problem)
-    if (
-        "tuning" in parsed
-        and parsed["tuning"].strategy == "Hyperband"
-        and parsed["tuning"].early_stopping == "Auto"
-    ):
-        problems.append(
-            "[tuning] EARLY_STOPPING: Hyperband stops trials early by itself; set "
-            "EARLY_STOPPING = Off (SageMaker refuses both)"
-        )
-    if "tuning" in parsed:
-        problems += _tuning_limits(parsed["tuning"], spaces, own)
-    return problems
-
-
-# Automatic model tuning's resource limits (https://docs.aws.amazon.com/sagemaker/latest/dg/
-# automatic-model-tuning-limits.html; pipeline/service_model.py TRAINING_JOBS_LIMIT checks the
-# request too): "Number of training jobs per hyperparameter tuning job" is 750 for "[Bayesian
-# optimization]", "[Hyperband]" and "[Grid] ..., either specified explicitly or inferred from
-# the search space", none of them increasable; "[Random search]" 750, "Can be increased to"
-# 10000 ([tuning] MAX_JOBS's own bound). Checked on every backend, as every SageMaker limit
-# is: the same settings run anywhere. Hyperband's MaxResource ("The maximum value is 20,000
-# epochs") is a trial's most epochs, which [training] EPOCHS bounds at 10,000.
-TRAINING_JOBS_PER_TUNING_JOB = 750
-RANDOM_TRAINING_JOBS_PER_TUNING_JOB = 10_000
-LIMITS_PAGE = "automatic-model-tuning-limits.html"
-
-
-def _tuning_limits(
-    tuning: Tuning,
-    spaces: dict[str, tuple[str, dict[str, Tunable]]],
-    own: dict[str, dict[str, Tunable]],
-) -> list[str]:
-    """[tuning] MAX_JOBS, and a grid's combinations, against SageMaker's training jobs per
-    tuning job; a Random search past 750 is said to need a quota increase."""
-    problems: list[str] = []
-    limit, strategy = TRAINING_JOBS_PER_TUNING_JOB, tuning.strategy
-    if strategy in ("Bayesian", "Hyperband") and tuning.max_jobs > limit:
-        problems.append(
-            f"[tuning] MAX_JOBS: {tuning.max_jobs}; with STRATEGY = {strategy} SageMaker runs at "
-            f"most {limit} training jobs per hyperparameter tuning job, a limit that cannot be "
-            f"increased ({LIMITS_PAGE}); STRATEGY = Random goes up to "
-            f"{RANDOM_TRAINING_JOBS_PER_TUNING_JOB:,} with a quota increase"
-        )
-    if strategy == "Random" and tuning.max_jobs > limit:
-        log.warning(
-            f"warning: [tuning] MAX_JOBS = {tuning.max_jobs}: SageMaker's default limit is "
-            f'{limit} training jobs per tuning job with Random search; it "can be increased to" '
-            f"{RANDOM_TRAINING_JOBS_PER_TUNING_JOB:,} (Service Quotas, {LIMITS_PAGE})"
-        )
-    for model, (section, tunables) in spaces.items() if strategy == "Grid" else ():
-        options = {k: v.options for k, v in tunables.items() if isinstance(v, Categorical)}
-        combinations = math.prod(len(o) for o in options.values())
-        if combinations > limit:
-            keys = " x ".join(
-                f"[{section if k in own.get(model, {}) else HP}] {k.upper()} ({len(o)})"
-                for k, o in options.items()
-            )
-            problems.append(
-                f"{keys}: STRATEGY = Grid runs every combination, {combinations:,} for {model}; "
-                f"SageMaker runs at most {limit} training jobs per hyperparameter tuning job, "
-                f'"either specified explicitly or inferred from the search space" '
-                f"({LIMITS_PAGE}): fewer options, or STRATEGY = Random"
-            )
-    return problems
-
-
-def _render_redacted(raw: dict[str, dict[str, str]]) -> str:
-    """The settings as they were applied (file + environment overrides), secrets blanked."""
-    out = configparser.ConfigParser(interpolation=None, delimiters=("=",))
-    out.optionxform = str.upper
-    for section, values in raw.items():
-        out.add_section(section)
-        for key, value in values.items():
-            # An empty value hides nothing: it stays empty (it says "not set", not "a secret").
-            masked = value and SECRET_KEY_RE.search(key)
-            out.set(section, key, "<redacted>" if masked else value)
-    buf = io.StringIO()
-    out.write(buf)
-    return buf.getvalue()
-
-
-# Settings that become one field of a SageMaker request: (section, key, the field's shape in
-# the service model, how the request writes the value). Every Environment value of a
-# processing job is at most 256 characters; each of these reaches the jobs as one.
-LIMITED = (
-    ("data", "instance_type", "ProcessingInstanceType", str),
-    ("inference", "instance_type", "ProcessingInstanceType", str),
-    ("training", "instance_type", "TrainingInstanceType", str),
-    ("training", "keep_alive_seconds", "KeepAlivePeriodInSeconds", int),
-    ("experiment", "role_arn", "RoleArn", str),
-    ("experiment", "image_uri", "AlgorithmImage", str),
-    ("experiment", "user_functions", "ProcessingEnvironmentValue", str),
-    ("tracking", "wandb_secret_id", "ProcessingEnvironmentValue", str),
-    ("tracking", "secret_variables", "ProcessingEnvironmentValue", ",".join),
-    ("hub", "token_secret_id", "ProcessingEnvironmentValue", str),
-    ("registry", "model_package_group", "EntityName", str),  # CreateModelPackageGroup's name
-)
-
-
-def _sagemaker_limits(
-    parsed: dict[str, Section],
-    spaces: dict[str, tuple[str, dict[str, Tunable]]],
-    own: dict[str, dict[str, Tunable]],
-    metrics: dict[str, str],
-) -> list[str]:
-    """Settings that become fields of a SageMaker request, against the limits of those fields
-    in the service model (pipeline/service_model.py): said here by key, before a plan is made.
-    `smpipe plan` checks the whole requests again."""
-    from pipeline.service_model import check_value, shape
-
-    checks = [
-        (f"[{section}] {key.upper()}", kind, write(getattr(parsed[section], key)))
-        for section, key, kind, write in LIMITED
-        if section in parsed and getattr(parsed[section], key)  # empty: not sent
-    ]
-    for model, (section, tunables) in spaces.items():
-        for key, value in tunables.items():
-            if isinstance(value, Categorical):  # one problem per section that says it
-                where = section if key in own.get(model, {}) else HP
-                checks.append((f"[{where}] {key.upper()}", "ParameterValues", list(value.options)))
-    for name, regex in metrics.items():
-        checks.append((f"[tuning.metric_definitions] {name.upper()}", "MetricName", name))
-        checks.append((f"[tuning.metric_definitions] {name.upper()}", "MetricRegex", regex))
-    problems = [
-        f"{where}: {v.value!r} {_said(v.constraint, kind)}"
-        for where, kind, value in checks
-        for v in check_value(kind, value, where)
-    ]
-    if "models" in parsed:  # prepare and inference take the list as one ContainerArguments entry
-        joined, limit = (
-            ",".join(parsed["models"].model_names),
-            shape("ContainerArgument").metadata["max"],
-        )
-        if len(joined) > limit:
-            problems.append(
-                f"[models] MODEL_NAMES: {len(joined)} characters with the commas; SageMaker passes "
-                f"them to a job as one argument of at most {limit}"
-            )
-    if len(metrics) > 20:  # a tuning job's quota (automatic-model-tuning-limits.html)
-        problems.append(
-            f"[tuning.metric_definitions]: {len(metrics)} metrics; SageMaker's tuning jobs take "
-            "at most 20"
-        )
-    return list(dict.fromkeys(problems))
-
-
-def _said(constraint: str, shape_name: str) -> str:
-    """SageMaker's "Member must ..." as a sentence about a setting."""
-    if constraint.startswith("Member must satisfy enum value set"):
-        hint = (
-            constraint[constraint.rfind("(did you mean") :] if "(did you mean" in constraint else ""
-        )
-        return f"is not a value SageMaker accepts for {shape_name} {hint}".rstrip()
-    return constraint.replace("Member must", "must", 1).replace(
-        "have length less than or equal to", "have at most"
-    )

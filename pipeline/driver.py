@@ -5,31 +5,30 @@ backend, record Metadata.
 
 Everything that can be checked is checked before a run_num is claimed or anything is written:
 the settings, the user functions, the raw data, the earlier outputs a partial run reuses
-(pipeline/sources.py) and every request as SageMaker would check it. The jobs are built once
-(pipeline/stages.py); `smpipe plan` prints those very objects, and the run hands the same
-objects to the backend (pipeline/backends/).
+(pipeline/sources.py) and every request as SageMaker would check it (pipeline/plan.py). The
+jobs are built once (pipeline/stages.py); `smpipe plan` prints those very objects, and the run
+hands the same objects to the backend (pipeline/backends/).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 
-from pipeline import cache, cost, registry, service_model
+from pipeline import cache, registry
 from pipeline import metadata as md
-from pipeline.backends import identity, make_backend
+from pipeline.backends.choose import make_backend
 from pipeline.code_bundle import PROJECT_ROOT, ship_code
-from pipeline.config import ConfigError, Settings
+from pipeline.config import Settings
 from pipeline.console import log_summary
 from pipeline.errors import PipelineError, log
-from pipeline.jobs import JobFailed, request_for
+from pipeline.jobs import JobFailed
 from pipeline.paths import ExperimentTree, RunTree
+from pipeline.plan import check_requests, log_plan, prices_for
 from pipeline.prune import remove_checkpoints
 from pipeline.raw_data import upload_version
 from pipeline.runs import claim_run_num, heartbeat, mark_abandoned
-from pipeline.service_model import as_if_on_s3
 from pipeline.sources import (
     Sources,
     clear_partial_outputs,
@@ -47,12 +46,10 @@ from pipeline.stages import (
     Stage,
     build_jobs,
     job_env,
-    job_label,
-    plan_lines,
 )
 from pipeline.store import Store, StoreError, is_complete
 from pipeline.user_check import check_user_functions
-from steps.entrypoint import secret_values
+from steps.runtime.secrets import secret_values
 
 
 def parse_steps(text: str | None) -> list[str]:
@@ -155,81 +152,6 @@ def consult_cache(
     return entries
 
 
-def describe(job: Job, settings: Settings, store: Store) -> dict:
-    """The request a job becomes on the run's backend (the local backend plays this same
-    request)."""
-    return request_for(job, *identity(settings), store.uri_of)
-
-
-def check_requests(jobs: list[Job], settings: Settings, store: Store) -> None:
-    """Every request of the plan as SageMaker would check it, before anything is written or
-    sent: one ConfigError naming each job, field and constraint (pipeline/service_model.py)."""
-    problems = [
-        problem
-        for job in jobs
-        for problem in service_model.refused(job.kind, as_if_on_s3(describe(job, settings, store)))
-    ]
-    names = [job.name for job in jobs]
-    problems += [
-        f"job name {n} is used twice in the plan" for n in sorted(set(names)) if names.count(n) > 1
-    ]
-    if problems:
-        raise ConfigError(problems, f"{settings.source}: requests SageMaker would refuse")
-
-
-def log_plan(
-    jobs: list[Job],
-    settings: Settings,
-    store: Store,
-    show_requests=False,
-    registering=False,
-    basis: dict | None = None,
-) -> None:
-    e = settings.experiment
-    labels = {"event": ("plan", [job_label(j) for j in jobs])}
-    where = f"on the {e.backend} backend, store {store.uri}"
-    log.info(f"plan for experiment {e.name!r} {where}:", extra=labels)
-    for number, job in enumerate(jobs, 1):
-        for line in plan_lines(number, job, store):
-            log.info(line)
-        if show_requests:
-            text = json.dumps(describe(job, settings, store), indent=2)
-            log.info("\n".join("       " + line for line in text.splitlines()))
-    if registering:  # no job: the driver's own step after inference
-        log.info(f"  {len(jobs) + 1}. {registry.plan_line(settings, store)}")
-    if e.backend != "local":  # what SageMaker would bill at most, before anything starts
-        basis = basis or prices_for(jobs, settings, store)
-        for problem in (basis.get("price_list") or {}).get("unanswered", []):
-            log.warning(f"{problem}; the shipped table and [cost] PRICES price the rest")
-        priced = [
-            (job_label(j), cost.maximum(j.kind, describe(j, settings, store), basis)) for j in jobs
-        ]
-        for line in cost.plan_lines(priced):
-            log.info(line)
-
-
-def prices_for(jobs: list[Job], settings: Settings, store: Store, pricing=None) -> dict:
-    """The prices a run applies, in its region: [cost] PRICES, then (on the sagemaker backend)
-    the AWS Price List API's answer for the instance types the jobs use, then the shipped
-    table. The emulated backend asks no one: its AWS is moto, which has no Price List."""
-    e = settings.experiment
-    asked = None
-    if e.backend == "sagemaker":
-        wanted = {
-            (use, instance)
-            for job in jobs
-            for use, instance in cost.uses_of(job.kind, describe(job, settings, store))
-            if instance not in settings.cost.prices
-        }
-        if wanted:
-            if pricing is None:
-                import boto3
-
-                pricing = cost.price_list_client(boto3.Session(region_name=e.region))
-            asked = cost.ask_price_list(pricing, e.region, wanted)
-    return cost.price_basis(e.region, settings.cost.prices, asked)
-
-
 def claim_run(
     settings: Settings, store: Store, tree: ExperimentTree, steps: list[str], sources: Sources
 ) -> tuple[RunTree, md.Metadata]:
@@ -304,7 +226,7 @@ def execute(
         raise
     record = ended(ctx, started, "completed", None)
     where = store.uri_of(run.prefix)
-    if hasattr(store, "folder_of"):  # the emulated bucket of a local STORE
+    if store.folder_of(run.prefix):  # the emulated bucket of a local STORE
         where += f" (on this machine: {store.folder_of(run.prefix)})"
     log_summary(record, where)
     write_run_report(store, run)

@@ -96,7 +96,7 @@ RUN = "*"  # the run number and data version of every run: the policies hold for
 def planned_requests(settings: Settings) -> list[tuple[str, dict]]:
     """(kind, request) of every job of a whole run and of `smpipe predict`, as pipeline/driver.py
     builds them for `smpipe plan`, with `*` for the run and its data version."""
-    from pipeline.backends import identity
+    from pipeline.backends.choose import identity
     from pipeline.jobs import request_for
     from pipeline.paths import ExperimentTree
     from pipeline.predict import Chosen, predict_job
@@ -264,7 +264,7 @@ def driver_policy(settings: Settings, where: Where, requests: list[tuple[str, di
     groups = sorted({LOG_GROUP_OF[k] for k in kinds})
     statements.append(
         statement(
-            "ReadJobLogs",  # DescribeLogStreams, then GetLogEvents per stream (_read_logs)
+            "ReadJobLogs",  # DescribeLogStreams, then GetLogEvents per stream (following.py)
             ["logs:DescribeLogStreams", "logs:GetLogEvents"],
             [where.arn("logs", f"log-group:{g}:*") for g in groups],
         )
@@ -302,7 +302,7 @@ def _resource_type(kind: str) -> str:
 
 def _asks_prices(settings: Settings, requests: list[tuple[str, dict]]) -> bool:
     """Whether the driver asks the Price List API: for an instance type [cost] PRICES does not
-    price (pipeline/driver.py prices_for)."""
+    price (pipeline/plan.py prices_for)."""
     from pipeline.cost import uses_of
 
     used = {instance for kind, request in requests for _, instance in uses_of(kind, request)}
@@ -317,8 +317,8 @@ def role_policy(settings: Settings, where: Where, requests: list[tuple[str, dict
     specific bucket ..., s3:GetObject, s3:PutObject, and s3:DeleteObject ... to ... S3Uri ...
     S3OutputPath"; "Scope Amazon ECR permissions to the registry path"; "The cloudwatch and
     logs actions are applicable for "*" resources", narrowed here to SageMaker's log groups);
-    and the secrets the jobs read (steps/entrypoint.py keys_from_secrets)."""
-    from steps.entrypoint import SECRETS_FROM_MANAGER
+    and the secrets the jobs read (steps/runtime/secrets.py keys_from_secrets)."""
+    from steps.runtime.secrets import SECRETS_FROM_MANAGER
 
     reads, writes, checkpoints = set(), set(), set()
     secrets: set[str] = set()

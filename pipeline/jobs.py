@@ -15,9 +15,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from steps.entrypoint import (
+from pipeline.config import Data, Training
+from pipeline.search_space import Tunable, most_epochs, parameter_ranges
+from steps.runtime.names import (
+    CHECKPOINT_DIR,
     ENTRYPOINT,
     PROCESSES_VARIABLE,
+    PROCESSING_CODE_DIR,
+    PROCESSING_INPUT_DIR,
+    PROCESSING_OUTPUT_DIR,
     STEP_VARIABLE,
     TRIAL_CHECKPOINTS_VARIABLE,
 )
@@ -28,11 +34,18 @@ JOB_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")  # SageMaker's r
 # SageMaker names each trial <tuning job>-NNN-<8 hex>, which fits 63 from 32.
 JOB_NAME_LIMIT = 63
 TUNING_JOB_NAME_LIMIT = 32
-CONTAINER_ROOT = "/opt/ml"
-PROCESSING_CODE = f"{CONTAINER_ROOT}/processing/input/code"
-CHECKPOINT_PATH = f"{CONTAINER_ROOT}/checkpoints"
 VOLUME_GB = 30
 DIGEST_LENGTH = 6
+# No setting bounds a processing job's run: each gets SageMaker's default
+# StoppingCondition.MaxRuntimeInSeconds, "The default value is 1 day" (API_StoppingCondition.html).
+PROCESSING_MAX_RUNTIME = 24 * 3600
+
+
+def _setting(section, key: str):
+    """The default of a setting, read off its section (pipeline/config.py, the defaults
+    settings.ini lists): a job built without that value is built as the settings would build
+    it, with one default, in one place."""
+    return section.model_fields[key].default
 
 
 def _clean(part: str) -> str:
@@ -89,8 +102,9 @@ class ProcessingJob:
     outputs: dict[str, str]  # output name -> store prefix it is uploaded to
     arguments: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
-    instance_type: str = "ml.m5.xlarge"
-    max_run_seconds: int = 86400
+    # [data] INSTANCE_TYPE; inference's jobs take [inference]'s (the same default)
+    instance_type: str = _setting(Data, "instance_type")
+    max_run_seconds: int = PROCESSING_MAX_RUNTIME
     model: str = ""  # the model a per-model step works on (export)
     instance_count: int = 1
     # Inputs split across the instances by S3 key (`smpipe predict`'s texts); the others are
@@ -112,15 +126,17 @@ class TrainingJob:
     checkpoint_prefix: str  # synced with /opt/ml/checkpoints
     sagemaker_output: str  # OutputDataConfig: SageMaker's <job>/output/model.tar.gz go here
     env: dict[str, str] = field(default_factory=dict)
-    instance_type: str = "ml.m5.xlarge"
-    instance_count: int = 1
-    processes_per_host: int = 1
-    use_spot: bool = False
-    max_run_seconds: int = 86400
-    max_wait_seconds: int = 172800
-    max_restarts: int = 0
+    instance_type: str = _setting(Training, "instance_type")
+    instance_count: int = _setting(Training, "instance_count")
+    # [training] PROCESSES_PER_HOST where USE_DISTRIBUTED is true (false by default), else 1.
+    processes_per_host: int | Literal["auto"] = 1
+    use_spot: bool = _setting(Training, "use_spot")
+    max_run_seconds: int = _setting(Training, "max_run_seconds")
+    max_wait_seconds: int = _setting(Training, "max_wait_seconds")
+    max_restarts: int = _setting(Training, "max_restarts")
     metric_definitions: dict[str, str] = field(default_factory=dict)
-    keep_alive_seconds: int = 0  # [training] KEEP_ALIVE_SECONDS: the warm pool it leaves
+    # [training] KEEP_ALIVE_SECONDS: the warm pool it leaves
+    keep_alive_seconds: int = _setting(Training, "keep_alive_seconds")
 
     kind = "training"
 
@@ -129,7 +145,7 @@ class TrainingJob:
 class TuningJob:
     name: str
     trial: TrainingJob  # what every trial runs, before the searched values are set
-    ranges: dict  # hyperparameter -> Interval | Categorical (pipeline.config)
+    ranges: dict[str, Tunable]  # hyperparameter -> its searched values (search_space.py)
     strategy: str
     objective_metric: str
     objective_type: str
@@ -143,14 +159,7 @@ class TuningJob:
     def max_epochs(self) -> int:
         """The most epochs a trial trains: Hyperband's largest resource, whether EPOCHS is a
         constant or searched."""
-        from pipeline.config import Categorical
-
-        searched = self.ranges.get("epochs")
-        if searched is None:
-            return int(self.trial.hyperparameters.get("epochs", 1))
-        if isinstance(searched, Categorical):
-            return max(int(float(o)) for o in searched.options)
-        return int(searched.high)
+        return most_epochs(self.ranges, self.trial.hyperparameters.get("epochs", "1"))
 
 
 # -- the SageMaker requests -----------------------------------------------------------------
@@ -175,13 +184,13 @@ def processing_request(job: ProcessingJob, image: str, role: str, uri_of: UriOf)
         }
         return {"InputName": name, "S3Input": s3}
 
-    inputs = [s3_input("code", uri_of(job.code), PROCESSING_CODE)]
+    inputs = [s3_input("code", uri_of(job.code), PROCESSING_CODE_DIR)]
     for name, source in job.inputs.items():
         inputs.append(
             s3_input(
                 name,
                 source if "://" in source or source.startswith("/") else uri_of(source),
-                f"{CONTAINER_ROOT}/processing/input/{name}",
+                f"{PROCESSING_INPUT_DIR}/{name}",
             )
         )
     outputs = [
@@ -189,7 +198,7 @@ def processing_request(job: ProcessingJob, image: str, role: str, uri_of: UriOf)
             "OutputName": name,
             "S3Output": {
                 "S3Uri": uri_of(prefix),
-                "LocalPath": f"{CONTAINER_ROOT}/processing/output/{name}",
+                "LocalPath": f"{PROCESSING_OUTPUT_DIR}/{name}",
                 "S3UploadMode": "EndOfJob",
             },
         }
@@ -254,7 +263,7 @@ def _definition(job: TrainingJob, image: str, role: str, uri_of: UriOf) -> dict:
         "EnableManagedSpotTraining": job.use_spot,
         "CheckpointConfig": {
             "S3Uri": uri_of(job.checkpoint_prefix),
-            "LocalPath": CHECKPOINT_PATH,
+            "LocalPath": CHECKPOINT_DIR,
         },
         "Environment": {
             STEP_VARIABLE: job.step,
@@ -307,23 +316,6 @@ def training_request(job: TrainingJob, image: str, role: str, uri_of: UriOf) -> 
 def tuning_request(job: TuningJob, image: str, role: str, uri_of: UriOf) -> dict:
     """CreateHyperParameterTuningJob: every trial is the training job above with the searched
     hyperparameters set, and its checkpoints in a folder of its own."""
-    from pipeline.config import Categorical
-
-    ranges: dict[str, list] = {
-        "ContinuousParameterRanges": [],
-        "IntegerParameterRanges": [],
-        "CategoricalParameterRanges": [],
-    }
-    for name, r in sorted(job.ranges.items()):
-        if isinstance(r, Categorical):
-            ranges["CategoricalParameterRanges"].append({"Name": name, "Values": list(r.options)})
-            continue
-        kind = "IntegerParameterRanges" if r.integer else "ContinuousParameterRanges"
-        low, high = (str(int(r.low)), str(int(r.high))) if r.integer else (str(r.low), str(r.high))
-        scaling = "Logarithmic" if r.log else "Linear"
-        ranges[kind].append(
-            {"Name": name, "MinValue": low, "MaxValue": high, "ScalingType": scaling}
-        )
     limits = {"MaxParallelTrainingJobs": job.max_parallel_jobs}
     if job.strategy != "Grid":  # a grid search runs every combination; SageMaker counts them
         limits["MaxNumberOfTrainingJobs"] = job.max_jobs
@@ -348,7 +340,7 @@ def tuning_request(job: TuningJob, image: str, role: str, uri_of: UriOf) -> dict
                 "MetricName": job.objective_metric,
             },
             "ResourceLimits": limits,
-            "ParameterRanges": ranges,
+            "ParameterRanges": parameter_ranges(job.ranges),
             "TrainingJobEarlyStoppingType": job.early_stopping,
             **hyperband,
         },

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from pipeline.cost import run_cost
 from pipeline.paths import RunTree
 from pipeline.store import NotFound, Store
-from steps.entrypoint import redact
+from steps.runtime.secrets import redact
 
 STEP_ORDER = ("reconcile", "prepare", "train", "tune", "inference", "register")
 PACKAGES = (

@@ -55,9 +55,16 @@ complete version, and either records which in its Metadata.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+from steps.runtime.names import STEP_METADATA_FILE
+
 RUN_NUM_WIDTH = 4
+# The names of the local registry's files under a group's folder (ExperimentTree.registry): a
+# version's record (and a change's own name in its version's folder), and an approval change.
+REGISTRY_RECORD = re.compile(r"(\d+)\.json")
+REGISTRY_CHANGE = re.compile(r"(\d+)/(\d+)\.json")
 # What prepare writes under prepared/, each a manifested folder.
 SPLITS = ("train", "validation", "test", "labels")
 
@@ -121,6 +128,10 @@ class ExperimentTree:
         """The approval changes of one version (`smpipe approve`), each an object of its own."""
         return f"{self.registry(group)}{version:0{RUN_NUM_WIDTH}d}/"
 
+    def cache_entry(self, step: str, key: str) -> str:
+        """The data version a data step computed from the inputs whose digest is `key`."""
+        return f"{self.experiment}/cache/{step}/{key}.json"
+
     def registry_change(self, group: str, version: int, change: int) -> str:
         """Change `change` (1, 2, ...) of a version's approval, created once and never rewritten."""
         return f"{self.registry_changes(group, version)}{change:06d}.json"
@@ -182,6 +193,32 @@ class DataTree:
         """train/, validation/, test/ or labels/ of the prepared data."""
         return f"{self.prefix}prepared/{name}/"
 
+    @property
+    def id2label(self) -> str:
+        return labels_of(self.split("labels"))
+
+    @property
+    def version(self) -> str:
+        """The data version's label (`0003`)."""
+        return self.prefix.rstrip("/").rsplit("/", 1)[-1]
+
+
+def labels_of(folder: str) -> str:
+    """id2label.json in a prepared labels/ folder or a model's folder (which keeps its own)."""
+    return f"{folder}id2label.json"
+
+
+def model_folder(models: str, model_name: str) -> str:
+    """A model as inference runs it, under a run's models/ (RunTree.models): where inference
+    and the registry find it, whichever run trained it."""
+    return f"{models}{model_name}/model/"
+
+
+def step_report(prefix: str) -> str:
+    """What a job's step wrote of itself (steps/runtime/names.py STEP_METADATA_FILE), in its
+    report output or its training output folder."""
+    return f"{prefix}{STEP_METADATA_FILE}"
+
 
 @dataclass(frozen=True)
 class RunTree:
@@ -228,7 +265,11 @@ class RunTree:
 
     def final_model(self, model_name: str) -> str:
         """The model as inference runs it: weights, the exported programs, the record."""
-        return f"{self.prefix}models/{model_name}/model/"
+        return model_folder(self.models, model_name)
+
+    def model_output(self, model_name: str) -> str:
+        """What a model's training job wrote besides the model (its report, curves)."""
+        return f"{self.prefix}models/{model_name}/output/"
 
     def best_trial_model(self, model_name: str) -> str:
         """A tuning study's best model before its export; removed once exported."""
@@ -260,6 +301,20 @@ class RunTree:
 
     def trial(self, model_name: str, trial: int) -> str:
         return f"{self.prefix}tuning/{model_name}/trial-{trial:03d}/"
+
+    def trial_model(self, model_name: str, trial: int) -> str:
+        return f"{self.trial(model_name, trial)}model/"
+
+    def trial_output(self, model_name: str, trial: int) -> str:
+        return f"{self.trial(model_name, trial)}output/"
+
+    def local_trial_checkpoints(self, model_name: str, trial: int) -> str:
+        """A local study's trial's checkpoints (pipeline/backends/local_tuning.py)."""
+        return self.checkpoints(f"{model_name}-trial-{trial:03d}")
+
+    def trials(self, model_name: str, suffix: str) -> str:
+        """A local study's trials, trials.json and trials.csv, and their chart, trials.png."""
+        return f"{self.prefix}tuning/{model_name}/trials.{suffix}"
 
     @property
     def inference(self) -> str:

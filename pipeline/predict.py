@@ -33,13 +33,13 @@ from pathlib import Path
 
 from pipeline import cost
 from pipeline import metadata as md
-from pipeline.backends import make_backend as default_backend
+from pipeline.backends.choose import make_backend as default_backend
 from pipeline.code_bundle import PROJECT_ROOT
 from pipeline.config import ConfigError, Settings
-from pipeline.driver import check_requests, prices_for
 from pipeline.errors import PipelineError, log
 from pipeline.jobs import ProcessingJob
 from pipeline.paths import DataTree, ExperimentTree, PredictionTree, RunTree, run_label
+from pipeline.plan import check_requests, prices_for
 from pipeline.predict_files import (
     FOLDER,
     PART,
@@ -72,6 +72,7 @@ from pipeline.store import (
     upload_dir,
 )
 from steps.model_files import EXPORTS
+from steps.runtime.names import USER_FUNCTIONS_VARIABLE
 
 LISTED = 100  # malformed rows named in the record (the output's `error` column has them all)
 
@@ -270,24 +271,18 @@ def predict_job(
         "model": chosen.model_key,
         "labels": chosen.data.split("labels"),
     }
-    arguments = {
-        "--model-name": chosen.model,
-        "--batch-size": settings.inference.batch_size,
-        "--model-format": settings.inference.model_format,
-        "--mixed-precision": settings.inference.mixed_precision,
-        "--text-columns": ",".join(chosen.text_columns),
-    }
+    given = {"model_name": chosen.model, "text_columns": chosen.text_columns}
     job = processing_job(
         settings,
         chosen.run,
         "predict",
         inputs,
         {"predictions": prediction.output},
-        arguments,
+        given,
         settings.inference.instance_type,
         chosen.model,
     )
-    env = {**job.env, "SMPIPE_USER_FUNCTIONS": chosen.user_functions}
+    env = {**job.env, USER_FUNCTIONS_VARIABLE: chosen.user_functions}
     return dataclasses.replace(
         job,
         code=prediction.code,

@@ -11,7 +11,7 @@ whose names start with a dot) are ignored, unless they are explicitly requested"
 match), so a `reconcile` that calls `load_dataset(..., data_dir=raw_dir)` never reads them
 either; `smpipe predict` leaves them out of a folder too (pipeline/predict_files.py). The rule
 holds on every side of every comparison: the folder, the store's raw/, a raw version, the
-local job's copy of a folder (pipeline/backends/container.py `fetch_input`) and the cache key
+local job's copy of a folder (pipeline/player/transfers.py `fetch_input`) and the cache key
 (pipeline/cache.py `raw_digest`). Refused by name, before anything is written: a file named
 as the store names its own (`_MANIFEST.json`: a reader would take it for the manifest of the
 folder it is in), a link to a folder (no side follows one), anything that is not a readable

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import tarfile
 import tempfile
 import time
@@ -36,7 +35,14 @@ from pathlib import Path
 from pipeline import metadata as md
 from pipeline.config import ConfigError, Settings
 from pipeline.errors import PipelineError, log
-from pipeline.paths import ExperimentTree, RunTree, run_label
+from pipeline.paths import (
+    REGISTRY_CHANGE,
+    REGISTRY_RECORD,
+    ExperimentTree,
+    RunTree,
+    model_folder,
+    run_label,
+)
 from pipeline.store import (
     NotFound,
     Store,
@@ -56,10 +62,6 @@ STATUSES = (APPROVED, REJECTED, PENDING)
 METRICS = ("accuracy", "macro_f1", "weighted_f1")
 # Namespace of the deterministic client tokens (a fixed UUID of this project's own).
 TOKENS = uuid.UUID("5b0e5a3c-3f4e-4d2a-9a51-1c0d3e7f6a21")
-# The names of the local registry's files under a group's folder (pipeline/paths.py): a
-# version's record (and a change's own name in its version's folder), and an approval change.
-RECORD_NAME = re.compile(r"(\d+)\.json")
-CHANGE_NAME = re.compile(r"(\d+)/(\d+)\.json")
 # What a record must hold to be listed, approved and kept from prune: what register writes.
 RECORD_FIELDS = {"experiment": str, "run": str, "model": str, "model_artifact": str}
 # How many change numbers an approval tries before giving up: each one refused was taken by
@@ -119,7 +121,7 @@ def register(settings: Settings, store: Store, run: RunTree, record: dict, clien
         "test_metrics": {k: record["holdout_performance"][model].get(k) for k in METRICS},
         "data_version": lineage.get("data_version", record.get("data_version")),
         "data_snapshot_hash": lineage.get("data_snapshot_hash", record.get("data_snapshot_hash")),
-        "model_artifact": f"{models}{model}/model/",  # a key of the store, as Metadata keeps them
+        "model_artifact": model_folder(models, model),  # a key of the store, as Metadata keeps them
         "token": client_token(settings.experiment.name, run.label, model, group),
     }
     if client is None:
@@ -171,7 +173,7 @@ def local_versions(store: Store, tree: ExperimentTree, group: str) -> list[dict]
     records, changes = {}, {}
     for key in store.list_keys(folder):
         name = key[len(folder) :]
-        record_name, change_name = RECORD_NAME.fullmatch(name), CHANGE_NAME.fullmatch(name)
+        record_name, change_name = REGISTRY_RECORD.fullmatch(name), REGISTRY_CHANGE.fullmatch(name)
         if not (record_name or change_name):
             skipped(store, key, "not a version (<version>.json) or a change (<version>/<n>.json)")
             continue
@@ -236,7 +238,7 @@ def add_change(store: Store, tree: ExperimentTree, group: str, version: int, cha
     another approval took meanwhile is refused, and the next one is tried: every change lands,
     in one order all readers see. Its number."""
     folder = tree.registry_changes(group, version)
-    names = (RECORD_NAME.fullmatch(key[len(folder) :]) for key in store.list_keys(folder))
+    names = (REGISTRY_RECORD.fullmatch(key[len(folder) :]) for key in store.list_keys(folder))
     number = max((int(m.group(1)) for m in names if m), default=0) + 1
     document = json.dumps(change, indent=2).encode()
     for _ in range(CHANGE_ATTEMPTS):
@@ -252,7 +254,7 @@ def add_change(store: Store, tree: ExperimentTree, group: str, version: int, cha
 def register_package(client, store, run, entry, settings, git_sha) -> dict:
     """A model package version in the group (created first when missing), with the model's
     archive and its test metrics; the package's version and status as SageMaker reports them."""
-    from pipeline.backends import identity
+    from pipeline.backends.choose import identity
 
     ensure_group(client, entry["group"], settings.experiment.name)
     archive = model_archive(client, store, run, entry)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.jobs import KINDS
+from steps.runtime.names import PROCESSING_DIR
 
 SERVICE = "sagemaker"
 
@@ -53,7 +53,8 @@ def _shown(value: Any) -> str:
 
 @functools.cache
 def service_model():
-    """botocore's SageMaker service model (0.14 s to load; once per process)."""
+    """botocore's SageMaker service model, loaded once per process (and only when a request or
+    a setting is checked)."""
     import botocore.session
 
     return botocore.session.get_session().get_service_model(SERVICE)
@@ -366,8 +367,8 @@ def _processing(request: dict) -> list[Violation]:
         for i, item in enumerate(request.get("ProcessingOutputConfig", {}).get("Outputs", []))
     ]
     for path, local in places:
-        if isinstance(local, str) and not local.startswith("/opt/ml/processing/"):
-            found.append(Violation(path, "Member must begin with /opt/ml/processing/", local))
+        if isinstance(local, str) and not local.startswith(f"{PROCESSING_DIR}/"):
+            found.append(Violation(path, f"Member must begin with {PROCESSING_DIR}/", local))
     return found
 
 
@@ -541,8 +542,9 @@ def as_if_on_s3(request: dict) -> dict:
     }
 
 
-def refused(kind: str, request: dict) -> list[str]:
-    """What SageMaker would refuse in a job's request, each line naming the job and field."""
-    operation = KINDS[kind].create  # the operation a job of this kind is created with
+def refused(operation: str, request: dict) -> list[str]:
+    """What SageMaker would refuse in a request to create a job (`operation`, as
+    CreateTrainingJob: pipeline/jobs.py KINDS names each kind's), each line naming the
+    operation, the job and the field."""
     name = next((v for k, v in request.items() if k.endswith("JobName")), "?")
     return [f"{operation} {name}: {v}" for v in check(operation, request)]

@@ -18,7 +18,7 @@ from pipeline import metadata as md
 from pipeline.config import ConfigError, Settings
 from pipeline.errors import PipelineError, log
 from pipeline.history import settings_changes
-from pipeline.paths import SPLITS, DataTree, ExperimentTree, RunTree, run_label
+from pipeline.paths import SPLITS, DataTree, ExperimentTree, RunTree, labels_of, run_label
 from pipeline.raw_data import (
     LocalRaw,
     folder_problems,
@@ -73,7 +73,7 @@ class Sources:
     @classmethod
     def from_record(cls, record: dict, tree: ExperimentTree) -> Sources:
         def data(prefix: str | None) -> DataTree | None:
-            return tree.data(prefix.rstrip("/").rsplit("/", 1)[-1]) if prefix else None
+            return tree.data(DataTree(prefix).version) if prefix else None
 
         return cls(
             raw=record["raw"],
@@ -135,7 +135,7 @@ def lineage(store: Store, data: DataTree, version: int) -> dict:
     return {
         "data_version": version,
         "data_snapshot_hash": snapshot,
-        "id2label": read_labels(store, data.split("labels") + "id2label.json"),
+        "id2label": read_labels(store, data.id2label),
     }
 
 
@@ -157,10 +157,10 @@ def check_reused_models(
             f"{where}'s models were trained on data {run_label(version)}, which is no longer "
             f"complete at {store.uri_of(data.prepared)}"
         ]
-    labels = read_labels(store, data.split("labels") + "id2label.json")
+    labels = read_labels(store, data.id2label)
     problems = []
     for model in model_names:
-        own = read_labels(store, record["model_artifacts"][model] + "id2label.json")
+        own = read_labels(store, labels_of(record["model_artifacts"][model]))
         if own is not None and own != labels:
             problems.append(
                 f"model {model!r} of {where} knows labels {sorted(own.values())}, but data "

@@ -31,15 +31,17 @@ from pipeline.jobs import (
     TuningJob,
     job_name,
 )
-from pipeline.paths import SPLITS, ExperimentTree, RunTree, run_label
+from pipeline.paths import SPLITS, ExperimentTree, RunTree, run_label, step_report
 from pipeline.sources import Sources, lineage, snapshot_hash
 from pipeline.store import NotFound, Store, is_complete, source_uri
-from steps.entrypoint import (
+from steps.arguments import TABLES, command_line
+from steps.model_files import RECORD
+from steps.runtime.names import (
     EXTRA_SECRETS_VARIABLE,
     HF_TOKEN_SECRET_VARIABLE,
+    USER_FUNCTIONS_VARIABLE,
     WANDB_SECRET_VARIABLE,
 )
-from steps.model_files import RECORD
 
 if TYPE_CHECKING:
     from pipeline.backends import Backend
@@ -81,7 +83,7 @@ HUB_OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
 
 def job_env(settings: Settings) -> dict[str, str]:
     """The Environment of every job's request: the user functions, the secrets' names, the Hub."""
-    env = {"SMPIPE_USER_FUNCTIONS": settings.experiment.user_functions}
+    env = {USER_FUNCTIONS_VARIABLE: settings.experiment.user_functions}
     if settings.tracking.secret_variables:
         env[EXTRA_SECRETS_VARIABLE] = ",".join(settings.tracking.secret_variables)
     if settings.experiment.backend != "local":  # a local job has this machine's keys
@@ -94,25 +96,36 @@ def job_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+def step_arguments(settings: Settings, step: str, given: dict[str, object]) -> list[str]:
+    """A `step` job's command line from the step's one table (steps/arguments.py): each
+    argument read from the settings where the table says, the others `given` by the job."""
+    values = dict(given)
+    for argument in TABLES[step]:
+        if argument.setting:
+            section, field = argument.setting.split(".")
+            values[argument.dest] = getattr(getattr(settings, section), field)
+    return command_line(step, values)
+
+
 def processing_job(
     settings: Settings,
     run: RunTree,
     step: str,
     inputs: dict[str, str],
     outputs: dict[str, str],
-    arguments: dict[str, object] | None = None,
+    given: dict[str, object] | None = None,
     instance_type: str | None = None,
     model: str = "",
 ) -> ProcessingJob:
-    """The processing job of `step` in `run` (of one `model`, for a per-model step):
-    `arguments` as the step's command line."""
+    """The processing job of `step` in `run` (of one `model`, for a per-model step); `given`:
+    the arguments of its command line the settings do not hold (`step_arguments`)."""
     return ProcessingJob(
         name=job_name(settings.experiment.name, run.label, step, *filter(None, [model])),
         step=step,
         code=run.code,
         inputs=inputs,
         outputs=outputs,
-        arguments=[str(a) for pair in (arguments or {}).items() for a in pair],
+        arguments=step_arguments(settings, step, given or {}),
         env=job_env(settings),
         instance_type=instance_type or settings.data.instance_type,
         model=model,
@@ -145,20 +158,9 @@ class Prepare:
     name = "prepare"
 
     def jobs(self, settings: Settings, run: RunTree, sources: Sources) -> list[Job]:
-        d = settings.data
-        # Every argument is part of the cache key (pipeline/cache.py): the same snapshot,
-        # code and arguments give the same splits.
-        arguments = {
-            "--model-names": ",".join(settings.models.model_names),
-            "--max-length": d.max_sequence_length,
-            "--train-fraction": d.train_fraction,
-            "--validation-fraction": d.validation_fraction,
-            "--test-fraction": d.test_fraction,
-            "--seed": d.seed,
-        }
         inputs = {"snapshot": sources.reconciled.reconciled}
         outputs = {s: sources.prepared.split(s) for s in SPLITS} | {"report": run.report(self.name)}
-        return [processing_job(settings, run, self.name, inputs, outputs, arguments)]
+        return [processing_job(settings, run, self.name, inputs, outputs)]
 
     def run(self, ctx: RunContext, jobs: list[Job]) -> None:
         (job,) = jobs
@@ -277,16 +279,6 @@ class Inference:
 
     def jobs(self, settings: Settings, run: RunTree, sources: Sources) -> list[Job]:
         test = sources.prepared
-        arguments = {
-            "--model-names": ",".join(settings.models.model_names),
-            "--batch-size": settings.inference.batch_size,
-            "--model-format": settings.inference.model_format,
-            "--mixed-precision": settings.inference.mixed_precision,
-            # Each model is logged to wandb as a `model` artifact of its training run, with
-            # its test metrics (steps/model_artifact.py).
-            "--wandb-mode": settings.tracking.wandb_mode,
-            "--wandb-project": settings.tracking.wandb_project,
-        }
         inputs = {
             "test": test.split("test"),
             "labels": test.split("labels"),
@@ -294,7 +286,7 @@ class Inference:
         }
         outputs = {"results": run.inference, "report": run.report(self.name)}
         instance = settings.inference.instance_type
-        return [processing_job(settings, run, self.name, inputs, outputs, arguments, instance)]
+        return [processing_job(settings, run, self.name, inputs, outputs, None, instance)]
 
     def run(self, ctx: RunContext, jobs: list[Job]) -> None:
         (job,) = jobs
@@ -319,7 +311,7 @@ class Register:
     def run(self, ctx: RunContext, jobs: list[Job]) -> None:
         started = time.time()
         record = md.merge(ctx.store, ctx.run, ctx.base).model_dump()
-        client = getattr(ctx.backend, "client", None)  # SageMaker's (moto's when emulated)
+        client = ctx.backend.client  # SageMaker's (moto's when emulated), None locally
         said = {"step": self.name, "start_time": md.iso(started)}
         try:
             registered = registry.register(ctx.settings, ctx.store, ctx.run, record, client)
@@ -366,7 +358,7 @@ def training_job(settings: Settings, run: RunTree, model: str, channels: dict, k
         hyperparameters=settings.training_hyperparameters(model, kind),
         # A tuning job's best trial waits for its export (export_job) beside the final place.
         model_prefix=run.final_model(model) if kind == "training" else run.best_trial_model(model),
-        output_prefix=run.model(model) + "output/",
+        output_prefix=run.model_output(model),
         checkpoint_prefix=run.checkpoints(model),
         sagemaker_output=run.training_output,
         env=job_env(settings),
@@ -415,9 +407,9 @@ def export_job(settings: Settings, run: RunTree, model: str, channels: dict) -> 
         "labels": channels["labels"],
     }
     outputs = {"model": run.final_model(model)}
-    arguments = {"--model-name": model, "--exports": settings.exports()}
+    given = {"model_name": model, "exports": settings.exports()}
     instance = settings.inference.instance_type
-    return processing_job(settings, run, "export", inputs, outputs, arguments, instance, model)
+    return processing_job(settings, run, "export", inputs, outputs, given, instance, model)
 
 
 def job_model(job: Job) -> str:
@@ -511,9 +503,9 @@ def section(
 
 
 def read_report(store: Store, prefix: str) -> dict:
-    """What a job's step wrote of itself (steps/contract.py `write_step_metadata`)."""
+    """What a job's step wrote of itself (steps/runtime/step.py `write_step_metadata`)."""
     try:
-        return json.loads(store.get_bytes(prefix + "step_metadata.json"))
+        return json.loads(store.get_bytes(step_report(prefix)))
     except NotFound:
         return {}
 

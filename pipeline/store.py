@@ -55,6 +55,9 @@ class Store(Protocol):
     def download_file(self, key: str, path: str | os.PathLike) -> None: ...
     def delete(self, key: str) -> None: ...
     def uri_of(self, key: str) -> str: ...
+    # Where `key` lies on this machine when uri_of names somewhere else (the emulated bucket
+    # over a local folder: pipeline/backends/emulated.py S3View); None when it says it all.
+    def folder_of(self, key: str) -> str | None: ...
     def problems(self) -> list[str]: ...
 
 
@@ -95,6 +98,9 @@ class LocalStore:
 
     def uri_of(self, key: str) -> str:
         return str(self._path(key))
+
+    def folder_of(self, key: str) -> None:
+        return None  # uri_of is the folder already
 
     def _write_aside(self, path: Path, data: bytes) -> str:
         """The body in a hidden temporary beside `path`, flushed to disk; readers skip it.
@@ -292,6 +298,9 @@ class S3Store:
 
     def uri_of(self, key: str) -> str:
         return f"s3://{self.bucket}/{self._key(key)}"
+
+    def folder_of(self, key: str) -> None:
+        return None  # on S3, not on this machine
 
     def put_bytes(self, key: str, data: bytes) -> None:
         with self._named("put", key):

@@ -174,7 +174,8 @@ def read_inputs(directory: Path, model_name: str, keys: list[str]) -> dict:
 def read_split(directory: Path) -> pa.Table:
     """A split prepare saved with `datasets.Dataset.save_to_disk`, read the way
     `datasets.load_from_disk` reads it (its Arrow stream files, memory-mapped, in the order
-    state.json lists them), without importing datasets: 0.6 s of every training job."""
+    state.json lists them), without importing datasets, which every training job would pay for
+    (docs/performance.md)."""
     state = Path(directory) / "state.json"
     if not state.exists():
         raise FileNotFoundError(f"{state} is missing: {directory} is not a split prepare saved")

@@ -18,7 +18,6 @@ user's `load_model` builds.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -28,10 +27,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from steps.arguments import EXPORT, parse
 from steps.batching import Batches, read_inputs, read_split
-from steps.contract import processing_input, processing_output, run_step
 from steps.metrics import plot_curves
 from steps.model_files import EXPORTS, read_record, write_record
+from steps.runtime import names
+from steps.runtime.environment import processing_input, processing_output
+from steps.runtime.step import run_step
 from steps.user_code import call, load_user_functions
 
 # Rows in each of the two check batches (the shortest rows, the longest): a width or batch
@@ -157,7 +159,7 @@ def check_exports(exports: dict) -> None:
 def trained_model(directory: Path, model_name: str, record: dict) -> torch.nn.Module:
     """The model as the training job saved it, in eval mode on the CPU."""
     id2label = {int(k): v for k, v in record["id2label"].items()}
-    functions = load_user_functions(os.environ["SMPIPE_USER_FUNCTIONS"])
+    functions = load_user_functions(os.environ[names.USER_FUNCTIONS_VARIABLE])
     label2id = {v: k for k, v in id2label.items()}
     model = call(functions, "load_model", model_name, id2label, label2id)
     if hasattr(model, "from_pretrained") and (directory / "config.json").exists():
@@ -170,10 +172,7 @@ def trained_model(directory: Path, model_name: str, record: dict) -> torch.nn.Mo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model-name", required=True)
-    parser.add_argument("--exports", required=True, help="comma separated: torchscript, exported")
-    args = parser.parse_args()
+    args = parse(EXPORT)
     formats = [f for f in args.exports.split(",") if f]
     unknown = [f for f in formats if f not in EXPORTS]
     if unknown or not formats:

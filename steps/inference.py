@@ -30,30 +30,19 @@ from sklearn.metrics import (
     precision_recall_fscore_support,
 )
 
+from steps.arguments import INFERENCE, parse
 from steps.batching import Batches, by_length, read_inputs, read_split
-from steps.contract import processing_input, processing_output, run_step, write_step_metadata
 from steps.model_artifact import log_models
 from steps.model_files import RECORD, read_record, usable_export
 from steps.precision import Precision, autocast, resolve
+from steps.runtime.environment import processing_input, processing_output
+from steps.runtime.step import run_step, write_step_metadata
 
 FP32 = Precision("no", "fp32")
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model-names", required=True)
-    parser.add_argument("--batch-size", type=int, required=True)
-    parser.add_argument(
-        "--model-format", choices=["torchscript", "exported"], default="torchscript"
-    )
-    # [tracking]: each model logged as a wandb `model` artifact (steps/model_artifact.py).
-    parser.add_argument(
-        "--wandb-mode", choices=["online", "offline", "disabled"], default="disabled"
-    )
-    parser.add_argument("--wandb-project", default="smpipe")
-    # [inference] MIXED_PRECISION; auto: bf16 where the CPU computes it (steps/precision.py)
-    parser.add_argument("--mixed-precision", choices=["auto", "no", "bf16"], default="auto")
-    return parser.parse_args()
+    return parse(INFERENCE)
 
 
 def model_dir(name: str) -> Path:

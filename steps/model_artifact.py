@@ -24,8 +24,9 @@ import json
 import os
 from pathlib import Path
 
-from steps.entrypoint import ml_root
 from steps.model_files import RECORD, read_record
+from steps.runtime import names
+from steps.runtime.environment import ml_root
 
 # The store's manifest of a folder (pipeline/store.py MANIFEST): the store's, not the model's.
 STORE_MANIFEST = "_MANIFEST.json"
@@ -35,7 +36,7 @@ def input_uri(name: str) -> str:
     """Where a processing input was read from: its S3Uri in the job's own config,
     /opt/ml/config/processingjobconfig.json (build-your-own-processing-container.html);
     a local store's folder on the local backend, written as a file:// URI."""
-    config = json.loads((ml_root() / "config/processingjobconfig.json").read_text())
+    config = json.loads(names.host_path(ml_root(), names.PROCESSING_CONFIG_FILE).read_text())
     for item in config.get("ProcessingInputs", []):
         if item["InputName"] == name:
             uri = item["S3Input"]["S3Uri"].rstrip("/")

@@ -33,9 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from steps.hyperparameters import PRECISION_CHOICES
-
-# The variable that overrides the CPU detection (see above).
-CPU_BF16_VARIABLE = "SMPIPE_CPU_BF16"
+from steps.runtime.names import CPU_BF16_VARIABLE  # overrides the CPU detection (see above)
 
 
 @dataclass(frozen=True)

@@ -35,29 +35,23 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from steps.arguments import PREDICT, parse
 from steps.batching import Batches, length_column, read_inputs
-from steps.contract import processing_input, processing_output, run_step
 from steps.inference import load_program, run_batches
 from steps.model_files import RECORD, read_record
 from steps.precision import Precision, resolve
 from steps.prepare import clip_limits, encode_cut, tokenizer_identity
 from steps.prepared_files import read_encoding
+from steps.runtime import names
+from steps.runtime.environment import processing_input, processing_output
+from steps.runtime.step import run_step
 from steps.user_code import UserFunctions, call, load_user_functions
 
 PROBABILITY = "probability_"  # + a label: that label's probability
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model-name", required=True)
-    parser.add_argument("--batch-size", type=int, required=True)
-    parser.add_argument(
-        "--model-format", choices=["torchscript", "exported"], default="torchscript"
-    )
-    parser.add_argument("--text-columns", required=True, help="comma separated")
-    # [inference] MIXED_PRECISION; auto: bf16 where the CPU computes it (steps/precision.py)
-    parser.add_argument("--mixed-precision", choices=["auto", "no", "bf16"], default="auto")
-    return parser.parse_args()
+    return parse(PREDICT)
 
 
 def model_folder() -> Path:
@@ -118,7 +112,7 @@ class Encoder:
 def load_encoder(name: str, keys: list[str], encoding: dict) -> Encoder:
     """The run's user functions and tokenizer; a tokenizer other than the one that encoded
     the run's data (encoding.json) would give the model ids it was not trained on."""
-    functions = load_user_functions(os.environ["SMPIPE_USER_FUNCTIONS"])
+    functions = load_user_functions(os.environ[names.USER_FUNCTIONS_VARIABLE])
     tokenizer = call(functions, "load_tokenizer", name)
     recorded = ((encoding.get("models") or {}).get(name) or {}).get("tokenizer") or {}
     now = tokenizer_identity(tokenizer)

@@ -31,21 +31,17 @@ import pyarrow.compute as pc
 from datasets.formatting import PythonFormatter
 from sklearn.model_selection import train_test_split
 
+from steps.arguments import PREPARE, parse
 from steps.batching import check_encoded, length_column, pad_value, write_inputs
-from steps.contract import processing_input, processing_output, run_step, write_step_metadata
 from steps.prepared_files import encoding_record, write_encoding
+from steps.runtime import names
+from steps.runtime.environment import processing_input, processing_output
+from steps.runtime.step import run_step, write_step_metadata
 from steps.user_code import call, load_user_functions
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model-names", required=True)
-    parser.add_argument("--max-length", type=int, required=True)
-    parser.add_argument("--train-fraction", type=float, required=True)
-    parser.add_argument("--validation-fraction", type=float, required=True)
-    parser.add_argument("--test-fraction", type=float, required=True)
-    parser.add_argument("--seed", type=int, required=True)
-    return parser.parse_args()
+    return parse(PREPARE)
 
 
 def check_labels(label_counts: dict[str, int]) -> None:
@@ -345,7 +341,7 @@ def said_and_checked(
 
 def main() -> None:
     args = parse_args()
-    functions = load_user_functions(os.environ["SMPIPE_USER_FUNCTIONS"])
+    functions = load_user_functions(os.environ[names.USER_FUNCTIONS_VARIABLE])
     snapshot = datasets.load_from_disk(str(processing_input("snapshot") / "dataset"))
     model_names = [m for m in args.model_names.split(",") if m]
 

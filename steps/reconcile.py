@@ -16,7 +16,10 @@ import os
 
 import datasets
 
-from steps.contract import processing_input, processing_output, run_step, write_step_metadata
+from steps.arguments import RECONCILE, parse
+from steps.runtime import names
+from steps.runtime.environment import processing_input, processing_output
+from steps.runtime.step import run_step, write_step_metadata
 from steps.user_code import call, load_user_functions
 
 
@@ -95,9 +98,10 @@ def check_result(result, module: str) -> tuple[datasets.Dataset, dict]:
 
 
 def main() -> None:
+    parse(RECONCILE)  # none: a stray argument is refused, not ignored
     raw_dir = processing_input("raw")
     snapshot_dir = processing_output("snapshot")
-    functions = load_user_functions(os.environ["SMPIPE_USER_FUNCTIONS"])
+    functions = load_user_functions(os.environ[names.USER_FUNCTIONS_VARIABLE])
 
     files = [p for p in raw_dir.rglob("*") if p.is_file() and p.name != "_MANIFEST.json"]
     if not files:

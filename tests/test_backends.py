@@ -10,12 +10,12 @@ import pytest
 from botocore import xform_name
 
 from pipeline.backends import Backend
-from pipeline.backends.container import ContainerExit, status_after
 from pipeline.backends.local import LocalBackend
 from pipeline.backends.sagemaker import SageMakerBackend
 from pipeline.jobs import ENDED, KINDS
+from pipeline.player.exits import ContainerExit, status_after
 from pipeline.service_model import service_model
-from steps.contract import EXIT_INTERRUPTED
+from steps.runtime.names import EXIT_INTERRUPTED
 
 
 @pytest.mark.parametrize("backend", [LocalBackend, SageMakerBackend])

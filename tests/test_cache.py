@@ -79,7 +79,7 @@ def test_unchanged_inputs_reuse_and_each_change_recomputes(tmp_path, caplog, mon
         with open(code / "prepared_files.py", "a") as f:  # imported by prepare alone
             f.write("\n# one line more\n")
         assert planned(tmp_path) == {"reconcile": "reused", "prepare": "computed"}
-        with open(code / "contract.py", "a") as f:  # imported by both
+        with open(code / "runtime/step.py", "a") as f:  # imported by both
             f.write("\n# one line more\n")
         assert planned(tmp_path) == {"reconcile": "computed", "prepare": "computed"}
 

@@ -281,7 +281,7 @@ def test_hub_access_is_a_setting_of_the_run(tmp_path):
     )
     assert {k: job_env(offline)[k] for k in HUB_OFFLINE} == dict.fromkeys(HUB_OFFLINE, "1")
     # Not in the image: a job of a run that may download can.
-    from pipeline.backends.container import dockerfile_instructions
+    from pipeline.player.environment import dockerfile_instructions
 
     env_lines = " ".join(a for i, a in dockerfile_instructions() if i == "ENV")
     assert not any(name in env_lines for name in HUB_OFFLINE)

@@ -14,18 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.backends.container import lay_out_processing, lay_out_training, processing_job_config
-from steps.entrypoint import (
-    ENTRYPOINT,
-    ML_ROOT_VARIABLE,
-    PROCESSES_VARIABLE,
-    job_region,
-    processes_per_host,
-    processing_variables,
-    training_command,
-    training_variables,
-)
+from pipeline.player.job_root import lay_out_processing, lay_out_training, processing_job_config
 from steps.hyperparameters import parse_hyperparameters, reserved_hyperparameters
+from steps.runtime import names
+from steps.runtime.environment import training_env
+from steps.runtime.launch import processes_per_host, training_command
+from steps.runtime.names import ENTRYPOINT, ML_ROOT_VARIABLE, PROCESSES_VARIABLE
+from steps.runtime.secrets import job_region
+from steps.runtime.variables import processing_variables, training_variables
 from tests.conftest import ROOT
 
 CORPUS = ROOT / "tests/contract"
@@ -133,12 +129,12 @@ def test_processes_per_host_auto_is_one_per_gpu(monkeypatch):
 def test_nccl_uses_the_interface_resourceconfig_names(tmp_path, monkeypatch):
     root = training_root(tmp_path, "resourceconfig.docs.json", "hyperparameters.empty.json")
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
-    import steps.entrypoint as entrypoint
+    import steps.runtime.variables as variables
 
-    monkeypatch.setattr(entrypoint.glob, "glob", lambda pattern: ["/dev/nvidia0", "/dev/nvidia1"])
+    monkeypatch.setattr(variables.glob, "glob", lambda pattern: ["/dev/nvidia0", "/dev/nvidia1"])
     env = training_variables(root)
     assert env["SM_NUM_GPUS"] == "2" and env["NCCL_SOCKET_IFNAME"] == "eth1"
-    monkeypatch.setattr(entrypoint.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(variables.glob, "glob", lambda pattern: [])
     assert "NCCL_SOCKET_IFNAME" not in training_variables(root)  # gloo on CPU: not NCCL's
 
 
@@ -223,3 +219,39 @@ def test_the_players_training_configs_have_the_shapes_sagemaker_writes(tmp_path)
     documented = corpus("training/inputdataconfig.docs.json")["validation"]
     assert json.loads((config / "inputdataconfig.json").read_text()) == {"train": documented}
     assert json.loads((config / "hyperparameters.json").read_text()) == {"epochs": "2"}
+
+
+def test_the_image_looks_for_the_code_where_sagemaker_mounts_it():
+    """docker/Dockerfile's PYTHONPATH names the code input's two places, as names.py does."""
+    import shlex
+
+    from pipeline.player.environment import dockerfile_instructions
+
+    env = dict(
+        token.partition("=")[::2]
+        for kind, args in dockerfile_instructions()
+        if kind == "ENV"
+        for token in shlex.split(args)
+    )
+    assert env["PYTHONPATH"].split(":") == [names.TRAINING_CODE_DIR, names.PROCESSING_CODE_DIR]
+
+
+def test_a_channel_named_with_a_dash_is_read_where_the_entrypoint_put_it(tmp_path, monkeypatch):
+    """One rule spells a channel's variable on both sides: the step once upper-cased the name
+    alone (SM_CHANNEL_TRAIN-DATA) where the entrypoint exports SM_CHANNEL_TRAIN_DATA."""
+    root = training_root(tmp_path, TRAINING[0], HYPERPARAMETERS[0])
+    config = root / "input/config/inputdataconfig.json"
+    config.write_text(json.dumps({"train-data": {"TrainingInputMode": "File"}}))
+    (root / "input/data/train-data").mkdir(parents=True)
+    env = training_variables(root)
+    assert env["SM_CHANNEL_TRAIN_DATA"] == str(root / "input/data/train-data")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert training_env().channels == {"train-data": root / "input/data/train-data"}
+
+
+def test_a_container_path_lies_under_the_job_root_and_nothing_else_does(tmp_path):
+    assert names.host_path(tmp_path, names.MODEL_DIR) == tmp_path / "model"
+    assert names.host_path(tmp_path, names.CONTAINER_ROOT) == tmp_path
+    with pytest.raises(ValueError, match="'/opt/mlx/model' is not a container path under"):
+        names.host_path(tmp_path, "/opt/mlx/model")

@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 
 from pipeline import cost
-from pipeline.backends import container
 from pipeline.backends.local import LocalBackend
 from pipeline.config import ConfigError, load_settings
 from pipeline.console import summary_lines
-from pipeline.driver import describe, log_plan, parse_steps, prices_for, run_pipeline
+from pipeline.driver import parse_steps, run_pipeline
 from pipeline.jobs import ProcessingJob
 from pipeline.paths import ExperimentTree
+from pipeline.plan import describe, log_plan, prices_for
+from pipeline.player import metering
 from pipeline.sources import Sources
 from pipeline.stages import build_jobs
 from pipeline.store import LocalStore
@@ -383,7 +384,7 @@ def test_a_local_job_reports_its_cpu_seconds_children_included(start, tmp_path, 
     monkeypatch.setenv("SMPIPE_WARM_START", "0" if start == "cold" else "1")
     # The driver's samples of the job's CPU time as sparse as its memory samples (0.5 s): the
     # job's last half second is then in no sample, and only its exit figure can count it.
-    monkeypatch.setattr(container, "CPU_SAMPLE_SECONDS", 10)
+    monkeypatch.setattr(metering, "CPU_SAMPLE_SECONDS", 10)
     here = LocalStore(str(tmp_path / "store"))
     ship_code(here)
 

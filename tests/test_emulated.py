@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from pipeline.backends import make_backend
+from pipeline.backends.choose import make_backend
 from pipeline.config import load_settings
 from pipeline.driver import PipelineError, parse_steps, run_pipeline
 from pipeline.paths import ExperimentTree

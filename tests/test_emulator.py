@@ -1,7 +1,7 @@
-"""The emulated backend plays SageMaker's rules, each from AWS's own sources (the README's
-table): a container's environment, names used once, one checkpoint URI shared by trials,
-reserved hyperparameters, why trials failed; and the SageMaker backend keeps following a job
-through errors reading it. Small probe jobs (tests/jobs/) through the real entrypoint."""
+"""The emulated backend plays SageMaker's rules, each from AWS's own sources (the table in
+docs/sagemaker.md): a container's environment, names used once, one checkpoint URI shared by
+trials, reserved hyperparameters, why trials failed; and the SageMaker backend keeps following
+a job through errors reading it. Small probe jobs (tests/jobs/) through the real entrypoint."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import time
 
 import pytest
 
-from pipeline.backends.container import HOST_VARIABLES, dockerfile_instructions
 from pipeline.backends.emulated import Emulator
 from pipeline.backends.local import LocalBackend
-from pipeline.config import Categorical
 from pipeline.jobs import ProcessingJob, TrainingJob, TuningJob
 from pipeline.paths import ExperimentTree
+from pipeline.player.environment import HOST_VARIABLES, dockerfile_instructions
+from pipeline.search_space import Categorical
 from pipeline.store import S3Store, upload_dir
-from steps.entrypoint import TRIAL_CHECKPOINTS_VARIABLE
+from steps.runtime.names import TRIAL_CHECKPOINTS_VARIABLE
 from tests.conftest import ship_code
 
 RUN = ExperimentTree("probe").run(1)
@@ -31,8 +31,9 @@ CANARIES = {
     "AWS_REGION": "eu-north-1",
     "HF_HOME": "/driver/hf-home",
 }
-# What the emulator adds that AWS does not (README: what `emulated` plays): where moto is,
-# credentials as a role gives them, the job root in place of /opt/ml, the driver to follow.
+# What the emulator adds that AWS does not (docs/sagemaker.md: what `emulated` plays): where
+# moto is, credentials as a role gives them, the job root in place of /opt/ml, the driver to
+# follow.
 PLUMBING = {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
             "SMPIPE_ML_ROOT", "SMPIPE_DRIVER_PID", "SMPIPE_MASTER_ADDR", "SMPIPE_MASTER_PORT"}  # fmt: skip
 FRESH_CONTAINER = {"HOME", "PATH", "LANG", "LC_ALL", *HOST_VARIABLES}

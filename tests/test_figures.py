@@ -1,5 +1,5 @@
-"""docs/figures.py makes the README's figures from what recorded them: the reliability table
-from the figures the tests record (tests/reliability/figures.py), every number as recorded,
+"""docs/figures.py makes the manual's figures from what recorded them: the reliability table
+(docs/trust.md) from the figures the tests record (tests/reliability/figures.py), every number as recorded,
 a missing one said and never written; the demo's figures from a run's Metadata."""
 
 from __future__ import annotations
@@ -80,29 +80,29 @@ def test_the_reliability_table_says_each_figure_as_recorded(recorded):
     assert not any(made.MISSING in value for value in said)
 
 
-def test_a_missing_figure_is_said_and_the_readme_is_not_written(recorded, tmp_path, capsys):
+def test_a_missing_figure_is_said_and_the_page_is_not_written(recorded, tmp_path, capsys):
     (recorded / "thousand-labels.json").unlink()
-    readme = tmp_path / "README.md"
-    readme.write_text("before\n\n" + made.HEADER + "\n|---|---|\n| old | row |\n\nafter\n")
-    original = readme.read_text()
-    assert made.main(["reliability", "--readme", str(readme)]) == 1
+    page = tmp_path / "trust.md"
+    page.write_text("before\n\n" + made.HEADER + "\n|---|---|\n| old | row |\n\nafter\n")
+    original = page.read_text()
+    assert made.main(["reliability", "--write", str(page)]) == 1
     assert (
         "| 1,000 labels of 10 rows | not measured: run `make figures` |" in capsys.readouterr().out
     )
-    assert readme.read_text() == original
+    assert page.read_text() == original
 
 
-def test_the_table_is_written_over_the_readmes_own(recorded, tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text("before\n\n" + made.HEADER + "\n|---|---|\n| old | row |\n\nafter\n")
-    assert made.main(["reliability", "--readme", str(readme)]) == 0
-    assert readme.read_text() == "before\n\n" + made.reliability_table() + "\nafter\n"
+def test_the_table_is_written_over_the_pages_own(recorded, tmp_path):
+    page = tmp_path / "trust.md"
+    page.write_text("before\n\n" + made.HEADER + "\n|---|---|\n| old | row |\n\nafter\n")
+    assert made.main(["reliability", "--write", str(page)]) == 0
+    assert page.read_text() == "before\n\n" + made.reliability_table() + "\nafter\n"
 
 
-def test_the_readme_holds_the_table_this_command_makes():
-    """Its rows are the command's rows, in its order: a figure added by hand to the README,
-    or a row the command makes and the README lacks, fails here."""
-    text = (ROOT / "README.md").read_text()
+def test_the_manual_holds_the_table_this_command_makes():
+    """Its rows are the command's rows, in its order: a figure added by hand to docs/trust.md,
+    or a row the command makes and the page lacks, fails here."""
+    text = (ROOT / "docs/trust.md").read_text()
     start = text.index(made.HEADER)
     rows = text[start:].split("\n\n")[0].splitlines()
     assert list(measured("\n".join(rows))) == [what for what, _ in made.reliability_rows()]

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline.config import ConfigError, load_settings
-from pipeline.driver import check_requests
 from pipeline.paths import ExperimentTree
+from pipeline.plan import check_requests
 from pipeline.service_model import as_java, check_value, service_model
 from pipeline.sources import Sources
 from pipeline.stages import build_jobs

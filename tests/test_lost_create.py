@@ -1,4 +1,4 @@
-"""A create whose answer is lost (pipeline/backends/sagemaker.py `_ours_after_all`).
+"""A create whose answer is lost (pipeline/backends/lost_create.py `ours_after_all`).
 
 SageMaker's Create* calls take no client token and botocore retries a call whose connection
 dropped: SageMaker carries out the first attempt, its answer never arrives, the retry is

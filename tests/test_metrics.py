@@ -15,7 +15,7 @@ from sklearn.metrics import accuracy_score, f1_score
 
 from pipeline.config import ConfigError, load_settings
 from steps.metrics import DEFINITIONS, METRICS, SAMPLE_LINE, metric_line
-from steps.train import accuracy_and_f1
+from steps.training_blocks import accuracy_and_f1
 from tests.conftest import write_settings
 
 

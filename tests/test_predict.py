@@ -304,8 +304,8 @@ def test_the_texts_are_sharded_across_instances_by_s3_key(tmp_path):
     """Each instance gets about 1/n of the parts (ShardedByS3Key); the model and the labels
     go whole to every one; SageMaker's limit of 100 instances is checked before anything."""
     from pipeline.backends.local import LOCAL_IMAGE, LOCAL_ROLE
-    from pipeline.driver import check_requests
     from pipeline.jobs import processing_request
+    from pipeline.plan import check_requests
 
     store = LocalStore(tmp_path / "store")
     settings = load_settings(
@@ -324,7 +324,7 @@ def test_the_texts_are_sharded_across_instances_by_s3_key(tmp_path):
     }
     assert distribution == {"code": "FullyReplicated", "texts": "ShardedByS3Key",
                             "model": "FullyReplicated", "labels": "FullyReplicated"}  # fmt: skip
-    assert refused("processing", as_if_on_s3(request)) == []
+    assert refused("CreateProcessingJob", as_if_on_s3(request)) == []
     with pytest.raises(ConfigError, match="InstanceCount"):
         check_requests([predict_job(settings, chosen, prediction, 101)], settings, store)
 
@@ -526,7 +526,7 @@ class Sabotaged:
         self.after, self.change = after, job
 
     def __call__(self, settings, store, run, echo):
-        from pipeline.backends import make_backend
+        from pipeline.backends.choose import make_backend
 
         backend = make_backend(settings, store, run, echo)
         real = backend.run_processing

@@ -15,13 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from steps.entrypoint import (
-    ENTRYPOINT,
-    ML_ROOT_VARIABLE,
-    REDACTED,
-    TRIAL_CHECKPOINTS_VARIABLE,
-    training_variables,
-)
+from steps.runtime.names import ENTRYPOINT, ML_ROOT_VARIABLE, TRIAL_CHECKPOINTS_VARIABLE
+from steps.runtime.secrets import REDACTED
+from steps.runtime.variables import training_variables
 from tests.conftest import ROOT
 from tests.test_contract import CORPUS, corpus, training_root
 
@@ -38,9 +34,9 @@ def test_the_sm_variables_hold_the_values_sagemakers_framework_containers_give(
     root = training_root(tmp_path, "resourceconfig.docs.json", "hyperparameters.sdk-trial.json")
     monkeypatch.setenv("TRAINING_JOB_NAME", "corpus-job")
     monkeypatch.delenv(TRIAL_CHECKPOINTS_VARIABLE, raising=False)
-    import steps.entrypoint as entrypoint
+    import steps.runtime.variables as variables
 
-    monkeypatch.setattr(entrypoint.glob, "glob", lambda pattern: [])  # a CPU instance
+    monkeypatch.setattr(variables.glob, "glob", lambda pattern: [])  # a CPU instance
     env = training_variables(root)
     paths = {
         "SM_MODEL_DIR": "model",
@@ -172,7 +168,8 @@ def test_the_hugging_face_token_is_read_from_secrets_manager_in_the_jobs_region(
     (a container has no documented AWS_REGION), stored bare or as {"HF_TOKEN": ...}."""
     import boto3
 
-    from steps.entrypoint import HF_TOKEN_SECRET_VARIABLE, WANDB_SECRET_VARIABLE, keys_from_secrets
+    from steps.runtime.names import HF_TOKEN_SECRET_VARIABLE, WANDB_SECRET_VARIABLE
+    from steps.runtime.secrets import keys_from_secrets
 
     client = boto3.client("secretsmanager", region_name="eu-west-3")
     client.create_secret(Name="hub/bare", SecretString="hf_bare_token_0123")

@@ -14,6 +14,7 @@ import pytest
 
 from pipeline import cli
 from pipeline.console import summary_lines
+from pipeline.jobs import KINDS
 from pipeline.paths import ExperimentTree
 from pipeline.service_model import as_if_on_s3, refused
 from steps.inference import accuracy_difference_ci, compare, mcnemar, statistics
@@ -157,7 +158,9 @@ def test_plan_with_show_requests_prints_every_job_and_the_request_it_becomes(
         "labels",
     }
     kinds = ["processing", "processing", "training", "training", "processing"]
-    assert [refused(k, as_if_on_s3(r)) for k, r in zip(kinds, requests, strict=True)] == [[]] * 5
+    assert [
+        refused(KINDS[k].create, as_if_on_s3(r)) for k, r in zip(kinds, requests, strict=True)
+    ] == [[]] * 5
 
 
 NOISY = (

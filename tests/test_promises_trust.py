@@ -268,7 +268,7 @@ def test_the_final_model_of_a_hugging_face_model_loads_with_from_pretrained(tmp_
     from transformers import AutoModelForSequenceClassification, BertConfig
     from transformers import BertForSequenceClassification as Bert
 
-    from steps.train import save_final_model
+    from steps.training_blocks import save_final_model
 
     config = BertConfig(vocab_size=99, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=32, num_labels=3, id2label={0: "a", 1: "b", 2: "c"},

@@ -19,9 +19,9 @@ import optuna
 import pytest
 
 from pipeline.backends.local import LocalBackend
-from pipeline.config import Interval
 from pipeline.jobs import TrainingJob, TuningJob
 from pipeline.paths import ExperimentTree
+from pipeline.search_space import Interval
 from pipeline.store import LocalStore, upload_dir
 from steps.metrics import DEFINITIONS
 from tests.conftest import ship_code

@@ -97,6 +97,10 @@ def size_of(store, run: RunTree) -> int:
 
 
 class NoBackend:
+    """What a stage reads of a backend that runs nothing: no SageMaker client, as local."""
+
+    client = None
+
     def close(self, succeeded: bool) -> None:
         self.succeeded = succeeded
 

@@ -15,7 +15,7 @@ import boto3
 import pytest
 
 from pipeline import cli, registry
-from pipeline.backends import make_backend
+from pipeline.backends.choose import make_backend
 from pipeline.config import ConfigError, Registry, load_settings
 from pipeline.driver import parse_steps, run_pipeline
 from pipeline.paths import ExperimentTree

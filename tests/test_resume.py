@@ -21,21 +21,23 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.backends.container import free_port, image_env, lay_out_training
 from pipeline.backends.local import LocalBackend
 from pipeline.jobs import TrainingJob
 from pipeline.paths import ExperimentTree
+from pipeline.player.environment import image_env
+from pipeline.player.job_root import lay_out_training
+from pipeline.player.processes import free_port
 from pipeline.store import LocalStore, upload_dir
 from steps import checkpointing as ckpt
 from steps.batching import write_inputs
-from steps.entrypoint import (
+from steps.hyperparameters import TUNABLE
+from steps.prepared_files import encoding_record, write_encoding
+from steps.runtime.names import (
     ENTRYPOINT,
     MASTER_ADDR_VARIABLE,
     MASTER_PORT_VARIABLE,
     PROCESSES_VARIABLE,
 )
-from steps.hyperparameters import TUNABLE
-from steps.prepared_files import encoding_record, write_encoding
 from tests.conftest import ROOT, SignalAtStep, gated, ship_code, wait_at_gate
 
 HPS = {

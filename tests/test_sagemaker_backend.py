@@ -22,7 +22,7 @@ from pipeline.paths import ExperimentTree
 from pipeline.sources import Sources
 from pipeline.stages import build_jobs
 from pipeline.store import S3Store, download_dir, is_complete, read_manifest
-from steps.entrypoint import ENTRYPOINT
+from steps.runtime.names import ENTRYPOINT
 from tests.conftest import write_settings
 
 ROLE = "arn:aws:iam::123456789012:role/smpipe"
@@ -290,7 +290,7 @@ def within(version: str, bounds: str) -> bool:
 def test_dockerfile_is_dependencies_and_the_entrypoint_only():
     import tomllib
 
-    from pipeline.backends.container import DOCKERFILE, dockerfile_instructions
+    from pipeline.player.environment import DOCKERFILE, dockerfile_instructions
 
     instructions = dockerfile_instructions()
     entrypoints = [args for kind, args in instructions if kind == "ENTRYPOINT"]
@@ -312,8 +312,8 @@ def test_dockerfile_is_dependencies_and_the_entrypoint_only():
     command = command.replace("/tmp/smpipe/pyproject.toml", str(pyproject))
     written = subprocess.run([sys.executable, "-c", command], capture_output=True, text=True)
     assert written.stdout.splitlines() == project["dependencies"], written.stderr
-    # The base image's torch is within the project's range, so pip keeps it (README, "On
-    # SageMaker"): the image's tag names its version.
+    # The base image's torch is within the project's range, so pip keeps it (docs/sagemaker.md,
+    # "The image"): the image's tag names its version.
     base = dict(a.split("=", 1) for kind, a in instructions if kind == "ARG")["BASE"]
     version = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-.*", base)[1]
     (torch,) = [d for d in project["dependencies"] if re.match(r"torch[<>=]", d)]

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import ConfigError, load_settings
-from pipeline.driver import check_requests
-from pipeline.jobs import JOB_NAME_LIMIT, JOB_NAME_RE, TUNING_JOB_NAME_LIMIT, job_name
+from pipeline.jobs import JOB_NAME_LIMIT, JOB_NAME_RE, KINDS, TUNING_JOB_NAME_LIMIT, job_name
 from pipeline.paths import ExperimentTree
+from pipeline.plan import check_requests
 from pipeline.service_model import as_if_on_s3, check, refused, shape
 from pipeline.sources import Sources
 from pipeline.stages import build_jobs
@@ -48,7 +48,7 @@ class S3:
 
 def requests(settings) -> dict[str, dict]:
     """kind -> the first request of that kind the plan makes."""
-    from pipeline.driver import describe
+    from pipeline.plan import describe
 
     tree = ExperimentTree(settings.experiment.name)
     jobs = build_jobs(settings, STEPS, tree.run(1), Sources(raw=tree.raw))
@@ -72,7 +72,7 @@ def valid(tmp_path_factory) -> dict[str, dict]:
 def test_the_plans_requests_are_valid(valid):
     assert set(valid) == {"processing", "training", "tuning"}
     for kind, request in valid.items():
-        assert refused(kind, request) == [], kind
+        assert refused(KINDS[kind].create, request) == [], kind
 
 
 def _set(request: dict, path: str, value) -> None:

@@ -314,7 +314,7 @@ def test_hyperband_stops_trials_that_fall_behind_at_a_rung():
     import optuna
 
     from pipeline.backends.local_tuning import distributions, search
-    from pipeline.config import Interval
+    from pipeline.search_space import Interval
 
     job = SimpleNamespace(  # what search() reads of a TuningJob
         strategy="Hyperband", max_jobs=12, early_stopping="Off",

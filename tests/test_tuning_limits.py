@@ -87,7 +87,7 @@ def test_a_grid_of_more_than_750_combinations_is_refused_naming_its_keys(tmp_pat
 def test_the_requests_are_held_to_the_same_limits(tmp_path):
     """pipeline/service_model.py checks the request itself: MaxNumberOfTrainingJobs, a grid's
     combinations, Hyperband's MaxResource ("The maximum value is 20,000 epochs")."""
-    from pipeline.driver import describe
+    from pipeline.plan import describe
 
     settings = tune(tmp_path, tuning={"STRATEGY": "Hyperband"})
     tree = ExperimentTree(settings.experiment.name)
@@ -126,12 +126,17 @@ def test_the_requests_are_held_to_the_same_limits(tmp_path):
 def test_epochs_cannot_ask_hyperband_for_more_than_its_maximum_resource():
     """A trial's most epochs become MaxResource (jobs.TuningJob.max_epochs): EPOCHS' bound
     keeps it within SageMaker's 20,000, and both checks use one limit."""
-    from pipeline import config, service_model
+    from pipeline import config_checks, service_model
     from steps.hyperparameters import HYPERPARAMETERS
 
     assert HYPERPARAMETERS["epochs"].le <= service_model.HYPERBAND_MAX_RESOURCE
-    assert config.TRAINING_JOBS_PER_TUNING_JOB == service_model.TRAINING_JOBS_LIMIT["Bayesian"]
-    assert config.RANDOM_TRAINING_JOBS_PER_TUNING_JOB == service_model.TRAINING_JOBS_LIMIT["Random"]
+    assert (
+        config_checks.TRAINING_JOBS_PER_TUNING_JOB == service_model.TRAINING_JOBS_LIMIT["Bayesian"]
+    )
+    assert (
+        config_checks.RANDOM_TRAINING_JOBS_PER_TUNING_JOB
+        == service_model.TRAINING_JOBS_LIMIT["Random"]
+    )
 
 
 # -- C: tuning job names without case -------------------------------------------------------------

@@ -12,11 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.backends import warm_pools
-from pipeline.backends.warm_pools import WarmPools
 from pipeline.config import ConfigError, load_settings
 from pipeline.jobs import keep_alive_refused, request_for
 from pipeline.paths import ExperimentTree
+from pipeline.player import warm_pools
+from pipeline.player.warm_pools import WarmPools
 from pipeline.service_model import check, shape
 from pipeline.sources import Sources
 from pipeline.stages import build_jobs

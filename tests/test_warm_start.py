@@ -1,4 +1,4 @@
-"""Warm start (pipeline/backends/warm_start.py): local jobs forked from a server that has
+"""Warm start (pipeline/player/fork_server.py, fork_client.py): local jobs forked from a server that has
 already imported torch and the rest keep the container contract. Each job sees exactly its own
 environment, job root and shipped code; a crash of one ends only that job; a server that
 cannot fork safely answers cold and the job still runs; the server ends with the driver."""
@@ -24,9 +24,10 @@ import psutil
 import pytest
 
 from pipeline.backends.local import LocalBackend
-from pipeline.backends.warm_start import IDLE, READY, WARM_START_VARIABLE, IdleServers, Server
 from pipeline.jobs import ProcessingJob, TrainingJob
 from pipeline.paths import ExperimentTree
+from pipeline.player.fork_client import IDLE, WARM_START_VARIABLE, IdleServers, Server
+from pipeline.player.fork_server import READY
 from pipeline.store import LocalStore, upload_dir
 from tests import test_resume
 from tests.conftest import ROOT, SignalAtStep, ship_code
@@ -40,7 +41,8 @@ PROBE = textwrap.dedent("""
     import json, signal, time
     import psutil
     import steps
-    from steps.contract import processing_output, run_step
+    from steps.runtime.environment import processing_output
+    from steps.runtime.step import run_step
 
     def main():
         args = sys.argv[1:]
@@ -138,7 +140,7 @@ def wait_gone(pids: list[int], seconds: float = 20) -> list[int]:
 
 @pytest.fixture(autouse=True)
 def no_idle_servers():
-    """Each test starts with no server an earlier backend of this worker left (warm_start.IDLE),
+    """Each test starts with no server an earlier backend of this worker left (fork_client.IDLE),
     so that its first job starts cold, and leaves none."""
     IDLE.close()
     yield
@@ -203,7 +205,7 @@ def test_jobs_sure_to_follow_find_a_server_started_beside_the_first(shipped, tmp
     with warm.warm.expecting_more():
         first = warm.run_processing(probe("first"))
         servers = [
-            p for p in psutil.Process().children() if "warm_start.py" in " ".join(p.cmdline())
+            p for p in psutil.Process().children() if "fork_server.py" in " ".join(p.cmdline())
         ]
         second = warm.run_processing(probe("second"))
     warm.close(succeeded=True)
@@ -270,7 +272,7 @@ TRACE_READS = textwrap.dedent("""
         return iterate(self)
     Environ.__getitem__, Environ.__contains__ = traced_get, traced_contains
     Environ.__iter__ = traced_iter
-    from pipeline.backends.warm_start import preload
+    from pipeline.player.fork_server import preload
     preload()
     print(json.dumps({"reads": sorted(reads), "iterated": sorted(iterated)}))
 """)
@@ -280,10 +282,10 @@ READS_BY_PREFIX = {"tqdm/utils.py": "TQDM_", "fsspec/config.py": "FSSPEC_"}
 
 def test_no_preloaded_library_reads_at_import_what_a_server_leaves_out():
     """A server's environment leaves out variables no preloaded library reads when imported
-    (warm_start.NOT_READ_AT_IMPORT): the preload's os.environ reads, traced, touch none of
+    (fork_client.NOT_READ_AT_IMPORT): the preload's os.environ reads, traced, touch none of
     them, and the libraries that iterate the environment keep only a prefix of their own.
     (Reads from C, OMP_NUM_THREADS by libgomp, cannot be traced: those stay in the key.)"""
-    from pipeline.backends.warm_start import NOT_READ_AT_IMPORT, NOT_READ_AT_IMPORT_PREFIXES
+    from pipeline.player.fork_client import NOT_READ_AT_IMPORT, NOT_READ_AT_IMPORT_PREFIXES
 
     env = {**dict.fromkeys(NOT_READ_AT_IMPORT, "x"), "SMPIPE_X": "x", "PYTEST_X": "x"}
     out = subprocess.run(
@@ -371,7 +373,8 @@ def test_the_server_reports_a_jobs_exit_with_its_cpu_time_children_included():
     """The server, not the driver, is a warm job's parent and reaps it: it sends the job's
     status and its CPU time with that of the processes the job waited for (wait4), which the
     driver can no longer read once the job is reaped."""
-    from pipeline.backends.warm_start import WarmProcess, report_exit
+    from pipeline.player.fork_client import WarmProcess
+    from pipeline.player.fork_server import report_exit
 
     burn = "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass"
     pid = os.fork()
@@ -412,13 +415,13 @@ def test_sigterm_to_a_warm_job_reaches_its_step(shipped, tmp_path):
 def test_a_server_that_is_not_single_threaded_answers_cold_and_the_job_runs(shipped, tmp_path):
     """A server with a thread of unknown safety (here one the test starts beside it) must not
     fork: the job starts cold, and the backend says why, once."""
-    from pipeline.backends import warm_start
+    from pipeline.player import fork_server
 
     store, _ = shipped
     threaded = (
         "import runpy, sys, threading, time; "
         "threading.Thread(target=time.sleep, args=(3600,), daemon=True).start(); "
-        f"runpy.run_path({warm_start.__file__!r}, run_name='__main__')"
+        f"runpy.run_path({fork_server.__file__!r}, run_name='__main__')"
     )
     echo = io.StringIO()
     backend = local(store, tmp_path / "work", echo)
@@ -466,7 +469,7 @@ def test_the_server_and_its_jobs_end_when_the_driver_is_killed(shipped, tmp_path
         else:
             pytest.fail("the job never started")
         step, entrypoint, server = (int(g) for g in found.groups())
-        assert psutil.Process(server).cmdline()[1].endswith("warm_start.py")
+        assert psutil.Process(server).cmdline()[1].endswith("fork_server.py")
         driver.kill()
         driver.wait()
         assert wait_gone([server, entrypoint, step]) == []
@@ -525,7 +528,7 @@ def test_sigterm_to_a_warm_training_step_checkpoints_and_the_restart_trains_the_
     backend.close(succeeded=True)
     log = echo.getvalue()
     assert reclaim.sent and outcome.status == "Completed" and outcome.restarts == 1, log
-    assert parents[1].endswith("warm_start.py"), parents  # the step was warm
+    assert parents[1].endswith("fork_server.py"), parents  # the step was warm
     assert "SIGTERM: checkpoint written at step 7;" in log, log
     (tmp_path / "final/model").mkdir(parents=True)
     for name in ("model.safetensors", "history.json"):

@@ -1,11 +1,14 @@
-"""Where jobs run: the backends, and the one protocol the driver holds them by.
+"""Where jobs run: the backends, and the protocols their callers hold them by.
 
+    choose.py        the backend [experiment] BACKEND names, built for one run
     local.py         every job played on this machine, against the store directly
     local_tuning.py  the local backend's tuning jobs: Optuna's study, its trials local jobs
     sagemaker.py     every job sent to SageMaker, followed and adopted into the run tree
     emulated.py      the SageMaker backend talking to an embedded moto, which plays its jobs
-    container.py     what the local and emulated backends share: a job root laid out from the
-                     request, the image's entrypoint started in it, its exit read as a status
+    emulated_search.py  the emulated SageMaker's search: a tuning request's trials drawn
+
+What the local and emulated backends share, SageMaker's data plane played on this machine (job
+roots, processes, exits read as a status), is pipeline/player/.
 
 Every backend runs the very requests pipeline/jobs.py builds (`request_for`, one per kind:
 jobs.KINDS), and reports each job as a jobs.JobResult whose status is SageMaker's word for
@@ -14,19 +17,24 @@ how it ended (jobs.Status: Completed, Failed or Stopped).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from pipeline.config import Settings
     from pipeline.jobs import JobResult, ProcessingJob, TrainingJob, TuningJob
-    from pipeline.paths import RunTree
-    from pipeline.store import Store
+
+# What sees each line a training job prints; True stops the job (a pruned trial).
+Watch = Callable[[str], bool]
 
 
 class Backend(Protocol):
     """What the driver asks of a backend. Each run_* call blocks until its job has ended and
     returns how it ended; a job that fails is a result, not an exception. An exception (Ctrl-C
     included) means the driver is stopping: it calls `stop()`, then `close(succeeded=False)`."""
+
+    # SageMaker's client, for the run's requests that are no job (registering its winner:
+    # pipeline/registry.py); moto's when emulated, None where nothing is sent to SageMaker.
+    client: object | None
 
     def run_processing(self, job: ProcessingJob) -> JobResult:
         """Run a processing job; its outputs land at job.outputs, each sealed with a manifest."""
@@ -55,46 +63,20 @@ class Backend(Protocol):
         ...
 
 
-def identity(settings: Settings) -> tuple[str, str]:
-    """The image and role a backend's requests name: the settings' on sagemaker, stand-ins
-    where nothing is sent to AWS (a local backend's requests are played here; emulated ones go
-    to moto)."""
-    from pipeline.backends.emulated import EMULATED_IMAGE, EMULATED_ROLE
-    from pipeline.backends.local import LOCAL_IMAGE, LOCAL_ROLE
+class TrialRunner(Protocol):
+    """What a tuner that plays a tuning job here (backends/local_tuning.py) asks of the backend
+    its trials run on: each trial is a training job, watched line by line."""
 
-    e = settings.experiment
-    if e.backend == "local":
-        return LOCAL_IMAGE, LOCAL_ROLE
-    if e.backend == "emulated":
-        return e.image_uri or EMULATED_IMAGE, e.role_arn or EMULATED_ROLE
-    return e.image_uri, e.role_arn
+    def run_training(self, job: TrainingJob, watch: Watch | None = None) -> JobResult:
+        """Run a training job as Backend.run_training does; `watch(line)` sees every line it
+        prints, and when it returns True the job is stopped (it checkpoints) and not
+        restarted."""
+        ...
 
+    def stop(self) -> None:
+        """Stop every job still running (the driver is stopping)."""
+        ...
 
-def make_backend(settings: Settings, store: Store, run: RunTree, echo) -> Backend:
-    """The backend [experiment] BACKEND names, for one run; `echo` is where it speaks."""
-    backend = settings.experiment.backend
-    if backend == "local":
-        from pipeline.backends.local import LocalBackend
-
-        return LocalBackend(store, run, echo=echo)
-    if backend == "emulated":
-        from pipeline.backends.emulated import emulated_backend
-
-        return emulated_backend(settings, store, run, echo)
-    import boto3
-
-    from pipeline.backends.sagemaker import SageMakerBackend
-    from pipeline.store import aws_config
-
-    session = boto3.Session(region_name=settings.experiment.region)
-    clients = {name: session.client(name, config=aws_config()) for name in ("sagemaker", "logs")}
-    image, role = identity(settings)
-    return SageMakerBackend(
-        store,
-        run,
-        client=clients["sagemaker"],
-        logs_client=clients["logs"],
-        image_uri=image,
-        role_arn=role,
-        echo=echo,
-    )
+    def say(self, job_name: str, text: str) -> None:
+        """One line about a job to the user's terminal."""
+        ...

@@ -4,7 +4,7 @@ The SageMaker backend runs unchanged: it checks each request against SageMaker's
 model (pipeline/service_model.py), sends it to an embedded moto server, waits on it, reads
 its CloudWatch logs, stops it, adopts its outputs. moto accepts a job and runs nothing; this
 module plays SageMaker's part for each job it accepted, by rules taken from AWS's own
-documentation and published job output, each cited where it is played (the README's table
+documentation and published job output, each cited where it is played (docs/sagemaker.md's table
 lists them, and what is not played):
 
 - lays out the job root from the request (its S3 inputs downloaded, the config files
@@ -19,7 +19,7 @@ lists them, and what is not played):
   spot job only when its instance is taken back (`Emulator.reclaim`);
 - keeps a training job's instances as a managed warm pool for the next matching training job
   when its request asks (KeepAlivePeriodInSeconds), with each job's WarmPoolStatus
-  (backends/warm_pools.py);
+  (player/warm_pools.py);
 - runs a tuning job's trials as training jobs created in moto (sampled from the request's
   ParameterRanges: every combination for Grid, at random otherwise), each with SageMaker's
   `_tuning_objective_metric`, reads their objective with the request's metric regexes,
@@ -29,15 +29,10 @@ lists them, and what is not played):
 from __future__ import annotations
 
 import copy
-import io
-import itertools
 import json
-import logging
-import math
 import os
 import shutil
 import signal
-import tarfile
 import tempfile
 import threading
 import time
@@ -46,21 +41,22 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pipeline.backends.container import (
-    Containers,
-    free_port,
-    fresh_container_env,
-    play_processing,
-    play_training,
-    processing_outputs,
-    status_after,
-)
-from pipeline.backends.sagemaker import LOG_GROUPS, SageMakerBackend
-from pipeline.backends.warm_pools import WarmPools
-from pipeline.jobs import KINDS
+from pipeline.backends import moto_server
+from pipeline.backends.emulated_search import candidates
+from pipeline.backends.following import LOG_GROUPS
+from pipeline.backends.sagemaker import SageMakerBackend
+from pipeline.jobs import KINDS, JobResult, ProcessingJob, TrainingJob, TuningJob
 from pipeline.paths import RunTree
+from pipeline.player.environment import fresh_container_env
+from pipeline.player.exits import status_after
+from pipeline.player.job_root import processing_outputs
+from pipeline.player.play import play_processing, play_training
+from pipeline.player.processes import Containers
+from pipeline.player.transfers import LogStream, upload_folder, upload_tarball
+from pipeline.player.warm_pools import WarmPools
 from pipeline.service_model import TUNING_OBJECTIVE
-from pipeline.store import Store, aws_config, key_of
+from pipeline.store import Store, aws_config
+from steps.runtime.names import MODEL_DIR, OUTPUT_DATA_DIR, host_path
 
 EMULATED_IMAGE = "smpipe:emulated"
 EMULATED_ROLE = "arn:aws:iam::123456789012:role/smpipe-emulated"
@@ -82,13 +78,7 @@ def start_moto(region: str) -> str:
     """An embedded moto server on a free local port; this process reaches it (and nothing
     else: fake credentials, its endpoint for every AWS service). Jobs are given its address and
     credentials by the Emulator (`plumbing`), nothing else of this process's environment."""
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
+    _, endpoint = moto_server.serve()
     os.environ.update(
         {
             "AWS_ENDPOINT_URL": endpoint,
@@ -122,29 +112,6 @@ class S3View:
 
     def __getattr__(self, name):
         return getattr(self._store, name)
-
-
-class LogStream:
-    """What one host of a job prints, as SageMaker sends it to CloudWatch Logs."""
-
-    def __init__(self, logs, group: str, stream: str):
-        self.logs, self.group, self.stream = logs, group, stream
-        try:
-            logs.create_log_group(logGroupName=group)
-        except logs.exceptions.ResourceAlreadyExistsException:
-            pass
-        logs.create_log_stream(logGroupName=group, logStreamName=stream)
-
-    def write(self, text: str) -> None:
-        events = [
-            {"timestamp": int(time.time() * 1000), "message": line}
-            for line in text.splitlines()
-            if line
-        ]
-        if events:
-            self.logs.put_log_events(
-                logGroupName=self.group, logStreamName=self.stream, logEvents=events
-            )
 
 
 def _now() -> datetime:
@@ -197,12 +164,12 @@ class Emulator:
         self.logs = boto3.client("logs", region_name=region, config=aws_config())
         self._moto = sagemaker_backends[DEFAULT_ACCOUNT_ID][region]
         self.work_root = Path(work_root or tempfile.mkdtemp(prefix="smpipe-emulated-"))
-        # A job's container sees a new container's environment (backends/container.py), the
+        # A job's container sees a new container's environment (player/environment.py), the
         # image's ENV, the request's Environment and what SageMaker sets; and the emulator's
         # plumbing: where moto is, and credentials as the job's role would give them (AWS
         # delivers a role's temporary credentials through the container credentials provider,
         # undocumented for SageMaker; any credentials reach moto). No region: SageMaker
-        # documents none, and a job finds its own from its ARN (steps/entrypoint.py).
+        # documents none, and a job finds its own from its ARN (steps/runtime/secrets.py).
         self.plumbing = {
             "AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"],
             "AWS_ACCESS_KEY_ID": "ASIAEMULATEDJOBROLE0",
@@ -519,7 +486,7 @@ class Emulator:
         status, reason = self._status_after(name, exits)
         if status == "Completed":
             for output, local in processing_outputs(request, root).items():
-                self._upload(local, uris[output])
+                upload_folder(self.store, local, uris[output])
         said = [e.reason for e in exits if e.code != 0 and e.reason] or [exits[0].reason]
         self._end(name, status, reason, exit_message=said[0])
         shutil.rmtree(root, ignore_errors=True)
@@ -565,8 +532,8 @@ class Emulator:
             job.secondary_status = "Uploading"
             base = request["OutputDataConfig"]["S3OutputPath"].rstrip("/") + f"/{name}/output/"
             main = next(iter(played.roots.values()))
-            self._upload_tarball(main / "model", base + "model.tar.gz")
-            self._upload_tarball(main / "output/data", base + "output.tar.gz")
+            upload_tarball(self.store, host_path(main, MODEL_DIR), base + "model.tar.gz")
+            upload_tarball(self.store, host_path(main, OUTPUT_DATA_DIR), base + "output.tar.gz")
         self._end(name, status, reason)
         shutil.rmtree(self.work_root / name, ignore_errors=True)
 
@@ -651,83 +618,6 @@ class Emulator:
             },
         }
 
-    # -- what SageMaker uploads --------------------------------------------------------------------
-
-    def _key(self, uri: str) -> str:
-        key = key_of(self.store, uri)
-        if key is None:
-            raise ValueError(f"{uri} is outside the emulated store {self.store.uri}")
-        return key.rstrip("/") + "/"
-
-    def _upload(self, local: Path, uri: str) -> None:
-        prefix = self._key(uri)
-        for path in sorted(local.rglob("*")):
-            if path.is_file():
-                self.store.upload_file(path, prefix + path.relative_to(local).as_posix())
-
-    def _upload_tarball(self, local: Path, uri: str) -> None:
-        buffer = io.BytesIO()
-        with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-            for path in sorted(local.rglob("*")):
-                if path.is_file():
-                    tar.add(path, arcname=path.relative_to(local).as_posix())
-        self.store.put_bytes(self._key(uri).rstrip("/"), buffer.getvalue())
-
-
-# -- SageMaker's search, as the emulator plays it: the request's ranges drawn at random (a
-# grid for Grid). The search itself is SageMaker's business; what is checked here is that the
-# request is whole and that each trial runs and reports its objective.
-
-
-def ranges_from_request(ranges: dict) -> dict:
-    """A tuning request's ParameterRanges as the settings write them."""
-    from pipeline.config import Categorical, Interval
-
-    out: dict = {}
-    for kind, integer in (("ContinuousParameterRanges", False), ("IntegerParameterRanges", True)):
-        for r in ranges.get(kind, []):
-            log = r.get("ScalingType") in ("Logarithmic", "ReverseLogarithmic")
-            out[r["Name"]] = Interval(float(r["MinValue"]), float(r["MaxValue"]), integer, log)
-    for r in ranges.get("CategoricalParameterRanges", []):
-        out[r["Name"]] = Categorical(tuple(r["Values"]))
-    return out
-
-
-def candidates(config: dict, static: dict) -> list[dict[str, str]]:
-    """The trials' values: every combination for Grid, else MaxNumberOfTrainingJobs draws
-    seeded by the static `seed` (SageMaker's own search is not played)."""
-    import random
-
-    ranges = ranges_from_request(config["ParameterRanges"])
-    if config["Strategy"] == "Grid":
-        return grid(ranges)
-    rng = random.Random(int(static.get("seed", 0)))
-    return [sample(ranges, rng) for _ in range(config["ResourceLimits"]["MaxNumberOfTrainingJobs"])]
-
-
-def sample(tunables: dict, rng) -> dict[str, str]:
-    from pipeline.config import Categorical
-
-    values = {}
-    for name, t in sorted(tunables.items()):
-        if isinstance(t, Categorical):
-            values[name] = rng.choice(t.options)
-            continue
-        if t.log:
-            x = math.exp(rng.uniform(math.log(t.low), math.log(t.high)))
-        else:
-            x = rng.uniform(t.low, t.high)
-        values[name] = str(round(x)) if t.integer else f"{x:.6g}"
-    return values
-
-
-def grid(tunables: dict) -> list[dict[str, str]]:
-    names = sorted(tunables)
-    return [
-        dict(zip(names, combo, strict=True))
-        for combo in itertools.product(*(tunables[n].options for n in names))
-    ]
-
 
 def open_emulated_store(settings) -> Store:
     """Start the embedded moto and open the store the emulated jobs see: a local STORE as a
@@ -747,7 +637,37 @@ def open_emulated_store(settings) -> Store:
     return store
 
 
-def emulated_backend(settings, store: Store, run: RunTree, echo=None) -> SageMakerBackend:
+class EmulatedBackend:
+    """BACKEND = emulated, as the driver holds it: the SageMaker backend (`sagemaker`), its
+    requests sent to moto, and the Emulator that plays them (`emulator`: tests take a spot
+    instance back through it); closing it closes both. `client` is the SageMaker client the
+    backend calls, for hooks on its calls."""
+
+    def __init__(self, sagemaker: SageMakerBackend, emulator: Emulator) -> None:
+        self.sagemaker, self.emulator = sagemaker, emulator
+        self.client = sagemaker.client
+
+    def run_processing(self, job: ProcessingJob) -> JobResult:
+        return self.sagemaker.run_processing(job)
+
+    def run_training(self, job: TrainingJob) -> JobResult:
+        return self.sagemaker.run_training(job)
+
+    def run_tuning(self, job: TuningJob) -> JobResult:
+        return self.sagemaker.run_tuning(job)
+
+    def stop(self) -> None:
+        self.sagemaker.stop()
+
+    def close(self, succeeded: bool) -> None:
+        self.sagemaker.close(succeeded)
+        self.emulator.close()
+
+    def say(self, job_name: str, text: str) -> None:
+        self.sagemaker.say(job_name, text)
+
+
+def emulated_backend(settings, store: Store, run: RunTree, echo=None) -> EmulatedBackend:
     """The SageMaker backend, its requests sent to moto and its jobs played by an Emulator."""
     emulator = Emulator(store, settings.experiment.region)
     for secret_id, key in (
@@ -762,8 +682,7 @@ def emulated_backend(settings, store: Store, run: RunTree, echo=None) -> SageMak
                 secrets.create_secret(Name=secret_id, SecretString=os.environ[key])
             except secrets.exceptions.ResourceExistsException:
                 pass
-    backend = emulator.backend(
+    sagemaker = emulator.backend(
         run, settings.experiment.image_uri, settings.experiment.role_arn, echo
     )
-    backend.on_close, backend.emulator = emulator.close, emulator
-    return backend
+    return EmulatedBackend(sagemaker, emulator)

@@ -1,13 +1,13 @@
 """The embedded backend: every job is the image's entrypoint, started here as SageMaker would.
 
 A job becomes the same request the SageMaker backend sends (pipeline/jobs.py); the job root
-is laid out from it (backends/container.py) and the entrypoint runs in it. Outputs go to the
+is laid out from it (pipeline/player/) and the entrypoint runs in it. Outputs go to the
 store as manifested directories; checkpoints are mirrored to the store after each attempt,
 and an interrupted training job is restarted from them up to MAX_RESTARTS times, as
 SageMaker restarts a spot job. Tuning runs here too (pipeline/backends/local_tuning.py): its
 trials are local training jobs.
 
-Jobs start warm (pipeline/backends/warm_start.py): from a run's second job on (from its
+Jobs start warm (pipeline/player/fork_client.py): from a run's second job on (from its
 first where an earlier run of this process left a server of the same environment), a fork server
 that has already imported torch, transformers and the rest forks each job's entrypoint, which
 forks its step, saving the seconds of imports every job pays; each job is still a process of
@@ -28,15 +28,10 @@ import weakref
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from pipeline.backends.container import (
-    Containers,
-    play_processing,
-    play_training,
-    processing_outputs,
-    status_after,
-)
-from pipeline.backends.warm_start import WarmStart, warm_start_enabled
+from pipeline.backends import Watch
+from pipeline.backends.local_tuning import run_local_tuning
 from pipeline.jobs import (
+    KINDS,
     JobResult,
     ProcessingJob,
     TrainingJob,
@@ -44,6 +39,11 @@ from pipeline.jobs import (
     request_for,
 )
 from pipeline.paths import RunTree
+from pipeline.player.exits import status_after
+from pipeline.player.fork_client import WarmStart, warm_start_enabled
+from pipeline.player.job_root import processing_outputs
+from pipeline.player.play import play_processing, play_training
+from pipeline.player.processes import Containers
 from pipeline.service_model import as_if_on_s3, refused
 from pipeline.store import LocalStore, Store, StoreError, upload_dir
 
@@ -126,6 +126,7 @@ def remove_orphaned_work_roots(echo) -> None:
 
 class LocalBackend:
     name = "local"
+    client = None  # nothing is sent to SageMaker (Backend.client)
 
     def __init__(
         self,
@@ -181,7 +182,7 @@ class LocalBackend:
         """The request SageMaker would get for `job`, and a Failed result when SageMaker would
         refuse it: the local backend plays only requests that AWS accepts."""
         request = request_for(job, LOCAL_IMAGE, LOCAL_ROLE, self.store.uri_of)
-        problems = refused(job.kind, as_if_on_s3(request))
+        problems = refused(KINDS[job.kind].create, as_if_on_s3(request))
         if not problems:
             return request, None
         now = time.time()
@@ -223,9 +224,9 @@ class LocalBackend:
         self._cleanup(root, result)
         return result
 
-    def run_training(self, job: TrainingJob, watch=None) -> JobResult:
+    def run_training(self, job: TrainingJob, watch: Watch | None = None) -> JobResult:
         """`watch(line)`, if given, sees every line the job prints; when it returns True the
-        job is stopped (SIGTERM: it checkpoints and exits) and not restarted."""
+        job is stopped (SIGTERM: it checkpoints and exits) and not restarted (TrialRunner)."""
         request, refusal = self._request(job)
         if refusal:
             return refusal
@@ -282,8 +283,6 @@ class LocalBackend:
             raise
 
     def run_tuning(self, job: TuningJob) -> JobResult:
-        from pipeline.backends.local_tuning import run_local_tuning
-
         before = len(self.billed)
         # The trials share one environment: its fork server starts beside the first trial.
         with self.warm.expecting_more() if self.warm else nullcontext():

@@ -42,17 +42,14 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from pipeline.config import Categorical
+from pipeline.backends import TrialRunner, Watch
 from pipeline.jobs import JobResult, TrainingJob, TuningJob, job_name
 from pipeline.paths import RunTree
+from pipeline.search_space import distributions, drawn_value, value_of
 from pipeline.service_model import TUNING_OBJECTIVE
 from pipeline.store import NotFound, Store, download_dir, is_complete, upload_dir
 from steps.hyperparameters import HYPERPARAMETERS, parse_hyperparameters
-
-if TYPE_CHECKING:
-    from pipeline.backends.local import LocalBackend
 
 # The metric line (steps/metrics.py metric_line), not the final "best ..." line: its epoch and
 # the optimizer steps taken by then.
@@ -65,20 +62,6 @@ class TrialFailed(RuntimeError):
 
 class TrialInterrupted(RuntimeError):
     """The driver stopped a trial (Ctrl-C, SIGTERM): it is continued when the run is resumed."""
-
-
-def distributions(ranges: dict) -> dict:
-    import optuna.distributions as d
-
-    out = {}
-    for name, r in sorted(ranges.items()):
-        if isinstance(r, Categorical):
-            out[name] = d.CategoricalDistribution(list(r.options))
-        elif r.integer:
-            out[name] = d.IntDistribution(int(r.low), int(r.high), log=r.log)
-        else:
-            out[name] = d.FloatDistribution(r.low, r.high, log=r.log)
-    return out
 
 
 def search(job: TuningJob, seed: int):
@@ -118,13 +101,8 @@ def suggest(trial, name: str, space):
     return trial.suggest_float(name, space.low, space.high, log=space.log)
 
 
-def value_of(hp: str) -> str:
-    return hp if isinstance(hp, str) else f"{hp:.6g}" if isinstance(hp, float) else str(hp)
-
-
-def run_local_tuning(
-    backend: LocalBackend, job: TuningJob, store: Store, run: RunTree
-) -> JobResult:
+def run_local_tuning(backend: TrialRunner, job: TuningJob, store: Store, run: RunTree) -> JobResult:
+    """The tuning job played here, its trials run by `backend`; its result as a tuning job's."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial is reported once, by us
@@ -197,7 +175,7 @@ def reseed(study, spaces: dict, trials: Trials) -> int:
     }
     finished = 0
     for number, record in sorted(trials.records.items()):
-        params = {k: _typed(spaces[k], v) for k, v in record["hyperparameters"].items()}
+        params = {k: drawn_value(spaces[k], v) for k, v in record["hyperparameters"].items()}
         if record["status"] in states:
             finished += 1
             completed = record["status"] == "Completed"
@@ -215,7 +193,7 @@ def reseed(study, spaces: dict, trials: Trials) -> int:
 
 
 def optimize(
-    study, objective, n_trials: int, parallel: int, backend: LocalBackend, trials: Trials
+    study, objective, n_trials: int, parallel: int, backend: TrialRunner, trials: Trials
 ) -> None:
     """`study.optimize` in a thread of its own, so that a Ctrl-C reaches the driver at once:
     optuna's thread pool would otherwise wait for every running trial to end. On one, the
@@ -238,7 +216,7 @@ def optimize(
 
     threading.Thread(target=run, name="tuning", daemon=True).start()
     try:
-        done.wait()  # an Event, not Thread.join: see run_hosts in backends/container.py
+        done.wait()  # an Event, not Thread.join: see run_hosts in player/processes.py
     except BaseException:
         trials.stopping.set()  # the trials see it and stop the study: no new one starts
         backend.stop()
@@ -249,7 +227,7 @@ def optimize(
 
 
 def trial_objective(
-    backend: LocalBackend, job: TuningJob, run: RunTree, trials: Trials, spaces: dict, say
+    backend: TrialRunner, job: TuningJob, run: RunTree, trials: Trials, spaces: dict, say
 ):
     """What one trial does: a training job with the sampled values, its objective read live
     from its log and reported to the pruner, its outcome recorded."""
@@ -351,7 +329,9 @@ def last_reported(record: dict) -> float | None:
     return epochs[max(epochs, key=int)] if epochs else None
 
 
-def pruning(trial, record: dict, objective_regex, metric: str, verdict: dict, is_last=None):
+def pruning(
+    trial, record: dict, objective_regex, metric: str, verdict: dict, is_last=None
+) -> Watch:
     """What watches a trial's log: each epoch's objective recorded and reported to the pruner;
     True (stop the trial) when the pruner says so, with why in `verdict`. The pruner is not
     asked after the last epoch (`is_last(epoch, steps)`): the trial saves its model next, and
@@ -379,7 +359,6 @@ def trial_training_job(job: TuningJob, run: RunTree, number: int, values: dict) 
     """Trial `number`: the tuning job's training job with the sampled values, its model,
     output and checkpoints in folders of its own."""
     model_name = job.trial.hyperparameters["model_name"]
-    prefix = run.trial(model_name, number)
     return dataclasses.replace(
         job.trial,
         env={**job.trial.env, **cores_of_a_trial(min(job.max_parallel_jobs, job.max_jobs))},
@@ -391,9 +370,9 @@ def trial_training_job(job: TuningJob, run: RunTree, number: int, values: dict) 
             **values,
             TUNING_OBJECTIVE: job.objective_metric,
         },
-        model_prefix=prefix + "model/",
-        output_prefix=prefix + "output/",
-        checkpoint_prefix=run.checkpoints(f"{model_name}-trial-{number:03d}"),
+        model_prefix=run.trial_model(model_name, number),
+        output_prefix=run.trial_output(model_name, number),
+        checkpoint_prefix=run.local_trial_checkpoints(model_name, number),
         processes_per_host=1,  # a tuning job's parallelism is across trials
         instance_count=1,
         max_restarts=0,
@@ -408,29 +387,19 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 def cores_of_a_trial(parallel: int) -> dict[str, str]:
     """On SageMaker each trial has instances of its own; here `parallel` trials share this
-    machine, and each would start as many threads as it has cores. Two trials of two threads
-    on two cores run each step at half the speed of two trials of one thread (measured with
-    two 8-step MiniLM jobs at once: 75 s against 40 s), so each gets its share of the cores,
-    unless the user has set the variables themselves."""
+    machine, and each would start as many threads as it has cores: trials whose threads
+    outnumber the cores contend for them, and each step slows (docs/performance.md has the
+    measurement), so each gets its share of the cores, unless the user has set the variables
+    themselves."""
     if parallel <= 1 or any(name in os.environ for name in THREAD_VARIABLES):
         return {}
     share = str(max(1, (os.cpu_count() or 1) // parallel))
     return dict.fromkeys(THREAD_VARIABLES, share)
 
 
-def _typed(space, value: str):
-    import optuna.distributions as d
-
-    if isinstance(space, d.IntDistribution):
-        return int(float(value))
-    if isinstance(space, d.FloatDistribution):
-        return float(value)
-    return value
-
-
 def earlier_trials(store: Store, run: RunTree, model_name: str) -> list[dict]:
     try:
-        record = json.loads(store.get_bytes(run.tuning(model_name) + "trials.json"))
+        record = json.loads(store.get_bytes(run.trials(model_name, "json")))
     except NotFound:
         return []
     return record["trials"]
@@ -439,7 +408,7 @@ def earlier_trials(store: Store, run: RunTree, model_name: str) -> list[dict]:
 def save_trials(store: Store, run: RunTree, model_name: str, records: dict[int, dict]) -> None:
     trials = [records[n] for n in sorted(records)]
     store.put_bytes(
-        run.tuning(model_name) + "trials.json", json.dumps({"trials": trials}, indent=2).encode()
+        run.trials(model_name, "json"), json.dumps({"trials": trials}, indent=2).encode()
     )
     names = sorted({k for t in trials for k in t["hyperparameters"]})
     out = io.StringIO()
@@ -453,7 +422,7 @@ def save_trials(store: Store, run: RunTree, model_name: str, records: dict[int, 
             [t["number"], t["job_name"], t["status"], t["objective"], *searched]
             + [len(t["epochs"]), t["seconds"], t["stop_reason"] or ""]
         )
-    store.put_bytes(run.tuning(model_name) + "trials.csv", out.getvalue().encode())
+    store.put_bytes(run.trials(model_name, "csv"), out.getvalue().encode())
 
 
 def finish(store, run, job, model_name, records, started, sampler, pruner) -> JobResult:
@@ -567,5 +536,5 @@ def draw(
     fig.tight_layout()
     with tempfile.TemporaryDirectory() as tmp:
         fig.savefig(Path(tmp, "trials.png"), dpi=100)
-        store.upload_file(Path(tmp, "trials.png"), run.tuning(model_name) + "trials.png")
+        store.upload_file(Path(tmp, "trials.png"), run.trials(model_name, "png"))
     plt.close(fig)

@@ -9,8 +9,10 @@ starts; the code every job runs is the run's `code/` folder, given to each job a
 The client, the logs client, the image and the role are injected: the emulated backend passes
 moto's.
 
-While a job runs: a progress line when its status changes (and once a minute), its
-CloudWatch log streamed with the job's name in front. When it ends: a job that failed or was
+While a job runs, it is followed (pipeline/backends/following.py): a progress line when its
+status changes (and once a minute), its CloudWatch log streamed with the job's name in
+front. A create whose answer was lost is recognised (pipeline/backends/lost_create.py). When
+it ends: a job that failed or was
 stopped becomes one paragraph (status, FailureReason, ExitMessage, the last lines of its
 log); a completed one has its outputs sealed with manifests (files, sizes, sha256, as the
 local backend writes them), its model.tar.gz unpacked into the run tree.
@@ -26,9 +28,17 @@ import threading
 import time
 from pathlib import Path
 
+from pipeline.backends.following import (
+    PATIENCE_SECONDS,
+    TAIL_LINES,
+    TERMINAL,
+    Followed,
+    Following,
+    log_tail,
+)
+from pipeline.backends.lost_create import ours_after_all
 from pipeline.cost import spot_savings
 from pipeline.jobs import (
-    ENDED,
     KINDS,
     JobResult,
     ProcessingJob,
@@ -40,13 +50,6 @@ from pipeline.jobs import (
 from pipeline.paths import RunTree
 from pipeline.service_model import refused
 from pipeline.store import Store, key_of, seal_prefix, upload_dir
-
-TERMINAL = ENDED  # a job's status that no longer changes
-LOG_GROUPS = {
-    "training": "/aws/sagemaker/TrainingJobs",
-    "processing": "/aws/sagemaker/ProcessingJobs",
-}
-TAIL_LINES = 5
 
 
 def trial_record(summary: dict) -> dict:
@@ -109,8 +112,8 @@ class Trials:
     job's CheckpointConfig.S3Uri, and SageMaker copies everything under it into each new
     trial (model-checkpoints.html; the API takes one CheckpointConfig per training
     definition), so each trial checkpoints in a folder named after itself
-    (steps/entrypoint.py) and that folder is removed once the trial has ended: nothing resumes
-    an ended trial, and the trials that start later copy in only what is still running."""
+    (steps/runtime/variables.py), and that folder is removed once the trial has ended: nothing
+    resumes an ended trial, and the trials that start later copy in only what is still running."""
 
     def __init__(self, backend: SageMakerBackend, job: TuningJob) -> None:
         self.backend, self.job = backend, job
@@ -131,6 +134,8 @@ class Trials:
     def tidy(self, _described: dict) -> list[dict]:
         """Remove the checkpoints of every trial that has ended; return every trial."""
         summaries = self.summaries()
+        # Under the request's own CheckpointConfig, where each trial made its folder: what the
+        # request said, not what the run tree would say today.
         store, prefix = self.backend.store, self.job.trial.checkpoint_prefix
         for summary in summaries:
             name = summary["TrainingJobName"]
@@ -142,6 +147,8 @@ class Trials:
 
     def remove_archives(self, keep: str | None) -> None:
         """The model and output archives SageMaker left for every trial but `keep`."""
+        # SageMaker writes a job's archives under <S3OutputPath>/<job name>/
+        # (API_OutputDataConfig.html), S3OutputPath being what the request said.
         store, output = self.backend.store, self.job.trial.sagemaker_output
         for name in self.tidied - {keep}:
             for key in store.list_keys(f"{output}{name}/"):
@@ -152,7 +159,7 @@ class Trials:
         failed = [s for s in summaries if s["TrainingJobStatus"] == "Failed"]
         said = []
         for summary in failed[:3]:
-            tail = self.backend.log_tail(summary["TrainingJobName"])
+            tail = log_tail(self.backend.logs, summary["TrainingJobName"], self.backend.say)
             why = summary.get("FailureReason", "no reason given")
             said.append(
                 f"trial {summary['TrainingJobName']} failed: {why}"
@@ -161,11 +168,6 @@ class Trials:
         if len(failed) > 3:
             said.append(f"{len(failed) - 3} more trials failed")
         return "; ".join(said)
-
-
-# How long the status of a running job may be unreadable before the driver gives up on it
-# (and says how to look it up); a job's own MaxRuntimeInSeconds is not shortened by this.
-PATIENCE_SECONDS = 15 * 60
 
 
 class SageMakerBackend:
@@ -213,8 +215,8 @@ class SageMakerBackend:
 
     def run_processing(self, job: ProcessingJob) -> JobResult:
         request = self.request(job)
-        described, log = self._submit_and_wait("processing", job.name, request)
-        result = self._result("processing", job.name, described, log)
+        followed = self._submit_and_wait("processing", job.name, request)
+        result = self._result("processing", job.name, followed)
         if result.status == "Completed":
             empty = [
                 p
@@ -233,8 +235,9 @@ class SageMakerBackend:
         request = self.request(job)
         if keep_alive_refused(job):
             self.say(job.name, keep_alive_refused(job))
-        described, log = self._submit_and_wait("training", job.name, request)
-        result = self._result("training", job.name, described, log)
+        followed = self._submit_and_wait("training", job.name, request)
+        described = followed.described
+        result = self._result("training", job.name, followed)
         pool = self._warm_pool(job.name, request, described)
         if pool:
             result.details["warm_pool"] = pool
@@ -262,9 +265,10 @@ class SageMakerBackend:
         if keep_alive_refused(job):
             self.say(job.name, keep_alive_refused(job))
         trials = Trials(self, job)
-        described, _ = self._submit_and_wait("tuning", job.name, request, on_poll=trials.tidy)
-        summaries = trials.tidy(described) if described.get("Status") in TERMINAL else []
-        result = self._result("tuning", job.name, described, [])
+        followed = self._submit_and_wait("tuning", job.name, request, on_poll=trials.tidy)
+        described = followed.described
+        summaries = trials.tidy(described) if described else []  # none: no job was created
+        result = self._result("tuning", job.name, followed)
         result.billing = self._trials_billed(job.name, summaries or [])
         best = described.get("BestTrainingJob") or {}
         config = request["HyperParameterTuningJobConfig"]
@@ -366,9 +370,10 @@ class SageMakerBackend:
         with self._lock:
             active = dict(self._active)
         for name, kind in active.items():
-            self._stop(name, kind)
+            self.stop_job(name, kind)
 
-    def _stop(self, name: str, kind: str) -> None:
+    def stop_job(self, name: str, kind: str) -> None:
+        """Ask SageMaker to stop one job; said, and a refusal said too."""
         api = KINDS[kind]
         try:
             self._call(api.stop, **{api.name_member: name})
@@ -382,166 +387,58 @@ class SageMakerBackend:
 
     # -- submitting and waiting ------------------------------------------------------------------
 
-    def _describe(self, kind: str, name: str) -> dict:
+    def describe_job(self, kind: str, name: str) -> dict:
+        """SageMaker's Describe* answer for a job, as it gave it."""
         api = KINDS[kind]
-        described = self._call(api.describe, **{api.name_member: name})
-        return {**described, "Status": described[api.status_member]}
+        return self._call(api.describe, **{api.name_member: name})
 
-    def _ours_after_all(
-        self, kind: str, name: str, request: dict, error: Exception
-    ) -> tuple[str | None, str]:
-        """A create that failed, and the job SageMaker may have made of it all the same.
-
-        CreateTrainingJob, CreateProcessingJob and CreateHyperParameterTuningJob take no
-        client token (only CreateModelPackage has an idempotencyToken member in botocore's
-        sagemaker service-2.json), and botocore retries a call whose connection dropped
-        (botocore/retries/standard.py: ConnectionError and HTTPClientError are transient): a
-        create that SageMaker carried out but whose answer was lost is sent again, and the
-        retry is refused with ResourceInUse ("a training job with this name already exists").
-        That job runs and bills. So a ResourceInUse to a retry, or a dropped connection, is
-        followed by a Describe of the name: a job that shows this very request (`_not_ours`:
-        its role, image, every S3 location, its arguments, hyperparameters and environment; its
-        S3 locations lie in this run's tree) is adopted and followed as if the create had
-        answered; any other is refused, saying why. Returns (what to say of the adopted job,
-        or None; the reason)."""
-        from botocore import xform_name
-        from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
-
-        response = getattr(error, "response", None) or {}
-        code = response.get("Error", {}).get("Code", "")
-        # botocore records how many times it resent the call (endpoint.py: "We want to share
-        # num retries, not num attempts": ResponseMetadata.RetryAttempts). A ResourceInUse to
-        # the first attempt means the name was taken before this call: that job is not ours.
-        retried = response.get("ResponseMetadata", {}).get("RetryAttempts", 0)
-        if not (code == "ResourceInUse" and retried) and not isinstance(error, HTTPClientError):
-            return None, ""
-        try:
-            described = self._describe(kind, name)
-        except ClientError:  # no job of that name: the create was not carried out
-            return None, ""
-        except BotoCoreError as e:
-            api = KINDS[kind]
-            return None, (
-                f"; whether SageMaker created it could not be read ({e}): "
-                f"`aws sagemaker {xform_name(api.describe, '-')} "
-                f"--{xform_name(api.name_member, '-')} {name}` tells"
-            )
-        differences = _not_ours(kind, request, described)
-        if differences:
-            return None, (
-                f"; the {kind} job {name} that exists is not this request "
-                f"({'; '.join(differences)})"
-            )
-        lost = "its retry was refused" if code == "ResourceInUse" else "its answer was lost"
-        describe = KINDS[kind].describe
-        return f"{kind} job created ({lost}; {describe} shows this very request: adopted)", ""
-
-    def _submit_and_wait(
-        self, kind: str, name: str, request: dict, on_poll=None
-    ) -> tuple[dict, list[str]]:
-        """Create the job and follow it to its end: its status and log each poll, `on_poll`
-        (a tuning job's housekeeping) after each. An error while following it (throttling
-        beyond botocore's retries, expired credentials, a missing logs: permission) is said and
-        the following goes on: the job runs on SageMaker whatever this process reads of it."""
+    def _submit_and_wait(self, kind: str, name: str, request: dict, on_poll=None) -> Followed:
+        """Create the job and follow it to its end (pipeline/backends/following.py). An error
+        while following it (throttling beyond botocore's retries, expired credentials, a
+        missing logs: permission) is said and the following goes on: the job runs on
+        SageMaker whatever this process reads of it."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         start = time.time()
-        problems = refused(kind, request)
+        problems = refused(KINDS[kind].create, request)
         if problems:  # what AWS would answer, said before anything is sent
             reason = "SageMaker would refuse the request: " + "; ".join(problems)
-            return {"Status": "Failed", "FailureReason": reason, "_start": start}, []
+            return Followed("Failed", {}, start, reason=reason)
         try:
             self._call(KINDS[kind].create, **request)
             created = f"{kind} job created"
         except (ClientError, BotoCoreError) as e:
-            created, why = self._ours_after_all(kind, name, request, e)
+            created, why = ours_after_all(kind, name, request, e, self.describe_job)
             if created is None:
-                reason = f"SageMaker refused the job: {e}{why}"
-                return {"Status": "Failed", "FailureReason": reason, "_start": start}, []
+                return Followed("Failed", {}, start, reason=f"SageMaker refused the job: {e}{why}")
         with self._lock:
             self._active[name] = kind
         self.say(name, created)
-        log: list[str] = []
-        follow = Following(self, kind, name, start)
+        following = Following(self, kind, name, start)
         try:
-            while True:
-                described = follow.describe()
-                follow.read_logs(log)
-                if described is not None and on_poll is not None:
-                    follow.guarded("tidy its trials", on_poll, described)
-                if described is not None and described["Status"] in TERMINAL:
-                    follow.read_logs(log)
-                    break
-                if follow.given_up():
-                    described = follow.lost()
-                    break
-                time.sleep(follow.pause())
+            return following.to_the_end(on_poll)
         except BaseException:
             # The driver is stopping (Ctrl-C, SIGTERM): so does its job, and what it logged
             # so far is kept with the run.
-            self._stop(name, kind)
-            self.store.put_bytes(self.run.log(name), ("\n".join(log) + "\n").encode())
+            self.stop_job(name, kind)
+            self.store.put_bytes(self.run.log(name), ("\n".join(following.log) + "\n").encode())
             raise
         finally:
             with self._lock:
                 self._active.pop(name, None)
-        described["_start"] = start
-        return described, log
 
-    def _read_logs(self, kind: str, name: str, tokens: dict, log: list[str]) -> None:
-        """New lines of the job's CloudWatch log streams, echoed and kept for the run tree."""
-        group = LOG_GROUPS.get(kind)
-        if group is None or self.logs is None:
-            return
-        from botocore.exceptions import ClientError
-
-        try:
-            streams = self.logs.describe_log_streams(
-                logGroupName=group, logStreamNamePrefix=f"{name}/"
-            ).get("logStreams", [])
-            for stream in streams:
-                stream_name = stream["logStreamName"]
-                args = {"logGroupName": group, "logStreamName": stream_name, "startFromHead": True}
-                if stream_name in tokens:
-                    args["nextToken"] = tokens[stream_name]
-                while True:
-                    page = self.logs.get_log_events(**args)
-                    host = stream_name.split("/", 1)[-1].rsplit("-", 1)[0]
-                    for event in page.get("events", []):
-                        line = event["message"].rstrip("\n")
-                        line = f"{host}: {line}" if len(streams) > 1 else line  # whose line
-                        log.append(line)
-                        self.say(name, line)
-                    token = page.get("nextForwardToken")
-                    if not page.get("events") or token == args.get("nextToken"):
-                        tokens[stream_name] = token or args.get("nextToken", "")
-                        break
-                    args["nextToken"] = tokens[stream_name] = token
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") != "ResourceNotFoundException":
-                raise
-
-    def log_tail(self, name: str, lines: int = TAIL_LINES) -> list[str]:
-        """The last lines a training job (a tuning trial) wrote to CloudWatch, or []."""
-        log: list[str] = []
-        try:
-            self._read_logs("training", name, {}, log)
-        except Exception:  # noqa: BLE001 - a tail is a courtesy; the reason is said without it
-            return []
-        return [line for line in log if line.strip()][-lines:]
-
-    def _result(self, kind: str, name: str, described: dict, log: list[str]) -> JobResult:
-        status = described["Status"]
+    def _result(self, kind: str, name: str, followed: Followed) -> JobResult:
+        status, described = followed.status, followed.described
         log_key = self.run.log(name)
-        self.store.put_bytes(log_key, ("\n".join(log) + "\n").encode())
+        self.store.put_bytes(log_key, ("\n".join(followed.log) + "\n").encode())
         reason = None
         if status != "Completed":
             parts = [f"{kind} job {name} ended {status}"]
-            if described.get("FailureReason"):
-                parts.append(f"FailureReason: {described['FailureReason']}")
+            if followed.failure_reason:
+                parts.append(f"FailureReason: {followed.failure_reason}")
             if described.get("ExitMessage"):
                 parts.append(f"ExitMessage: {described['ExitMessage']}")
-            tail = [line for line in log if line.strip()][-TAIL_LINES:]
+            tail = [line for line in followed.log if line.strip()][-TAIL_LINES:]
             if tail:
                 parts.append("last log lines: " + " | ".join(tail))
             reason = "; ".join(parts)
@@ -549,7 +446,7 @@ class SageMakerBackend:
             name=name,
             status={"Completed": "Completed", "Stopped": "Stopped"}.get(status, "Failed"),
             failure_reason=reason,
-            start_time=described["_start"],
+            start_time=followed.start,
             end_time=time.time(),
             log_key=log_key,
             billing=billed(kind, described),
@@ -566,6 +463,8 @@ class SageMakerBackend:
                 f"the job completed but left no model.tar.gz at {artifacts or '(none)'}"
             )
             return
+        # /opt/ml/output/data is uploaded compressed (model-train-storage-uncompressed.html) as
+        # output.tar.gz beside the model.tar.gz the job reported: read where SageMaker put it.
         output_key = model_key.rsplit("/", 1)[0] + "/output.tar.gz"
         from botocore.exceptions import BotoCoreError, ClientError
 
@@ -586,89 +485,6 @@ class SageMakerBackend:
             result.failure_reason = f"the job completed but its output could not be adopted: {e}"
 
 
-def _identity(kind: str, message: dict) -> dict:
-    """What makes a Create* request this run's own, read alike from the request and from the
-    Describe* answer (which repeats the request's members under the same names, botocore's
-    sagemaker service-2.json): field -> value; maps of hyperparameters and environment compared
-    key by key (SageMaker may add keys of its own to what it reports, never change ours)."""
-    if kind == "processing":
-        app = message.get("AppSpecification") or {}
-        inputs = message.get("ProcessingInputs")
-        outputs = (message.get("ProcessingOutputConfig") or {}).get("Outputs")
-        return {
-            "RoleArn": message.get("RoleArn"),
-            "AppSpecification.ImageUri": app.get("ImageUri"),
-            "AppSpecification.ContainerArguments": app.get("ContainerArguments"),
-            "ProcessingInputs": None
-            if inputs is None
-            else {i.get("InputName"): (i.get("S3Input") or {}).get("S3Uri") for i in inputs},
-            "ProcessingOutputConfig.Outputs": None
-            if outputs is None
-            else {o.get("OutputName"): (o.get("S3Output") or {}).get("S3Uri") for o in outputs},
-            "Environment": message.get("Environment"),
-        }
-    tuning = kind == "tuning"
-    definition = (message.get("TrainingJobDefinition") or {}) if tuning else message
-    channels = definition.get("InputDataConfig")
-    return {
-        "RoleArn": definition.get("RoleArn"),
-        "AlgorithmSpecification.TrainingImage": (
-            definition.get("AlgorithmSpecification") or {}
-        ).get("TrainingImage"),
-        "InputDataConfig": None
-        if channels is None
-        else {
-            c.get("ChannelName"): ((c.get("DataSource") or {}).get("S3DataSource") or {}).get(
-                "S3Uri"
-            )
-            for c in channels
-        },
-        "OutputDataConfig.S3OutputPath": (definition.get("OutputDataConfig") or {}).get(
-            "S3OutputPath"
-        ),
-        "CheckpointConfig.S3Uri": (definition.get("CheckpointConfig") or {}).get("S3Uri"),
-        "StaticHyperParameters" if tuning else "HyperParameters": definition.get(
-            "StaticHyperParameters" if tuning else "HyperParameters"
-        ),
-        "Environment": definition.get("Environment"),
-    }
-
-
-# What a Describe* answer must report for a job to be recognised as ours at all.
-IDENTIFYING = ("RoleArn", "AppSpecification.ImageUri", "AlgorithmSpecification.TrainingImage")
-
-
-def _not_ours(kind: str, request: dict, described: dict) -> list[str]:
-    """How the job SageMaker describes differs from the request we sent; [] when it is ours.
-    A member the answer does not report is no evidence either way, but the role and image
-    must be there."""
-    sent, seen = _identity(kind, request), _identity(kind, described)
-    said = [f for f in IDENTIFYING if f in sent and sent[f] is not None and seen.get(f) is None]
-    if said:
-        return [f"{', '.join(said)} not reported"]
-    differences = []
-    for field, ours in sent.items():
-        theirs = seen.get(field)
-        if ours is None or theirs is None:
-            continue
-        if isinstance(ours, dict) and field in (
-            "HyperParameters",
-            "StaticHyperParameters",
-            "Environment",
-        ):
-            changed = sorted(k for k, v in ours.items() if theirs.get(k) != v)
-            if changed:
-                differences.append(f"{field} differs at {', '.join(changed)}")
-        elif ours != theirs:
-            differences.append(f"{field} is {_shown(theirs)}, not {_shown(ours)}")
-    return differences
-
-
-def _shown(value) -> str:
-    text = json.dumps(value, default=str)
-    return text if len(text) <= 120 else text[:100] + "..."
-
-
 def _pool_said(status: str | None, asked: int) -> str:
     """A training job's warm pool as it ended (train-warm-pools.html: Available while kept;
     Terminated when none could be kept: "The default resource limit for warm pools is 0")."""
@@ -684,108 +500,6 @@ def _pool_said(status: str | None, asked: int) -> str:
             "[training] KEEP_ALIVE_SECONDS = 0 stops asking"
         )
     return f"warm pool {status or 'not reported'} ([training] KEEP_ALIVE_SECONDS = {asked})"
-
-
-class Following:
-    """What the driver reads of one job while it runs, and what it does when reading fails:
-    each kind of failure said once, the pause between polls doubled up to a minute, the logs
-    given up for this job on a permission error, the job given up after PATIENCE_SECONDS of
-    unreadable status (it is asked to stop: nobody would see its end)."""
-
-    def __init__(self, backend: SageMakerBackend, kind: str, name: str, start: float) -> None:
-        self.backend, self.kind, self.name, self.start = backend, kind, name, start
-        self.tokens: dict[str, str] = {}
-        self.shown, self.last_shown = None, 0.0
-        self.failing_since: float | None = None
-        self.last_error = ""
-        self.logs_off = False
-        self.said: set[str] = set()
-
-    def _say_once(self, what: str, error: Exception) -> None:
-        code = getattr(error, "response", {}).get("Error", {}).get("Code", type(error).__name__)
-        if (what, code) not in self.said:
-            self.said.add((what, code))
-            self.backend.say(
-                self.name, f"could not {what}: {error}; the job goes on, and so does the driver"
-            )
-
-    def guarded(self, what: str, call, *args):
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
-            return call(*args)
-        except (ClientError, BotoCoreError) as e:
-            self._say_once(what, e)
-            return None
-
-    def describe(self) -> dict | None:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
-            described = self.backend._describe(self.kind, self.name)
-        except (ClientError, BotoCoreError) as e:
-            self._say_once("read its status", e)
-            self.failing_since = self.failing_since or time.time()
-            self.last_error = str(e)
-            return None
-        self.failing_since = None
-        self._show(described)
-        return described
-
-    def _show(self, described: dict) -> None:
-        state = (
-            described["Status"],
-            described.get("SecondaryStatus"),
-            json.dumps(described.get("TrainingJobStatusCounters"), default=str),
-        )
-        if state == self.shown and time.time() - self.last_shown <= 60:
-            return
-        extra = f" / {state[1]}" if state[1] else ""
-        counters = described.get("TrainingJobStatusCounters")
-        if self.kind == "tuning" and counters:
-            extra += " (trials: " + ", ".join(f"{k} {v}" for k, v in counters.items() if v) + ")"
-        self.backend.say(self.name, f"{state[0]}{extra}, {time.time() - self.start:.0f}s")
-        self.shown, self.last_shown = state, time.time()
-
-    def read_logs(self, log: list[str]) -> None:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        if self.logs_off:
-            return
-        try:
-            self.backend._read_logs(self.kind, self.name, self.tokens, log)
-        except (ClientError, BotoCoreError) as e:
-            self._say_once("read its CloudWatch log", e)
-            code = getattr(e, "response", {}).get("Error", {}).get("Code", "")
-            if "AccessDenied" in code or "Unrecognized" in code:
-                self.logs_off = True  # a permission does not come back by asking again
-
-    def pause(self) -> float:
-        if self.failing_since is None:
-            return self.backend.poll_seconds
-        failing = time.time() - self.failing_since
-        return min(60.0, max(self.backend.poll_seconds, failing / 4))
-
-    def given_up(self) -> bool:
-        return (
-            self.failing_since is not None
-            and time.time() - self.failing_since > self.backend.patience_seconds
-        )
-
-    def lost(self) -> dict:
-        from botocore import xform_name
-
-        self.backend._stop(self.name, self.kind)
-        minutes = (time.time() - self.failing_since) / 60
-        api = KINDS[self.kind]  # the AWS CLI's spelling of the operation and its name member
-        how = f"{xform_name(api.describe, '-')} --{xform_name(api.name_member, '-')} {self.name}"
-        return {
-            "Status": "Failed",
-            "FailureReason": (
-                f"its status could not be read for {minutes:.0f} minutes ({self.last_error}); "
-                f"it was asked to stop; `aws sagemaker {how}` tells how it ended"
-            ),
-        }
 
 
 def _regular_files(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo | None:

@@ -6,8 +6,9 @@ import json
 import math
 import time
 
-from steps.contract import run_step, training_env
 from steps.metrics import metric_line
+from steps.runtime.environment import training_env
+from steps.runtime.step import run_step
 
 
 def quality(learning_rate: float) -> float:

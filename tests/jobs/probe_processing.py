@@ -4,7 +4,8 @@ import json
 import os
 import sys
 
-from steps.contract import processing_input, processing_output, run_step
+from steps.runtime.environment import processing_input, processing_output
+from steps.runtime.step import run_step
 
 
 def main():

@@ -13,7 +13,8 @@ import struct
 import sys
 import time
 
-from steps.contract import processing_output, run_step
+from steps.runtime.environment import processing_output
+from steps.runtime.step import run_step
 
 
 def main():

@@ -6,7 +6,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from steps.contract import run_step, training_env
+from steps.runtime.environment import training_env
+from steps.runtime.step import run_step
 
 
 def main():

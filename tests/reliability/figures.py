@@ -1,4 +1,4 @@
-"""The figures of the README's "Runs you can trust" table, as the tests count them.
+"""The figures of the "Runs you can trust" table (docs/trust.md), as the tests count them.
 
 A test that measures a figure records it here as it runs: build/figures/<name>.json, one file
 per figure (the suite's workers never write the same one), holding the values, the test and

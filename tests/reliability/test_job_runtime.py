@@ -31,12 +31,12 @@ import psutil
 import pytest
 
 from pipeline.backends.local import WORK_PREFIX, LocalBackend
-from pipeline.backends.warm_start import IDLE
 from pipeline.errors import PipelineError
 from pipeline.jobs import ProcessingJob
 from pipeline.paths import ExperimentTree
+from pipeline.player.fork_client import IDLE
 from pipeline.store import LocalStore, S3Store, upload_dir
-from steps.entrypoint import ENTRYPOINT, ML_ROOT_VARIABLE, WANDB_SECRET_VARIABLE
+from steps.runtime.names import ENTRYPOINT, ML_ROOT_VARIABLE, WANDB_SECRET_VARIABLE
 from tests.conftest import ROOT, ship_code, write_settings
 from tests.reliability.test_lifecycle import Driver, job_folders, record
 from tests.reliability.test_user_code import REST
@@ -128,8 +128,8 @@ def test_a_job_whose_user_module_left_a_thread_ends_with_its_work_cold_and_warm(
     said = echo.getvalue()
     assert [r.status for r in results] == ["Completed", "Completed"], said
     starters = [json.loads(line) for line in seen.read_text().splitlines()]
-    assert not any("warm_start.py" in part for part in starters[0])  # cold: a new interpreter
-    assert any("warm_start.py" in part for part in starters[1]), starters  # forked warm
+    assert not any("fork_server.py" in part for part in starters[0])  # cold: a new interpreter
+    assert any("fork_server.py" in part for part in starters[1]), starters  # forked warm
     assert said.count("thread(s) still running are not waited for: 'user-logger'") == 2, said
 
 
@@ -185,7 +185,7 @@ def test_a_driver_stopped_mid_job_ends_though_the_user_module_left_a_thread(
     children = psutil.Process(driver.proc.pid).children(recursive=True)
     driver.proc.send_signal(signal.SIGTERM)
     assert driver.finish(timeout=120) == 130, driver.output
-    assert any("warm_start.py" in part for part in starter) == (start == "warm"), starter
+    assert any("fork_server.py" in part for part in starter) == (start == "warm"), starter
     assert "run 0001 interrupted" in driver.output
     assert record(tmp_path)["status"] == "interrupted"
     _, alive = psutil.wait_procs(children, timeout=30)
@@ -207,7 +207,7 @@ STUBBORN = """
 import signal
 import time
 
-from steps.contract import run_step
+from steps.runtime.step import run_step
 
 
 def main():

@@ -10,7 +10,8 @@ import os
 import textwrap
 
 from pipeline.store import upload_dir
-from steps.entrypoint import EXTRA_SECRETS_VARIABLE, redact, secret_values
+from steps.runtime.names import EXTRA_SECRETS_VARIABLE
+from steps.runtime.secrets import redact, secret_values
 from tests.reliability.figures import record
 from tests.test_local_backend import backend, probe_processing
 from tests.test_resume import HPS, job_root, start

@@ -194,7 +194,7 @@ def test_the_shipped_settings_still_validate():
     """The bounds and checks above refuse nothing of the shipped file, and take nothing from
     it: every key is applied as written (the secrets' names are redacted in the copy a run
     keeps)."""
-    from pipeline.config import SECRET_KEY_RE
+    from pipeline.config_file import SECRET_KEY_RE
     from pipeline.history import settings_changes
 
     settings = load_settings(ROOT / "settings.ini", {})

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import Categorical
 from pipeline.jobs import JobResult, TrainingJob, TuningJob
 from pipeline.paths import ExperimentTree
+from pipeline.search_space import Categorical
 from pipeline.store import LocalStore
 from steps import checkpointing as ckpt
 from steps.metrics import DEFINITIONS, METRICS, metric_line

@@ -1,9 +1,9 @@
-"""The container contract, read from the environment only.
+"""What a step script calls around its work: `run_step(name, main)` (the failure file, the
+finished marker, the exit) and `write_step_metadata` (its Metadata section).
 
-Training jobs get SageMaker's own variables (SM_MODEL_DIR, SM_CHANNEL_<NAME>, SM_HPS, ...),
-set by SageMaker's training drivers or, locally, by the local backend. Processing jobs get
-SM_PROCESSING_INPUT_<NAME> / SM_PROCESSING_OUTPUT_<NAME>, which both backends set to the
-directories they mount. No step script names an /opt/ml path itself.
+Every step ends the same way, as sagemaker-training-toolkit's trainer.py ends a training job:
+an exception becomes the one-paragraph reason in SageMaker's failure file, and the process
+leaves without waiting forever for threads user code left running.
 """
 
 from __future__ import annotations
@@ -16,76 +16,15 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
-# Exit status a job uses to say "interrupted, resume me" (SIGTERM from a spot reclaim).
-EXIT_INTERRUPTED = 75  # EX_TEMPFAIL
-
-
-def _env(name: str) -> str:
-    try:
-        return os.environ[name]
-    except KeyError:
-        raise RuntimeError(f"the container contract is missing ${name}") from None
-
-
-@dataclass(frozen=True)
-class TrainingEnv:
-    model_dir: Path
-    output_data_dir: Path
-    checkpoint_dir: Path
-    failure_file: Path
-    channels: dict[str, Path]
-    hyperparameters: dict[str, object]
-    hosts: list[str]
-    current_host: str
-    num_gpus: int
-    num_cpus: int
-    job_name: str
-
-
-def training_env() -> TrainingEnv:
-    channels = json.loads(_env("SM_CHANNELS"))
-    training = json.loads(_env("SM_TRAINING_ENV"))
-    return TrainingEnv(
-        model_dir=Path(_env("SM_MODEL_DIR")),
-        output_data_dir=Path(_env("SM_OUTPUT_DATA_DIR")),
-        checkpoint_dir=Path(_env("SM_CHECKPOINT_DIR")),
-        failure_file=Path(_env("SM_OUTPUT_FAILURE")),
-        channels={c: Path(_env(f"SM_CHANNEL_{c.upper()}")) for c in channels},
-        hyperparameters=json.loads(_env("SM_HPS")),
-        hosts=json.loads(_env("SM_HOSTS")),
-        current_host=_env("SM_CURRENT_HOST"),
-        num_gpus=int(_env("SM_NUM_GPUS")),
-        num_cpus=int(_env("SM_NUM_CPUS")),
-        job_name=training.get("job_name", ""),
-    )
-
-
-def processing_input(name: str) -> Path:
-    return Path(_env(f"SM_PROCESSING_INPUT_{name.upper()}"))
-
-
-def processing_output(name: str) -> Path:
-    path = Path(_env(f"SM_PROCESSING_OUTPUT_{name.upper()}"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def failure_file() -> Path | None:
-    value = os.environ.get("SM_OUTPUT_FAILURE")
-    return Path(value) if value else None
-
-
-# Written when a step's main() has returned: a step that exits 0 without it (os._exit in user
-# code) ended before its work was done, and the entrypoint fails the job.
-FINISHED = "finished"
+from steps.runtime import names
+from steps.runtime.environment import failure_file
 
 
 def finished_marker() -> Path | None:
     failure = failure_file()
-    return failure.parent / FINISHED if failure else None
+    return failure.parent / names.FINISHED if failure else None
 
 
 def run_step(step: str, main) -> None:
@@ -95,7 +34,7 @@ def run_step(step: str, main) -> None:
     try:
         main()
         marker = finished_marker()  # each host's container has its own: its first process
-        if marker is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        if marker is not None and int(os.environ.get(names.LOCAL_RANK, "0")) == 0:
             marker.write_text(step)
         code = 0
     except SystemExit as e:  # a step's own status (train's 75 after a checkpoint on SIGTERM)
@@ -104,9 +43,9 @@ def run_step(step: str, main) -> None:
         traceback.print_exc()
         reason = f"{step}: {type(e).__name__}: {e}"
         path = failure_file()
-        if path is not None and int(os.environ.get("RANK", "0")) == 0:
+        if path is not None and int(os.environ.get(names.RANK, "0")) == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(reason[:1024])
+            path.write_text(reason[: names.FAILURE_REASON_LIMIT])
         code = 1
     end_process(code)
 
@@ -130,7 +69,7 @@ THREAD_GRACE_SECONDS = 2.0
 def end_process(code: int, grace: float = THREAD_GRACE_SECONDS) -> None:
     """End this process with `code`. The interpreter's own exit when every thread has ended
     within `grace` seconds (modules torn down, their files closed; garbage frozen first, not
-    collected: the objects torch and transformers made cost a second of a training job).
+    collected: collecting what torch and transformers made is slow, docs/performance.md).
     Otherwise the threads still running are named in the log and left behind: the
     interpreter would join them forever, and so would the job, its driver and whoever stops
     them. The step's own teardown still runs first, in the interpreter's order (atexit
@@ -141,21 +80,25 @@ def end_process(code: int, grace: float = THREAD_GRACE_SECONDS) -> None:
     if not left:
         gc.freeze()
         sys.exit(code)
-    names = ", ".join(sorted(repr(t.name) for t in left))
+    names_left = ", ".join(sorted(repr(t.name) for t in left))
     print(
-        f"the step is over; {len(left)} thread(s) still running are not waited for: {names}",
+        f"the step is over; {len(left)} thread(s) still running are not waited for: {names_left}",
         file=sys.stderr,
         flush=True,
     )
     try:
         atexit._run_exitfuncs()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+        flush_streams()
         os._exit(code & 0xFF)
+
+
+def flush_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
 
 
 def join_threads(seconds: float) -> list[threading.Thread]:
@@ -185,4 +128,5 @@ def join_threads(seconds: float) -> list[threading.Thread]:
 def write_step_metadata(directory: Path, section: dict) -> None:
     """What a step reports for its Metadata section; the driver picks it up from the output."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "step_metadata.json").write_text(json.dumps(section, indent=2, default=str))
+    text = json.dumps(section, indent=2, default=str)
+    (directory / names.STEP_METADATA_FILE).write_text(text)

@@ -1,0 +1,257 @@
+"""What no one section of the settings can check alone: the rules across sections, what the
+sagemaker backend and a tuning job need of the others, and each setting that becomes a field
+of a SageMaker request against that field's limits in the service model
+(pipeline/service_model.py), said by section and key before any plan is made.
+
+pipeline/config.py calls `across_sections` and `sagemaker_limits` with its sections as typed
+models (`parsed`), each model's searched ranges (`spaces`: model -> its section, its ranges)
+and the ranges its own section sets (`own`); a section with problems of its own is not in
+`parsed`, and its rules here are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel
+
+from pipeline.errors import log
+from pipeline.search_space import SECTION as HP
+from pipeline.search_space import Categorical, Interval, Tunable
+from pipeline.service_model import check_value, shape
+from steps.metrics import DEFINITIONS as METRIC_DEFINITIONS
+
+
+def across_sections(
+    parsed: dict[str, BaseModel],
+    spaces: dict[str, tuple[str, dict[str, Tunable]]],
+    own: dict[str, dict[str, Tunable]],
+    metrics: dict[str, str],
+) -> list[str]:
+    """What no one section can check alone, as one flat list of rules, each a few lines (the
+    backend's and the tuning job's apart). `spaces`: each model's section and searched ranges,
+    `own`: the ranges its own section sets."""
+    problems: list[str] = []
+    if "data" in parsed:
+        d = parsed["data"]
+        total = d.train_fraction + d.validation_fraction + d.test_fraction
+        if abs(total - 1.0) > 1e-6:
+            problems.append(
+                "[data] TRAIN_FRACTION + VALIDATION_FRACTION + TEST_FRACTION must sum to 1 "
+                f"(got {total:g})"
+            )
+    problems += _sagemaker_needs(parsed)
+    problems += _tuning_needs(parsed, spaces, own)
+    if "tuning" in parsed and parsed["tuning"].objective_metric not in metrics:
+        problems.append(
+            f"[tuning] OBJECTIVE_METRIC: {parsed['tuning'].objective_metric!r} is not a metric "
+            f"(train.py prints {', '.join(METRIC_DEFINITIONS)}; [tuning.metric_definitions] "
+            f"defines {', '.join(k for k in metrics if k not in METRIC_DEFINITIONS) or 'no other'})"
+        )
+    if "training" in parsed and "inference" in parsed:
+        formats, needed = parsed["training"].exports, parsed["inference"].model_format
+        if formats and needed not in formats:
+            problems.append(
+                f"[training] EXPORTS ({', '.join(formats)}) leaves out {needed}, the program "
+                f"[inference] MODEL_FORMAT runs: add it, or leave EXPORTS empty"
+            )
+    if "training" in parsed:
+        t = parsed["training"]
+        if t.instance_count > 1 and not t.use_distributed:
+            problems.append("[training] INSTANCE_COUNT > 1 needs USE_DISTRIBUTED = true")
+        if t.use_spot and t.max_wait_seconds < t.max_run_seconds:
+            problems.append(
+                f"[training] MAX_WAIT_SECONDS ({t.max_wait_seconds}) must be at least "
+                f"MAX_RUN_SECONDS ({t.max_run_seconds}): SageMaker's MaxWaitTimeInSeconds "
+                "includes the run"
+            )
+    return problems
+
+
+def _sagemaker_needs(parsed: dict[str, BaseModel]) -> list[str]:
+    """What the sagemaker backend needs of the other sections."""
+    problems: list[str] = []
+    if not ("experiment" in parsed and parsed["experiment"].backend == "sagemaker"):
+        return problems
+    e = parsed["experiment"]
+    if not e.store.startswith("s3://"):
+        problems.append("[experiment] STORE: the sagemaker backend needs an s3:// store")
+    if not e.role_arn.startswith("arn:"):
+        problems.append("[experiment] ROLE_ARN: the sagemaker backend needs an IAM role ARN")
+    if not e.image_uri:
+        problems.append(
+            "[experiment] IMAGE_URI: the sagemaker backend needs the image built from docker/"
+        )
+    tracking = parsed.get("tracking")
+    if tracking and tracking.wandb_mode == "online" and not tracking.wandb_secret_id:
+        problems.append(
+            "[tracking] WANDB_MODE = online on the sagemaker backend needs WANDB_SECRET_ID: "
+            "a SageMaker job has no WANDB_API_KEY of its own (set the secret, or "
+            "WANDB_MODE = offline)"
+        )
+    return problems
+
+
+def _tuning_needs(
+    parsed: dict[str, BaseModel],
+    spaces: dict[str, tuple[str, dict[str, Tunable]]],
+    own: dict[str, dict[str, Tunable]],
+) -> list[str]:
+    """What JOB = tune needs of the ranges and of [tuning]."""
+    problems: list[str] = []
+    if not ("experiment" in parsed and parsed["experiment"].job == "tune"):
+        return problems
+    grid = "tuning" in parsed and parsed["tuning"].strategy == "Grid"
+    for model, (section, tunables) in spaces.items():
+        if not tunables:
+            problems.append(
+                f"[{HP}]: JOB = tune needs at least one tunable (a->b or x,y,z) for {model}"
+            )
+        ranges = [(k, v) for k, v in tunables.items() if isinstance(v, Interval)]
+        for key, value in ranges if grid else ():
+            where = section if key in own.get(model, {}) else HP
+            problem = (
+                f"[{where}] {key.upper()}: STRATEGY = Grid takes categorical options only "
+                f"(x,y,z), not {value.render()}"
+            )
+            if problem not in problems:  # a shared range is one problem, not one per model
+                problems.append(problem)
+    if (
+        "tuning" in parsed
+        and parsed["tuning"].strategy == "Hyperband"
+        and parsed["tuning"].early_stopping == "Auto"
+    ):
+        problems.append(
+            "[tuning] EARLY_STOPPING: Hyperband stops trials early by itself; set "
+            "EARLY_STOPPING = Off (SageMaker refuses both)"
+        )
+    if "tuning" in parsed:
+        problems += _tuning_limits(parsed["tuning"], spaces, own)
+    return problems
+
+
+# Automatic model tuning's resource limits (https://docs.aws.amazon.com/sagemaker/latest/dg/
+# automatic-model-tuning-limits.html; pipeline/service_model.py TRAINING_JOBS_LIMIT checks the
+# request too): "Number of training jobs per hyperparameter tuning job" is 750 for "[Bayesian
+# optimization]", "[Hyperband]" and "[Grid] ..., either specified explicitly or inferred from
+# the search space", none of them increasable; "[Random search]" 750, "Can be increased to"
+# 10000 ([tuning] MAX_JOBS's own bound). Checked on every backend, as every SageMaker limit
+# is: the same settings run anywhere. Hyperband's MaxResource ("The maximum value is 20,000
+# epochs") is a trial's most epochs, which [training] EPOCHS bounds at 10,000.
+TRAINING_JOBS_PER_TUNING_JOB = 750
+RANDOM_TRAINING_JOBS_PER_TUNING_JOB = 10_000
+LIMITS_PAGE = "automatic-model-tuning-limits.html"
+
+
+def _tuning_limits(
+    tuning: BaseModel,
+    spaces: dict[str, tuple[str, dict[str, Tunable]]],
+    own: dict[str, dict[str, Tunable]],
+) -> list[str]:
+    """[tuning] MAX_JOBS, and a grid's combinations, against SageMaker's training jobs per
+    tuning job; a Random search past 750 is said to need a quota increase."""
+    problems: list[str] = []
+    limit, strategy = TRAINING_JOBS_PER_TUNING_JOB, tuning.strategy
+    if strategy in ("Bayesian", "Hyperband") and tuning.max_jobs > limit:
+        problems.append(
+            f"[tuning] MAX_JOBS: {tuning.max_jobs}; with STRATEGY = {strategy} SageMaker runs at "
+            f"most {limit} training jobs per hyperparameter tuning job, a limit that cannot be "
+            f"increased ({LIMITS_PAGE}); STRATEGY = Random goes up to "
+            f"{RANDOM_TRAINING_JOBS_PER_TUNING_JOB:,} with a quota increase"
+        )
+    if strategy == "Random" and tuning.max_jobs > limit:
+        log.warning(
+            f"warning: [tuning] MAX_JOBS = {tuning.max_jobs}: SageMaker's default limit is "
+            f'{limit} training jobs per tuning job with Random search; it "can be increased to" '
+            f"{RANDOM_TRAINING_JOBS_PER_TUNING_JOB:,} (Service Quotas, {LIMITS_PAGE})"
+        )
+    for model, (section, tunables) in spaces.items() if strategy == "Grid" else ():
+        options = {k: v.options for k, v in tunables.items() if isinstance(v, Categorical)}
+        combinations = math.prod(len(o) for o in options.values())
+        if combinations > limit:
+            keys = " x ".join(
+                f"[{section if k in own.get(model, {}) else HP}] {k.upper()} ({len(o)})"
+                for k, o in options.items()
+            )
+            problems.append(
+                f"{keys}: STRATEGY = Grid runs every combination, {combinations:,} for {model}; "
+                f"SageMaker runs at most {limit} training jobs per hyperparameter tuning job, "
+                f'"either specified explicitly or inferred from the search space" '
+                f"({LIMITS_PAGE}): fewer options, or STRATEGY = Random"
+            )
+    return problems
+
+
+# Settings that become one field of a SageMaker request: (section, key, the field's shape in
+# the service model, how the request writes the value). Every Environment value of a
+# processing job is at most 256 characters; each of these reaches the jobs as one.
+LIMITED = (
+    ("data", "instance_type", "ProcessingInstanceType", str),
+    ("inference", "instance_type", "ProcessingInstanceType", str),
+    ("training", "instance_type", "TrainingInstanceType", str),
+    ("training", "keep_alive_seconds", "KeepAlivePeriodInSeconds", int),
+    ("experiment", "role_arn", "RoleArn", str),
+    ("experiment", "image_uri", "AlgorithmImage", str),
+    ("experiment", "user_functions", "ProcessingEnvironmentValue", str),
+    ("tracking", "wandb_secret_id", "ProcessingEnvironmentValue", str),
+    ("tracking", "secret_variables", "ProcessingEnvironmentValue", ",".join),
+    ("hub", "token_secret_id", "ProcessingEnvironmentValue", str),
+    ("registry", "model_package_group", "EntityName", str),  # CreateModelPackageGroup's name
+)
+
+
+def sagemaker_limits(
+    parsed: dict[str, BaseModel],
+    spaces: dict[str, tuple[str, dict[str, Tunable]]],
+    own: dict[str, dict[str, Tunable]],
+    metrics: dict[str, str],
+) -> list[str]:
+    """Settings that become fields of a SageMaker request, against the limits of those fields
+    in the service model (pipeline/service_model.py): said here by key, before a plan is made.
+    `smpipe plan` checks the whole requests again."""
+    checks = [
+        (f"[{section}] {key.upper()}", kind, write(getattr(parsed[section], key)))
+        for section, key, kind, write in LIMITED
+        if section in parsed and getattr(parsed[section], key)  # empty: not sent
+    ]
+    for model, (section, tunables) in spaces.items():
+        for key, value in tunables.items():
+            if isinstance(value, Categorical):  # one problem per section that says it
+                where = section if key in own.get(model, {}) else HP
+                checks.append((f"[{where}] {key.upper()}", "ParameterValues", list(value.options)))
+    for name, regex in metrics.items():
+        checks.append((f"[tuning.metric_definitions] {name.upper()}", "MetricName", name))
+        checks.append((f"[tuning.metric_definitions] {name.upper()}", "MetricRegex", regex))
+    problems = [
+        f"{where}: {v.value!r} {_said(v.constraint, kind)}"
+        for where, kind, value in checks
+        for v in check_value(kind, value, where)
+    ]
+    if "models" in parsed:  # prepare and inference take the list as one ContainerArguments entry
+        joined, limit = (
+            ",".join(parsed["models"].model_names),
+            shape("ContainerArgument").metadata["max"],
+        )
+        if len(joined) > limit:
+            problems.append(
+                f"[models] MODEL_NAMES: {len(joined)} characters with the commas; SageMaker passes "
+                f"them to a job as one argument of at most {limit}"
+            )
+    if len(metrics) > 20:  # a tuning job's quota (automatic-model-tuning-limits.html)
+        problems.append(
+            f"[tuning.metric_definitions]: {len(metrics)} metrics; SageMaker's tuning jobs take "
+            "at most 20"
+        )
+    return list(dict.fromkeys(problems))
+
+
+def _said(constraint: str, shape_name: str) -> str:
+    """SageMaker's "Member must ..." as a sentence about a setting."""
+    if constraint.startswith("Member must satisfy enum value set"):
+        hint = (
+            constraint[constraint.rfind("(did you mean") :] if "(did you mean" in constraint else ""
+        )
+        return f"is not a value SageMaker accepts for {shape_name} {hint}".rstrip()
+    return constraint.replace("Member must", "must", 1).replace(
+        "have length less than or equal to", "have at most"
+    )

@@ -1,0 +1,86 @@
+"""The environment a job's container starts with, as SageMaker and Docker give it: a new
+container's (Docker's defaults and the base image's), the image's ENV (read from
+docker/Dockerfile, the job root in place of /opt/ml), and what SageMaker sets in a training
+container. The request's own Environment goes on top (processes.py `Containers.run`).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from steps.runtime.names import (
+    CONTAINER_ROOT,
+    CPU_BF16_VARIABLE,
+    ML_ROOT_VARIABLE,
+    TRAINING_JOB_ARN,
+    TRAINING_JOB_NAME,
+)
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = PROJECT_ROOT / "docker/Dockerfile"
+
+
+def dockerfile_instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
+    lines, current = [], ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not current and (not line or line.startswith("#")):
+            continue
+        current += " " + line.removesuffix("\\").strip() if current else line.removesuffix("\\")
+        if not line.endswith("\\"):
+            lines.append(current.strip())
+            current = ""
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def image_env(root: Path) -> dict[str, str]:
+    """The image's ENV, as a container of it sees it, with the job root in place of /opt/ml."""
+    env: dict[str, str] = {}
+    for instruction, args in dockerfile_instructions():
+        if instruction != "ENV":
+            continue
+        for token in shlex.split(args):
+            key, _, value = token.partition("=")
+            env[key] = value.replace(CONTAINER_ROOT, str(root))
+    env[ML_ROOT_VARIABLE] = str(root)
+    return env
+
+
+# A container of the image starts with what Docker sets in every Linux container (HOME, PATH,
+# HOSTNAME: https://docs.docker.com/engine/containers/run/#environment-variables) and what the
+# base image's ENV adds (pytorch/pytorch: its Python's folder first on PATH, LANG and LC_ALL
+# C.UTF-8); docker/Dockerfile's ENV comes on top (`image_env`), then the request's Environment,
+# then what SageMaker sets. HOME is the job's own, empty folder: root's home in a new container
+# holds no cache (a Hugging Face cache on this machine is not the job's).
+DOCKER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# What this machine's processor is, passed on when set, as the processor a job runs on is the
+# host's: OpenBLAS's core type, on processors that older OpenBLAS builds misdetect; and the
+# override of the bf16 detection (steps/precision.py), set where torch misjudges the CPU.
+HOST_VARIABLES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", CPU_BF16_VARIABLE)
+
+
+def fresh_container_env(root: Path) -> dict[str, str]:
+    """The environment of a new container of the image, before its ENV (see above)."""
+    home = root / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    env = {
+        "HOME": str(home),
+        "PATH": f"{Path(sys.executable).parent}:{DOCKER_PATH}",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+    }
+    env.update({k: os.environ[k] for k in HOST_VARIABLES if k in os.environ})
+    return env
+
+
+def training_env(request: dict, arn: str | None) -> dict[str, str]:
+    """What SageMaker sets in a training container besides the request's Environment
+    (your-algorithms-training-algo-running-container.html)."""
+    env = {**request.get("Environment", {}), TRAINING_JOB_NAME: request["TrainingJobName"]}
+    if arn:
+        env[TRAINING_JOB_ARN] = arn
+    return env

@@ -1,0 +1,75 @@
+"""How a job's containers ended, and the status SageMaker reports for a job whose containers
+ended so: what every runner of containers returns (`ContainerExit`) and every backend that
+plays jobs reports through (`status_after`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.jobs import Status  # SageMaker's words for how a job ended
+
+
+@dataclass
+class ContainerExit:
+    code: int
+    interrupted: bool
+    reason: str | None  # the step's own words (output/failure or output/message)
+    start: float
+    end: float
+    peak_rss_mb: float | None
+    metrics: dict[str, float] = field(default_factory=dict)
+    timed_out: bool = False  # stopped at its MaxRuntimeInSeconds
+    # CPU time of its processes, children included ("CPU-seconds", not billed: the local
+    # backend's measure of what a job used).
+    cpu_seconds: float | None = None
+
+    @classmethod
+    def before_start(cls, reason: str) -> ContainerExit:
+        """A container that never started: its job failed while being laid out."""
+        now = time.time()
+        return cls(code=1, interrupted=False, reason=reason, start=now, end=now, peak_rss_mb=None)
+
+    @property
+    def killed(self) -> bool:
+        """Ended by a signal: the entrypoint itself (a negative status) or its step (the
+        entrypoint exits 128 + the signal, as a shell reports it)."""
+        return self.code < 0 or 128 < self.code <= 128 + 64
+
+
+def status_after(
+    exits: list[ContainerExit], *, stop_requested: bool, capacity_lost: bool = False
+) -> tuple[Status, str | None]:
+    """How a job whose containers exited so ends, and why: every backend that plays containers
+    reports them through here, as DescribeTrainingJob reports a job (TrainingJobStatus and
+    SecondaryStatus in botocore's sagemaker service-2.json).
+
+    Completed when every container exited 0. Stopped when it was stopped on request (Stop*,
+    the driver stopping, a pruned trial: no reason, as SageMaker gives none), at its
+    MaxRuntimeInSeconds (SecondaryStatus MaxRuntimeExceeded) or when its spot capacity was
+    taken back and MaxWaitTimeInSeconds ran out (MaxWaitTimeExceeded). Otherwise Failed, with
+    the container's own reason (its failure file) or its exit status. A container that was
+    interrupted and checkpointed (exit 75) is Failed too if it was neither stopped nor
+    restarted: SageMaker's Interrupted is a job still InProgress, about to restart, and whether
+    to restart is the backend's rule, asked before this (local_restart; the emulator's spot
+    rule)."""
+    if all(e.code == 0 for e in exits):
+        return "Completed", None
+    if stop_requested:
+        return "Stopped", None
+    if any(e.timed_out for e in exits):
+        seconds = round(max(e.end for e in exits) - min(e.start for e in exits))
+        return "Stopped", (
+            f"MaxRuntimeExceeded: the job was stopped after {seconds} s, its MaxRuntimeInSeconds"
+        )
+    if capacity_lost:
+        lost = "the job lost its spot capacity and its MaxWaitTimeInSeconds ran out"
+        return "Stopped", f"MaxWaitTimeExceeded: {lost}"
+    code = max((e.code for e in exits), key=abs)
+    said = f"exit status {code}"
+    if any(e.interrupted for e in exits):
+        said += ": it was interrupted, saved a checkpoint and was not restarted"
+    return "Failed", next((e.reason for e in exits if e.reason), None) or said

@@ -1,0 +1,81 @@
+"""The tables `smpipe runs`, `smpipe compare` and `smpipe registry` print (rich): what the
+history (pipeline/history.py) and the registry (pipeline/registry.py) read, laid out.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from pipeline import cost
+from pipeline.history import age, human_bytes
+
+
+def console() -> Console:
+    # A pipe or a log file gets plain text at a width that keeps rows on one line. No markup:
+    # labels, model names and paths are the user's, and "[bold]" or "[/x]" in one is text.
+    return Console(width=None if sys.stdout.isatty() else 160, markup=False)
+
+
+def runs_table(title: str, rows: list[dict]) -> Table:
+    """One row per run (history.run_rows), newest last."""
+    table = Table(title=title)
+    columns = ("run", "status", "models", "test macro-F1", "data", "took", "cost", "started")
+    for column in (*columns, "size"):
+        table.add_column(column, justify="right" if column in ("took", "cost", "size") else "left")
+    for row in rows:
+        f1 = ", ".join(
+            f"{m} {v:.4f}" for m, v in sorted(row["macro_f1"].items(), key=lambda kv: -kv[1])
+        )
+        data = (
+            f"{row['data_version']:04d} {row['snapshot'][:8]}"
+            if row["snapshot"] and row["data_version"]
+            else ""
+        )
+        took = f"{row['seconds']:.0f}s" if row["seconds"] is not None else ""
+        table.add_row(
+            row["run"],
+            row["status"] or "",
+            ", ".join(row["models"]),
+            f1,
+            data,
+            took,
+            cost.short(row.get("cost")),  # USD from SageMaker's billing; locally CPU-seconds
+            age(row["started"]),
+            human_bytes(row["bytes"]),
+        )
+    return table
+
+
+def versions_table(title: str, rows: list[dict]) -> Table:
+    """One row per version of a model package group (registry.versions)."""
+    table = Table(title=title)
+    for column in ("version", "status", "registered", "what"):
+        table.add_column(column, justify="right" if column == "version" else "left")
+    for row in rows:
+        when = age(row["registered_at"])
+        table.add_row(str(row["version"]), row["approval_status"], when, row["description"])
+    return table
+
+
+def comparison_tables(result: dict) -> list[Table]:
+    """Two runs' test metrics and per-label F1, one table per model (history.compare_runs)."""
+    a, b = result["runs"]
+    tables = []
+    for model, metrics in result["models"].items():
+        table = Table(title=f"{model}: test metrics, run {a} vs {b}")
+        for column in ("metric", a, b, "difference"):
+            table.add_column(column, justify="left" if column == "metric" else "right")
+        for metric, (x, y) in metrics.items():
+            table.add_row(metric, f"{x:.4f}", f"{y:.4f}", f"{y - x:+.4f}")
+        for label, (x, y) in result["per_label"][model].items():
+            diff = f"{y - x:+.4f}" if x is not None and y is not None else ""
+            table.add_row(f"F1 {label}", _num(x), _num(y), diff)
+        tables.append(table)
+    return tables
+
+
+def _num(x: float | None) -> str:
+    return "" if x is None else f"{x:.4f}"

@@ -1,0 +1,134 @@
+"""The variables a job's step gets, from the config files SageMaker writes for the job.
+
+A training job: input/config/{hyperparameters,resourceconfig,inputdataconfig}.json become the
+SM_* variables SageMaker's framework containers export (sagemaker-training-toolkit,
+ENVIRONMENT_VARIABLES.md), and what torchrun and NCCL need across hosts. A processing job:
+config/processingjobconfig.json becomes SM_PROCESSING_INPUT_<NAME> / SM_PROCESSING_OUTPUT_<NAME>.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from pathlib import Path
+
+from steps.runtime import names
+from steps.runtime.names import host_path
+
+
+class JobSetupError(RuntimeError):
+    """The job cannot start its step: a config file or a secret it needs cannot be read."""
+
+
+def read_config(path: Path) -> dict:
+    """One of the JSON files SageMaker writes for the job, or why it cannot be read."""
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise JobSetupError(f"{path} cannot be read: {e.strerror or e}") from None
+    except ValueError as e:
+        raise JobSetupError(f"{path} is not valid JSON: {e}") from None
+
+
+def _deserialize(value: str) -> object:
+    """Hyperparameters arrive as strings; SageMaker's containers decode the JSON-looking ones."""
+    try:
+        return json.loads(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def training_variables(root: Path) -> dict[str, str]:
+    """The SM_* variables of SageMaker's framework containers, from the job's config files."""
+    hps = {
+        k: _deserialize(v)
+        for k, v in read_config(host_path(root, names.HYPERPARAMETERS_FILE)).items()
+    }
+    resource = read_config(host_path(root, names.RESOURCE_CONFIG_FILE))
+    input_config = read_config(host_path(root, names.INPUT_DATA_CONFIG_FILE))
+    channels = sorted(input_config)
+    hosts = resource["hosts"]
+    data = host_path(root, names.INPUT_DATA_DIR)
+    checkpoints = host_path(root, names.CHECKPOINT_DIR)
+    job_name = os.environ.get(names.TRAINING_JOB_NAME, "")
+    if os.environ.get(names.TRIAL_CHECKPOINTS_VARIABLE) and job_name:
+        checkpoints = checkpoints / job_name
+    # As SageMaker's containers count them, without importing torch (slow: docs/performance.md).
+    gpus = len(glob.glob("/dev/nvidia[0-9]*"))
+    env: dict[str, object] = {
+        names.SM_MODEL_DIR: host_path(root, names.MODEL_DIR),
+        names.SM_INPUT_DIR: host_path(root, names.INPUT_DIR),
+        names.SM_INPUT_DATA_DIR: data,
+        names.SM_INPUT_CONFIG_DIR: host_path(root, names.INPUT_CONFIG_DIR),
+        names.SM_OUTPUT_DIR: host_path(root, names.OUTPUT_DIR),
+        names.SM_OUTPUT_FAILURE: host_path(root, names.TRAINING_FAILURE_FILE),
+        names.SM_OUTPUT_DATA_DIR: host_path(root, names.OUTPUT_DATA_DIR),
+        names.SM_CHECKPOINT_DIR: checkpoints,
+        names.SM_LOG_LEVEL: 20,
+        names.SM_CHANNELS: channels,
+        names.SM_HPS: hps,
+        names.SM_CURRENT_HOST: resource["current_host"],
+        names.SM_CURRENT_INSTANCE_TYPE: resource.get("current_instance_type", ""),
+        names.SM_HOSTS: hosts,
+        names.SM_HOST_COUNT: len(hosts),
+        names.SM_CURRENT_HOST_RANK: hosts.index(resource["current_host"]),
+        names.SM_NETWORK_INTERFACE_NAME: resource.get("network_interface_name", "eth0"),
+        names.SM_NUM_CPUS: os.cpu_count() or 1,
+        names.SM_NUM_GPUS: gpus,
+        names.SM_RESOURCE_CONFIG: resource,
+        names.SM_INPUT_DATA_CONFIG: input_config,
+    }
+    env.update(distributed_variables(env[names.SM_NETWORK_INTERFACE_NAME], len(hosts), gpus))
+    for channel in channels:
+        env[names.channel_variable(channel)] = data / channel
+    for key, value in hps.items():
+        env[names.hyperparameter_variable(key)] = value
+    env[names.SM_TRAINING_ENV] = {
+        "channel_input_dirs": {c: str(data / c) for c in channels},
+        "current_host": resource["current_host"],
+        "hosts": hosts,
+        "hyperparameters": hps,
+        "job_name": job_name,
+        "model_dir": str(host_path(root, names.MODEL_DIR)),
+        "output_data_dir": str(host_path(root, names.OUTPUT_DATA_DIR)),
+        "num_cpus": env[names.SM_NUM_CPUS],
+        "num_gpus": gpus,
+    }
+    return {
+        k: v if isinstance(v, str) else (str(v) if isinstance(v, Path) else json.dumps(v))
+        for k, v in env.items()
+    }
+
+
+def distributed_variables(interface: str, hosts: int, gpus: int) -> dict[str, str]:
+    """What torchrun and NCCL need to be told on SageMaker (a variable already set wins)."""
+    env = {}
+    # torchrun gives its workers 30 s after passing on a SIGTERM before it kills them
+    # (torch.distributed.launcher.api, TORCH_ELASTIC_SHUTDOWN_TIMEOUT); SageMaker gives 120
+    # (API_StopTrainingJob.html). The entrypoint signals the workers itself, so this is for a
+    # torchrun that gets the signal another way (its parent gone).
+    env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "120")
+    # NCCL picks a network interface itself and, on an instance with several, may pick one the
+    # other hosts cannot reach: the one resourceconfig.json names is the one they share
+    # (your-algorithms-training-algo-running-container.html). Set only where NCCL runs.
+    if gpus and hosts > 1 and "NCCL_SOCKET_IFNAME" not in os.environ:
+        env["NCCL_SOCKET_IFNAME"] = interface
+    return env
+
+
+def processing_variables(root: Path) -> dict[str, str]:
+    """SM_PROCESSING_INPUT_/OUTPUT_<NAME>, from the processing job's own config file."""
+    config = read_config(host_path(root, names.PROCESSING_CONFIG_FILE))
+    env = {names.SM_OUTPUT_FAILURE: str(host_path(root, names.PROCESSING_FAILURE_FILE))}
+    for item in config.get("ProcessingInputs", []):
+        local = (item.get("S3Input") or {}).get("LocalPath")
+        if local:
+            variable = names.processing_input_variable(item["InputName"])
+            env[variable] = str(host_path(root, local))
+    for item in config.get("ProcessingOutputConfig", {}).get("Outputs", []):
+        local = (item.get("S3Output") or {}).get("LocalPath")
+        if local:
+            variable = names.processing_output_variable(item["OutputName"])
+            env[variable] = str(host_path(root, local))
+    return env
