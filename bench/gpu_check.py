@@ -65,7 +65,12 @@ from steps.runtime.names import (  # noqa: E402
     ENTRYPOINT,
     MASTER_ADDR_VARIABLE,
     MASTER_PORT_VARIABLE,
+    OUTPUT_DATA_DIR,
     PROCESSES_VARIABLE,
+    STEP_METADATA_FILE,
+    TRAINING_FAILURE_FILE,
+    USER_FUNCTIONS_VARIABLE,
+    host_path,
 )
 from tests.jobs.gate import GATE_VARIABLE, marker  # noqa: E402
 
@@ -308,7 +313,7 @@ class Job:
             self.kill()
             raise CheckFailed(f"no exit in {JOB_TIMEOUT} s; log: {self.log_path}") from None
         if code != status:
-            failure = self.root / "output/failure"
+            failure = host_path(self.root, TRAINING_FAILURE_FILE)
             why = failure.read_text() if failure.exists() else self.log()[-2000:]
             raise CheckFailed(f"exit {code}, not {status}: {why} (log: {self.log_path})")
 
@@ -320,7 +325,8 @@ class Job:
         return self.log_path.read_text(errors="replace")
 
     def report(self) -> dict:
-        return json.loads((self.root / "output/data/step_metadata.json").read_text())
+        metadata = host_path(self.root, OUTPUT_DATA_DIR) / STEP_METADATA_FILE
+        return json.loads(metadata.read_text())
 
     def probe(self) -> dict:
         return json.loads((self.root / "probe/rank-0.json").read_text())
@@ -497,7 +503,7 @@ class Workspace:
             **os.environ,
             **image_env(root),
             "TRAINING_JOB_NAME": f"{EXPERIMENT}-{name}",
-            "SMPIPE_USER_FUNCTIONS": "gpu_check_probe" if probe else "user_functions",
+            USER_FUNCTIONS_VARIABLE: "gpu_check_probe" if probe else "user_functions",
             "PYTHONPATH": f"{self.code}{os.pathsep}{ROOT}",
             "GPU_CHECK_PROBE": str(root / "probe"),
             PROCESSES_VARIABLE: str(processes),

@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("SMPIPE_USER_FUNCTIONS", "user_functions")
+os.environ.setdefault("SMPIPE_USER_FUNCTIONS", "user_functions")  # names.USER_FUNCTIONS_VARIABLE
 
 import datasets  # noqa: E402
 import numpy as np  # noqa: E402
@@ -72,6 +72,7 @@ from steps import train as train_step  # noqa: E402
 from steps.batching import Batches, write_inputs  # noqa: E402
 from steps.hyperparameters import parse_hyperparameters  # noqa: E402
 from steps.prepared_files import encoding_record, write_encoding  # noqa: E402
+from steps.runtime import names  # noqa: E402
 from steps.runtime.environment import TrainingEnv  # noqa: E402
 from steps.user_code import load_user_functions  # noqa: E402
 from user_functions import minilm_path  # noqa: E402
@@ -519,7 +520,7 @@ def bench_fixed_cost(tokenizer, data, steps: int, repeat: int, work: Path) -> di
         env = {
             **os.environ,
             **image_env(root),
-            "SMPIPE_USER_FUNCTIONS": "user_functions",
+            names.USER_FUNCTIONS_VARIABLE: "user_functions",
             "PYTHONPATH": str(ROOT),
             "TRAINING_JOB_NAME": "fixed-cost",
         }
