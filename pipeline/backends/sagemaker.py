@@ -194,7 +194,6 @@ class SageMakerBackend:
         self.patience_seconds = patience_seconds
         self._active: dict[str, str] = {}  # job name -> kind, for stop()
         self._last_training: str | None = None  # whose warm pool the next one may start on
-        self.on_close = None  # what else ends with the run (the emulator's players)
         self._lock = threading.Lock()
 
     def request(self, job) -> dict:
@@ -382,8 +381,7 @@ class SageMakerBackend:
             self.say(name, f"could not be stopped: {e}")
 
     def close(self, succeeded: bool) -> None:
-        if self.on_close is not None:
-            self.on_close()
+        """Nothing of SageMaker's ends with the run (the emulated backend closes its emulator)."""
 
     # -- submitting and waiting ------------------------------------------------------------------
 
