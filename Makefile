@@ -2,20 +2,30 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The venv's torch: the CPU build on this disk; the stand-in base image holds the same.
+TORCH := 2.13.0
 DEMO_RAW := build/demo_raw
 
-.PHONY: install browser run test lint bench gpu-check figures screenshot clean
+.PHONY: install lock browser engine apt image run test lint bench gpu-check figures screenshot clean
 
 # torch goes in first, pinned to the CPU build on this disk: anything that pulled torch
-# before it would drag in a multi-GB CUDA build. The project's ranges (pyproject.toml) then
-# accept the torch that is there and install nothing more for it.
-$(STAMP): pyproject.toml
+# before it would drag in a multi-GB CUDA build. Then every other package at the version and
+# hash requirements-dev.lock holds (the lock leaves torch out), the project itself, and pip's
+# check that nothing pyproject.toml asks for is missing (a lock `make lock` has not remade).
+$(STAMP): pyproject.toml requirements-dev.lock
 	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet torch==$(TORCH)
+	$(PY) -m pip install --quiet --require-hashes --no-deps -r requirements-dev.lock
+	$(PY) -m pip install --quiet --no-deps -e .
+	$(PY) -m pip check
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# requirements.lock and requirements-dev.lock remade from pyproject.toml (tools/lock.py) after
+# its ranges change; `make lock ARGS=--upgrade` takes the newest releases they admit.
+lock: install
+	$(PY) tools/lock.py $(ARGS)
 
 # The demo: BBC News articles and a labels file staged as a user's raw data (once), then the
 # whole pipeline on the local backend. Each call is a new run_num; nothing is overwritten.
@@ -33,7 +43,54 @@ browser:
 		|| (echo "chromium could not be installed (apt-get as root): the report's browser test needs it;" \
 		    "run the other tests with: .venv/bin/python -m pytest -m 'not browser'" >&2; exit 1)
 
-test: install browser
+# The container engine: docker where its daemon answers, podman otherwise (installed with apt
+# as root, with runc, netavark and aardvark-dns for containers that find each other by name,
+# and iptables for their networks; mmdebstrap comes when a stand-in base is built).
+# docker/containers.conf becomes podman's settings where there are none.
+ENGINE ?= $(shell if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then echo docker; else echo podman; fi)
+ENGINE := $(ENGINE)
+IMAGE ?= smpipe:latest
+# The real base (docker/Dockerfile's BASE), and the stand-in built where it cannot be pulled:
+# Debian's Python 3.11 and the CPU torch the venv holds (docker/standin-base.sh).
+REAL_BASE := pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime
+STANDIN_BASE := smpipe-standin-base:torch-$(TORCH)
+CA_BUNDLE ?= /etc/ssl/certs/ca-certificates.crt
+
+engine:
+	@command -v $(ENGINE) >/dev/null || $(MAKE) --no-print-directory apt PACKAGES="podman runc iptables netavark aardvark-dns"
+	@test "$(ENGINE)" != podman || test -e /etc/containers/containers.conf \
+		|| install -D -m 644 docker/containers.conf /etc/containers/containers.conf
+
+# Debian packages, as root: the lists are refreshed only when an install fails without.
+apt:
+	@DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(PACKAGES) >/dev/null 2>&1 || \
+		(apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(PACKAGES) >/dev/null 2>&1) || \
+		(echo "could not install $(PACKAGES) with apt-get (as root): install them, or docker, by hand" >&2; exit 1)
+
+# The image every job runs in, tagged $(IMAGE): on the real base where the engine has it or can
+# pull it, on the stand-in otherwise (built once, kept). `make image BASE=...` names another.
+image: engine requirements.lock
+	@base="$(BASE)"; \
+	if [ -z "$$base" ]; then \
+		if $(ENGINE) image exists $(REAL_BASE) 2>/dev/null || $(ENGINE) image inspect $(REAL_BASE) >/dev/null 2>&1 \
+			|| timeout 1800 $(ENGINE) pull -q $(REAL_BASE) >/dev/null 2>&1; then base=$(REAL_BASE); \
+		else \
+			base=$(STANDIN_BASE); \
+			echo "$(REAL_BASE) cannot be pulled here: building on the stand-in $$base (see README)"; \
+			$(ENGINE) image inspect $$base >/dev/null 2>&1 || { \
+				command -v mmdebstrap >/dev/null || $(MAKE) --no-print-directory apt PACKAGES=mmdebstrap; \
+				wheel=$$(ls /opt/wheels/torch-$(TORCH)+cpu-cp311-*.whl 2>/dev/null | head -1); \
+				if [ -z "$$wheel" ]; then mkdir -p build/wheels && python3 -m pip download -q --no-deps \
+					--python-version 3.11 --only-binary=:all: --index-url https://download.pytorch.org/whl/cpu \
+					-d build/wheels torch==$(TORCH)+cpu && wheel=$$(ls build/wheels/torch-$(TORCH)+cpu-*.whl); fi; \
+				docker/standin-base.sh $(ENGINE) $$base $$wheel $(CA_BUNDLE); }; \
+		fi; \
+	fi; \
+	secret=; test -s $(CA_BUNDLE) && secret="--secret id=ca,src=$(CA_BUNDLE)"; \
+	$(ENGINE) build -q -f docker/Dockerfile --build-arg BASE=$$base $$secret -t $(IMAGE) . >/dev/null \
+		&& echo "$(IMAGE) built on $$base"
+
+test: install browser image
 	$(PY) -m pytest -q
 
 lint: install

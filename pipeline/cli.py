@@ -85,6 +85,15 @@ class ShowVersion(argparse.Action):
         parser.exit()
 
 
+def image_option(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument(
+        "--image",
+        metavar="TAG",
+        help="overrides [emulated] IMAGE: the emulated backend runs every job in this image "
+        "(`make image` builds smpipe:latest), a container per host, as SageMaker does",
+    )
+
+
 def run_options(sub: argparse.ArgumentParser) -> None:
     """The options `run` and `plan` share: what a run would do is what it does."""
     sub.add_argument(
@@ -93,6 +102,7 @@ def run_options(sub: argparse.ArgumentParser) -> None:
         help="overrides [experiment] BACKEND; emulated: SageMaker's requests sent to an "
         "embedded moto and every job played on this machine",
     )
+    image_option(sub)
     sub.add_argument(
         "--steps",
         help="comma-separated subset of reconcile,prepare,train,inference; skipped steps "
@@ -251,6 +261,7 @@ def predict_options(predict: argparse.ArgumentParser) -> None:
         choices=["local", "sagemaker", "emulated"],
         help="overrides [experiment] BACKEND",
     )
+    image_option(predict)
     predict.add_argument(
         "--instance-count",
         type=at_least_one_instance,
@@ -391,7 +402,7 @@ def init_command(args) -> int:
     return 0
 
 
-def open_experiment(path: str, backend: str | None = None):
+def open_experiment(path: str, backend: str | None = None, image: str | None = None):
     """The settings (environment overrides applied) and the store they name, checked."""
     from pipeline.config import ConfigError, load_settings
     from pipeline.store import open_store
@@ -399,10 +410,26 @@ def open_experiment(path: str, backend: str | None = None):
     env = dict(os.environ)
     if backend:
         env["SMPIPE__EXPERIMENT__BACKEND"] = backend
+    if image:
+        env["SMPIPE__EMULATED__IMAGE"] = image
     settings = load_settings(path, env)
+    if image and settings.experiment.backend != "emulated":
+        raise ConfigError(
+            [
+                f"--image: jobs run in an image of your choosing on the emulated backend only "
+                f"(BACKEND is {settings.experiment.backend})"
+            ],
+            settings.source,
+        )
     if settings.experiment.backend == "emulated":  # never a real AWS endpoint
         from pipeline.backends.emulated import open_emulated_store
+        from pipeline.player.images import ImageUnavailable, find_engine, image_id
 
+        if settings.emulated.image:  # before a run is claimed: the engine and the image
+            try:
+                image_id(find_engine(settings.emulated.engine), settings.emulated.image)
+            except ImageUnavailable as e:
+                raise ConfigError([str(e)], settings.source) from None
         store = open_emulated_store(settings)
     else:
         store = open_store(settings.store_uri(), settings.experiment.region)
@@ -441,7 +468,7 @@ def run_command(args) -> int:
     from pipeline.driver import parse_steps, run_pipeline
 
     signal.signal(signal.SIGTERM, _interrupt)
-    settings, store = open_experiment(args.settings, args.backend)
+    settings, store = open_experiment(args.settings, args.backend, args.image)
     steps = parse_steps(args.steps)
     with displayed(args.verbose, args.quiet) as echo:
         record = run_pipeline(
@@ -603,7 +630,7 @@ def predict_command(args) -> int:
     from pipeline.predict import predict
 
     signal.signal(signal.SIGTERM, _interrupt)
-    settings, store = open_experiment(args.settings, args.backend)
+    settings, store = open_experiment(args.settings, args.backend, args.image)
     with displayed(args.verbose, args.quiet) as echo:
         record = predict(
             settings,

@@ -276,6 +276,14 @@ class Cost(Section):
         return prices
 
 
+class Emulated(Section):
+    # The image every job of an emulated run runs in, a container per host (`make image` builds
+    # smpipe:latest; pipeline/player/images.py); empty: the jobs run as processes of this
+    # machine. ENGINE: docker, podman, or auto (docker where its daemon answers).
+    image: str = ""
+    engine: Literal["auto", "docker", "podman"] = "auto"
+
+
 class Settings(BaseModel):
     """The whole validated settings file."""
 
@@ -291,6 +299,7 @@ class Settings(BaseModel):
     hub: Hub
     registry: Registry
     cost: Cost = Cost()
+    emulated: Emulated = Emulated()
     # [training.<model>]: what one model trains with, [training] with its overrides applied.
     model_training: dict[str, Training] = {}
     # [tuning.hyperparameters]: constants override [training]; tunables are searched.
@@ -370,6 +379,7 @@ SECTIONS: dict[str, type[Section]] = {
     "hub": Hub,
     "registry": Registry,
     "cost": Cost,
+    "emulated": Emulated,
 }
 FREE_SECTIONS = (HP, "tuning.metric_definitions")
 # Keys that moved: (section, key) -> where they are now and why.

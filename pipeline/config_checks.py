@@ -248,10 +248,9 @@ def sagemaker_limits(
 def _said(constraint: str, shape_name: str) -> str:
     """SageMaker's "Member must ..." as a sentence about a setting."""
     if constraint.startswith("Member must satisfy enum value set"):
-        hint = (
-            constraint[constraint.rfind("(did you mean") :] if "(did you mean" in constraint else ""
-        )
-        return f"is not a value SageMaker accepts for {shape_name} {hint}".rstrip()
+        # The close match and the botocore release whose list it was checked against.
+        tail = constraint[constraint.rindex("]") + 1 :].strip()
+        return f"is not a value SageMaker accepts for {shape_name} {tail}".rstrip()
     return constraint.replace("Member must", "must", 1).replace(
         "have length less than or equal to", "have at most"
     )

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from steps.runtime import names
-from steps.runtime.environment import ml_root
+from steps.runtime.environment import image_record, ml_root
 from steps.runtime.launch import processing_command, training_command
 from steps.runtime.names import host_path
 from steps.runtime.secrets import keys_from_secrets
@@ -59,6 +59,8 @@ def main(argv: list[str]) -> int:
     if argv[:1] not in (["train"], ["process"]) or (argv[0] == "process" and len(argv) < 2):
         print(USAGE, file=sys.stderr)
         return 2
+    if (record := image_record()) is not None:
+        print(record, flush=True)
     failure = host_path(root, names.FAILURE_FILES[argv[0]])
     try:
         command, env, what, outputs = set_up(root, argv)

@@ -177,6 +177,17 @@ def test_the_plan_refuses_an_invalid_request_naming_job_and_field(tmp_path):
     assert "did you mean 'ml.m5.xlarge'?" in problem
 
 
+def test_an_unknown_enum_value_names_the_botocore_whose_list_it_was_checked_against(valid):
+    import botocore
+
+    request = copy.deepcopy(valid["training"])
+    request["ResourceConfig"]["InstanceType"] = "ml.q9.hypothetical"  # a type newer than the list
+    [violation] = check("CreateTrainingJob", request)
+    assert violation.constraint.endswith(
+        f"(botocore {botocore.__version__}'s list: a newer botocore may know more)"
+    )
+
+
 def test_smpipe_plan_refuses_a_typo_before_anything_starts(tmp_path):
     path = write_settings(tmp_path / "settings.ini", str(tmp_path / "store"),
                           training={"INSTANCE_TYPE": "ml.g5.xlarg"})  # fmt: skip

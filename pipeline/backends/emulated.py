@@ -49,6 +49,7 @@ from pipeline.jobs import KINDS, JobResult, ProcessingJob, TrainingJob, TuningJo
 from pipeline.paths import RunTree
 from pipeline.player.environment import fresh_container_env
 from pipeline.player.exits import status_after
+from pipeline.player.images import ImageContainers, find_engine, image_id
 from pipeline.player.job_root import processing_outputs
 from pipeline.player.play import play_processing, play_training
 from pipeline.player.processes import Containers
@@ -93,6 +94,20 @@ def start_moto(region: str) -> str:
     os.environ.pop("AWS_SESSION_TOKEN", None)
     os.environ.pop("AWS_PROFILE", None)
     return endpoint
+
+
+def job_plumbing(endpoint: str) -> dict[str, str]:
+    """What a job is given to reach the embedded moto at `endpoint`: its address, and
+    credentials as the job's role would give them (AWS delivers a role's temporary credentials
+    through the container credentials provider, undocumented for SageMaker; any credentials
+    reach moto). No region: SageMaker documents none, and a job finds its own from its ARN
+    (steps/runtime/secrets.py)."""
+    return {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "ASIAEMULATEDJOBROLE0",
+        "AWS_SECRET_ACCESS_KEY": "smpipeEmulatedJobRoleSecretKey000000000",
+        "AWS_SESSION_TOKEN": "smpipeEmulatedJobRoleSessionToken0000000",
+    }
 
 
 class S3View:
@@ -154,7 +169,14 @@ def _error_response(status: int, code: str, message: str):
 class Emulator:
     """Plays the jobs moto accepts; `backend()` is the SageMaker backend wired to it."""
 
-    def __init__(self, store: Store, region: str, work_root: str | None = None):
+    def __init__(
+        self,
+        store: Store,
+        region: str,
+        work_root: str | None = None,
+        image: str = "",
+        engine: str = "auto",
+    ):
         import boto3
         from moto.core import DEFAULT_ACCOUNT_ID
         from moto.sagemaker.models import sagemaker_backends
@@ -164,21 +186,25 @@ class Emulator:
         self.logs = boto3.client("logs", region_name=region, config=aws_config())
         self._moto = sagemaker_backends[DEFAULT_ACCOUNT_ID][region]
         self.work_root = Path(work_root or tempfile.mkdtemp(prefix="smpipe-emulated-"))
-        # A job's container sees a new container's environment (player/environment.py), the
-        # image's ENV, the request's Environment and what SageMaker sets; and the emulator's
-        # plumbing: where moto is, and credentials as the job's role would give them (AWS
-        # delivers a role's temporary credentials through the container credentials provider,
-        # undocumented for SageMaker; any credentials reach moto). No region: SageMaker
-        # documents none, and a job finds its own from its ARN (steps/runtime/secrets.py).
-        self.plumbing = {
-            "AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"],
-            "AWS_ACCESS_KEY_ID": "ASIAEMULATEDJOBROLE0",
-            "AWS_SECRET_ACCESS_KEY": "smpipeEmulatedJobRoleSecretKey000000000",
-            "AWS_SESSION_TOKEN": "smpipeEmulatedJobRoleSessionToken0000000",
-        }
-        self.containers = Containers(
-            base_env=lambda root: fresh_container_env(root) | self.plumbing
-        )
+        # A job's container sees a new container's environment (player/environment.py, or the
+        # image's own), the image's ENV, the request's Environment and what SageMaker sets; and
+        # the emulator's plumbing (`job_plumbing`).
+        endpoint = os.environ["AWS_ENDPOINT_URL"]
+        self.plumbing = job_plumbing(endpoint)
+        # With an image, every job runs in it (player/images.py), reaching moto through a relay
+        # at its network's gateway; without, as processes of this machine (player/processes.py).
+        self.containers: Containers
+        if image:
+            engine = find_engine(engine)
+            self.image_id = image_id(engine, image)
+            self.containers = ImageContainers(
+                engine, image, job_plumbing, int(endpoint.rsplit(":", 1)[1])
+            )
+        else:
+            self.image_id = ""
+            self.containers = Containers(
+                base_env=lambda root: fresh_container_env(root) | self.plumbing
+            )
         self.requests: dict[str, dict] = {}  # every request moto accepted, by job name
         self.metrics: dict[str, dict[str, float]] = {}  # training job -> final metrics
         self.trials: dict[str, list[str]] = {}  # tuning job -> its training jobs, in order
@@ -228,6 +254,7 @@ class Emulator:
         self.containers.stop()
         for thread in list(self._threads.values()):
             thread.join()
+        self.containers.close()
         shutil.rmtree(self.work_root, ignore_errors=True)
 
     # -- hooks on the client ---------------------------------------------------------------------
@@ -669,7 +696,12 @@ class EmulatedBackend:
 
 def emulated_backend(settings, store: Store, run: RunTree, echo=None) -> EmulatedBackend:
     """The SageMaker backend, its requests sent to moto and its jobs played by an Emulator."""
-    emulator = Emulator(store, settings.experiment.region)
+    emulator = Emulator(
+        store,
+        settings.experiment.region,
+        image=settings.emulated.image,
+        engine=settings.emulated.engine,
+    )
     for secret_id, key in (
         (settings.tracking.wandb_secret_id, "WANDB_API_KEY"),
         (settings.hub.token_secret_id, "HF_TOKEN"),

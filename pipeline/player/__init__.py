@@ -15,13 +15,15 @@ emulated.py) decide what runs and hand each request here.
                      container's lines to CloudWatch Logs
     processes.py     the process player: a container as processes of this machine, started,
                      followed, stopped as `docker stop` stops one (`Containers`)
+    images.py        the image player: each host a container of the image (docker or
+                     podman) on a network of the job's own (`ImageContainers`)
     metering.py      the memory and CPU time a container's processes use
     fork_server.py   the warm-start fork server, a program of its own (run as a script)
     fork_client.py   its client: how the local backend starts jobs warm (`WarmStart`)
     warm_pools.py    SageMaker's managed warm pools, as the emulated account keeps them
 
 play.py runs containers through a `ContainerRunner`: `processes.Containers` is the process
-player; a player of the real image (a container per host) goes beside it, as another runner.
+player, `images.ImageContainers` the image player beside it.
 
 The player imports no backend, no settings (pipeline/config.py) and no stage: what it needs of
 a job is in its request.

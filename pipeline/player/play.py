@@ -25,13 +25,14 @@ from pipeline.player.job_root import (
 from pipeline.player.transfers import CheckpointSync, checkpoint_prefix, fetch_input
 from pipeline.store import Store
 from steps.runtime import names
-from steps.runtime.names import ENTRYPOINT, host_path
+from steps.runtime.names import host_path
 
 
 class ContainerRunner(Protocol):
     """What playing a job asks of whatever runs its containers. `processes.Containers` runs the
-    image's entrypoint as processes of this machine; a player of the image itself (a container
-    per host) would be another, played through the same functions."""
+    image's entrypoint as processes of this machine; `images.ImageContainers` runs the image
+    itself, a container per host, with docker or podman. Both are played through the same
+    functions."""
 
     stopping: bool  # the driver is stopping: nothing is restarted
 
@@ -76,11 +77,6 @@ def play_processing(
     ContainerArguments, outputs left in their LocalPath (`processing_outputs`). One exit per
     instance, in host order. `log` is one writer, or a function giving each host's."""
     app = request["AppSpecification"]
-    if app.get("ContainerEntrypoint", ENTRYPOINT) != ENTRYPOINT:
-        raise ValueError(
-            f"cannot play ContainerEntrypoint {app['ContainerEntrypoint']}: "
-            f"the image's entrypoint is {ENTRYPOINT}"
-        )
     roots, hosts = processing_roots(request, root), processing_hosts(request)
 
     def fetch(uri: str, local: Path, shard: tuple[int, int]) -> None:
@@ -95,6 +91,7 @@ def play_processing(
         "failure_file": names.PROCESSING_FAILURE_FILE,
         "on_line": on_line,
         "job": request["ProcessingJobName"],
+        "entrypoint": app.get("ContainerEntrypoint"),
         "deadline": time.time() + request["StoppingCondition"]["MaxRuntimeInSeconds"],
     }
     arguments, env = app.get("ContainerArguments", []), request.get("Environment", {})

@@ -60,7 +60,11 @@ class Containers:
     machine's environment (the local backend runs jobs as the user's own processes); the
     emulated backend gives a fresh container's (`fresh_container_env`).
     `starter`: how to start an entrypoint (the local backend's warm start); None, or a starter
-    that declines a job: a new interpreter, as a container starts (the emulated backend)."""
+    that declines a job: a new interpreter, as a container starts (the emulated backend).
+    images.ImageContainers is this runner with a container engine in place of the processes."""
+
+    metered = True  # the container's processes are this machine's: metering.py reads them
+    noise: frozenset[str] = frozenset()  # lines of the runner's own, not the job's
 
     def __init__(
         self,
@@ -96,12 +100,16 @@ class Containers:
     def _signal(self, pid: int, signum: int) -> None:
         """`signum` to a container, and SIGKILL to it `grace_seconds` later if it still runs."""
         try:
-            os.killpg(pid, signum)
+            self._send(pid, signum)
         except ProcessLookupError:
             return
         timer = threading.Timer(self.grace_seconds, self._kill, args=(pid,))
         timer.daemon = True
         timer.start()
+
+    def _send(self, pid: int, signum: int) -> None:
+        """`signum` to a container's processes (its entrypoint leads a session of its own)."""
+        os.killpg(pid, signum)
 
     def _time_out(self, pid: int) -> None:
         """MaxRuntimeInSeconds reached: the container is stopped as StopTrainingJob stops one
@@ -135,7 +143,7 @@ class Containers:
             self._running[pid] = job
             late = self.stopping  # stop() came while this one was starting: it stops too
         if late:
-            os.killpg(pid, signal.SIGTERM)
+            self._send(pid, signal.SIGTERM)
 
     def was_stopped(self, job: str) -> bool:
         with self._lock:
@@ -153,6 +161,7 @@ class Containers:
         metric_regexes: dict[str, str] | None = None,
         job: str = "",
         deadline: float | None = None,
+        entrypoint: list[str] | None = None,
     ) -> ContainerExit:
         """Start `python3 -m steps.entrypoint <arguments>` in `root` and wait for it; at
         `deadline` (the job's MaxRuntimeInSeconds from its start) it is stopped.
@@ -163,15 +172,16 @@ class Containers:
         regexes."""
         failure = host_path(root, failure_file)
         start = time.time()
-        proc, secrets = self._start(root, arguments, env, failure, job)
+        proc, secrets = self._start(root, arguments, env, failure, job, entrypoint)
         clock = self._clock(deadline, proc.pid)
         peak = {"rss": 0.0, "cpu": 0.0}
         done = threading.Event()
         watcher = threading.Thread(target=watch_memory, args=(proc.pid, peak, done), daemon=True)
-        watcher.start()
+        if self.metered:
+            watcher.start()
         try:
-            metrics = follow_output(proc, secrets, log, on_line, metric_regexes or {})
-            exact_cpu = exit_cpu_seconds(proc)
+            metrics = follow_output(proc, secrets, log, on_line, metric_regexes or {}, self.noise)
+            exact_cpu = exit_cpu_seconds(proc) if self.metered else None
             code = proc.wait()
         except BaseException:
             # The driver is stopping (Ctrl-C, an error): the container is stopped as `docker
@@ -182,13 +192,15 @@ class Containers:
             raise
         finally:
             done.set()
-            watcher.join()
+            if self.metered:
+                watcher.join()
             if clock is not None:
                 clock.cancel()
             with self._lock:
                 self._running.pop(proc.pid, None)
                 timed_out = proc.pid in self._timed_out
                 self._timed_out.discard(proc.pid)
+            self._ended(proc.pid)
         interrupted, reason = left_in_output(failure, secrets)
         return ContainerExit(
             code=code,
@@ -211,11 +223,26 @@ class Containers:
         clock.start()
         return clock
 
+    def _ended(self, pid: int) -> None:
+        """A container has ended and been waited for (the image player removes its network)."""
+
     def _start(
-        self, root: Path, arguments: list[str], env: dict[str, str], failure: Path, job: str
+        self,
+        root: Path,
+        arguments: list[str],
+        env: dict[str, str],
+        failure: Path,
+        job: str,
+        entrypoint: list[str] | None = None,
     ) -> tuple[subprocess.Popen, list[str]]:
         """The entrypoint started in its environment (see `run`), with what an earlier attempt
-        left in output/ cleared; and the secret values that environment holds."""
+        left in output/ cleared; and the secret values that environment holds. `entrypoint` is
+        always the image's here (play.py refuses another)."""
+        if entrypoint is not None and list(entrypoint) != list(ENTRYPOINT):
+            raise ValueError(
+                f"cannot play ContainerEntrypoint {entrypoint} as a process: the image's "
+                f"entrypoint is {ENTRYPOINT} (with an image, any entrypoint is played)"
+            )
         base = os.environ if self.base_env is None else self.base_env(root)
         full = {**base, **image_env(root), **env}
         # The container ends with this process however it ends (SIGKILL included). A
@@ -250,11 +277,8 @@ class Containers:
         """One entrypoint per host of a job, at once, as SageMaker starts them: a training
         job's (`train`; torchrun's master is this machine, at a free port) or a processing
         job's (its `arguments`). `log` is one writer, or a function giving each host's."""
-        env = dict(env)
-        if arguments is None:  # training: SageMaker's hosts resolve one another's names;
-            arguments = ["train"]  # here every host is this machine
-            env[MASTER_ADDR_VARIABLE] = "127.0.0.1"
-            env[MASTER_PORT_VARIABLE] = str(free_port())
+        if arguments is None:  # training
+            arguments, env = ["train"], self.hosts_env(env)
         exits: dict[str, ContainerExit] = {}
         errors: list[BaseException] = []
 
@@ -292,13 +316,27 @@ class Containers:
             raise errors[0]
         return exits
 
+    def hosts_env(self, env: dict[str, str]) -> dict[str, str]:
+        """A training job's hosts find torchrun's master: SageMaker's hosts resolve one
+        another's names; here every host is this machine, the master at a free port."""
+        return {
+            **env,
+            MASTER_ADDR_VARIABLE: "127.0.0.1",
+            MASTER_PORT_VARIABLE: str(free_port()),
+        }
+
+    def close(self) -> None:
+        """Nothing is held between jobs (the image player holds its relay)."""
+
 
 # How long the output of a container that has exited is still read: a process it started
 # that left its session (setsid) may hold the output open for as long as it lives.
 OUTPUT_GRACE_SECONDS = 10
 
 
-def follow_output(proc, secrets: list[str], log, on_line, metric_regexes: dict[str, str]) -> dict:
+def follow_output(
+    proc, secrets: list[str], log, on_line, metric_regexes: dict[str, str], noise=frozenset()
+) -> dict:
     """Every line the container prints, redacted, to `log` and `on_line`; the last value each
     metric regex found (SageMaker reads MetricDefinitions off the log the same way). Read
     until the output ends, and no longer than OUTPUT_GRACE_SECONDS once the entrypoint has
@@ -308,6 +346,8 @@ def follow_output(proc, secrets: list[str], log, on_line, metric_regexes: dict[s
 
     def take(raw: bytes) -> None:
         line = redact(raw.decode("utf-8", errors="replace"), secrets)
+        if line in noise:  # the engine's own, not the job's
+            return
         log.write(line + "\n")
         if on_line is not None:
             on_line(line)

@@ -22,6 +22,16 @@ def ml_root() -> Path:
     return Path(os.environ.get(names.ML_ROOT_VARIABLE, names.CONTAINER_ROOT))
 
 
+def image_record() -> str | None:
+    """The image's record (docker/Dockerfile writes it) as one log line; None outside an image
+    (a local player's process)."""
+    try:
+        record = json.loads(Path(names.IMAGE_RECORD_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return "image: " + " ".join(f"{k}={v}" for k, v in sorted(record.items()))
+
+
 def _env(name: str) -> str:
     try:
         return os.environ[name]

@@ -55,6 +55,10 @@ PROCESSING_CODE_DIR = f"{PROCESSING_INPUT_DIR}/{CODE_INPUT}"
 # -- the image ----------------------------------------------------------------------------------
 # The image's ENTRYPOINT, exec form: docker/Dockerfile must say exactly this (a test checks).
 ENTRYPOINT = ["python3", "-m", "steps.entrypoint"]
+# What the image is (its base, the lock it holds, its torch and Python), written by
+# docker/Dockerfile at build: the entrypoint logs it first, so each job's log says which image
+# ran it. Nothing outside an image has this file.
+IMAGE_RECORD_FILE = "/etc/smpipe/image.json"
 
 # -- markers: files the step leaves beside its failure file, read by the entrypoint and player --
 # The step checkpointed on SIGTERM/SIGINT and exited to be resumed (its content: the step).

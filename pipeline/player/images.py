@@ -1,0 +1,354 @@
+"""A job's containers played in the image itself, with a container engine (docker or podman), as
+SageMaker starts them on its instances: one container per host, named after the host (`algo-1`,
+`algo-2`, ...) on a network of the job's own where the others resolve it by that name, the job
+root mounted as /opt/ml, `train` or the processing request's ContainerEntrypoint and
+ContainerArguments, stopped with SIGTERM and killed 120 s later. The environment is the image's
+ENV (the engine gives it), the request's Environment and what SageMaker sets, and the plumbing
+that reaches the embedded control plane: nothing of this machine's.
+
+The process player (processes.py) starts the entrypoint as processes of this machine; this one
+is the same runner with the container engine in its place: following the output, the deadline,
+the failure file and the exit are the process player's.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from pipeline.player.job_root import clear_output
+from pipeline.player.processes import Containers
+from steps.runtime import names
+from steps.runtime.names import CONTAINER_ROOT, ENTRYPOINT, host_path
+from steps.runtime.secrets import secret_values
+
+ENGINES = ("docker", "podman")
+# Every container and network the player makes carries this label, valued `<host>:<pid>` of the
+# driver that made it: a driver killed outright (SIGKILL) cannot remove its own, so the next
+# one on this machine does (`sweep`).
+DRIVER_LABEL = "smpipe.driver"
+
+
+def call(engine: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """One command of the engine's client, waited for `timeout` seconds at most (an engine
+    that hangs fails the call, as one that refuses it does)."""
+    try:
+        return subprocess.run(
+            [engine, *args], capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        said = f"{engine} {args[0]}: no answer in {timeout:g} s"
+        return subprocess.CompletedProcess([engine, *args], 124, "", said)
+
+
+def driver_tag() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def sweep(engine: str) -> list[str]:
+    """Remove the containers and networks of drivers of this machine that are gone (killed
+    before they could); the names removed."""
+    import psutil
+
+    removed = []
+    kinds = (
+        ("container", ["ps", "-a"], ".Config.Labels"),
+        ("network", ["network", "ls"], ".Labels"),
+    )
+    for kind, listing, labels in kinds:
+        found = call(engine, *listing, "--filter", f"label={DRIVER_LABEL}", "--format", "{{.ID}}")
+        for item in found.stdout.split():
+            template = f'{{{{.Name}}}} {{{{index {labels} "{DRIVER_LABEL}"}}}}'
+            label = call(engine, kind, "inspect", "--format", template, item).stdout.split()
+            if len(label) != 2:
+                continue
+            name, (host, _, pid) = label[0], label[1].rpartition(":")
+            if host == socket.gethostname() and pid.isdigit() and not psutil.pid_exists(int(pid)):
+                if kind == "container":  # killed at once: nothing of it is waited for
+                    call(engine, "kill", item)
+                if call(engine, kind, "rm", "-f", item).returncode == 0:
+                    removed.append(name.lstrip("/"))
+    return removed
+
+
+class ImageUnavailable(RuntimeError):
+    """No engine, or no such image: said before any job starts."""
+
+
+def find_engine(wanted: str = "auto") -> str:
+    """`docker` where its daemon answers, `podman` otherwise; or the one asked for."""
+    candidates = ENGINES if wanted == "auto" else (wanted,)
+    for engine in candidates:
+        if shutil.which(engine) is None:
+            continue
+        if call(engine, "info", timeout=60).returncode == 0:
+            return engine
+    raise ImageUnavailable(
+        f"no container engine answers ({' or '.join(candidates)}): `make engine` installs "
+        "podman; without --image, the emulated backend plays jobs as processes"
+    )
+
+
+def image_id(engine: str, image: str) -> str:
+    """The image's id, or ImageUnavailable naming the image and how to build it."""
+    found = call(engine, "image", "inspect", "--format", "{{.Id}}", image)
+    if found.returncode != 0:
+        raise ImageUnavailable(
+            f"[emulated] IMAGE: {engine} has no image {image!r} (`make image` builds "
+            f"smpipe:latest from docker/Dockerfile)"
+        )
+    return found.stdout.strip()
+
+
+def current_host(root: Path) -> str:
+    """The host a job root belongs to, as its resourceconfig.json says (SageMaker writes one per
+    host, job_root.py lays it out)."""
+    for config in (names.RESOURCE_CONFIG_FILE, names.PROCESSING_RESOURCE_CONFIG_FILE):
+        path = host_path(root, config)
+        if path.exists():
+            return json.loads(path.read_text())["current_host"]
+    raise FileNotFoundError(f"{root} holds no resourceconfig.json: not a laid-out job root")
+
+
+class Gateway:
+    """The embedded control plane as the containers reach it: a TCP relay on this machine, at the
+    gateway address of each job's network, to the moto server on loopback. It listens on every
+    address and relays only connections from the job networks' subnets (and loopback): moto
+    stays unreachable from anywhere else."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self._subnets: set[ipaddress.IPv4Network] = set()
+        self._server = socket.create_server(("0.0.0.0", 0))
+        self.port = self._server.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def allow(self, subnet: str) -> None:
+        self._subnets.add(ipaddress.ip_network(subnet))
+
+    def forbid(self, subnet: str) -> None:
+        self._subnets.discard(ipaddress.ip_network(subnet))
+
+    def _allowed(self, address: str) -> bool:
+        peer = ipaddress.ip_address(address)
+        return peer.is_loopback or any(peer in subnet for subnet in set(self._subnets))
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, (address, _) = self._server.accept()
+            except OSError:  # closed
+                return
+            if not self._allowed(address):
+                client.close()
+                continue
+            threading.Thread(target=self._relay, args=(client,), daemon=True).start()
+
+    def _relay(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+        except OSError:
+            client.close()
+            return
+
+        def pump(source: socket.socket, sink: socket.socket) -> None:
+            try:
+                while chunk := source.recv(1 << 16):
+                    sink.sendall(chunk)
+            except OSError:
+                pass
+            finally:
+                for s in (source, sink):
+                    try:
+                        s.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+        threading.Thread(target=pump, args=(upstream, client), daemon=True).start()
+        pump(client, upstream)
+        client.close()
+        upstream.close()
+
+    def close(self) -> None:
+        self._server.close()
+
+
+class Networks:
+    """A network of each job's own while any of its containers runs (`smpipe-<job>-<id>`), as
+    each SageMaker job's instances share a network no other job's are on."""
+
+    def __init__(self, engine: str, gateway: Gateway) -> None:
+        self.engine, self.gateway = engine, gateway
+        self._lock = threading.Lock()
+        self._open: dict[str, tuple[str, str, str, int]] = {}  # job -> name, gateway, subnet, n
+
+    def join(self, job: str) -> tuple[str, str]:
+        """The job's network (made for its first container) and its gateway address."""
+        with self._lock:
+            if job not in self._open:
+                name = f"smpipe-{job[:40]}-{uuid.uuid4().hex[:8]}".lower()
+                self._run("network", "create", "--label", f"{DRIVER_LABEL}={driver_tag()}", name)
+                inspected = json.loads(self._run("network", "inspect", name))[0]
+                subnet, gateway = _subnet_and_gateway(inspected)
+                self.gateway.allow(subnet)
+                self._open[job] = (name, gateway, subnet, 0)
+            name, gateway, subnet, count = self._open[job]
+            self._open[job] = (name, gateway, subnet, count + 1)
+            return name, gateway
+
+    def leave(self, job: str) -> None:
+        """One of the job's containers ended; the last one's network is removed."""
+        with self._lock:
+            name, gateway, subnet, count = self._open[job]
+            if count > 1:
+                self._open[job] = (name, gateway, subnet, count - 1)
+                return
+            del self._open[job]
+        self.gateway.forbid(subnet)
+        call(self.engine, "network", "rm", "-f", name)
+
+    def _run(self, *args: str) -> str:
+        done = call(self.engine, *args)
+        if done.returncode != 0:
+            raise RuntimeError(f"{self.engine} {' '.join(args)}: {done.stderr.strip()}")
+        return done.stdout
+
+
+def _subnet_and_gateway(inspected: dict) -> tuple[str, str]:
+    """A network's first subnet and gateway, from `podman network inspect` (`subnets`) or
+    `docker network inspect` (`IPAM.Config`)."""
+    for subnet in inspected.get("subnets") or []:
+        return subnet["subnet"], subnet["gateway"]
+    for config in (inspected.get("IPAM") or {}).get("Config") or []:
+        return config["Subnet"], config["Gateway"]
+    raise RuntimeError(f"network {inspected.get('name') or inspected.get('Name')} has no subnet")
+
+
+# How long a container may take to be created before a signal for it is given up (an image
+# already present is created in about a second here).
+STARTING_SECONDS = 60
+
+
+class ImageContainers(Containers):
+    """The containers of the jobs a backend plays, run in `image` with `engine`.
+
+    `plumbing(endpoint)`: what a job is given to reach the embedded control plane (the AWS
+    endpoint, credentials as its role would give them), `endpoint` being the address the
+    container reaches it at."""
+
+    metered = False  # the engine's client is what runs here: the container is not a child
+    # podman's network setup (netavark, aardvark-dns) says so on the container's stderr where no
+    # syslog listens (seen with podman 4.3 on Debian 12): the engine's, not the job's.
+    noise = frozenset({"failed to connect to syslog: Initialization"})
+
+    def __init__(self, engine: str, image: str, plumbing, moto_port: int) -> None:
+        super().__init__()
+        self.engine, self.image, self.plumbing = engine, image, plumbing
+        sweep(engine)
+        self.gateway = Gateway(moto_port)
+        self.networks = Networks(engine, self.gateway)
+        self._names: dict[int, str] = {}  # pid of the engine's client -> its container
+        self._jobs: dict[int, str] = {}  # pid -> the job whose network it joined
+
+    def hosts_env(self, env: dict[str, str]) -> dict[str, str]:
+        """SageMaker's hosts resolve one another: torchrun's master is `algo-1` at its default
+        port, as on SageMaker (steps/runtime/launch.py)."""
+        return env
+
+    def _start(
+        self,
+        root: Path,
+        arguments: list[str],
+        env: dict[str, str],
+        failure: Path,
+        job: str,
+        entrypoint: list[str] | None = None,
+    ):
+        clear_output(failure)
+        host = current_host(root)
+        network, gateway = self.networks.join(job)
+        name = f"{network}-{host}"
+        full = {**self.plumbing(f"http://{gateway}:{self.gateway.port}"), **env}
+        command = [
+            self.engine,
+            "run",
+            "--rm",
+            "--name",
+            name,
+            "--hostname",
+            host,
+            "--network",
+            network,
+            "--network-alias",
+            host,
+            "--volume",
+            f"{root}:{CONTAINER_ROOT}",
+            "--label",
+            f"{DRIVER_LABEL}={driver_tag()}",
+            # Each value from this client's environment, not the command line (`ps` shows that).
+            *[flag for key in full for flag in ("--env", key)],
+        ]
+        if entrypoint is not None and list(entrypoint) != list(ENTRYPOINT):
+            command += ["--entrypoint", json.dumps(entrypoint)]
+        command += [self.image, *arguments]
+        try:
+            proc = subprocess.Popen(
+                command,
+                # The engine's client runs with this machine's environment (its own settings:
+                # CONTAINERS_CONF, DOCKER_HOST); the container gets only the --env keys.
+                env={**os.environ, **full},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        except BaseException:
+            self.networks.leave(job)
+            raise
+        with self._lock:
+            self._names[proc.pid], self._jobs[proc.pid] = name, job
+        self._register(proc.pid, job)
+        return proc, secret_values(full)
+
+    def _ended(self, pid: int) -> None:
+        with self._lock:
+            self._names.pop(pid, None)
+            job = self._jobs.pop(pid, None)
+        if job is not None:
+            self.networks.leave(job)
+
+    def _send(self, pid: int, signum: int) -> None:
+        """`signum` to the container's PID 1, as `docker stop` / `docker kill` send it. A
+        container still being created when the signal comes gets it once it exists: the
+        engine refuses a kill until then, and the client that creates it is still running."""
+        with self._lock:
+            name = self._names.get(pid)
+        if name is None:
+            return
+
+        def send() -> None:
+            for _ in range(STARTING_SECONDS * 2):
+                if call(self.engine, "kill", "--signal", str(int(signum)), name).returncode == 0:
+                    return
+                with self._lock:
+                    if pid not in self._names:  # the client has exited: nothing to stop
+                        return
+                time.sleep(0.5)
+
+        threading.Thread(target=send, daemon=True).start()
+
+    def _kill(self, pid: int) -> None:
+        """SIGKILL to a container that outlived its grace (every process in it ends)."""
+        self._send(pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        self.gateway.close()

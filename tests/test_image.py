@@ -1,0 +1,329 @@
+"""Jobs played in the image itself (`--backend emulated --image`): every job of a run, tuning
+trials and `smpipe predict` included, in a container of the image `make image` built, a
+container per host on a network of the job's own, reaching the embedded control plane as a job
+reaches AWS. `make test` builds the image first; SMPIPE_TEST_IMAGE names another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+from pipeline.backends.choose import make_backend
+from pipeline.backends.emulated import S3View
+from pipeline.config import ConfigError, load_settings
+from pipeline.driver import parse_steps, run_pipeline
+from pipeline.paths import ExperimentTree
+from pipeline.player.images import DRIVER_LABEL, Gateway, driver_tag, find_engine, image_id, sweep
+from pipeline.sources import upload_raw
+from pipeline.store import LocalStore, S3Store
+from steps.runtime.names import IMAGE_RECORD_FILE
+from tests.conftest import ROOT, write_settings
+from tests.test_lock import TORCH_RELEASES, pins
+
+IMAGE = os.environ.get("SMPIPE_TEST_IMAGE", "smpipe:latest")
+LOCK_SHA256 = hashlib.sha256((ROOT / "requirements.lock").read_bytes()).hexdigest()
+SECRET = "wandb-image-secret-0123456789abcdef"
+pytestmark = [pytest.mark.slow, pytest.mark.image]
+
+
+@pytest.fixture(scope="module")
+def engine() -> str:
+    return find_engine()
+
+
+@pytest.fixture(scope="module")
+def image(engine) -> str:
+    try:
+        image_id(engine, IMAGE)
+    except Exception as e:  # noqa: BLE001 - said as the test's failure
+        pytest.fail(f"{e}: `make image` builds it (`make test` does first)")
+    return IMAGE
+
+
+@pytest.fixture
+def staged(bucket, demo_raw):
+    store = S3Store(f"s3://{bucket}/root")
+    upload_raw(store, ExperimentTree("test-exp"), demo_raw)
+    return store
+
+
+def image_settings(tmp_path, bucket, **overrides):
+    path = write_settings(
+        tmp_path / "settings.ini",
+        f"s3://{bucket}/root",
+        experiment={"BACKEND": "emulated", **overrides.pop("experiment", {})},
+        emulated={"IMAGE": IMAGE},
+        models={"MODEL_NAMES": "bow"},
+        **overrides,
+    )
+    return path, load_settings(path, env={})
+
+
+class Exits:
+    """make_backend, keeping every container's exit as the image player read it."""
+
+    def __init__(self):
+        self.backend, self.exits = None, []
+        self.by_job: dict[str, list] = {}
+
+    def __call__(self, settings, store, run, echo):
+        self.backend = make_backend(settings, store, run, echo)
+        containers = self.backend.emulator.containers
+        run_one = containers.run
+
+        def run_and_keep(*args, **kwargs):
+            done = run_one(*args, **kwargs)
+            self.exits.append((kwargs.get("job", ""), done))
+            self.by_job.setdefault(kwargs.get("job", ""), []).append(done)
+            return done
+
+        containers.run = run_and_keep
+        return self.backend
+
+
+def job_logs(store, run: int) -> dict[str, str]:
+    prefix = ExperimentTree("test-exp").run(run).logs
+    return {
+        key.rsplit("/", 1)[-1]: store.get_bytes(key).decode() for key in store.list_keys(prefix)
+    }
+
+
+def ran_in_the_image(log: str) -> bool:
+    """The image's record (docker/Dockerfile writes it; the entrypoint logs it): only a job
+    started in the image has it, with the lock this checkout holds."""
+    return f"lock_sha256={LOCK_SHA256}" in log
+
+
+def networks(engine: str) -> set[str]:
+    listed = subprocess.run(
+        [engine, "network", "ls", "--format", "{{.Name}}"], capture_output=True, text=True
+    )
+    return {name for name in listed.stdout.split() if name.startswith("smpipe-")}
+
+
+def test_every_job_of_a_run_and_predict_run_in_the_image(
+    engine, image, aws_env, demo_raw, tmp_path, monkeypatch
+):
+    assert not Path(IMAGE_RECORD_FILE).exists()  # this machine has no image record of its own
+    before = networks(engine)
+    # A local STORE (the emulated jobs see it as a bucket): `smpipe predict`, a process of its
+    # own with an embedded moto of its own, finds the run there.
+    path = write_settings(
+        tmp_path / "settings.ini", str(tmp_path / "store"),
+        experiment={"BACKEND": "emulated"}, emulated={"IMAGE": IMAGE},
+        data={"RAW_DATA": str(demo_raw)}, models={"MODEL_NAMES": "bow"},
+        training={"USE_DISTRIBUTED": "true", "INSTANCE_COUNT": "2"},
+        tracking={"WANDB_SECRET_ID": "smpipe/wandb"},
+    )  # fmt: skip
+    # The wandb key as a secret of the emulated account: every job reads it from Secrets
+    # Manager at start, through the relay to the embedded control plane, or fails.
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    store = LocalStore(tmp_path / "store")
+    exits, echo = Exits(), io.StringIO()
+    record = run_pipeline(
+        load_settings(path, env={}), S3View(store), parse_steps(None), echo=echo,
+        make_backend=exits,
+    )  # fmt: skip
+    assert record["status"] == "completed", echo.getvalue()[-3000:]
+    logs = job_logs(store, 1)
+    assert len(logs) == 4 and all(ran_in_the_image(log) for log in logs.values()), logs.keys()
+    # Two hosts, two containers (each job's network went with them), torchrun across them.
+    assert [len(done) for done in exits.by_job.values()] == [1, 1, 2, 1]
+    assert all(d.code == 0 for done in exits.by_job.values() for d in done)
+    [train_log] = [log for name, log in logs.items() if "-train-" in name]
+    assert "algo-1" in train_log and "algo-2" in train_log
+    assert SECRET not in echo.getvalue() and not any(SECRET in log for log in logs.values())
+    assert networks(engine) == before
+
+    # smpipe predict: a processing job, in the image too.
+    source = tmp_path / "to_predict.csv"
+    source.write_text("id,text\n1,The team won the cup final\n2,Shares fell on the market\n")
+    out = tmp_path / "predictions.csv"
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "predict", str(path), str(source), str(out),
+         "--image", IMAGE, "--quiet"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(out.read_text().splitlines()) == 3
+    said = json.loads(out.with_name(out.name + ".json").read_text())
+    log = store.get_bytes(ExperimentTree("test-exp").run(int(said["run"])).log(said["job_name"]))
+    assert ran_in_the_image(log.decode())
+
+
+def test_tuning_trials_run_in_the_image(image, staged, bucket, tmp_path):
+    _, settings = image_settings(
+        tmp_path, bucket, experiment={"JOB": "tune"},
+        training={"USE_DISTRIBUTED": "false", "INSTANCE_COUNT": "1"},
+        tuning={"STRATEGY": "Random", "MAX_JOBS": "2", "MAX_PARALLEL_JOBS": "2"},
+        **{"tuning.hyperparameters": {"LEARNING_RATE": "1e-4->1e-2 log", "BATCH_SIZE": None}},
+    )  # fmt: skip
+    exits, echo = Exits(), io.StringIO()
+    record = run_pipeline(settings, staged, parse_steps(None), echo=echo, make_backend=exits)
+    assert record["status"] == "completed", echo.getvalue()[-3000:]
+    details = record["steps"]["tune"]["details"]["models"]["bow"]
+    assert details["counters"]["Completed"] == 2
+    trials = [done for job, done in exits.exits if job.startswith(details["tuning_job"] + "-")]
+    assert len(trials) == 2 and all(done.code == 0 for done in trials)
+    # The jobs' logs in the run tree; the trials' in CloudWatch, where SageMaker writes them.
+    logs = {k: v for k, v in job_logs(staged, 1).items() if "-tune-" not in k}
+    cloudwatch = exits.backend.emulator.logs
+    for trial in details["trials"]:
+        events = cloudwatch.filter_log_events(
+            logGroupName="/aws/sagemaker/TrainingJobs", logStreamNamePrefix=trial["job_name"]
+        )["events"]
+        logs[trial["job_name"]] = "\n".join(e["message"] for e in events)
+    missing = [name for name, log in logs.items() if not ran_in_the_image(log)]
+    assert len(logs) == 6 and not missing, (missing, list(logs))
+
+
+def in_the_image(engine: str, image: str, code: str) -> str:
+    """What `python3 -c code` prints in a container of the image."""
+    done = subprocess.run(
+        [engine, "run", "--rm", "--entrypoint", "python3", image, "-c", code],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_the_image_holds_the_locks_versions_and_its_bases_torch(engine, image):
+    installed = json.loads(
+        in_the_image(
+            engine, image,
+            "import importlib.metadata as m, json;"
+            "print(json.dumps({d.metadata['Name']: d.version for d in m.distributions()}))",
+        )
+    )  # fmt: skip
+    installed = {canonicalize_name(name): version for name, version in installed.items()}
+    differ = [
+        f"{name}: {installed.get(name, 'nothing')} in the image, {version} locked"
+        for name, version in pins(ROOT / "requirements.lock").items()
+        if installed.get(name) != version
+    ]
+    assert differ == []
+    # torch is the base's, and the image's record names it with the base.
+    record = json.loads(in_the_image(engine, image, f"print(open({IMAGE_RECORD_FILE!r}).read())"))
+    assert record["torch"] == installed["torch"] and record["base"]
+    assert Version(record["torch"]).public in TORCH_RELEASES
+    assert record["lock_sha256"] == LOCK_SHA256
+
+
+class ReclaimAt(io.StringIO):
+    """Once the job reports step `step`, AWS takes the spot instance back: SIGTERM to the
+    container (the engine's kill), then the job restarted from its checkpoints."""
+
+    def __init__(self, step: int, exits: Exits):
+        super().__init__()
+        self.step, self.exits, self.reclaimed = step, exits, []
+
+    def write(self, text):
+        backend = self.exits.backend
+        if not self.reclaimed and backend is not None and f"] step={self.step}/" in text:
+            self.reclaimed = backend.emulator.reclaim()
+        return super().write(text)
+
+
+def test_a_reclaimed_container_with_loader_workers_checkpoints_exits_75_and_resumes(
+    image, staged, bucket, tmp_path
+):
+    _, settings = image_settings(
+        tmp_path, bucket,
+        training={"USE_DISTRIBUTED": "false", "INSTANCE_COUNT": "1", "USE_SPOT": "true",
+                  "EPOCHS": "6", "DATALOADER_NUM_WORKERS": "2"},
+    )  # fmt: skip
+    exits = Exits()
+    echo = ReclaimAt(step=5, exits=exits)
+    record = run_pipeline(settings, staged, parse_steps(None), echo=echo, make_backend=exits)
+    log = echo.getvalue()
+    assert echo.reclaimed and record["status"] == "completed", log[-3000:]
+    trainings = [done for job, done in exits.exits if "-train-" in job]
+    assert [done.code for done in trainings] == [75, 0]
+    assert trainings[0].interrupted
+    assert "SIGTERM: checkpoint written at step" in log and "resumed from" in log
+    report = record["steps"]["train"]["details"]["models"]["bow"]
+    assert report["resumed_from"]["step"] >= 5
+    assert [h["epoch"] for h in report["history"]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_an_image_that_is_not_there_is_said_before_a_run_is_claimed(engine, tmp_path, bucket):
+    from pipeline.cli import open_experiment
+
+    path = write_settings(
+        tmp_path / "settings.ini", str(tmp_path / "store"),
+        experiment={"BACKEND": "emulated"}, emulated={"IMAGE": "smpipe:no-such-tag"},
+    )  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"\[emulated\] IMAGE: .* has no image 'smpipe:no-such-tag'"
+    ):
+        open_experiment(str(path))
+    assert not (tmp_path / "store").exists()
+    with pytest.raises(ConfigError, match="--image: .*emulated backend only .*BACKEND is local"):
+        open_experiment(str(path), backend="local", image=IMAGE)
+
+
+def test_what_a_killed_driver_left_is_removed_by_the_next(engine, image):
+    """A driver killed outright leaves its containers and networks running: the next driver's
+    image player removes those of drivers of this machine that are gone, and no other."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    tags = {"gone": f"{socket.gethostname()}:{gone.pid}", "alive": driver_tag()}
+    made = []
+    try:
+        for who, tag in tags.items():
+            name = f"smpipe-sweep-{who}-{os.getpid()}"
+            label = ["--label", f"{DRIVER_LABEL}={tag}"]
+            subprocess.run(
+                [engine, "network", "create", *label, name], check=True, capture_output=True
+            )
+            subprocess.run(
+                [engine, "run", "-d", "--name", name, "--network", name, *label,
+                 "--entrypoint", "sleep", image, "600"],
+                check=True, capture_output=True,
+            )  # fmt: skip
+            made.append(name)
+        removed = sweep(engine)
+        assert sorted(n for n in removed if "sweep" in n) == [made[0], made[0]]
+        still = subprocess.run(
+            [engine, "ps", "--format", "{{.Names}}"], capture_output=True, text=True
+        )
+        assert made[1] in still.stdout.split() and made[0] not in still.stdout.split()
+    finally:
+        for name in made:
+            subprocess.run([engine, "rm", "-f", name], capture_output=True)
+            subprocess.run([engine, "network", "rm", "-f", name], capture_output=True)
+
+
+def test_the_relay_to_the_control_plane_serves_the_job_networks_only():
+    """The containers reach moto through a relay listening on every address: a connection
+    from an address outside the job networks (this machine's own, not loopback) is closed."""
+    with socket.create_server(("127.0.0.1", 0)) as upstream:
+        gateway = Gateway(upstream.getsockname()[1])
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect(("10.255.255.255", 1))  # no packet sent: the route's address
+                own = probe.getsockname()[0]
+            assert not own.startswith("127.")
+            with socket.create_connection((own, gateway.port), timeout=5) as client:
+                client.settimeout(5)
+                assert client.recv(1) == b""  # closed, never relayed
+            gateway.allow(f"{own}/32")
+            with socket.create_connection((own, gateway.port), timeout=5) as client:
+                upstream.settimeout(5)
+                relayed, _ = upstream.accept()
+                client.sendall(b"ping")
+                assert relayed.recv(4) == b"ping"
+                relayed.close()
+        finally:
+            gateway.close()
