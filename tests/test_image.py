@@ -20,7 +20,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from pipeline.backends.choose import make_backend
-from pipeline.backends.emulated import S3View
+from pipeline.backends.emulated import Emulator, S3View, job_plumbing
 from pipeline.config import ConfigError, load_settings
 from pipeline.driver import parse_steps, run_pipeline
 from pipeline.paths import ExperimentTree
@@ -28,7 +28,7 @@ from pipeline.player.images import DRIVER_LABEL, Gateway, driver_tag, find_engin
 from pipeline.sources import upload_raw
 from pipeline.store import LocalStore, S3Store
 from steps.runtime.names import IMAGE_RECORD_FILE
-from tests.conftest import ROOT, write_settings
+from tests.conftest import ROOT, ship_code, write_settings
 from tests.test_lock import TORCH_RELEASES, pins
 
 IMAGE = os.environ.get("SMPIPE_TEST_IMAGE", "smpipe:latest")
@@ -327,3 +327,61 @@ def test_the_relay_to_the_control_plane_serves_the_job_networks_only():
                 relayed.close()
         finally:
             gateway.close()
+
+
+def test_a_container_of_the_image_sees_only_the_image_the_request_and_sagemaker(
+    image, bucket, tmp_path, monkeypatch
+):
+    """In the image, the environment is the image's (its base's ENV and docker/Dockerfile's,
+    as the engine gives them), the request's Environment, what SageMaker sets, and the
+    emulator's plumbing to moto; nothing of the driver's, and none of the process player's
+    own variables (the job root's place, the driver's pid, torchrun's master)."""
+    from pipeline.store import upload_dir
+    from tests.test_emulator import (
+        CANARIES,
+        IMAGE_ENV,
+        RUN,
+        probe_processing,
+        probe_training,
+    )
+
+    store = S3Store(f"s3://{bucket}")
+    ship_code(store)
+    (tmp_path / "things").mkdir()
+    (tmp_path / "things/a.txt").write_text("hello")
+    upload_dir(store, tmp_path / "things", "inputs/things/")
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train/rows.txt").write_text("1\n2\n")
+    upload_dir(store, tmp_path / "train", "data/train/")
+    for key, value in CANARIES.items():
+        monkeypatch.setenv(key, value)
+    emulator = Emulator(store, "us-east-1", image=IMAGE)
+    plumbing = set(job_plumbing("http://moto"))
+    # A new container's: Docker's (HOME, PATH, HOSTNAME) and the base's ENV (LANG, LC_ALL);
+    # not podman's own TERM and `container`, which docker does not set.
+    engine_given = {"HOME", "PATH", "HOSTNAME", "LANG", "LC_ALL"}
+    try:
+        backend = emulator.backend(RUN, "", "", io.StringIO())
+        job = probe_processing("env-probe-image")
+        result = backend.run_processing(job)
+        assert result.status == "Completed", result.failure_reason
+        seen = json.loads(store.get_bytes("outputs/env-probe-image/seen.json"))
+        names = set(seen["env_names"])
+        sagemaker = {n for n in names if n.startswith(("SM_PROCESSING_", "SM_OUTPUT_FAILURE"))}
+        allowed = IMAGE_ENV | set(job.env) | sagemaker | plumbing | engine_given
+        assert names <= allowed, sorted(names - allowed)
+        assert not names & set(CANARIES) and seen["home"] == "/root"
+
+        training = probe_training("env-train-image")
+        result = backend.run_training(training)
+        assert result.status == "Completed", result.failure_reason
+        seen = json.loads(store.get_bytes(training.model_prefix + "seen-rank0.json"))
+        names = set(seen["env_names"])
+        documented = {"TRAINING_JOB_NAME", "TRAINING_JOB_ARN"}
+        request_env = {"SMPIPE_STEP", "SMPIPE_PROCESSES_PER_HOST", *training.env}
+        exported = {n for n in names if n.startswith("SM_")} | {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT"}
+        allowed = IMAGE_ENV | request_env | documented | exported | plumbing | engine_given
+        assert names <= allowed, sorted(names - allowed)
+        assert not names & set(CANARIES)
+    finally:
+        emulator.close()

@@ -28,7 +28,7 @@ from pathlib import Path
 from pipeline.player.job_root import clear_output
 from pipeline.player.processes import Containers
 from steps.runtime import names
-from steps.runtime.names import CONTAINER_ROOT, ENTRYPOINT, host_path
+from steps.runtime.names import CONTAINER_ROOT, host_path
 from steps.runtime.secrets import secret_values
 
 ENGINES = ("docker", "podman")
@@ -294,12 +294,18 @@ class ImageContainers(Containers):
             f"{root}:{CONTAINER_ROOT}",
             "--label",
             f"{DRIVER_LABEL}={driver_tag()}",
+            # podman adds TERM and `container` to every container, docker (SageMaker's) neither
+            # (https://docs.podman.io/en/v4.3/markdown/podman-run.1.html, --env).
+            *(["--unsetenv", "TERM", "--unsetenv", "container"] if self.engine == "podman" else []),
             # Each value from this client's environment, not the command line (`ps` shows that).
             *[flag for key in full for flag in ("--env", key)],
         ]
-        if entrypoint is not None and list(entrypoint) != list(ENTRYPOINT):
-            command += ["--entrypoint", json.dumps(entrypoint)]
-        command += [self.image, *arguments]
+        if entrypoint:  # a processing request's ContainerEntrypoint, as given: its program
+            # as --entrypoint, the rest before ContainerArguments (docker's --entrypoint takes
+            # one program, not the exec form podman also reads)
+            command += ["--entrypoint", entrypoint[0], self.image, *entrypoint[1:], *arguments]
+        else:
+            command += [self.image, *arguments]
         try:
             proc = subprocess.Popen(
                 command,
