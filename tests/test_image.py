@@ -26,10 +26,11 @@ from pipeline.driver import parse_steps, run_pipeline
 from pipeline.paths import ExperimentTree
 from pipeline.player.images import DRIVER_LABEL, Gateway, driver_tag, find_engine, image_id, sweep
 from pipeline.sources import upload_raw
-from pipeline.store import LocalStore, S3Store
+from pipeline.store import LocalStore, S3Store, upload_dir
 from steps.runtime.names import IMAGE_RECORD_FILE
 from tests.conftest import ROOT, ship_code, write_settings
-from tests.test_lock import TORCH_RELEASES, pins
+from tests.test_emulator import CANARIES, IMAGE_ENV, RUN, probe_processing, probe_training
+from tests.test_lock import TORCH_RELEASES, _lock_tool, pins
 
 IMAGE = os.environ.get("SMPIPE_TEST_IMAGE", "smpipe:latest")
 LOCK_SHA256 = hashlib.sha256((ROOT / "requirements.lock").read_bytes()).hexdigest()
@@ -217,6 +218,8 @@ def test_the_image_holds_the_locks_versions_and_its_bases_torch(engine, image):
     record = json.loads(in_the_image(engine, image, f"print(open({IMAGE_RECORD_FILE!r}).read())"))
     assert record["torch"] == installed["torch"] and record["base"]
     assert Version(record["torch"]).public in TORCH_RELEASES
+    # The lock's markers were decided for the image's Python (tools/lock.py PYTHON_VERSION).
+    assert record["python"].startswith(_lock_tool.PYTHON_VERSION + ".")
     assert record["lock_sha256"] == LOCK_SHA256
 
 
@@ -336,30 +339,25 @@ def test_a_container_of_the_image_sees_only_the_image_the_request_and_sagemaker(
     as the engine gives them), the request's Environment, what SageMaker sets, and the
     emulator's plumbing to moto; nothing of the driver's, and none of the process player's
     own variables (the job root's place, the driver's pid, torchrun's master)."""
-    from pipeline.store import upload_dir
-    from tests.test_emulator import (
-        CANARIES,
-        IMAGE_ENV,
-        RUN,
-        probe_processing,
-        probe_training,
-    )
-
     store = S3Store(f"s3://{bucket}")
     ship_code(store)
-    (tmp_path / "things").mkdir()
-    (tmp_path / "things/a.txt").write_text("hello")
+    for folder, name, text in (("things", "a.txt", "hello"), ("train", "rows.txt", "1\n2\n")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / name).write_text(text)
     upload_dir(store, tmp_path / "things", "inputs/things/")
-    (tmp_path / "train").mkdir()
-    (tmp_path / "train/rows.txt").write_text("1\n2\n")
     upload_dir(store, tmp_path / "train", "data/train/")
     for key, value in CANARIES.items():
         monkeypatch.setenv(key, value)
     emulator = Emulator(store, "us-east-1", image=IMAGE)
     plumbing = set(job_plumbing("http://moto"))
-    # A new container's: Docker's (HOME, PATH, HOSTNAME) and the base's ENV (LANG, LC_ALL);
+    # A new container's: Docker's (HOME, PATH, HOSTNAME) and the image's ENV, its base's
+    # included (the stand-in's LANG and LC_ALL; the real base's NVIDIA_* and LD_LIBRARY_PATH);
     # not podman's own TERM and `container`, which docker does not set.
-    engine_given = {"HOME", "PATH", "HOSTNAME", "LANG", "LC_ALL"}
+    inspected = subprocess.run(
+        [find_engine(), "image", "inspect", "--format", "{{json .Config.Env}}", IMAGE],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    engine_given = {"HOME", "HOSTNAME", *(e.split("=", 1)[0] for e in json.loads(inspected.stdout))}
     try:
         backend = emulator.backend(RUN, "", "", io.StringIO())
         job = probe_processing("env-probe-image")

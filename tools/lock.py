@@ -28,6 +28,9 @@ DEV_LOCK = "requirements-dev.lock"
 EXCLUDES = "tools/lock-excludes.txt"
 # Markers such as `python_version < "3.12"` are decided for this Python: the venv's and the
 # image's. Each locked release still carries the hashes of all its files, for any Python.
+# The real base's Python is the one pytorch's Dockerfile installs, `ARG PYTHON_VERSION=3.11`
+# (github.com/pytorch/pytorch, Dockerfile; the 2.5.1 image was seen with 3.11.10); the stand-in
+# base's is Debian bookworm's 3.11. tests/test_image.py reads the image's own.
 PYTHON_VERSION = "3.11"
 # The venv's torch (the CPU build `make install` puts in first) and the real base image's
 # (pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime, docker/Dockerfile).

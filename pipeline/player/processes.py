@@ -236,8 +236,8 @@ class Containers:
         entrypoint: list[str] | None = None,
     ) -> tuple[subprocess.Popen, list[str]]:
         """The entrypoint started in its environment (see `run`), with what an earlier attempt
-        left in output/ cleared; and the secret values that environment holds. `entrypoint` is
-        always the image's here (play.py refuses another)."""
+        left in output/ cleared; and the secret values that environment holds. `entrypoint`, a
+        processing request's ContainerEntrypoint, can only be the image's here."""
         if entrypoint is not None and list(entrypoint) != list(ENTRYPOINT):
             raise ValueError(
                 f"cannot play ContainerEntrypoint {entrypoint} as a process: the image's "
