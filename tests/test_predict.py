@@ -652,6 +652,11 @@ def test_a_failed_or_interrupted_predict_leaves_only_its_log_and_a_record(
         with pytest.raises(PipelineError, match="predict failed in job"):
             predict(settings, store, source, output, echo=io.StringIO(), make_backend=wrong)
     else:
+        # Enough rows that the job still predicts when its line reaches the driver (through
+        # CloudWatch's polling on emulated, a second late; later under load): a few rows were
+        # done before Ctrl-C could land, and the predict completed.
+        texts = pd.concat([trained["texts"]] * (4000 // len(trained["texts"]) + 1))
+        texts.assign(id=[f"row-{i}" for i in range(len(texts))]).to_csv(source, index=False)
         with pytest.raises(KeyboardInterrupt):
             predict(settings, store, source, output, echo=InterruptOnce())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["texts.csv"]
