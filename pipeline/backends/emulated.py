@@ -110,6 +110,20 @@ def job_plumbing(endpoint: str) -> dict[str, str]:
     }
 
 
+def job_containers(image: str, engine: str, endpoint: str) -> Containers:
+    """What runs the jobs' containers. With an image, every job runs in it (player/images.py),
+    reaching moto at `endpoint` through a relay at its network's gateway; without, as processes
+    of this machine (player/processes.py) in a new container's environment
+    (player/environment.py). Either way the image's ENV, the request's Environment, what
+    SageMaker sets and the emulator's plumbing (`job_plumbing`) come on top."""
+    if not image:
+        plumbing = job_plumbing(endpoint)
+        return Containers(base_env=lambda root: fresh_container_env(root) | plumbing)
+    engine = find_engine(engine)
+    image_id(engine, image)  # ImageUnavailable before any job
+    return ImageContainers(engine, image, job_plumbing, int(endpoint.rsplit(":", 1)[1]))
+
+
 class S3View:
     """A local-folder store seen as a bucket, so the requests name s3:// URIs (botocore
     insists) while the files stay in the user's folder."""
@@ -186,25 +200,7 @@ class Emulator:
         self.logs = boto3.client("logs", region_name=region, config=aws_config())
         self._moto = sagemaker_backends[DEFAULT_ACCOUNT_ID][region]
         self.work_root = Path(work_root or tempfile.mkdtemp(prefix="smpipe-emulated-"))
-        # A job's container sees a new container's environment (player/environment.py, or the
-        # image's own), the image's ENV, the request's Environment and what SageMaker sets; and
-        # the emulator's plumbing (`job_plumbing`).
-        endpoint = os.environ["AWS_ENDPOINT_URL"]
-        self.plumbing = job_plumbing(endpoint)
-        # With an image, every job runs in it (player/images.py), reaching moto through a relay
-        # at its network's gateway; without, as processes of this machine (player/processes.py).
-        self.containers: Containers
-        if image:
-            engine = find_engine(engine)
-            self.image_id = image_id(engine, image)
-            self.containers = ImageContainers(
-                engine, image, job_plumbing, int(endpoint.rsplit(":", 1)[1])
-            )
-        else:
-            self.image_id = ""
-            self.containers = Containers(
-                base_env=lambda root: fresh_container_env(root) | self.plumbing
-            )
+        self.containers = job_containers(image, engine, os.environ["AWS_ENDPOINT_URL"])
         self.requests: dict[str, dict] = {}  # every request moto accepted, by job name
         self.metrics: dict[str, dict[str, float]] = {}  # training job -> final metrics
         self.trials: dict[str, list[str]] = {}  # tuning job -> its training jobs, in order

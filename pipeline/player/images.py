@@ -300,9 +300,11 @@ class ImageContainers(Containers):
             # Each value from this client's environment, not the command line (`ps` shows that).
             *[flag for key in full for flag in ("--env", key)],
         ]
-        if entrypoint:  # a processing request's ContainerEntrypoint, as given: its program
-            # as --entrypoint, the rest before ContainerArguments (docker's --entrypoint takes
-            # one program, not the exec form podman also reads)
+        # A processing request's ContainerEntrypoint replaces the image's ENTRYPOINT and its
+        # ContainerArguments follow (API_AppSpecification.html; build-your-own-processing-
+        # container.html): the program as --entrypoint, the rest before the arguments
+        # (docker's --entrypoint takes one program, not the exec form podman also reads).
+        if entrypoint:
             command += ["--entrypoint", entrypoint[0], self.image, *entrypoint[1:], *arguments]
         else:
             command += [self.image, *arguments]

@@ -196,11 +196,7 @@ class Containers:
                 watcher.join()
             if clock is not None:
                 clock.cancel()
-            with self._lock:
-                self._running.pop(proc.pid, None)
-                timed_out = proc.pid in self._timed_out
-                self._timed_out.discard(proc.pid)
-            self._ended(proc.pid)
+            timed_out = self._forget(proc.pid)
         interrupted, reason = left_in_output(failure, secrets)
         return ContainerExit(
             code=code,
@@ -222,6 +218,16 @@ class Containers:
         clock.daemon = True
         clock.start()
         return clock
+
+    def _forget(self, pid: int) -> bool:
+        """A container that ended and was waited for is no longer running; whether its
+        MaxRuntimeInSeconds ended it."""
+        with self._lock:
+            self._running.pop(pid, None)
+            timed_out = pid in self._timed_out
+            self._timed_out.discard(pid)
+        self._ended(pid)
+        return timed_out
 
     def _ended(self, pid: int) -> None:
         """A container has ended and been waited for (the image player removes its network)."""
