@@ -13,6 +13,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -332,13 +334,8 @@ def test_the_relay_to_the_control_plane_serves_the_job_networks_only():
             gateway.close()
 
 
-def test_a_container_of_the_image_sees_only_the_image_the_request_and_sagemaker(
-    image, bucket, tmp_path, monkeypatch
-):
-    """In the image, the environment is the image's (its base's ENV and docker/Dockerfile's,
-    as the engine gives them), the request's Environment, what SageMaker sets, and the
-    emulator's plumbing to moto; nothing of the driver's, and none of the process player's
-    own variables (the job root's place, the driver's pid, torchrun's master)."""
+def probe_store(bucket: str, tmp_path: Path) -> S3Store:
+    """A bucket with the code the probe jobs run (tests/jobs/) and their inputs."""
     store = S3Store(f"s3://{bucket}")
     ship_code(store)
     for folder, name, text in (("things", "a.txt", "hello"), ("train", "rows.txt", "1\n2\n")):
@@ -346,6 +343,44 @@ def test_a_container_of_the_image_sees_only_the_image_the_request_and_sagemaker(
         (tmp_path / folder / name).write_text(text)
     upload_dir(store, tmp_path / "things", "inputs/things/")
     upload_dir(store, tmp_path / "train", "data/train/")
+    return store
+
+
+def test_a_container_that_ignores_its_stop_is_killed_after_the_grace(image, bucket, tmp_path):
+    """Stopped as SageMaker stops a job: SIGTERM to the container's PID 1, then SIGKILL when the
+    grace is over (120 s on SageMaker; 1 s here), by the engine, whatever the step does."""
+    emulator = Emulator(probe_store(bucket, tmp_path), "us-east-1", image=IMAGE)
+    emulator.containers.grace_seconds = 1
+    results = []
+    try:
+        backend = emulator.backend(RUN, "", "", io.StringIO())
+        hang = probe_processing("hang-image", "--hang")
+        thread = threading.Thread(target=lambda: results.append(backend.run_processing(hang)))
+        thread.start()
+        started = time.time()
+        while not emulator.containers._running and time.time() - started < 60:
+            time.sleep(0.1)
+        time.sleep(5)  # the step is up and ignoring signals
+        emulator.containers.stop()
+        thread.join(timeout=60)
+        assert not thread.is_alive() and results[0].status != "Completed"
+        running = subprocess.run(
+            [emulator.containers.engine, "ps", "--format", "{{.Names}}"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        assert "hang-image" not in running  # the container itself, not only the engine's client
+    finally:
+        emulator.close()
+
+
+def test_a_container_of_the_image_sees_only_the_image_the_request_and_sagemaker(
+    image, bucket, tmp_path, monkeypatch
+):
+    """In the image, the environment is the image's (its base's ENV and docker/Dockerfile's,
+    as the engine gives them), the request's Environment, what SageMaker sets, and the
+    emulator's plumbing to moto; nothing of the driver's, and none of the process player's
+    own variables (the job root's place, the driver's pid, torchrun's master)."""
+    store = probe_store(bucket, tmp_path)
     for key, value in CANARIES.items():
         monkeypatch.setenv(key, value)
     emulator = Emulator(store, "us-east-1", image=IMAGE)
