@@ -278,6 +278,37 @@ class ImageContainers(Containers):
         network, gateway = self.networks.join(job)
         name = f"{network}-{host}"
         full = {**self.plumbing(f"http://{gateway}:{self.gateway.port}"), **env}
+        command = self._command(name, host, network, root, list(full), arguments, entrypoint)
+        try:
+            proc = subprocess.Popen(
+                command,
+                # The engine's client runs with this machine's environment (its own settings:
+                # CONTAINERS_CONF, DOCKER_HOST); the container gets only the --env keys.
+                env={**os.environ, **full},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        except BaseException:
+            self.networks.leave(job)
+            raise
+        with self._lock:
+            self._names[proc.pid], self._jobs[proc.pid] = name, job
+        self._register(proc.pid, job)
+        return proc, secret_values(full)
+
+    def _command(
+        self,
+        name: str,
+        host: str,
+        network: str,
+        root: Path,
+        variables: list[str],
+        arguments: list[str],
+        entrypoint: list[str] | None,
+    ) -> list[str]:
+        """`ENGINE run` for one host's container, as SageMaker starts it."""
         command = [
             self.engine,
             "run",
@@ -297,35 +328,23 @@ class ImageContainers(Containers):
             # podman adds TERM and `container` to every container, docker (SageMaker's) neither
             # (https://docs.podman.io/en/v4.3/markdown/podman-run.1.html, --env).
             *(["--unsetenv", "TERM", "--unsetenv", "container"] if self.engine == "podman" else []),
-            # Each value from this client's environment, not the command line (`ps` shows that).
-            *[flag for key in full for flag in ("--env", key)],
+            # Each value from the client's environment, not the command line (`ps` shows that).
+            *[flag for key in variables for flag in ("--env", key)],
         ]
         # A processing request's ContainerEntrypoint replaces the image's ENTRYPOINT and its
         # ContainerArguments follow (API_AppSpecification.html; build-your-own-processing-
         # container.html): the program as --entrypoint, the rest before the arguments
         # (docker's --entrypoint takes one program, not the exec form podman also reads).
         if entrypoint:
-            command += ["--entrypoint", entrypoint[0], self.image, *entrypoint[1:], *arguments]
-        else:
-            command += [self.image, *arguments]
-        try:
-            proc = subprocess.Popen(
-                command,
-                # The engine's client runs with this machine's environment (its own settings:
-                # CONTAINERS_CONF, DOCKER_HOST); the container gets only the --env keys.
-                env={**os.environ, **full},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        except BaseException:
-            self.networks.leave(job)
-            raise
-        with self._lock:
-            self._names[proc.pid], self._jobs[proc.pid] = name, job
-        self._register(proc.pid, job)
-        return proc, secret_values(full)
+            return [
+                *command,
+                "--entrypoint",
+                entrypoint[0],
+                self.image,
+                *entrypoint[1:],
+                *arguments,
+            ]
+        return [*command, self.image, *arguments]
 
     def _ended(self, pid: int) -> None:
         with self._lock:
