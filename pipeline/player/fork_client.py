@@ -67,6 +67,8 @@ def per_job_variables() -> frozenset[str]:
 # imports nothing of it). PYTEST_*: pytest's bookkeeping (PYTEST_CURRENT_TEST changes with every
 # test phase). Which AWS to call and as whom: botocore reads these when a session or client is
 # made, never at import; a server kept between runs (IDLE) then holds no run's AWS credentials.
+# Nor its wandb key: wandb reads WANDB_API_KEY when it logs in, not when imported (the same
+# trace), and tests that each set their own key no longer each start a server.
 NOT_READ_AT_IMPORT_PREFIXES = ("SMPIPE_", "PYTEST_")
 NOT_READ_AT_IMPORT = frozenset(
     {
@@ -77,6 +79,7 @@ NOT_READ_AT_IMPORT = frozenset(
         "AWS_DEFAULT_REGION",
         "AWS_REGION",
         "AWS_PROFILE",
+        "WANDB_API_KEY",
     }
 )
 
