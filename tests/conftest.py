@@ -13,6 +13,7 @@ import boto3
 import pytest
 
 from pipeline.backends import moto_server
+from pipeline.stages import HUB_OFFLINE
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -26,6 +27,14 @@ WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1:
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(name, str(max(1, (os.cpu_count() or 1) // WORKERS)))
+
+# The Hugging Face libraries' offline switches, as every job of a run gets them by default
+# ([hub] OFFLINE: pipeline/stages.py `job_env`): nothing here may reach the Hub, and a test that
+# starts jobs on a backend directly then gives them the environment a run's jobs have. A fork
+# server is chosen by what the libraries read at import, these among them
+# (pipeline/player/fork_client.py): one server then serves both kinds of test.
+for name in HUB_OFFLINE:
+    os.environ.setdefault(name, "1")
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +51,6 @@ def aws_env(moto_endpoint, monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("SAGEMAKER_VALIDATE_ROLE", "false")
     return moto_endpoint
 
 

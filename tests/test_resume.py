@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from steps.runtime.names import (
     PROCESSES_VARIABLE,
 )
 from tests.conftest import ROOT, SignalAtStep, gated, ship_code, wait_at_gate
+from tests.jobs.checkpoint_writer import CRASHES, new_state, save
 
 HPS = {
     "model_name": "bow", "epochs": "3", "learning_rate": "0.01",
@@ -312,72 +312,37 @@ def test_sigterm_checkpoints_exits_and_the_backend_restarts(tmp_path, channels, 
     assert_same(result(tmp_path / "final"), reference)
 
 
-WRITER = textwrap.dedent("""
-    import os, sys, torch
-    from pathlib import Path
-    from steps import checkpointing as ckpt
-
-    directory, crash = Path(sys.argv[1]), sys.argv[2]
-    torch.manual_seed(0)
-    model = torch.nn.Linear(64, 64)
-    opt = torch.optim.AdamW(model.parameters())
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    sampler = ckpt.ResumableBatchSampler(100, 4, 1, 1, 0, seed=1)
-    state = ckpt.State(model=model, optimizer=opt, scheduler=sched, sampler=sampler, seed=1, run_name="w")
-
-    def save(step, crash_here=None):
-        state.step = step
-        with torch.no_grad():
-            model.weight.fill_(step)
-        real_save, real_rename, real_replace = ckpt._save, os.rename, os.replace
-        if crash_here == "mid_state":
-            def partial(obj, path):
-                if path.name == ckpt.STATE_FILE:
-                    data = __import__("io").BytesIO(); torch.save(obj, data)
-                    path.write_bytes(data.getvalue()[: len(data.getvalue()) // 2]); os._exit(9)
-                real_save(obj, path)
-            ckpt._save = partial
-        if crash_here == "before_rename":
-            ckpt.os.rename = lambda *a: os._exit(9)
-        if crash_here == "before_pointer":
-            ckpt.os.replace = lambda *a: os._exit(9)
-        tmp = ckpt.begin_checkpoint(directory, step)
-        if crash_here == "after_begin":
-            os._exit(9)
-        ckpt.write_rank_state(tmp, 0, state)
-        ckpt.finish_checkpoint(directory, tmp, state, None, keep=2)
-        if crash_here == "after_pointer":
-            os._exit(9)
-
-    for step in (1, 2, 3):
-        save(step)
-    save(4, crash)
-""")
-
-
-@pytest.mark.parametrize(
-    "crash", ["after_begin", "mid_state", "before_rename", "before_pointer", "after_pointer"]
-)
-def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_current(tmp_path, crash):
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory) -> tuple[Path, dict[str, int]]:
+    """Checkpoints of steps 1 to 3, then a crash at each point of writing step 4's
+    (tests/jobs/checkpoint_writer.py): each crash's folder and the status its process ended with."""
+    root = tmp_path_factory.mktemp("crashed")
     done = subprocess.run(
-        [sys.executable, "-c", WRITER, str(tmp_path), crash],
+        [sys.executable, "-m", "tests.jobs.checkpoint_writer", str(root), *CRASHES],
         cwd=ROOT,
         capture_output=True,
         text=True,
     )
-    assert done.returncode == 9, done.stderr
-    current = ckpt.current_checkpoint(tmp_path)
+    assert done.returncode == 0, done.stderr
+    return root, {crash: int(status) for crash, status in map(str.split, done.stdout.splitlines())}
+
+
+@pytest.mark.parametrize("crash", CRASHES)
+def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_current(crashed, crash):
+    root, statuses = crashed
+    directory = root / crash
+    assert statuses[crash] == 9
+    current = ckpt.current_checkpoint(directory)
     expected = 4 if crash == "after_pointer" else 3
     assert current.name == f"ckpt-{expected:08d}"
     # Nothing half-written is ever a candidate, and the current one loads whole.
-    assert all(not p.name.endswith(".tmp") for p in ckpt.resume_candidates(tmp_path))
+    assert all(not p.name.endswith(".tmp") for p in ckpt.resume_candidates(directory))
     saved = torch.load(current / ckpt.STATE_FILE, weights_only=False)
     assert saved["step"] == expected and torch.all(saved["model"]["weight"] == expected)
-    # The next save after the crash works and becomes current.
-    subprocess.run([sys.executable, "-c", WRITER.replace("for step in (1, 2, 3):", "for step in ():")
-                    .replace("save(4, crash)", "save(5)"), str(tmp_path), "none"], cwd=ROOT, check=True)  # fmt: skip
-    assert ckpt.current_checkpoint(tmp_path).name == "ckpt-00000005"
-    assert len(ckpt.checkpoint_names(tmp_path)) == 2  # keep=2
+    # The next save after the crash (a job restarted: here, this process) works and is current.
+    save(directory, new_state(), 5)
+    assert ckpt.current_checkpoint(directory).name == "ckpt-00000005"
+    assert len(ckpt.checkpoint_names(directory)) == 2  # keep=2
 
 
 def test_sampler_resumes_mid_epoch_with_the_unseen_batches():

@@ -138,10 +138,11 @@ def wait_gone(pids: list[int], seconds: float = 20) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def no_idle_servers():
-    """Each test starts with no server an earlier backend of this worker left (fork_client.IDLE),
-    so that its first job starts cold, and leaves none."""
+    """The test starts with no server an earlier backend of this worker left (fork_client.IDLE),
+    so that its first job starts cold, and leaves none. The other tests take a server an earlier
+    one left, as a run takes the one its process's last run left: a preload is seconds of CPU."""
     IDLE.close()
     yield
     IDLE.close()
@@ -158,7 +159,7 @@ def test_warm_start_can_be_turned_off(shipped, tmp_path, monkeypatch):
     assert not (tmp_path / "work").exists()
 
 
-def test_a_warm_job_sees_exactly_its_own_env_root_and_code(shipped, tmp_path):
+def test_a_warm_job_sees_exactly_its_own_env_root_and_code(shipped, tmp_path, no_idle_servers):
     """The first job starts cold (and starts no server); the next two are forked by one server,
     and see what the first saw of the contract, their own roots and the shipped code."""
     store, marker = shipped
@@ -196,7 +197,9 @@ def test_a_warm_job_sees_exactly_its_own_env_root_and_code(shipped, tmp_path):
     assert not (tmp_path / "warm").exists()  # the servers' folder went with the work root
 
 
-def test_jobs_sure_to_follow_find_a_server_started_beside_the_first(shipped, tmp_path):
+def test_jobs_sure_to_follow_find_a_server_started_beside_the_first(
+    shipped, tmp_path, no_idle_servers
+):
     """Within expecting_more (a study's trials), the first job still starts cold, but its
     environment's server starts beside it: the job after it is forked by that server."""
     store, _ = shipped
@@ -354,7 +357,7 @@ def test_a_crash_fails_only_its_job_and_the_server_serves_the_next(
     store, _ = shipped
     echo = io.StringIO()
     backend = local(store, tmp_path / "work", echo)
-    backend.run_processing(probe("first"))  # cold: the server starts with the next job
+    backend.run_processing(probe("first"))  # cold, or forked by a server an earlier test left
     before = backend.run_processing(probe("before"))
     crashed = backend.run_processing(probe("crashed", crash))
     after = backend.run_processing(probe("after"))
@@ -405,14 +408,16 @@ def test_sigterm_to_a_warm_job_reaches_its_step(shipped, tmp_path):
 
     echo = StopWhenWaiting()
     backend = local(store, tmp_path / "work", echo)
-    backend.run_processing(probe("first"))  # cold: the server starts with the next job
+    backend.run_processing(probe("first"))  # cold, or forked by a server an earlier test left
     result = backend.run_processing(probe("trapped", "--trap"))
     backend.close(succeeded=False)
     assert "[trapped] probe got SIGTERM" in echo.getvalue(), echo.getvalue()
     assert result.end_time - result.start_time < 60  # not the probe's 120 s wait
 
 
-def test_a_server_that_is_not_single_threaded_answers_cold_and_the_job_runs(shipped, tmp_path):
+def test_a_server_that_is_not_single_threaded_answers_cold_and_the_job_runs(
+    shipped, tmp_path, no_idle_servers
+):
     """A server with a thread of unknown safety (here one the test starts beside it) must not
     fork: the job starts cold, and the backend says why, once."""
     from pipeline.player import fork_server
@@ -521,9 +526,10 @@ def test_sigterm_to_a_warm_training_step_checkpoints_and_the_restart_trains_the_
         )
 
     with SignalAtStep(tmp_path / "gates", 7, training_step) as reclaim:
-        # The same environment (the gate's) for both: the server starts with the second job.
+        # The same environment (the gate's) for both: a server forks the second job (it starts
+        # with it, or an earlier test of this worker left it).
         first = backend.run_training(replace(job("first", max_steps="1"), env=reclaim.env))
-        assert first.status == "Completed"  # cold
+        assert first.status == "Completed"
         outcome = backend.run_training(replace(job("sigterm-test"), env=reclaim.env))
     backend.close(succeeded=True)
     log = echo.getvalue()
