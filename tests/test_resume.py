@@ -24,6 +24,7 @@ from pipeline.backends.local import LocalBackend
 from pipeline.jobs import TrainingJob
 from pipeline.paths import ExperimentTree
 from pipeline.player.environment import image_env
+from pipeline.player.fork_client import WarmProcess, WarmStart
 from pipeline.player.job_root import lay_out_training
 from pipeline.player.processes import free_port
 from pipeline.store import LocalStore, upload_dir
@@ -103,11 +104,51 @@ def job_root(tmp: Path, channels: dict[str, Path], hps: dict = HPS) -> tuple[Pat
     }
 
 
-def start(env: dict, processes: int) -> subprocess.Popen:
+class Forked:
+    """A job a fork server started (fork_client.WarmProcess), read as a Popen(text=True)."""
+
+    def __init__(self, process: WarmProcess) -> None:
+        self.process, self.pid, self.args = process, process.pid, process.args
+        self.stdout = io.TextIOWrapper(process.stdout)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.process.wait(timeout)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        out = self.stdout.read()
+        self.process.wait(timeout)
+        return out, None
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    """Starts jobs as the local backend does, forked by a fork server (fork_client.WarmStart:
+    each job exactly its own environment, root and code, tests/test_warm_start.py): what these
+    tests interrupt and resume is the step, and a cold start of each would cost seconds of
+    imports. The baselines start cold, so a resumed warm job is compared with a cold one."""
+    starter = WarmStart(tmp_path_factory.mktemp("warm"), echo=io.StringIO())
+    yield starter
+    starter.close()
+
+
+def start(env: dict, processes: int, warm: WarmStart | None = None) -> subprocess.Popen | Forked:
+    """The image's entrypoint for a training job, in a new interpreter or forked by `warm`'s
+    server (cold all the same for the first job of an environment it has no server for)."""
     env = {**env, PROCESSES_VARIABLE: str(processes), MASTER_ADDR_VARIABLE: "127.0.0.1",
            MASTER_PORT_VARIABLE: str(free_port())}  # fmt: skip
+    command = [sys.executable, *ENTRYPOINT[1:], "train"]
+    forked = warm.start(command, env, ROOT) if warm is not None else None
+    if forked is not None:
+        return Forked(forked)
     return subprocess.Popen(
-        [sys.executable, *ENTRYPOINT[1:], "train"],
+        command,
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -117,8 +158,8 @@ def start(env: dict, processes: int) -> subprocess.Popen:
     )
 
 
-def run_to_end(env: dict, processes: int = 1) -> str:
-    proc = start(env, processes)
+def run_to_end(env: dict, processes: int = 1, warm: WarmStart | None = None) -> str:
+    proc = start(env, processes, warm)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
     return out
@@ -128,8 +169,8 @@ class Gated:
     """The job started (or resumed), its output read aside, once it waits in optimizer step
     `step` for a signal (tests/jobs/gate.py)."""
 
-    def __init__(self, env: dict, gates: Path, step: int, processes: int = 1):
-        self.proc = start({**env, **gated(gates, step)}, processes)
+    def __init__(self, env: dict, gates: Path, step: int, processes: int = 1, warm=None):
+        self.proc = start({**env, **gated(gates, step)}, processes, warm)
         self.lines: list[str] = []
         self.reader = threading.Thread(
             target=lambda: self.lines.extend(self.proc.stdout), daemon=True
@@ -148,12 +189,15 @@ class Gated:
         return "".join(self.lines)
 
 
-def kill_at(env: dict, gates: Path, step: int, sig: int, processes: int = 1) -> str:
+def kill_at(
+    env: dict, gates: Path, step: int, sig: int, processes: int = 1, warm: WarmStart | None = None
+) -> str:
     """Start (or resume) the job and kill its whole process group in optimizer step `step`."""
-    job = Gated(env, gates, step, processes)
+    job = Gated(env, gates, step, processes, warm)
     # Every process of the job at once, as when a machine dies: the step (and torchrun's
     # workers) first, then the entrypoint.
-    for process in [*psutil.Process(job.proc.pid).children(recursive=True), job.proc]:
+    entrypoint = psutil.Process(job.proc.pid)
+    for process in [*entrypoint.children(recursive=True), entrypoint]:
         try:
             process.send_signal(sig)
         except psutil.NoSuchProcess:
@@ -191,12 +235,12 @@ def baseline(tmp_path_factory, channels):
     return result(root)
 
 
-def test_sigkill_at_random_steps_resumes_bitwise_equal(tmp_path, channels, baseline):
+def test_sigkill_at_random_steps_resumes_bitwise_equal(tmp_path, channels, baseline, warm):
     root, env = job_root(tmp_path, channels)
     kill_steps = sorted(random.Random(11).sample(range(2, 23), 3))
     for step in kill_steps:
-        kill_at(env, tmp_path / "gates", step, signal.SIGKILL)
-    out = run_to_end(env)
+        kill_at(env, tmp_path / "gates", step, signal.SIGKILL, warm=warm)
+    out = run_to_end(env, warm=warm)
     assert "resumed from" in out
     assert_same(result(root), baseline)
     report = json.loads((root / "output/data/step_metadata.json").read_text())
@@ -204,15 +248,15 @@ def test_sigkill_at_random_steps_resumes_bitwise_equal(tmp_path, channels, basel
 
 
 def test_corrupt_current_checkpoint_is_named_and_the_previous_one_used(
-    tmp_path, channels, baseline
+    tmp_path, channels, baseline, warm
 ):
     root, env = job_root(tmp_path, channels)
-    kill_at(env, tmp_path / "gates", 11, signal.SIGKILL)  # checkpoints kept: 8 (epoch end), 9
+    kill_at(env, tmp_path / "gates", 11, signal.SIGKILL, warm=warm)  # kept: 8 (epoch end), 9
     current = ckpt.current_checkpoint(root / "checkpoints")
     previous = ckpt.resume_candidates(root / "checkpoints")[1]
     state_file = current / ckpt.STATE_FILE
     state_file.write_bytes(state_file.read_bytes()[: state_file.stat().st_size // 2])  # truncated
-    out = run_to_end(env)
+    out = run_to_end(env, warm=warm)
     assert f"checkpoint {current} could not be loaded" in out
     assert f"resumed from {previous}" in out
     report = json.loads((root / "output/data/step_metadata.json").read_text())
@@ -367,13 +411,15 @@ CHANGED = {"epochs": "2", "learning_rate": "0.02", "batch_size": "4", "warmup_ra
            "weight_decay": "0.5"}  # fmt: skip
 
 
-def test_every_tunable_hyperparameter_changes_what_training_does(tmp_path, channels, baseline):
+def test_every_tunable_hyperparameter_changes_what_training_does(
+    tmp_path, channels, baseline, warm
+):
     """A tuning job that searched a value training ignores would record a choice never made."""
     assert set(CHANGED) == set(TUNABLE)
     jobs = {}
     for name, value in CHANGED.items():  # all at once: each job is mostly start-up
         root, env = job_root(tmp_path / name, channels, {**HPS, name: value})
-        jobs[name] = (root, start(env, processes=1))
+        jobs[name] = (root, start(env, processes=1, warm=warm))
     for name, (root, proc) in jobs.items():
         out, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, out[-3000:]
@@ -393,7 +439,7 @@ def load_model(model_name, id2label, label2id):
 """
 
 
-def test_compile_trains_the_same_model_and_exports_it(tmp_path, channels):
+def test_compile_trains_the_same_model_and_exports_it(tmp_path, channels, warm):
     """torch.compile changes how the forward pass is computed, not what it computes: without
     dropout (whose compiled kernel draws random numbers of its own), the compiled job ends
     with the eager job's weights and metrics, up to float rounding, and its exports pass."""
@@ -406,7 +452,7 @@ def test_compile_trains_the_same_model_and_exports_it(tmp_path, channels):
         )
         env = {**env, "SMPIPE_USER_FUNCTIONS": "no_dropout",
                "PYTHONPATH": f"{tmp_path / 'code'}{os.pathsep}{ROOT}"}  # fmt: skip
-        jobs[compiled] = (root, start(env, processes=1))  # both at once: mostly start-up
+        jobs[compiled] = (root, start(env, processes=1, warm=warm))  # both at once
     for _, proc in jobs.values():
         out, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, out[-3000:]
@@ -434,7 +480,9 @@ def load_model(model_name, id2label, label2id):
 """
 
 
-def test_a_model_with_the_wrong_number_of_outputs_is_refused_before_training(tmp_path, channels):
+def test_a_model_with_the_wrong_number_of_outputs_is_refused_before_training(
+    tmp_path, channels, warm
+):
     """load_model with more outputs than labels: refused by name before the first step, not
     trained and saved to fail in inference."""
     (tmp_path / "code").mkdir()
@@ -445,7 +493,7 @@ def test_a_model_with_the_wrong_number_of_outputs_is_refused_before_training(tmp
         "SMPIPE_USER_FUNCTIONS": "wide_functions",
         "PYTHONPATH": f"{tmp_path / 'code'}:{ROOT}",
     }
-    proc = start(env, 1)
+    proc = start(env, 1, warm)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1
     reason = (root / "output/failure").read_text()
