@@ -44,13 +44,21 @@ def moto_endpoint():
     server.stop()
 
 
+def moto_env(endpoint: str) -> dict[str, str]:
+    """Credentials and endpoint for moto at `endpoint` (any credentials reach it)."""
+    return {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+
+
 @pytest.fixture
 def aws_env(moto_endpoint, monkeypatch):
     """Credentials and endpoint for moto, in this process and every job it starts."""
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    for name, value in moto_env(moto_endpoint).items():
+        monkeypatch.setenv(name, value)
     return moto_endpoint
 
 

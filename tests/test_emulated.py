@@ -8,7 +8,9 @@ import json
 import signal
 import subprocess
 import sys
+import uuid
 
+import boto3
 import pytest
 
 from pipeline.backends.choose import make_backend
@@ -17,17 +19,41 @@ from pipeline.driver import PipelineError, parse_steps, run_pipeline
 from pipeline.paths import ExperimentTree
 from pipeline.sources import upload_raw
 from pipeline.store import S3Store, download_dir
-from tests.conftest import ROOT, SigtermAt, write_settings
+from tests.conftest import ROOT, SigtermAt, moto_env, write_settings
 
 SECRET = "wandb-emulated-secret-0123456789"
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module")
+def prepared_bucket(moto_endpoint, demo_raw, tmp_path_factory) -> str:
+    """A bucket whose raw data an emulated run (run 1) reconciled and prepared: the runs of
+    this module's tests reuse that output (the data steps' cache: the same inputs), as a user's
+    next run does, and run the steps each test is about."""
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in moto_env(moto_endpoint).items():
+            env.setenv(name, value)
+        bucket = f"smpipe-emulated-{uuid.uuid4().hex[:8]}"
+        boto3.client("s3").create_bucket(Bucket=bucket)
+        store = S3Store(f"s3://{bucket}/root")
+        upload_raw(store, ExperimentTree("test-exp"), demo_raw)
+        settings = emulated_settings(
+            tmp_path_factory.mktemp("prepared"), bucket, models={"MODEL_NAMES": "bow"}
+        )
+        record = run_pipeline(settings, store, parse_steps("reconcile,prepare"), echo=io.StringIO())
+    assert record["status"] == "completed" and record["data_version"] == 1
+    return bucket
+
+
 @pytest.fixture
-def staged(bucket, demo_raw):
-    store = S3Store(f"s3://{bucket}/root")
-    upload_raw(store, ExperimentTree("test-exp"), demo_raw)
-    return store
+def bucket(prepared_bucket, aws_env):
+    """This module's one bucket (conftest's `bucket` is a new one per test)."""
+    return prepared_bucket
+
+
+@pytest.fixture
+def staged(bucket):
+    return S3Store(f"s3://{bucket}/root")
 
 
 def emulated_settings(tmp_path, bucket, **overrides):
@@ -66,7 +92,8 @@ def test_train_on_two_emulated_hosts_agrees_with_local(staged, bucket, tmp_path,
     record = run_pipeline(settings, staged, parse_steps(None), echo=echo, make_backend=recorder)
     log = echo.getvalue()
     assert record["status"] == "completed" and record["backend"] == "emulated"
-    run1 = ExperimentTree("test-exp").run(1)
+    assert record["data_steps"]["prepare"]["status"] == "reused"  # the module's prepared data
+    run1 = ExperimentTree("test-exp").run(record["model_version"])
     # torchrun across the two emulated hosts: one world of 2 processes, gloo.
     assert "algo-2: " in log and "processes=2" in log
     assert "InProgress / Training" in log and "Completed / Completed" in log
@@ -122,7 +149,8 @@ def test_tune_emulated(staged, bucket, tmp_path):
         assert best["FinalHyperParameterTuningJobObjectiveMetric"]["MetricName"] == "validation:f1"
         assert details["counters"]["Completed"] == 2
         # The best trial's model is where a training job leaves one, and inference used it.
-        assert record["model_artifacts"][model].endswith(f"runs/0001/models/{model}/model/")
+        run = ExperimentTree("test-exp").run(record["model_version"])
+        assert record["model_artifacts"][model].endswith(f"{run.model(model)}model/")
         assert model in record["holdout_performance"]
     # Every trial got SageMaker's reserved hyperparameter, as AWS writes it: the objective's
     # name, not JSON-quoted (and train.py accepted and recorded it).
@@ -139,7 +167,7 @@ def test_tune_emulated(staged, bucket, tmp_path):
     # Each trial checkpointed in a folder of its own under the tuning job's one S3Uri, and the
     # folder went once the trial ended; no archive stays: the best trial's model is kept
     # once, exported, in the run tree.
-    run1 = ExperimentTree("test-exp").run(1)
+    run1 = ExperimentTree("test-exp").run(record["model_version"])
     assert staged.list_keys(run1.checkpoints("bow")) == []
     assert staged.list_keys(run1.training_output) == []
     assert staged.list_keys(run1.best_trial_model("bow")) == []
