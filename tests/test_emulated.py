@@ -139,6 +139,7 @@ def test_tune_emulated(staged, bucket, tmp_path):
     assert {m["Name"] for m in request["TrainingJobDefinition"]["AlgorithmSpecification"]["MetricDefinitions"]} == {
         "train:loss", "validation:loss", "validation:accuracy", "validation:f1"}  # fmt: skip
     tune = record["steps"]["tune"]
+    run1 = ExperimentTree("test-exp").run(record["model_version"])
     # The tuning job (a name of at most 32 characters), then the export of its best model.
     tuning_name, export_name = tune["job_names"]
     assert len(tuning_name) <= 32 and "-export-bow-" in export_name
@@ -149,8 +150,7 @@ def test_tune_emulated(staged, bucket, tmp_path):
         assert best["FinalHyperParameterTuningJobObjectiveMetric"]["MetricName"] == "validation:f1"
         assert details["counters"]["Completed"] == 2
         # The best trial's model is where a training job leaves one, and inference used it.
-        run = ExperimentTree("test-exp").run(record["model_version"])
-        assert record["model_artifacts"][model].endswith(f"{run.model(model)}model/")
+        assert record["model_artifacts"][model].endswith(f"{run1.model(model)}model/")
         assert model in record["holdout_performance"]
     # Every trial got SageMaker's reserved hyperparameter, as AWS writes it: the objective's
     # name, not JSON-quoted (and train.py accepted and recorded it).
@@ -167,7 +167,6 @@ def test_tune_emulated(staged, bucket, tmp_path):
     # Each trial checkpointed in a folder of its own under the tuning job's one S3Uri, and the
     # folder went once the trial ended; no archive stays: the best trial's model is kept
     # once, exported, in the run tree.
-    run1 = ExperimentTree("test-exp").run(record["model_version"])
     assert staged.list_keys(run1.checkpoints("bow")) == []
     assert staged.list_keys(run1.training_output) == []
     assert staged.list_keys(run1.best_trial_model("bow")) == []
