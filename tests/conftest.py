@@ -3,16 +3,21 @@ settings files, and a small slice of the demo data."""
 
 from __future__ import annotations
 
+import collections
+import getpass
 import io
 import os
+import re
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import boto3
 import pytest
 
 from pipeline.backends import moto_server
+from pipeline.player.fork_client import IDLE
 from pipeline.stages import HUB_OFFLINE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,6 +40,33 @@ if WORKERS > 1:
 # (pipeline/player/fork_client.py): one server then serves both kinds of test.
 for name in HUB_OFFLINE:
     os.environ.setdefault(name, "1")
+
+# torch sets TORCHINDUCTOR_CACHE_DIR in os.environ the first time a process needs its compile
+# cache (torch/_inductor/runtime/cache_dir_utils.py `cache_dir`), and a preloaded library reads
+# it at import (test_warm_start.py traces the reads), so it is part of a fork server's key: a
+# worker would need its servers anew after its first test that compiles in-process. Set from
+# the start, to torch's default (`default_cache_dir`: the temporary folder's
+# torchinductor_<user>).
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR",
+    os.path.join(
+        tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    ),
+)
+
+
+@pytest.fixture
+def no_idle_servers():
+    """The test starts with no fork server an earlier backend of this worker left
+    (fork_client.IDLE), so that its first job starts cold. Those servers are set aside, not
+    stopped: the tests after it take them, as a run takes the one its process's last run left
+    (a preload is seconds of CPU); what the test itself leaves is stopped."""
+    with IDLE._lock:
+        aside, IDLE._servers = IDLE._servers, collections.OrderedDict()
+    yield
+    IDLE.close()
+    with IDLE._lock:
+        IDLE._servers = aside
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,12 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
+import subprocess
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +21,8 @@ from pipeline.backends.emulated import Emulator
 from pipeline.backends.local import LocalBackend
 from pipeline.jobs import ProcessingJob, TrainingJob, TuningJob
 from pipeline.paths import ExperimentTree
-from pipeline.player.environment import HOST_VARIABLES, dockerfile_instructions
+from pipeline.player.environment import HOST_VARIABLES, container_home, dockerfile_instructions
+from pipeline.player.job_root import OWNER, WORK_PREFIX
 from pipeline.search_space import Categorical
 from pipeline.store import S3Store, upload_dir
 from steps.runtime.names import TRIAL_CHECKPOINTS_VARIABLE
@@ -91,6 +96,45 @@ def inputs(store, tmp_path):
     (tmp_path / "train").mkdir()
     (tmp_path / "train/rows.txt").write_text("1\n2\n")
     upload_dir(store, tmp_path / "train", "data/train/")
+
+
+def test_jobs_played_as_processes_start_warm_in_one_home_of_the_emulators(
+    store, emulator, inputs, no_idle_servers
+):
+    """Without an image, a job after the first is forked by a fork server, as the local
+    backend's are; every job's HOME is the emulator's one empty folder (the server imported
+    the libraries with it), never the user's."""
+    b = backend(emulator)
+    for name in ("first", "second"):
+        result = b.run_processing(probe_processing(name))
+        assert result.status == "Completed", result.failure_reason
+    seen = [json.loads(store.get_bytes(f"outputs/{n}/seen.json")) for n in ("first", "second")]
+    assert not any("fork_server.py" in part for part in seen[0]["starter"])  # cold
+    assert any("fork_server.py" in part for part in seen[1]["starter"]), seen[1]["starter"]
+    assert seen[0]["home"] == seen[1]["home"] == str(container_home())
+    assert Path(os.path.expanduser("~")) not in container_home().parents
+
+
+def test_an_emulator_removes_the_folders_of_a_killed_driver_and_no_other(
+    store, tmp_path, monkeypatch
+):
+    """A driver killed outright (SIGKILL) leaves its work root: the next emulated backend on
+    this machine removes those whose driver is gone, keeps those of drivers still running,
+    and removes its own when it closes."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    folders = {}
+    for name, pid in (("gone", gone.pid), ("alive", os.getpid())):
+        folders[name] = tmp_path / f"{WORK_PREFIX}{name}"
+        (folders[name] / "job/home").mkdir(parents=True)
+        (folders[name] / OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": pid}))
+    emulator = Emulator(store, "us-east-1")
+    assert not folders["gone"].exists() and folders["alive"].exists()
+    assert emulator.work_root.parent == tmp_path
+    assert emulator.work_root.name.startswith(WORK_PREFIX)
+    emulator.close()
+    assert not emulator.work_root.exists() and folders["alive"].exists()
 
 
 def test_an_emulated_container_sees_nothing_of_the_drivers_environment(

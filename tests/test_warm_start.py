@@ -138,16 +138,6 @@ def wait_gone(pids: list[int], seconds: float = 20) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
-@pytest.fixture
-def no_idle_servers():
-    """The test starts with no server an earlier backend of this worker left (fork_client.IDLE),
-    so that its first job starts cold, and leaves none. The other tests take a server an earlier
-    one left, as a run takes the one its process's last run left: a preload is seconds of CPU."""
-    IDLE.close()
-    yield
-    IDLE.close()
-
-
 def test_warm_start_can_be_turned_off(shipped, tmp_path, monkeypatch):
     store, _ = shipped
     monkeypatch.setenv(WARM_START_VARIABLE, "0")

@@ -10,7 +10,8 @@ lists them, and what is not played):
 - lays out the job root from the request (its S3 inputs downloaded, the config files
   SageMaker writes) and starts the image's entrypoint in a new container's environment:
   `train` on every host (torchrun across them), or the processing request's
-  ContainerEntrypoint and ContainerArguments;
+  ContainerEntrypoint and ContainerArguments; in the image with `--image`, else as a process
+  of this machine, forked warm as the local backend's jobs are (player/fork_client.py);
 - writes what the container prints to CloudWatch Logs, moves the job through SageMaker's
   statuses, uploads what SageMaker uploads (model.tar.gz and output.tar.gz under
   OutputDataConfig, the processing outputs, the checkpoints), and ends the job Completed,
@@ -33,11 +34,12 @@ import json
 import os
 import shutil
 import signal
-import tempfile
+import sys
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -49,8 +51,13 @@ from pipeline.jobs import KINDS, JobResult, ProcessingJob, TrainingJob, TuningJo
 from pipeline.paths import RunTree
 from pipeline.player.environment import fresh_container_env
 from pipeline.player.exits import status_after
+from pipeline.player.fork_client import WARM_FOLDER, WarmStart, warm_start_enabled
 from pipeline.player.images import ImageContainers, find_engine, image_id
-from pipeline.player.job_root import processing_outputs
+from pipeline.player.job_root import (
+    new_work_root,
+    processing_outputs,
+    remove_orphaned_work_roots,
+)
 from pipeline.player.play import play_processing, play_training
 from pipeline.player.processes import Containers
 from pipeline.player.transfers import LogStream, upload_folder, upload_tarball
@@ -110,15 +117,16 @@ def job_plumbing(endpoint: str) -> dict[str, str]:
     }
 
 
-def job_containers(image: str, engine: str, endpoint: str) -> Containers:
+def job_containers(image: str, engine: str, endpoint: str, warm: WarmStart | None) -> Containers:
     """What runs the jobs' containers. With an image, every job runs in it (player/images.py),
     reaching moto at `endpoint` through a relay at its network's gateway; without, as processes
     of this machine (player/processes.py) in a new container's environment
-    (player/environment.py). Either way the image's ENV, the request's Environment, what
-    SageMaker sets and the emulator's plumbing (`job_plumbing`) come on top."""
+    (player/environment.py), started warm by `warm` as the local backend starts its jobs
+    (fork_client.py: each still a process of its own with exactly its own environment).
+    Either way the image's ENV, the request's Environment, what SageMaker sets and the
+    emulator's plumbing (`job_plumbing`) come on top."""
     if not image:
-        plumbing = job_plumbing(endpoint)
-        return Containers(base_env=lambda root: fresh_container_env(root) | plumbing)
+        return Containers(base_env=fresh_container_env() | job_plumbing(endpoint), starter=warm)
     engine = find_engine(engine)
     image_id(engine, image)  # ImageUnavailable before any job
     return ImageContainers(engine, image, job_plumbing, int(endpoint.rsplit(":", 1)[1]))
@@ -199,8 +207,16 @@ class Emulator:
         self.client = boto3.client("sagemaker", region_name=region, config=aws_config())
         self.logs = boto3.client("logs", region_name=region, config=aws_config())
         self._moto = sagemaker_backends[DEFAULT_ACCOUNT_ID][region]
-        self.work_root = Path(work_root or tempfile.mkdtemp(prefix="smpipe-emulated-"))
-        self.containers = job_containers(image, engine, os.environ["AWS_ENDPOINT_URL"])
+        if work_root is None:
+            remove_orphaned_work_roots(sys.stderr)
+            self.work_root = new_work_root("emulated")
+        else:
+            self.work_root = Path(work_root)
+        # Jobs played as processes start warm; a container of an image starts as it starts.
+        self.warm = None
+        if not image and warm_start_enabled():
+            self.warm = WarmStart(self.work_root / WARM_FOLDER)
+        self.containers = job_containers(image, engine, os.environ["AWS_ENDPOINT_URL"], self.warm)
         self.requests: dict[str, dict] = {}  # every request moto accepted, by job name
         self.metrics: dict[str, dict[str, float]] = {}  # training job -> final metrics
         self.trials: dict[str, list[str]] = {}  # tuning job -> its training jobs, in order
@@ -251,6 +267,8 @@ class Emulator:
         for thread in list(self._threads.values()):
             thread.join()
         self.containers.close()
+        if self.warm is not None:  # its servers are left to the next run of this process
+            self.warm.close()
         shutil.rmtree(self.work_root, ignore_errors=True)
 
     # -- hooks on the client ---------------------------------------------------------------------
@@ -599,7 +617,11 @@ class Emulator:
                 counters[status if status in ("Completed", "Stopped") else "NonRetryableError"] += 1
             return trial_name, values
 
-        with ThreadPoolExecutor(max_workers=limits["MaxParallelTrainingJobs"]) as pool:
+        # The trials share one environment: its fork server starts beside the first trial.
+        with (
+            self.warm.expecting_more() if self.warm else nullcontext(),
+            ThreadPoolExecutor(max_workers=limits["MaxParallelTrainingJobs"]) as pool,
+        ):
             trials = list(pool.map(trial, enumerate(candidates(config, static), 1)))
         if name in self._stopping:
             self._end(name, "Stopped")

@@ -17,12 +17,9 @@ job cold (a new interpreter), for debugging.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import socket
 import sys
-import tempfile
 import time
 import weakref
 from contextlib import contextmanager, nullcontext
@@ -40,16 +37,16 @@ from pipeline.jobs import (
 )
 from pipeline.paths import RunTree
 from pipeline.player.exits import status_after
-from pipeline.player.fork_client import WarmStart, warm_start_enabled
-from pipeline.player.job_root import processing_outputs
+from pipeline.player.fork_client import WARM_FOLDER, WarmStart, warm_start_enabled
+from pipeline.player.job_root import (
+    new_work_root,
+    processing_outputs,
+    remove_orphaned_work_roots,
+)
 from pipeline.player.play import play_processing, play_training
 from pipeline.player.processes import Containers
 from pipeline.service_model import as_if_on_s3, refused
 from pipeline.store import LocalStore, Store, StoreError, upload_dir
-
-WORK_PREFIX = "smpipe-jobs-"
-OWNER = "driver.json"  # in a work root while its driver runs: who to ask whether it still does
-WARM_FOLDER = "warm-start"  # in a work root: the fork servers' sockets and logs
 
 # What the requests name as image and role when nothing is sent anywhere.
 LOCAL_IMAGE = "local:docker/Dockerfile"
@@ -108,22 +105,6 @@ def kept_jobs_folder(store: Store, run: RunTree) -> Path:
     return Path(cache, "smpipe", "failed-jobs", where)
 
 
-def remove_orphaned_work_roots(echo) -> None:
-    """Job folders of drivers on this machine that died without a word (SIGKILL, power loss):
-    their jobs died with them (see DRIVER_PID_VARIABLE), so the folders only take space."""
-    import psutil
-
-    for root in Path(tempfile.gettempdir()).glob(WORK_PREFIX + "*"):
-        try:
-            owner = json.loads((root / OWNER).read_text())
-        except (OSError, ValueError):
-            continue  # not ours
-        if owner.get("host") == socket.gethostname() and not psutil.pid_exists(owner["pid"]):
-            shutil.rmtree(root, ignore_errors=True)
-            gone = f"removed {root}: job folders of a driver (pid {owner['pid']}) that is gone"
-            print(gone, file=echo, flush=True)
-
-
 class LocalBackend:
     name = "local"
     client = None  # nothing is sent to SageMaker (Backend.client)
@@ -143,10 +124,10 @@ class LocalBackend:
         self.echo = echo if echo is not None else sys.stdout
         if work_root is None:
             remove_orphaned_work_roots(self.echo)
-        self.work_root = Path(work_root or tempfile.mkdtemp(prefix=WORK_PREFIX))
-        self.work_root.mkdir(parents=True, exist_ok=True)
-        owner = {"host": socket.gethostname(), "pid": os.getpid(), "run": run.prefix}
-        (self.work_root / OWNER).write_text(json.dumps(owner))
+            self.work_root = new_work_root(run.prefix)
+        else:
+            self.work_root = Path(work_root)
+            self.work_root.mkdir(parents=True, exist_ok=True)
         self.warm = (
             WarmStart(self.work_root / WARM_FOLDER, self.echo) if warm_start_enabled() else None
         )

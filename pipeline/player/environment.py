@@ -6,11 +6,15 @@ container. The request's own Environment goes on top (processes.py `Containers.r
 
 from __future__ import annotations
 
+import atexit
 import os
 import shlex
+import shutil
 import sys
+import threading
 from pathlib import Path
 
+from pipeline.player.job_root import new_work_root
 from steps.runtime.names import (
     CONTAINER_ROOT,
     CPU_BF16_VARIABLE,
@@ -54,21 +58,42 @@ def image_env(root: Path) -> dict[str, str]:
 # HOSTNAME: https://docs.docker.com/engine/containers/run/#environment-variables) and what the
 # base image's ENV adds (pytorch/pytorch: its Python's folder first on PATH, LANG and LC_ALL
 # C.UTF-8); docker/Dockerfile's ENV comes on top (`image_env`), then the request's Environment,
-# then what SageMaker sets. HOME is the job's own, empty folder: root's home in a new container
-# holds no cache (a Hugging Face cache on this machine is not the job's).
+# then what SageMaker sets.
 DOCKER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # What this machine's processor is, passed on when set, as the processor a job runs on is the
 # host's: OpenBLAS's core type, on processors that older OpenBLAS builds misdetect; and the
 # override of the bf16 detection (steps/precision.py), set where torch misjudges the CPU.
 HOST_VARIABLES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", CPU_BF16_VARIABLE)
+_home: Path | None = None
+_home_lock = threading.Lock()
 
 
-def fresh_container_env(root: Path) -> dict[str, str]:
+def container_home() -> Path:
+    """HOME of the containers this process plays: an empty folder of its own, not the user's
+    (root's home in a new container holds no cache; a Hugging Face cache on this machine is not
+    the job's), made on first use and removed at exit. One for every job this process plays,
+    not one per job: a fork server starts the jobs (fork_client.py) and imported
+    huggingface_hub, datasets, matplotlib and accelerate with it, which keep paths under HOME
+    from their import (traced, tests/test_warm_start.py); a HOME per job would need a server
+    per job. What jobs write there is matplotlib's font cache and config folder (traced: a
+    run's jobs write nothing else), so a job that left a file in HOME for a later one would
+    find it here and not on SageMaker (README: what `emulated` plays; `--image` gives each
+    container its own). A work root (job_root.py): the next driver removes it if this one was
+    killed before it could."""
+    global _home
+    with _home_lock:
+        if _home is None:
+            home = new_work_root("containers' HOME") / "home"
+            home.mkdir()
+            atexit.register(shutil.rmtree, home.parent, ignore_errors=True)
+            _home = home
+        return _home
+
+
+def fresh_container_env() -> dict[str, str]:
     """The environment of a new container of the image, before its ENV (see above)."""
-    home = root / "home"
-    home.mkdir(parents=True, exist_ok=True)
     env = {
-        "HOME": str(home),
+        "HOME": str(container_home()),
         "PATH": f"{Path(sys.executable).parent}:{DOCKER_PATH}",
         "LANG": "C.UTF-8",
         "LC_ALL": "C.UTF-8",

@@ -1,6 +1,6 @@
-"""Warm start for local jobs, the client's side: what the local backend starts jobs through
-(`WarmStart`, a processes.Starter), talking to fork servers (fork_server.py, a program of its
-own) over a socketpair.
+"""Warm start for jobs played as processes, the client's side: what the local backend and the
+emulated one without an image start jobs through (`WarmStart`, a processes.Starter), talking
+to fork servers (fork_server.py, a program of its own) over a socketpair.
 
 Environment snapshot: the libraries read some variables when they are imported
 (huggingface_hub's HF_HOME and HF_HUB_OFFLINE become constants, OpenBLAS and libgomp read
@@ -14,7 +14,8 @@ serves the next run of the same process: `IdleServers`): a job whose import-rele
 environment differs gets a server of its own. What stays shared by every job of a server:
 values drawn once at import (the string-hash salt, transformers' hub SESSION_ID).
 
-SMPIPE_WARM_START=0 turns warm start off (every local job starts cold), for debugging.
+SMPIPE_WARM_START=0 turns warm start off (every job played as a process starts cold), for
+debugging.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from pipeline.player.fork_server import MESSAGE_LIMIT, READY
 from steps.runtime import names
 
 WARM_START_VARIABLE = "SMPIPE_WARM_START"
+WARM_FOLDER = "warm-start"  # in a backend's work root: its fork servers' logs
 SERVER_START_SECONDS = 300  # the preload takes seconds; a busy machine, a minute
 
 
@@ -68,7 +70,8 @@ def per_job_variables() -> frozenset[str]:
 # test phase). Which AWS to call and as whom: botocore reads these when a session or client is
 # made, never at import; a server kept between runs (IDLE) then holds no run's AWS credentials.
 # Nor its wandb key: wandb reads WANDB_API_KEY when it logs in, not when imported (the same
-# trace), and tests that each set their own key no longer each start a server.
+# trace), and tests that each set their own key no longer each start a server; nor WANDB_MODE,
+# read when a run starts.
 NOT_READ_AT_IMPORT_PREFIXES = ("SMPIPE_", "PYTEST_")
 NOT_READ_AT_IMPORT = frozenset(
     {
@@ -80,6 +83,7 @@ NOT_READ_AT_IMPORT = frozenset(
         "AWS_REGION",
         "AWS_PROFILE",
         "WANDB_API_KEY",
+        "WANDB_MODE",
     }
 )
 
@@ -276,15 +280,18 @@ class IdleServers:
             server.close()
 
 
-IDLE = IdleServers(limit=2)
+# Three: a process that runs both local and emulated runs (a notebook, the test suite) keeps
+# one of each, and one more for runs whose settings change what the libraries read at import.
+IDLE = IdleServers(limit=3)
 atexit.register(IDLE.close)
 
 
 class WarmStart:
-    """The local backend's starter (Containers(starter=...)): a fork server per distinct
-    import-relevant environment. `start` returns the job's process, or None where the job
-    starts cold: the first job of an environment (below), or one a server refused or could
-    not serve (the reason said to `echo`, once).
+    """The starter of the local backend and of the emulated one's processes
+    (Containers(starter=...)): a fork server per distinct import-relevant environment.
+    `start` returns the job's process, or None where the job starts cold: the first job of an
+    environment (below), or one a server refused or could not serve (the reason said to
+    `echo`, once).
 
     The first job of an environment starts cold, and the server starts with the second: it
     preloads more than any one job imports (longer than a cold reconcile or prepare job's own
@@ -401,5 +408,5 @@ class WarmStart:
 
 
 def warm_start_enabled() -> bool:
-    """SMPIPE_WARM_START=0 turns warm start off (every local job starts cold)."""
+    """SMPIPE_WARM_START=0 turns warm start off (every job played as a process starts cold)."""
     return os.environ.get(WARM_START_VARIABLE, "1") != "0"

@@ -1,19 +1,53 @@
 """A job root: the folder that stands for a container's /opt/ml on this machine. Laid out from
 the request as SageMaker lays out an instance's (inputs downloaded where the request says, the
 config files SageMaker writes, the output folders), and read back once the container exits
-(what the entrypoint left in output/: its failure file and the `interrupted` marker).
+(what the entrypoint left in output/: its failure file and the `interrupted` marker). Job roots
+live in a work root, a folder of the system's temporary one that its driver owns
+(`new_work_root`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
+import tempfile
 from pathlib import Path
 
 from pipeline.store import NotFound, StoreError
 from steps.runtime import names
 from steps.runtime.names import host_path
 from steps.runtime.secrets import redact
+
+WORK_PREFIX = "smpipe-jobs-"
+OWNER = "driver.json"  # in a work root while its driver runs: who to ask whether it still does
+
+
+def new_work_root(what: str) -> Path:
+    """A new folder of the system's temporary one for what this driver plays (`what`: its run,
+    its containers' HOME), owned by it: `remove_orphaned_work_roots` removes it once this
+    process is gone, if it was killed before removing it itself."""
+    root = Path(tempfile.mkdtemp(prefix=WORK_PREFIX))
+    owner = {"host": socket.gethostname(), "pid": os.getpid(), "for": what}
+    (root / OWNER).write_text(json.dumps(owner))
+    return root
+
+
+def remove_orphaned_work_roots(echo) -> None:
+    """Work roots of drivers on this machine that died without a word (SIGKILL, power loss):
+    their jobs died with them (see DRIVER_PID_VARIABLE), so the folders only take space."""
+    import psutil
+
+    for root in Path(tempfile.gettempdir()).glob(WORK_PREFIX + "*"):
+        try:
+            owner = json.loads((root / OWNER).read_text())
+        except (OSError, ValueError):
+            continue  # not ours
+        if owner.get("host") == socket.gethostname() and not psutil.pid_exists(owner["pid"]):
+            shutil.rmtree(root, ignore_errors=True)
+            gone = f"removed {root}: job folders of a driver (pid {owner['pid']}) that is gone"
+            print(gone, file=echo, flush=True)
 
 
 class InputMissing(RuntimeError):

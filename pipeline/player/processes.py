@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -56,11 +55,11 @@ class Starter(Protocol):
 class Containers:
     """The entrypoint processes this machine runs for a backend; `stop` ends them all.
 
-    `base_env(root)`: what a container starts with before the image's ENV. None: this
-    machine's environment (the local backend runs jobs as the user's own processes); the
-    emulated backend gives a fresh container's (`fresh_container_env`).
-    `starter`: how to start an entrypoint (the local backend's warm start); None, or a starter
-    that declines a job: a new interpreter, as a container starts (the emulated backend).
+    `base_env`: what a container starts with before the image's ENV. None: this machine's
+    environment (the local backend runs jobs as the user's own processes); the emulated
+    backend gives a fresh container's (`fresh_container_env`).
+    `starter`: how to start an entrypoint (warm start: fork_client.WarmStart); None, or a
+    starter that declines a job: a new interpreter.
     images.ImageContainers is this runner with a container engine in place of the processes."""
 
     metered = True  # the container's processes are this machine's: metering.py reads them
@@ -68,7 +67,7 @@ class Containers:
 
     def __init__(
         self,
-        base_env: Callable[[Path], dict[str, str]] | None = None,
+        base_env: dict[str, str] | None = None,
         starter: Starter | None = None,
     ) -> None:
         self.starter = starter
@@ -249,7 +248,7 @@ class Containers:
                 f"cannot play ContainerEntrypoint {entrypoint} as a process: the image's "
                 f"entrypoint is {ENTRYPOINT} (with an image, any entrypoint is played)"
             )
-        base = os.environ if self.base_env is None else self.base_env(root)
+        base = os.environ if self.base_env is None else self.base_env
         full = {**base, **image_env(root), **env}
         # The container ends with this process however it ends (SIGKILL included). A
         # warm-started one is the fork server's child: the starter names the server, which

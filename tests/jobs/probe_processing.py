@@ -4,6 +4,8 @@ import json
 import os
 import sys
 
+import psutil
+
 from steps.runtime.environment import processing_input, processing_output
 from steps.runtime.step import run_step
 
@@ -11,6 +13,7 @@ from steps.runtime.step import run_step
 def main():
     src = processing_input("things")
     out = processing_output("seen")
+    starter = psutil.Process().parent().parent()
     files = sorted(p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file())
     (out / "seen.json").write_text(
         json.dumps(
@@ -24,6 +27,9 @@ def main():
                 },
                 "env_names": sorted(os.environ),
                 "home": os.path.expanduser("~"),
+                # step -> entrypoint -> what started the entrypoint (a fork server, warm; the
+                # driver, cold; nothing in a container, where the entrypoint is PID 1)
+                "starter": starter.cmdline() if starter else [],
             }
         )
     )

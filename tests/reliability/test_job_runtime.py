@@ -30,11 +30,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.backends.local import WORK_PREFIX, LocalBackend
+from pipeline.backends.local import LocalBackend
 from pipeline.errors import PipelineError
 from pipeline.jobs import ProcessingJob
 from pipeline.paths import ExperimentTree
-from pipeline.player.fork_client import IDLE
+from pipeline.player.job_root import WORK_PREFIX
 from pipeline.store import LocalStore, S3Store, upload_dir
 from steps.runtime.names import ENTRYPOINT, ML_ROOT_VARIABLE, WANDB_SECRET_VARIABLE
 from tests.conftest import ROOT, ship_code, write_settings
@@ -57,12 +57,8 @@ _threading.Thread(target=_time.sleep, args=(3600,), name="user-logger").start()
 """
 
 
-@pytest.fixture(autouse=True)
-def no_idle_servers():
-    """No fork server an earlier backend of this process left: a backend's first job is cold."""
-    IDLE.close()
-    yield
-    IDLE.close()
+# No fork server an earlier backend of this process left: a backend's first job is cold.
+pytestmark = pytest.mark.usefixtures("no_idle_servers")
 
 
 def ship(store: LocalStore, modules: dict[str, str]) -> None:
