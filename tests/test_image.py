@@ -15,8 +15,10 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
+import boto3
 import pytest
 from packaging.utils import canonicalize_name
 from packaging.version import Version
@@ -30,7 +32,7 @@ from pipeline.player.images import DRIVER_LABEL, Gateway, driver_tag, find_engin
 from pipeline.sources import upload_raw
 from pipeline.store import LocalStore, S3Store, upload_dir
 from steps.runtime.names import IMAGE_RECORD_FILE
-from tests.conftest import ROOT, ship_code, write_settings
+from tests.conftest import ROOT, moto_env, ship_code, write_settings
 from tests.test_emulator import CANARIES, IMAGE_ENV, RUN, probe_processing, probe_training
 from tests.test_lock import TORCH_RELEASES, _lock_tool, pins
 
@@ -54,11 +56,32 @@ def image(engine) -> str:
     return IMAGE
 
 
+@pytest.fixture(scope="module")
+def prepared(image, moto_endpoint, demo_raw, tmp_path_factory) -> str:
+    """A bucket whose raw data a run in the image (run 1) reconciled and prepared: the runs of
+    the tests that train on it reuse that output (the data steps' cache), as a user's next run
+    does, and run their training step alone; the whole run in the image is the first test's."""
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in moto_env(moto_endpoint).items():
+            env.setenv(name, value)
+        bucket = f"smpipe-image-{uuid.uuid4().hex[:8]}"
+        boto3.client("s3").create_bucket(Bucket=bucket)
+        store = S3Store(f"s3://{bucket}/root")
+        upload_raw(store, ExperimentTree("test-exp"), demo_raw)
+        _, settings = image_settings(tmp_path_factory.mktemp("prepared"), bucket)
+        record = run_pipeline(settings, store, parse_steps("reconcile,prepare"), echo=io.StringIO())
+    assert record["status"] == "completed" and record["data_version"] == 1
+    logs = job_logs(store, 1)
+    assert len(logs) == 2 and all(ran_in_the_image(log) for log in logs.values()), logs.keys()
+    return bucket
+
+
 @pytest.fixture
-def staged(bucket, demo_raw):
-    store = S3Store(f"s3://{bucket}/root")
-    upload_raw(store, ExperimentTree("test-exp"), demo_raw)
-    return store
+def staged(prepared, aws_env):
+    return S3Store(f"s3://{prepared}/root")
+
+
+TRAINING = parse_steps("reconcile,prepare,train")  # the data steps reuse `prepared`'s output
 
 
 def image_settings(tmp_path, bucket, **overrides):
@@ -165,22 +188,23 @@ def test_every_job_of_a_run_and_predict_run_in_the_image(
     assert ran_in_the_image(log.decode())
 
 
-def test_tuning_trials_run_in_the_image(image, staged, bucket, tmp_path):
+def test_tuning_trials_run_in_the_image(image, staged, prepared, tmp_path):
     _, settings = image_settings(
-        tmp_path, bucket, experiment={"JOB": "tune"},
+        tmp_path, prepared, experiment={"JOB": "tune"},
         training={"USE_DISTRIBUTED": "false", "INSTANCE_COUNT": "1"},
         tuning={"STRATEGY": "Random", "MAX_JOBS": "2", "MAX_PARALLEL_JOBS": "2"},
         **{"tuning.hyperparameters": {"LEARNING_RATE": "1e-4->1e-2 log", "BATCH_SIZE": None}},
     )  # fmt: skip
     exits, echo = Exits(), io.StringIO()
-    record = run_pipeline(settings, staged, parse_steps(None), echo=echo, make_backend=exits)
+    record = run_pipeline(settings, staged, TRAINING, echo=echo, make_backend=exits)
     assert record["status"] == "completed", echo.getvalue()[-3000:]
+    assert record["data_steps"]["prepare"]["status"] == "reused"
     details = record["steps"]["tune"]["details"]["models"]["bow"]
     assert details["counters"]["Completed"] == 2
     trials = [done for job, done in exits.exits if job.startswith(details["tuning_job"] + "-")]
     assert len(trials) == 2 and all(done.code == 0 for done in trials)
-    # The jobs' logs in the run tree; the trials' in CloudWatch, where SageMaker writes them.
-    logs = {k: v for k, v in job_logs(staged, 1).items() if "-tune-" not in k}
+    # The export's log in the run tree; the trials' in CloudWatch, where SageMaker writes them.
+    logs = {k: v for k, v in job_logs(staged, record["model_version"]).items() if "-tune-" not in k}
     cloudwatch = exits.backend.emulator.logs
     for trial in details["trials"]:
         events = cloudwatch.filter_log_events(
@@ -188,7 +212,7 @@ def test_tuning_trials_run_in_the_image(image, staged, bucket, tmp_path):
         )["events"]
         logs[trial["job_name"]] = "\n".join(e["message"] for e in events)
     missing = [name for name, log in logs.items() if not ran_in_the_image(log)]
-    assert len(logs) == 6 and not missing, (missing, list(logs))
+    assert len(logs) == 3 and not missing, (missing, list(logs))
 
 
 def in_the_image(engine: str, image: str, code: str) -> str:
@@ -241,16 +265,16 @@ class ReclaimAt(io.StringIO):
 
 
 def test_a_reclaimed_container_with_loader_workers_checkpoints_exits_75_and_resumes(
-    image, staged, bucket, tmp_path
+    image, staged, prepared, tmp_path
 ):
     _, settings = image_settings(
-        tmp_path, bucket,
+        tmp_path, prepared,
         training={"USE_DISTRIBUTED": "false", "INSTANCE_COUNT": "1", "USE_SPOT": "true",
                   "EPOCHS": "6", "DATALOADER_NUM_WORKERS": "2"},
     )  # fmt: skip
     exits = Exits()
     echo = ReclaimAt(step=5, exits=exits)
-    record = run_pipeline(settings, staged, parse_steps(None), echo=echo, make_backend=exits)
+    record = run_pipeline(settings, staged, TRAINING, echo=echo, make_backend=exits)
     log = echo.getvalue()
     assert echo.reclaimed and record["status"] == "completed", log[-3000:]
     trainings = [done for job, done in exits.exits if "-train-" in job]

@@ -36,10 +36,22 @@ from pipeline.store import LocalStore, key_of
 from steps.batching import read_split
 from tests.conftest import ROOT, write_settings
 
-# Two models the demo's functions build, so that a run has a winner and a loser.
+# Two models the demo's functions build, so that a run has a winner and a loser. encode waits
+# while a file HOLD names is there: a predict interrupted while its job runs is held there
+# until its Ctrl-C lands, however fast the job and however loaded the machine.
 FUNCTIONS = """
-from user_functions import encode, load_tokenizer, ordered_input_keys, reconcile  # noqa: F401
+import os
+import time
+
+from user_functions import encode as demo_encode
+from user_functions import load_tokenizer, ordered_input_keys, reconcile  # noqa: F401
 from user_functions.baseline import BagOfEmbeddings
+
+
+def encode(batch, tokenizer, model_name, max_length):
+    while os.path.exists(HOLD) and time.time() < os.path.getmtime(HOLD) + 120:
+        time.sleep(0.05)
+    return demo_encode(batch, tokenizer, model_name, max_length)
 
 
 def load_model(model_name, id2label, label2id):
@@ -56,7 +68,7 @@ def trained(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("predict")
     write_demo(root / "raw", per_label=30)
-    (root / "predict_functions.py").write_text(FUNCTIONS)
+    (root / "predict_functions.py").write_text(f"HOLD = {str(root / 'hold')!r}\n" + FUNCTIONS)
     path = write_settings(
         root / "settings.ini",
         str(root / "store"),
@@ -652,13 +664,19 @@ def test_a_failed_or_interrupted_predict_leaves_only_its_log_and_a_record(
         with pytest.raises(PipelineError, match="predict failed in job"):
             predict(settings, store, source, output, echo=io.StringIO(), make_backend=wrong)
     else:
-        # Enough rows that the job still predicts when its line reaches the driver (through
-        # CloudWatch's polling on emulated, a second late; later under load): a few rows were
-        # done before Ctrl-C could land, and the predict completed.
-        texts = pd.concat([trained["texts"]] * (4000 // len(trained["texts"]) + 1))
-        texts.assign(id=[f"row-{i}" for i in range(len(texts))]).to_csv(source, index=False)
-        with pytest.raises(KeyboardInterrupt):
-            predict(settings, store, source, output, echo=InterruptOnce())
+        # The job waits in encode (FUNCTIONS' HOLD) until Ctrl-C stops it: its line reaches
+        # the driver late through CloudWatch's polling on emulated, later still under load.
+        hold = trained["settings"].parent / "hold"
+        hold.touch()
+        # Ctrl-C as a terminal's finds this process: a suite started in the background by a
+        # shell without job control inherits SIGINT ignored (test_lifecycle.as_from_a_terminal).
+        ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                predict(settings, store, source, output, echo=InterruptOnce())
+        finally:
+            signal.signal(signal.SIGINT, ignored)
+            hold.unlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["texts.csv"]
     [label] = set(predictions_left(trained["store"])) - left
     assert predictions_left(trained["store"])[label] == ["record.json"]
