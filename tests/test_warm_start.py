@@ -187,6 +187,11 @@ def test_a_warm_job_sees_exactly_its_own_env_root_and_code(shipped, tmp_path, no
     assert not (tmp_path / "warm").exists()  # the servers' folder went with the work root
 
 
+def fork_servers() -> list[psutil.Process]:
+    """The fork servers this process has started that still run."""
+    return [p for p in psutil.Process().children() if "fork_server.py" in " ".join(p.cmdline())]
+
+
 def test_jobs_sure_to_follow_find_a_server_started_beside_the_first(
     shipped, tmp_path, no_idle_servers
 ):
@@ -194,12 +199,11 @@ def test_jobs_sure_to_follow_find_a_server_started_beside_the_first(
     environment's server starts beside it: the job after it is forked by that server."""
     store, _ = shipped
     echo = io.StringIO()
+    set_aside = {p.pid for p in fork_servers()}  # earlier tests' (no_idle_servers)
     warm = local(store, tmp_path / "early", echo)
     with warm.warm.expecting_more():
         first = warm.run_processing(probe("first"))
-        servers = [
-            p for p in psutil.Process().children() if "fork_server.py" in " ".join(p.cmdline())
-        ]
+        servers = [p for p in fork_servers() if p.pid not in set_aside]
         second = warm.run_processing(probe("second"))
     warm.close(succeeded=True)
     assert [first.status, second.status] == ["Completed", "Completed"], echo.getvalue()
