@@ -4,6 +4,7 @@ settings files, and a small slice of the demo data."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import getpass
 import io
 import os
@@ -84,6 +85,27 @@ def moto_env(endpoint: str) -> dict[str, str]:
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_DEFAULT_REGION": "us-east-1",
     }
+
+
+@contextlib.contextmanager
+def raw_data_bucket(endpoint: str, raw: Path, prefix: str):
+    """Within: moto's environment, and a new bucket (its name starting with `prefix`) whose
+    store, s3://BUCKET/root, holds `raw` as experiment test-exp's raw data; yields both. For a
+    module's fixture that prepares data once (conftest's `bucket` is a new one per test)."""
+    import uuid
+
+    from pipeline.paths import ExperimentTree
+    from pipeline.sources import upload_raw
+    from pipeline.store import S3Store
+
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in moto_env(endpoint).items():
+            env.setenv(name, value)
+        bucket = f"{prefix}-{uuid.uuid4().hex[:8]}"
+        boto3.client("s3").create_bucket(Bucket=bucket)
+        store = S3Store(f"s3://{bucket}/root")
+        upload_raw(store, ExperimentTree("test-exp"), raw)
+        yield bucket, store
 
 
 @pytest.fixture

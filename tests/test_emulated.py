@@ -8,18 +8,15 @@ import json
 import signal
 import subprocess
 import sys
-import uuid
 
-import boto3
 import pytest
 
 from pipeline.backends.choose import make_backend
 from pipeline.config import load_settings
 from pipeline.driver import PipelineError, parse_steps, run_pipeline
 from pipeline.paths import ExperimentTree
-from pipeline.sources import upload_raw
 from pipeline.store import S3Store, download_dir
-from tests.conftest import ROOT, SigtermAt, moto_env, write_settings
+from tests.conftest import ROOT, SigtermAt, raw_data_bucket, write_settings
 
 SECRET = "wandb-emulated-secret-0123456789"
 pytestmark = pytest.mark.slow
@@ -30,13 +27,7 @@ def prepared_bucket(moto_endpoint, demo_raw, tmp_path_factory) -> str:
     """A bucket whose raw data an emulated run (run 1) reconciled and prepared: the runs of
     this module's tests reuse that output (the data steps' cache: the same inputs), as a user's
     next run does, and run the steps each test is about."""
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in moto_env(moto_endpoint).items():
-            env.setenv(name, value)
-        bucket = f"smpipe-emulated-{uuid.uuid4().hex[:8]}"
-        boto3.client("s3").create_bucket(Bucket=bucket)
-        store = S3Store(f"s3://{bucket}/root")
-        upload_raw(store, ExperimentTree("test-exp"), demo_raw)
+    with raw_data_bucket(moto_endpoint, demo_raw, "smpipe-emulated") as (bucket, store):
         settings = emulated_settings(
             tmp_path_factory.mktemp("prepared"), bucket, models={"MODEL_NAMES": "bow"}
         )

@@ -15,10 +15,8 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
-import boto3
 import pytest
 from packaging.utils import canonicalize_name
 from packaging.version import Version
@@ -29,10 +27,9 @@ from pipeline.config import ConfigError, load_settings
 from pipeline.driver import parse_steps, run_pipeline
 from pipeline.paths import ExperimentTree
 from pipeline.player.images import DRIVER_LABEL, Gateway, driver_tag, find_engine, image_id, sweep
-from pipeline.sources import upload_raw
 from pipeline.store import LocalStore, S3Store, upload_dir
 from steps.runtime.names import IMAGE_RECORD_FILE
-from tests.conftest import ROOT, moto_env, ship_code, write_settings
+from tests.conftest import ROOT, raw_data_bucket, ship_code, write_settings
 from tests.test_emulator import CANARIES, IMAGE_ENV, RUN, probe_processing, probe_training
 from tests.test_lock import TORCH_RELEASES, _lock_tool, pins
 
@@ -61,13 +58,7 @@ def prepared(image, moto_endpoint, demo_raw, tmp_path_factory) -> str:
     """A bucket whose raw data a run in the image (run 1) reconciled and prepared: the runs of
     the tests that train on it reuse that output (the data steps' cache), as a user's next run
     does, and run their training step alone; the whole run in the image is the first test's."""
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in moto_env(moto_endpoint).items():
-            env.setenv(name, value)
-        bucket = f"smpipe-image-{uuid.uuid4().hex[:8]}"
-        boto3.client("s3").create_bucket(Bucket=bucket)
-        store = S3Store(f"s3://{bucket}/root")
-        upload_raw(store, ExperimentTree("test-exp"), demo_raw)
+    with raw_data_bucket(moto_endpoint, demo_raw, "smpipe-image") as (bucket, store):
         _, settings = image_settings(tmp_path_factory.mktemp("prepared"), bucket)
         record = run_pipeline(settings, store, parse_steps("reconcile,prepare"), echo=io.StringIO())
     assert record["status"] == "completed" and record["data_version"] == 1
