@@ -10,6 +10,7 @@ import json
 import logging
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -419,3 +420,40 @@ def test_a_local_job_reports_its_cpu_seconds_children_included(start, tmp_path, 
     )
     assert lines[-2].startswith(f"used: {used['cpu_seconds']:,.1f} CPU-seconds, peak memory ")
     assert "nothing billed" in lines[-2] and "$" not in lines[-2]
+
+
+# A process that grows in two steps and then holds its memory: 64 MiB, then 128 MiB more, each
+# page written (own pages: USS), then a flat stretch.
+GROWING = """
+import sys, time
+held = [bytearray(64 << 20)]
+time.sleep(1.0)
+held.append(bytearray(128 << 20))
+print("grown", flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def test_peak_memory_reads_smaps_while_a_tree_grows_and_not_on_every_tick(monkeypatch):
+    """smaps_rollup walks a process's page tables (milliseconds for one that imported torch), so
+    the watcher reads it where the tree has grown, and otherwise within a budget: here a budget
+    so small that only growth can make it read, and the peak is still the tree's own memory."""
+    import psutil
+
+    monkeypatch.setattr(metering, "READ_SHARE", 1e-6)
+    reads, ticks = [], []
+    full, cheap = psutil.Process.memory_full_info, psutil.Process.memory_info
+    monkeypatch.setattr(psutil.Process, "memory_full_info", lambda p: reads.append(1) or full(p))
+    monkeypatch.setattr(psutil.Process, "memory_info", lambda p: ticks.append(1) or cheap(p))
+    proc = subprocess.Popen([sys.executable, "-c", GROWING, "3"], stdout=subprocess.PIPE, text=True)
+    peak, done = {"rss": 0, "cpu": 0.0}, threading.Event()
+    watcher = threading.Thread(target=metering.watch_memory, args=(proc.pid, peak, done))
+    watcher.start()
+    try:
+        assert proc.stdout.readline() == "grown\n"
+        proc.wait(timeout=60)
+    finally:
+        done.set()
+        watcher.join(timeout=10)
+    assert peak["rss"] >= (64 + 128) << 20  # both allocations, own pages of the one process
+    assert len(ticks) >= 8 and len(reads) <= len(ticks) // 2, (len(reads), len(ticks))

@@ -15,32 +15,51 @@ def watch_memory(pid: int, peak: dict, stop: threading.Event) -> None:
     (USS), and the pages processes share counted once (the largest shared part). Summing RSS
     would count a shared page once per process: a warm-started job's entrypoint and step share
     the libraries their fork server imported (fork_server.py), and their RSS summed overstates
-    what the same job holds started cold (docs/performance.md)."""
+    what the same job holds started cold (docs/performance.md).
+
+    USS comes from Linux's smaps_rollup (psutil memory_full_info), which walks the process's
+    page tables: milliseconds of the kernel's time for a process that has imported torch, and a
+    job's tree has several. RSS (statm) costs microseconds and bounds the figure: own + shared
+    is at most the RSS summed. So the tree's RSS is read on every tick, and smaps_rollup only
+    where a new peak is possible (RSS summed above the peak) and either the tree has grown since
+    the last reading (`GROWN`) or the last one is old enough that reading costs at most
+    `READ_SHARE` of a core. Between two readings of a tree that has not grown, the figure can
+    miss what copy-on-write turns from shared into own, at most the shared part."""
     import psutil
 
     try:
         root = psutil.Process(pid)
     except psutil.NoSuchProcess:
         return
-    # Memory every 0.5 s, and more often at first: a warm-started job may end within half a
+    # RSS every 0.5 s, and more often at first: a warm-started job may end within half a
     # second. CPU time every 0.05 s (a read of /proc/<pid>/stat a process) over the processes
     # last seen: the figure that stands when a job's exact one cannot be had (exit_cpu_seconds).
     procs, pause, memory_due = [root], 0.02, 0.0
+    read_rss, read_due = 0, 0.0  # RSS summed at the last smaps_rollup reading; the next one due
     while not stop.wait(min(pause, CPU_SAMPLE_SECONDS)):
-        if time.monotonic() >= memory_due:
-            memory_due, pause = time.monotonic() + pause, min(0.5, pause * 2)
+        now = time.monotonic()
+        if now >= memory_due:
+            memory_due, pause = now + pause, min(0.5, pause * 2)
             try:
                 procs = [root, *root.children(recursive=True)]
-                # Linux's smaps_rollup: cheap enough to read every process each time.
-                memory = [p.memory_full_info() for p in procs if p.is_running()]
+                rss = sum(p.memory_info().rss for p in procs if p.is_running())
+                if rss > peak["rss"] and (rss > read_rss * GROWN or now >= read_due):
+                    started = time.thread_time()
+                    memory = [p.memory_full_info() for p in procs if p.is_running()]
+                    read_rss, read_due = rss, now + (time.thread_time() - started) / READ_SHARE
+                    own = sum(m.uss for m in memory)
+                    shared = max((m.rss - m.uss for m in memory), default=0)
+                    peak["rss"] = max(peak["rss"], own + shared)
             except psutil.Error:
                 continue
-            own = sum(m.uss for m in memory)
-            shared = max((m.rss - m.uss for m in memory), default=0)
-            peak["rss"] = max(peak["rss"], own + shared)
         peak["cpu"] = max(peak["cpu"], _cpu_of(procs))
 
 
+# A tree whose RSS summed is this much larger than at the last smaps_rollup reading is read
+# again at once (memory being allocated: loading a model, the first batches).
+GROWN = 1.03
+# smaps_rollup read otherwise no more than this share of one core's time.
+READ_SHARE = 0.01
 CPU_SAMPLE_SECONDS = 0.05
 
 
