@@ -1,5 +1,6 @@
 """The embedded moto server's S3 makes a conditional create one step, as S3 does: of creates of
-one key racing each other, exactly one succeeds (two drivers once claimed one run_num in CI)."""
+one key racing each other, exactly one succeeds (two drivers once claimed one run_num in CI).
+Its host -> service lookup, kept per host, answers as moto's own."""
 
 from __future__ import annotations
 
@@ -57,5 +58,31 @@ def test_of_racing_creates_of_one_key_exactly_one_succeeds(slow_moto_put, monkey
         # Plain puts still overwrite, unlocked.
         s3.put_object(Bucket="race", Key="CLAIM", Body=b"over")
         assert s3.get_object(Bucket="race", Key="CLAIM")["Body"].read() == b"over"
+    finally:
+        server.stop()
+
+
+def test_the_kept_service_lookup_answers_as_motos_own():
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication
+
+    server, _ = moto_server.serve()  # the lookup kept from here on
+    try:
+        kept = DomainDispatcherApplication.get_backend_for_host
+        own = kept.__wrapped__
+        dispatcher = DomainDispatcherApplication(server._server.app.create_app)
+        hosts = [
+            None,
+            "moto_api",
+            "s3",
+            "s3.us-east-1.amazonaws.com",
+            "bucket.s3.eu-west-1.amazonaws.com",
+            "api.sagemaker.us-east-1.amazonaws.com",
+            "logs.eu-west-1.amazonaws.com",
+            "secretsmanager.us-east-1.amazonaws.com",
+            "nothing.example.com",
+        ]
+        for host in hosts * 2:  # the second time from what was kept
+            assert kept(dispatcher, host) == own(dispatcher, host), host
+        assert set(dispatcher.smpipe_backends) == set(hosts)
     finally:
         server.stop()

@@ -6,6 +6,11 @@ S3 checks `If-None-Match: *` "for the existence of an object during the WRITE op
 moto 5 checks and then stores in two steps of a threaded server, so two creates racing on one
 key could both succeed: two drivers claimed one run_num in CI. Every conditional put here is
 made one step, by a lock around moto's put-object handler.
+
+moto's server also looks for the service a request is for anew on every request: it lists
+moto's package folder and stats each of its some 150 subfolders (moto/backends.py
+`list_of_moto_modules`, from `DomainDispatcherApplication.get_backend_for_host`), under a lock
+every request takes. The answer depends on the host alone, so it is kept per host.
 """
 
 from __future__ import annotations
@@ -37,6 +42,25 @@ def _atomic_conditional_puts() -> None:
     S3Response.put_object = atomic_put
 
 
+def _backend_lookup_kept() -> None:
+    """Keep moto's host -> service lookup per dispatcher and host (once per process)."""
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication
+
+    lookup = DomainDispatcherApplication.get_backend_for_host
+    if getattr(lookup, "smpipe_kept", False):
+        return
+
+    @functools.wraps(lookup)
+    def kept(self, host):
+        answers = self.__dict__.setdefault("smpipe_backends", {})
+        if host not in answers:
+            answers[host] = lookup(self, host)
+        return answers[host]
+
+    kept.smpipe_kept = True
+    DomainDispatcherApplication.get_backend_for_host = kept
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -48,6 +72,7 @@ def serve():
     from moto.server import ThreadedMotoServer
 
     _atomic_conditional_puts()
+    _backend_lookup_kept()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
