@@ -26,10 +26,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pipeline.code_bundle import user_code
-from pipeline.config import Settings
 from steps.user_code import UserFunctionError
+
+if TYPE_CHECKING:  # the driver's side only: the checking process imports neither
+    from pipeline.config import Settings
 
 # How long the check may take: importing torch and transformers from a cold disk takes a
 # minute on a small instance; a module that never finishes importing is refused after this.
@@ -45,6 +47,8 @@ BOOTSTRAP = (
 def check_user_functions(settings: Settings) -> dict[str, tuple[str, str | None]]:
     """Check USER_FUNCTIONS in a process of its own: raise UserFunctionError listing every
     problem, or return what each data step's functions can reach (cache.step_reaches)."""
+    from pipeline.code_bundle import user_code
+
     module = settings.experiment.user_functions
     request = {
         "module": module,
