@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -94,9 +96,12 @@ def test_training_job_across_processes_and_hosts(store, tmp_path, hosts, per_hos
         sagemaker_output="out/sagemaker/", instance_count=hosts, processes_per_host=per_host,
         metric_definitions={"validation:f1": r"validation:f1=([0-9.]+)"},
     )  # fmt: skip
+    left = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
     result = backend(store, tmp_path).run_training(job)
     assert result.status == "Completed", result.failure_reason
     assert result.metrics == {"validation:f1": 0.75}
+    # torchrun's log folder (a new one in the temporary folder, never removed) is not made.
+    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) <= left
     assert result.peak_memory_mb and result.peak_memory_mb > 10
     # Only the first host's model folder is the job's, as on SageMaker.
     seen = [json.loads(store.get_bytes(f"out/model/seen-rank{r}.json")) for r in range(per_host)]

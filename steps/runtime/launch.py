@@ -46,6 +46,12 @@ def training_command(env: dict[str, str]) -> list[str]:
         f"--nproc_per_node={per_host}",
         f"--master_addr={master}",
         f"--master_port={port}",
+        # torchrun's log folder holds only what nothing here asks for (per-rank output
+        # redirects, the error files of @record); by default it is a new folder in the temporary
+        # folder, never removed: a container's own /tmp on SageMaker, this machine's for a job
+        # played as a process, one left behind by every multi-process job. os.devnull: none
+        # (torch/distributed/elastic/multiprocessing/api.py, DefaultLogsSpecs).
+        f"--log-dir={os.devnull}",
         "-m",
         module,
     ]
