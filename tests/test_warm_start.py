@@ -301,6 +301,9 @@ def test_no_preloaded_library_reads_at_import_what_a_server_leaves_out():
         if where not in READS_BY_PREFIX or key.startswith(READS_BY_PREFIX[where])
     ]
     assert "HF_HUB_OFFLINE" in read  # the trace sees what huggingface_hub reads
+    # Paths under HOME kept from the import: why the containers a process plays share one HOME
+    # (environment.container_home).
+    assert {"HOME", "HF_HOME"} <= set(read)
     left_out = [
         key
         for key in read

@@ -74,12 +74,12 @@ def container_home() -> Path:
     the job's), made on first use and removed at exit. One for every job this process plays,
     not one per job: a fork server starts the jobs (fork_client.py) and imported
     huggingface_hub, datasets, matplotlib and accelerate with it, which keep paths under HOME
-    from their import (traced, tests/test_warm_start.py); a HOME per job would need a server
-    per job. What jobs write there is matplotlib's font cache and config folder (traced: a
-    run's jobs write nothing else), so a job that left a file in HOME for a later one would
-    find it here and not on SageMaker (README: what `emulated` plays; `--image` gives each
-    container its own). A work root (job_root.py): the next driver removes it if this one was
-    killed before it could."""
+    from their import (the preload's os.environ reads, traced by tests/test_warm_start.py,
+    include HOME); a HOME per job would need a server per job. What jobs write there is
+    matplotlib's font cache and config folder (traced: a run's jobs write nothing else), so a
+    job that left a file in HOME for a later one would find it here and not on SageMaker
+    (README: what `emulated` plays; `--image` gives each container its own). A work root
+    (job_root.py): the next driver removes it if this one was killed before it could."""
     global _home
     with _home_lock:
         if _home is None:
