@@ -8,7 +8,7 @@ key could both succeed: two drivers claimed one run_num in CI. Every conditional
 made one step, by a lock around moto's put-object handler.
 
 moto's server also looks for the service a request is for anew on every request: it lists
-moto's package folder and stats each of its some 150 subfolders (moto/backends.py
+moto's package folder and stats each of its subfolders, one a service (moto/backends.py
 `list_of_moto_modules`, from `DomainDispatcherApplication.get_backend_for_host`), under a lock
 every request takes. The answer depends on the host alone, so it is kept per host.
 """
