@@ -76,6 +76,25 @@ PROBE = textwrap.dedent("""
 
     run_step("probe", main)
 """)
+# A training step of several processes: what each process and its parent (torchrun) are.
+RANK_PROBE = textwrap.dedent("""
+    import sys
+    PRELOADED = "torch" in sys.modules  # before this module imports anything: forked warm
+    import json, os
+    import psutil
+    from steps.runtime.environment import training_env
+    from steps.runtime.step import run_step
+
+    def main():
+        parent = psutil.Process().parent()
+        seen = {"preloaded": PRELOADED, "parent": parent.cmdline(),
+                # pyarrow's library: the server preloads it, torchrun alone never loads it
+                "parent_has_arrow": any("libarrow" in m.path for m in parent.memory_maps())}
+        rank = os.environ["RANK"]
+        (training_env().model_dir / f"rank{rank}.json").write_text(json.dumps(seen))
+
+    run_step("rank-probe", main)
+""")
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +110,7 @@ def code(tmp_path_factory) -> tuple[Path, str]:
     (code / "warm_checks").mkdir()
     (code / "warm_checks/__init__.py").write_text("")
     (code / "warm_checks/probe.py").write_text(PROBE)
+    (code / "warm_checks/rank_probe.py").write_text(RANK_PROBE)
     return code, marker
 
 
@@ -391,6 +411,27 @@ def test_the_server_reports_a_jobs_exit_with_its_cpu_time_children_included():
     job = WarmProcess(driver_side, pid, ["job"], io.BytesIO())
     assert job.wait(timeout=10) == 3
     assert 0.8 <= job.cpu_seconds < 0.8 + 5, job.cpu_seconds
+
+
+def test_a_warm_multi_process_job_forks_torchrun_and_its_workers_start_fresh(shipped, tmp_path):
+    """torchrun, in a warm job, is forked from the entrypoint (what it imports is torch, already
+    there); the training processes it starts are new interpreters, as in a container."""
+    store, _ = shipped
+    backend = local(store, tmp_path / "work")
+    backend.run_processing(probe("first"))  # cold, or forked by a server an earlier test left
+    job = TrainingJob(
+        name="ranks", step="warm_checks.rank_probe", code="code/",
+        channels={"things": "inputs/things/"}, hyperparameters={}, model_prefix="outputs/ranks/",
+        output_prefix="outputs/ranks-output/", checkpoint_prefix="outputs/ranks-checkpoints/",
+        sagemaker_output="outputs/ranks-sagemaker/", processes_per_host=2,
+    )  # fmt: skip
+    result = backend.run_training(job)
+    backend.close(succeeded=True)
+    assert result.status == "Completed", result.failure_reason
+    for rank in (0, 1):
+        seen = json.loads(LocalStore(store).get_bytes(f"outputs/ranks/rank{rank}.json"))
+        assert "torch.distributed.run" in seen["parent"], seen
+        assert seen["parent_has_arrow"] and not seen["preloaded"], seen
 
 
 def test_sigterm_to_a_warm_job_reaches_its_step(shipped, tmp_path):
