@@ -10,9 +10,17 @@ it exits, forever). The driver gets back the problems found, or each data step's
 part; the jobs get the environment the driver had, which no user code has touched.
 
 The checking process resolves modules exactly as the driver would (its sys.path, its working
-directory, the settings file's folder first), answers on a pipe of its own (what the import
-prints goes where the driver's output goes), and leaves with os._exit once it has answered:
-nothing the import started is waited for, and its session is killed.
+directory, the settings file's folder first) and imports the module in the environment a local
+job imports it in: the driver's, with the image's ENV on top (docker/Dockerfile: progress bars
+and transformers' warnings off, as in every job). What the import prints goes where the
+driver's output goes. It writes its answer to a file of the check's own folder and leaves with
+os._exit: nothing the import started is waited for, and its session is killed.
+
+Where an earlier run of this process left a fork server of that environment (fork_client.IDLE:
+a notebook's second run, the test suite), the checking process is forked from it, with torch,
+transformers and datasets already imported (most user modules import them at the top: the check
+then takes a fraction of a second instead of seconds); otherwise, or where the server cannot
+fork it (fork_server.py says when), it is a new interpreter. No server is started for a check.
 """
 
 from __future__ import annotations
@@ -20,10 +28,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,11 +45,11 @@ if TYPE_CHECKING:  # the driver's side only: the checking process imports neithe
 # How long the check may take: importing torch and transformers from a cold disk takes a
 # minute on a small instance; a module that never finishes importing is refused after this.
 CHECK_SECONDS = 600
-# The checking process: the driver's sys.path, then the check. `-c`, so that nothing of this
-# project is imported before sys.path is the driver's.
+# The checking process started as a new interpreter: the driver's sys.path, then the check.
+# `-c`, so that nothing of this project is imported before sys.path is the driver's.
 BOOTSTRAP = (
-    "import json, sys; request = json.loads(sys.stdin.read()); sys.path[:] = request['sys_path']; "
-    "from pipeline.user_check import answer; answer(request)"
+    "import json, sys; request = json.loads(open(sys.argv[1]).read()); "
+    "sys.path[:] = request['sys_path']; from pipeline.user_check import answer; answer(request)"
 )
 
 
@@ -48,66 +57,114 @@ def check_user_functions(settings: Settings) -> dict[str, tuple[str, str | None]
     """Check USER_FUNCTIONS in a process of its own: raise UserFunctionError listing every
     problem, or return what each data step's functions can reach (cache.step_reaches)."""
     from pipeline.code_bundle import user_code
+    from pipeline.player.job_root import new_work_root
 
     module = settings.experiment.user_functions
-    request = {
-        "module": module,
-        "search_path": settings.base_dir,
-        "sys_path": sys.path,
-        "own": {name: str(path) for name, path in user_code(settings).items()},
-    }
-    read, write = os.pipe()
+    env = check_env()
+    # The request and the answer, in a folder the next driver removes if this one is killed
+    # before it can (job_root.py).
+    folder = new_work_root("the user functions' check")
     try:
-        child = subprocess.Popen(
-            [sys.executable, "-c", BOOTSTRAP, str(write)],
-            stdin=subprocess.PIPE,
-            pass_fds=[write],
-            start_new_session=True,  # the terminal's Ctrl-C is the driver's; killed as one below
-        )
-    except BaseException:
-        os.close(read)
-        raise
+        request_file, answer_file = folder / "request.json", folder / "answer.json"
+        request = {
+            "module": module,
+            "search_path": settings.base_dir,
+            "sys_path": sys.path,
+            "env": env,
+            "own": {name: str(path) for name, path in user_code(settings).items()},
+            "answer": str(answer_file),
+        }
+        request_file.write_text(json.dumps(request))
+        status = run_check(request_file, answer_file, env, time.monotonic() + CHECK_SECONDS)
+        said = answer_file.read_text() if answer_file.exists() else None
     finally:
-        os.close(write)
-    try:
-        child.stdin.write(json.dumps(request).encode())
-        child.stdin.close()
-        said = read_answer(read, child, time.monotonic() + CHECK_SECONDS)
-    finally:
-        os.close(read)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(child.pid, signal.SIGKILL)  # what the import started goes with it
-        child.wait()
-    if said is None:
+        shutil.rmtree(folder, ignore_errors=True)
+    if status is None:
         raise UserFunctionError(
             [f"importing '{module}' did not finish in {CHECK_SECONDS} s"], module
         )
-    try:
-        answer = json.loads(said)
-    except ValueError:
-        why = f"exit status {child.returncode}"
+    if said is None:
         raise UserFunctionError(
-            [f"checking '{module}' ended without an answer ({why})"], module
-        ) from None
+            [f"checking '{module}' ended without an answer (exit status {status})"], module
+        )
+    answer = json.loads(said)
     if answer.get("problems"):
         raise UserFunctionError(answer["problems"], module)
     return {step: (reach, why) for step, (reach, why) in answer["reaches"].items()}
 
 
-def read_answer(fd: int, child: subprocess.Popen, deadline: float) -> bytes | None:
-    """What the child wrote on `fd`: until the pipe ends, or until the child has exited and
-    nothing more is there (a process it forked may hold the pipe open); None at `deadline`."""
-    said = b""
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([fd], [], [], min(1.0, deadline - time.monotonic()))
-        if ready:
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                return said
-            said += chunk
-        elif child.poll() is not None:
-            return said
-    return None
+def check_env() -> dict[str, str]:
+    """The checking process's environment: the driver's, with the image's ENV on top, as a local
+    job has it (processes.py `Containers.run`), less what names one job (its PYTHONPATH: the
+    check's sys.path is the driver's)."""
+    from pipeline.player.environment import image_env
+    from pipeline.player.fork_client import per_job_variables
+    from steps.runtime.names import CONTAINER_ROOT
+
+    image = image_env(Path(CONTAINER_ROOT))
+    per_job = per_job_variables()
+    return {**os.environ, **{k: v for k, v in image.items() if k not in per_job}}
+
+
+def run_check(request_file: Path, answer_file: Path, env: dict[str, str], deadline: float):
+    """Run the checking process to its end; its exit status, or None at `deadline`. Forked from a
+    kept fork server of `env` where there is one and it forks it, a new interpreter otherwise."""
+    from pipeline.player.fork_client import IDLE
+
+    with IDLE.lent(env) as server:
+        child = None if server is None else forked_check(server, request_file, env)
+        status = None if child is None else wait_for(child, deadline)
+    if child is not None and (status is None or answer_file.exists()):
+        return status
+    # No server, one that would not fork it, or a forked check that ended without an answer
+    # (one that could not import this module, say): a new interpreter's answer counts.
+    child = subprocess.Popen(
+        [sys.executable, "-c", BOOTSTRAP, str(request_file)],
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,  # the terminal's Ctrl-C is the driver's; killed as one below
+    )
+    return wait_for(child, deadline)
+
+
+def forked_check(server, request_file: Path, env: dict[str, str]):
+    """The checking process forked by `server` (fork_client.Server), what it prints passed on
+    to this process's standard output (where a new interpreter's would go); None where the
+    server answers that it cannot fork it. The child finds this module where the driver does:
+    the project's folder on its PYTHONPATH (`main` puts the driver's sys.path and environment
+    back before the user's module is imported)."""
+    from pipeline.player.fork_client import WarmProcess
+
+    project = str(Path(__file__).resolve().parents[1])
+    argv = [sys.executable, "-m", "pipeline.user_check", str(request_file)]
+    child = server.start(argv, {**env, "PYTHONPATH": project}, os.getcwd())
+    if not isinstance(child, WarmProcess):
+        return None
+    threading.Thread(target=pass_on, args=(child.stdout,), daemon=True).start()
+    return child
+
+
+def pass_on(output) -> None:
+    with output:
+        for chunk in iter(lambda: output.read1(1 << 16), b""):
+            with contextlib.suppress(OSError):
+                os.write(1, chunk)
+
+
+def wait_for(child, deadline: float) -> int | None:
+    """`child`'s exit status, or None at `deadline`; then its session is killed either way:
+    what the import started goes with it."""
+    status = None
+    try:
+        status = child.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:  # Ctrl-C included
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGKILL)
+        if status is None:
+            child.wait()
+    return status
 
 
 def answer(request: dict) -> None:
@@ -115,7 +172,6 @@ def answer(request: dict) -> None:
     from pipeline.cache import step_reaches
     from steps.user_code import load_user_functions
 
-    fd = int(sys.argv[1])
     module = request["module"]
     try:
         functions = load_user_functions(module, request["search_path"])
@@ -125,10 +181,24 @@ def answer(request: dict) -> None:
         said = {"problems": e.problems}
     except BaseException as e:  # noqa: BLE001 - following its imports ran more of its code
         said = {"problems": [f"checking '{module}' raised {type(e).__name__}: {e}"]}
-    data = json.dumps(said).encode()
-    while data:
-        data = data[os.write(fd, data) :]
+    written = Path(request["answer"] + ".part")
+    written.write_text(json.dumps(said))
+    written.rename(request["answer"])  # whole or not at all
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     os._exit(0)
+
+
+def main(request_file: str) -> None:
+    """The forked checking process (`python -m pipeline.user_check REQUEST`): the driver's
+    sys.path and environment, then the check."""
+    request = json.loads(Path(request_file).read_text())
+    sys.path[:] = request["sys_path"]
+    os.environ.clear()
+    os.environ.update(request["env"])
+    answer(request)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

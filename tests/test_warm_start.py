@@ -30,7 +30,8 @@ from pipeline.player.fork_client import IDLE, WARM_START_VARIABLE, IdleServers, 
 from pipeline.player.fork_server import READY
 from pipeline.store import LocalStore, upload_dir
 from tests import test_resume
-from tests.conftest import ROOT, SignalAtStep, ship_code
+from tests.conftest import ROOT, SignalAtStep, ship_code, write_settings
+from tests.reliability.test_user_code import REST
 
 RUN = ExperimentTree("warm").run(1)
 # A step shipped with the job's code only (the project has no such module): what its process
@@ -266,6 +267,65 @@ def test_a_closed_backends_server_starts_the_next_runs_first_job_warm(
     assert after["cwd"] == str(tmp_path / "run-2/next-run")
     assert after["env"]["AWS_DEFAULT_REGION"] == "eu-west-1"  # (the key's value is masked)
     assert after["env"]["PYTEST_CURRENT_TEST"] == "another test (call)"
+
+
+# User functions that say, when imported, whether torch was already there and which process
+# imported them; and leave a mark on the json module of that process.
+CHECKED = (
+    textwrap.dedent("""
+    import sys
+    PRELOADED = "torch" in sys.modules  # before this module imports anything
+    import json
+    from pathlib import Path
+    import psutil
+
+    me = psutil.Process()
+    Path(__file__).with_suffix(".json").write_text(
+        json.dumps({"preloaded": PRELOADED, "parent": me.ppid(), "pid": me.pid}))
+    json.LEAKED_BY_A_JOB = True
+
+    def reconcile(raw_dir):
+        return None, {}
+""")
+    + REST
+)
+
+
+def test_the_user_functions_check_is_forked_from_a_kept_server_of_its_environment(
+    shipped, tmp_path, no_idle_servers
+):
+    """With no kept server, the driver checks the user functions in a new interpreter. Once a
+    closed backend has left one whose jobs have the check's environment, the check is forked
+    from it, with torch already imported; what the import did stays in the check's process
+    (the server's next job sees none of it)."""
+    from pipeline.config import load_settings
+    from pipeline.user_check import check_user_functions
+
+    store, _ = shipped
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project/checked_functions.py").write_text(CHECKED)
+    settings = load_settings(
+        write_settings(tmp_path / "project/settings.ini", str(store),
+                       experiment={"USER_FUNCTIONS": "checked_functions"}), env={}
+    )  # fmt: skip
+    said = tmp_path / "project/checked_functions.json"
+    check_user_functions(settings)
+    cold = json.loads(said.read_text())
+    assert not cold["preloaded"] and cold["parent"] == os.getpid(), cold
+    first = local(store, tmp_path / "run-1")
+    first.run_processing(probe("cold"))
+    first.run_processing(probe("warm"))
+    first.close(succeeded=True)
+    server = seen(store, "warm")["server"]
+    check_user_functions(settings)
+    warm = json.loads(said.read_text())
+    assert warm["preloaded"] and warm["parent"] == server, warm
+    assert not alive(warm["pid"])
+    second = local(store, tmp_path / "run-2")
+    second.run_processing(probe("after"))
+    second.close(succeeded=True)
+    after = seen(store, "after")
+    assert after["server"] == server and not after["leak_seen"], after
 
 
 # Reads of os.environ during a preload, in a fresh interpreter: each key read and the library

@@ -99,6 +99,11 @@ def server_env(env: dict[str, str], per_job: frozenset[str]) -> dict[str, str]:
     }
 
 
+def default_launcher() -> list[str]:
+    """The command that runs a fork server: this interpreter, fork_server.py as a script."""
+    return [sys.executable, fork_server.__file__]
+
+
 # StopTrainingJob's time between SIGTERM and SIGKILL (API_StopTrainingJob.html), as
 # processes.py's STOP_GRACE_SECONDS.
 LOST_GRACE_SECONDS = 120
@@ -272,6 +277,22 @@ class IdleServers:
         server.close()
         return None
 
+    @contextlib.contextmanager
+    def lent(self, env: dict[str, str]):
+        """Within: the kept server (of `default_launcher`) whose jobs would have `env`'s
+        import-relevant environment, kept again afterwards; None where there is none (nothing
+        is started for this)."""
+        key = (
+            tuple(default_launcher()),
+            tuple(sorted(server_env(env, per_job_variables()).items())),
+        )
+        server = self.take(key)
+        try:
+            yield server
+        finally:
+            if server is not None:
+                self.keep(key, server)
+
     def close(self) -> None:
         """Stop every kept server (at exit, and for tests that need a cold start)."""
         with self._lock:
@@ -307,7 +328,7 @@ class WarmStart:
 
     def __init__(self, folder: Path, echo=None, launcher: list[str] | None = None) -> None:
         self.folder = folder
-        self.launcher = launcher or [sys.executable, fork_server.__file__]
+        self.launcher = launcher or default_launcher()
         self.echo = echo if echo is not None else sys.stderr
         self._servers: dict[tuple, Server] = {}
         self._numbers = itertools.count()
