@@ -126,11 +126,12 @@ def upload_folder(store: Store, local: Path, uri: str) -> None:
 
 def upload_tarball(store: Store, local: Path, uri: str) -> None:
     """A training job's model/ or output/data/ as one gzipped tarball at `uri`
-    (<S3OutputPath>/<job>/output/model.tar.gz and output.tar.gz). gzip's fastest level:
-    a model's weights barely compress at any level, and tarfile's default (9) spends the most
-    time on them (docs/performance.md); any level reads back the same."""
+    (<S3OutputPath>/<job>/output/model.tar.gz and output.tar.gz). gzip at level 0 (stored
+    blocks, still gzip): a model's weights barely compress at any level, and deflating them
+    is most of the time writing and reading such a tarball takes (docs/performance.md); any
+    level reads back the same files."""
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=1) as tar:
+    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=0) as tar:
         for path in sorted(local.rglob("*")):
             if path.is_file():
                 tar.add(path, arcname=path.relative_to(local).as_posix())
