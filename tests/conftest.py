@@ -34,6 +34,30 @@ if WORKERS > 1:
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(name, str(max(1, (os.cpu_count() or 1) // WORKERS)))
 
+# The modules whose tests take longest (a minute or more of one worker: docs/performance.md,
+# "Where the suite's time goes"), longest first, run first: pytest-xdist's loadscope hands the
+# workers whole modules in collection order, so the two end within a short module of each
+# other instead of one finishing a long module alone. Only the order changes.
+LONGEST_FIRST = (
+    "tests/test_resume.py",
+    "tests/test_image.py",
+    "tests/test_emulated.py",
+    "tests/test_gpu_check.py",
+    "tests/test_warm_start.py",
+    "tests/reliability/test_lifecycle.py",
+    "tests/test_tuning.py",
+    "tests/test_pipeline.py",
+    "tests/test_init.py",
+    "tests/reliability/test_job_runtime.py",
+    "tests/test_predict.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
 # The Hugging Face libraries' offline switches, as every job of a run gets them by default
 # ([hub] OFFLINE: pipeline/stages.py `job_env`): nothing here may reach the Hub, and a test that
 # starts jobs on a backend directly then gives them the environment a run's jobs have. A fork
