@@ -77,21 +77,26 @@ PROBE = textwrap.dedent("""
 
     run_step("probe", main)
 """)
-# A training step of several processes: what each process and its parent (torchrun) are.
+# A training step of several processes: what each process and its parent (torchrun) are, and
+# a sum across them.
 RANK_PROBE = textwrap.dedent("""
     import sys
     PRELOADED = "torch" in sys.modules  # before this module imports anything: forked warm
     import json, os
     import psutil
+    import torch
+    import torch.distributed as dist
     from steps.runtime.environment import training_env
     from steps.runtime.step import run_step
 
     def main():
-        parent = psutil.Process().parent()
-        seen = {"preloaded": PRELOADED, "parent": parent.cmdline(),
-                # pyarrow's library: the server preloads it, torchrun alone never loads it
-                "parent_has_arrow": any("libarrow" in m.path for m in parent.memory_maps())}
         rank = os.environ["RANK"]
+        dist.init_process_group("gloo")
+        total = torch.tensor([int(rank) + 1.0])
+        dist.all_reduce(total)
+        dist.destroy_process_group()
+        seen = {"preloaded": PRELOADED, "parent": psutil.Process().parent().cmdline(),
+                "all_reduce": total.item()}
         (training_env().model_dir / f"rank{rank}.json").write_text(json.dumps(seen))
 
     run_step("rank-probe", main)
@@ -473,9 +478,10 @@ def test_the_server_reports_a_jobs_exit_with_its_cpu_time_children_included():
     assert 0.8 <= job.cpu_seconds < 0.8 + 5, job.cpu_seconds
 
 
-def test_a_warm_multi_process_job_forks_torchrun_and_its_workers_start_fresh(shipped, tmp_path):
-    """torchrun, in a warm job, is forked from the entrypoint (what it imports is torch, already
-    there); the training processes it starts are new interpreters, as in a container."""
+def test_a_warm_multi_process_job_forks_torchrun_and_its_workers(shipped, tmp_path):
+    """In a warm job, torchrun's agent is forked from the entrypoint and forks its training
+    processes in turn (steps/runtime/torchrun_fork.py): each starts with torch imported, has
+    its rank, and the two reduce across gloo."""
     store, _ = shipped
     backend = local(store, tmp_path / "work")
     backend.run_processing(probe("first"))  # cold, or forked by a server an earlier test left
@@ -490,8 +496,8 @@ def test_a_warm_multi_process_job_forks_torchrun_and_its_workers_start_fresh(shi
     assert result.status == "Completed", result.failure_reason
     for rank in (0, 1):
         seen = json.loads(LocalStore(store).get_bytes(f"outputs/ranks/rank{rank}.json"))
-        assert "torch.distributed.run" in seen["parent"], seen
-        assert seen["parent_has_arrow"] and not seen["preloaded"], seen
+        assert seen["parent"][1:3] == ["-m", "steps.runtime.torchrun_fork"], seen
+        assert seen["preloaded"] and seen["all_reduce"] == 3.0, seen
 
 
 def test_sigterm_to_a_warm_job_reaches_its_step(shipped, tmp_path):

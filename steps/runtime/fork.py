@@ -92,10 +92,10 @@ def can_fork_step(command: list[str]) -> bool:
     """Whether the step may be forked from this process rather than started afresh: the local
     backend's fork server (pipeline/player/fork_server.py) started this entrypoint with torch
     and the rest already imported, and the step is a `python -m` command: the step's own
-    module, or torchrun (its imports are torch's; the workers it starts are new interpreters,
-    as in a container). Only while this process is single-threaded (fork copies only the
-    calling thread; a lock another one held would stay locked in the child) and holds no CUDA
-    context (CUDA does not survive fork). Of the variables the entrypoint adds for the step
+    module, or torchrun (then run as torchrun_fork.py, which forks its workers too). Only
+    while this process is single-threaded (fork copies only the calling thread; a lock
+    another one held would stay locked in the child) and holds no CUDA context (CUDA does
+    not survive fork). Of the variables the entrypoint adds for the step
     (SM_*), the preloaded libraries read at import only SM_HP_MP_PARAMETERS and
     SM_FRAMEWORK_PARAMS (transformers' is_sagemaker_mp_enabled), which matter only with
     smdistributed, which the image does not have."""

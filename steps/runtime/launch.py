@@ -10,6 +10,16 @@ import sys
 
 from steps.runtime import names
 
+TORCHRUN = "torch.distributed.run"
+# torchrun's command line, its workers forked from it (torchrun_fork.py): where the entrypoint
+# was itself forked by a warm-start server.
+TORCHRUN_FORK = "steps.runtime.torchrun_fork"
+
+
+def runs_workers(command: list[str]) -> bool:
+    """Whether `command` is torchrun's (either): the processes that train are its children."""
+    return TORCHRUN in command or TORCHRUN_FORK in command
+
 
 def step_module(step: str) -> str:
     """`train` is steps/train.py; a dotted name is any module shipped with the code."""
@@ -40,7 +50,7 @@ def training_command(env: dict[str, str]) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        TORCHRUN,
         f"--nnodes={len(hosts)}",
         f"--node_rank={hosts.index(env[names.SM_CURRENT_HOST])}",
         f"--nproc_per_node={per_host}",

@@ -18,7 +18,7 @@ import traceback
 from collections import deque
 from pathlib import Path
 
-from steps.runtime import names
+from steps.runtime import launch, names
 from steps.runtime.fork import ForkedStep, can_fork_step
 from steps.runtime.secrets import redact, scrub_files, secret_values
 from steps.runtime.variables import JobSetupError
@@ -49,9 +49,12 @@ def follow_driver() -> None:
 
 def start_step(command: list[str], env: dict[str, str]) -> subprocess.Popen | ForkedStep:
     """The step in a new session that dies with this process, its output on one pipe. Forked
-    from this process where it was warm-started (see `can_fork_step`), started as a new
-    interpreter otherwise (in a container, always)."""
+    from this process where it was warm-started (see `can_fork_step`), torchrun as
+    torchrun_fork.py, whose workers are forked in turn; started as a new interpreter otherwise
+    (in a container, always)."""
     if can_fork_step(command):
+        if command[2] == launch.TORCHRUN:
+            command = [*command[:2], launch.TORCHRUN_FORK, *command[3:]]
         return ForkedStep(command, env, preexec_fn=die_with_parent)
     return subprocess.Popen(
         command,
@@ -69,7 +72,7 @@ def training_processes(proc: subprocess.Popen | ForkedStep) -> list[int]:
     next batch, and not torchrun, which would give its workers only 30 s before SIGKILL
     (torch/distributed/elastic/multiprocessing/api.py, `close(..., timeout=30)`) where
     SageMaker gives 120 (StopTrainingJob)."""
-    if "torch.distributed.run" not in proc.args:
+    if not launch.runs_workers(proc.args):
         return [proc.pid]
     try:
         import psutil

@@ -1,0 +1,59 @@
+"""torchrun for a warm-started job, whose workers are forked from it.
+
+`python -m steps.runtime.torchrun_fork ARGS` takes torchrun's own command line
+(`python -m torch.distributed.run ARGS`, launch.py) and runs torchrun's own agent and
+rendezvous with it, as `torch.distributed.run.run` does, with one difference: torchrun starts a
+module's workers as new interpreters (`python -u -m MODULE`: config_from_args makes the
+entrypoint a command, and a command's workers are subprocesses), where this forks them from
+itself, the way torchrun starts a function's workers (LaunchConfig's start_method "fork",
+torchrun's `--start-method`). Each worker then becomes `python -m MODULE` (steps.runtime.fork
+`become_module`) with the environment the agent gives it (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+
+The entrypoint runs it only where it was itself forked by the local backend's fork server, with
+torch, transformers and the rest imported (supervise.py `start_step`): a worker's start is then
+a fork, not seconds of imports. In a container (SageMaker, `--image`) torchrun's command line
+runs, as SageMaker's framework containers run it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+# The signals torchrun's agent handles itself (torch/distributed/elastic/multiprocessing/api.py,
+# PContext.start): a forked worker has its handlers and gets a new interpreter's instead.
+AGENT_SIGNALS_VARIABLE = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+def forked_worker(module: str, args: list[str]) -> None:
+    """In a worker forked from the agent: what `python -u -m MODULE ARGS` does, with a new
+    interpreter's signal dispositions; its exit status is the worker's."""
+    from steps.runtime.fork import become_module
+
+    for name in os.environ.get(AGENT_SIGNALS_VARIABLE, AGENT_SIGNALS).split(","):
+        signum = getattr(signal, name.strip(), None)
+        if signum is not None:
+            fresh = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+            signal.signal(signum, fresh)
+    code = become_module([sys.executable, "-m", module, *args])
+    if code:
+        sys.exit(code)
+
+
+def main(argv: list[str]) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    config, _, command = config_from_args(parse_args(argv))
+    # torchrun's worker command: ["-u", "-m", MODULE, *its arguments] (launch.py always runs a
+    # module, and with use_env, torchrun's default, adds no --local-rank).
+    module = command.index("-m") + 1
+    config.start_method = "fork"
+    record(elastic_launch(config, entrypoint=forked_worker))(command[module], command[module + 1 :])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
