@@ -100,13 +100,15 @@ lint: install
 
 # Speed against the Trainer, transformers' pipeline and datasets.map (bench/results.json),
 # what checkpointing costs, then what a tuning trial spends outside its steps and what a
-# completed run keeps (bench/run_cost.json), and what metering a local job costs its machine.
+# completed run keeps (bench/run_cost.json), what metering a local job costs its machine, and
+# what warm start saves a check of the user functions and a job of two processes.
 # Each prints its table; none asserts a time.
 bench: install
 	$(PY) bench/speed.py
 	$(PY) bench/checkpoint_cost.py
 	$(PY) bench/run_cost.py
 	$(PY) bench/metering.py
+	$(PY) bench/warm_start.py
 
 # The GPU path on this machine's GPUs, through the real jobs (bench/gpu_check.py): bf16
 # training and its MFU, two processes on NCCL, loader workers with pinned memory, SIGTERM and
