@@ -5,8 +5,8 @@
 1. The driver's check of the demo's user functions (pipeline/user_check.py), in a new
    interpreter (no kept fork server) and forked from a kept server of a local job's
    environment: wall time of each check.
-2. A training job of two processes under torchrun (the bag-of-embeddings model, a few steps,
-   small prepared splits), its entrypoint started as a container starts it (a new interpreter:
+2. A training job of two processes under torchrun (the bag-of-embeddings model, one epoch of
+   tests/jobs/prepared.py's small splits), its entrypoint started as a container starts it (a new interpreter:
    torchrun's command line, each worker a new interpreter) and forked by a warm-start server
    (torchrun_fork.py: the agent and its workers forked): the job's wall time and CPU seconds
    (its processes and their children, from wait4).
@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
-import random
 import resource
 import statistics
 import subprocess
@@ -48,14 +46,13 @@ from pipeline.player.fork_client import (  # noqa: E402
 from pipeline.player.job_root import lay_out_training  # noqa: E402
 from pipeline.player.processes import free_port  # noqa: E402
 from pipeline.user_check import check_env, check_user_functions  # noqa: E402
-from steps.batching import write_inputs  # noqa: E402
-from steps.prepared_files import encoding_record, write_encoding  # noqa: E402
 from steps.runtime.names import (  # noqa: E402
     ENTRYPOINT,
     MASTER_ADDR_VARIABLE,
     MASTER_PORT_VARIABLE,
     PROCESSES_VARIABLE,
 )
+from tests.jobs.prepared import write_small_splits  # noqa: E402
 
 HPS = {
     "model_name": "bow", "epochs": "1", "learning_rate": "0.01", "batch_size": "8",
@@ -107,30 +104,6 @@ def user_check(repeat: int, work: Path) -> list[tuple[str, str, str]]:
     ]
 
 
-def channels(root: Path) -> dict[str, Path]:
-    """Small prepared splits for the bag-of-embeddings model (tests/test_resume.py's shape)."""
-    import datasets
-
-    rng = random.Random(0)
-
-    def rows(n):
-        labels = [i % 3 for i in range(n)]
-        ids = [[101] + [rng.randrange(1000, 20000) for _ in range(8)] + [2000 + y, 102]
-               for y in labels]  # fmt: skip
-        return {"bow_input_ids": ids, "bow_attention_mask": [[1] * len(i) for i in ids],
-                "bow__length": [len(i) for i in ids], "label_id": labels}  # fmt: skip
-
-    datasets.Dataset.from_dict(rows(64)).save_to_disk(str(root / "train"))
-    datasets.Dataset.from_dict(rows(16)).save_to_disk(str(root / "validation"))
-    (root / "labels").mkdir()
-    (root / "labels/id2label.json").write_text(json.dumps({"0": "a", "1": "b", "2": "c"}))
-    write_inputs(root / "labels", {"bow": {"keys": ["input_ids", "attention_mask"],
-                 "pad": {"input_ids": 0, "attention_mask": 0},
-                 "sequence": ["input_ids", "attention_mask"]}})  # fmt: skip
-    write_encoding(root / "labels", encoding_record(16, {"bow": {}}))
-    return {c: root / c for c in ("train", "validation", "labels")}
-
-
 def training_job(root: Path, data: dict[str, Path]) -> dict[str, str]:
     """A job root as the backends lay it out, and the environment its entrypoint starts in."""
     request = {
@@ -159,7 +132,7 @@ def training_job(root: Path, data: dict[str, Path]) -> dict[str, str]:
 
 
 def two_processes(repeat: int, work: Path) -> list[tuple[str, str, str]]:
-    data = channels(work / "prepared")
+    data = write_small_splits(work / "prepared")
     argv = [sys.executable, *ENTRYPOINT[1:], "train"]
     starter = WarmStart(work / "warm")
     rows = []

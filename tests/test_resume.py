@@ -14,7 +14,6 @@ import sys
 import threading
 from pathlib import Path
 
-import datasets
 import psutil
 import pytest
 import torch
@@ -29,9 +28,7 @@ from pipeline.player.job_root import lay_out_training
 from pipeline.player.processes import free_port
 from pipeline.store import LocalStore, upload_dir
 from steps import checkpointing as ckpt
-from steps.batching import write_inputs
 from steps.hyperparameters import TUNABLE
-from steps.prepared_files import encoding_record, write_encoding
 from steps.runtime.names import (
     ENTRYPOINT,
     MASTER_ADDR_VARIABLE,
@@ -40,6 +37,7 @@ from steps.runtime.names import (
 )
 from tests.conftest import ROOT, SignalAtStep, gated, ship_code, wait_at_gate
 from tests.jobs.checkpoint_writer import CRASHES, new_state, save
+from tests.jobs.prepared import write_small_splits
 
 HPS = {
     "model_name": "bow", "epochs": "3", "learning_rate": "0.01",
@@ -52,30 +50,7 @@ HPS = {
 @pytest.fixture(scope="module")
 def channels(tmp_path_factory) -> dict[str, Path]:
     """Small prepared splits: the label is given away by which marker token a row holds."""
-    root = tmp_path_factory.mktemp("prepared")
-    rng = random.Random(0)
-
-    def rows(n):
-        # Unpadded rows of 4 to 16 tokens, as prepare stores them: batches are grouped by length.
-        labels = [i % 3 for i in range(n)]
-        ids = [
-            [101]
-            + [rng.randrange(1000, 20000) for _ in range(rng.randrange(1, 14))]
-            + [2000 + 7 * y, 102]
-            for y in labels
-        ]
-        return {"bow_input_ids": ids, "bow_attention_mask": [[1] * len(i) for i in ids],
-                "bow__length": [len(i) for i in ids], "label_id": labels}  # fmt: skip
-
-    datasets.Dataset.from_dict(rows(64)).save_to_disk(str(root / "train"))
-    datasets.Dataset.from_dict(rows(18)).save_to_disk(str(root / "validation"))
-    (root / "labels").mkdir()
-    (root / "labels/id2label.json").write_text(json.dumps({"0": "a", "1": "b", "2": "c"}))
-    write_inputs(root / "labels", {"bow": {"keys": ["input_ids", "attention_mask"],
-                 "pad": {"input_ids": 0, "attention_mask": 0},
-                 "sequence": ["input_ids", "attention_mask"]}})  # fmt: skip
-    write_encoding(root / "labels", encoding_record(16, {"bow": {}}))  # rows of 4 to 16 tokens
-    return {c: root / c for c in ("train", "validation", "labels")}
+    return write_small_splits(tmp_path_factory.mktemp("prepared"))
 
 
 def job_root(tmp: Path, channels: dict[str, Path], hps: dict = HPS) -> tuple[Path, dict[str, str]]:
