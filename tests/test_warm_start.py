@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -28,6 +29,7 @@ from pipeline.jobs import ProcessingJob, TrainingJob
 from pipeline.paths import ExperimentTree
 from pipeline.player.fork_client import IDLE, WARM_START_VARIABLE, IdleServers, Server
 from pipeline.player.fork_server import READY
+from pipeline.player.job_root import OWNER, WORK_PREFIX
 from pipeline.store import LocalStore, upload_dir
 from tests import test_resume
 from tests.conftest import ROOT, SignalAtStep, ship_code, write_settings
@@ -326,6 +328,13 @@ def test_the_user_functions_check_is_forked_from_a_kept_server_of_its_environmen
     warm = json.loads(said.read_text())
     assert warm["preloaded"] and warm["parent"] == server, warm
     assert not alive(warm["pid"])
+    # The request and answer went with their folder (a work root: HOSTILE-USE, leftovers).
+    checks = [
+        root
+        for root in Path(tempfile.gettempdir()).glob(WORK_PREFIX + "*")
+        if (root / OWNER).exists() and "check" in (root / OWNER).read_text()
+    ]
+    assert checks == [], checks
     second = local(store, tmp_path / "run-2")
     second.run_processing(probe("after"))
     second.close(succeeded=True)
