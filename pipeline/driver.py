@@ -18,9 +18,9 @@ import time
 
 from pipeline import cache, registry
 from pipeline import metadata as md
-from pipeline.backends.choose import make_backend
+from pipeline.backends.choose import hosts_refuse, make_backend
 from pipeline.code_bundle import PROJECT_ROOT, ship_code
-from pipeline.config import Settings
+from pipeline.config import ConfigError, Settings
 from pipeline.console import log_summary
 from pipeline.errors import PipelineError, log
 from pipeline.jobs import JobFailed
@@ -100,6 +100,8 @@ def run_pipeline(
         steps = [s for s in steps if s not in skipped]
     planned = build_jobs(settings, steps, run, sources)
     check_requests(planned, settings, store)
+    if problems := hosts_refuse(settings, planned):
+        raise ConfigError(problems, f"{settings.source}: what the backend's hosts cannot run")
     if dry_run:
         log_reused(sources)
         log_plan(planned, settings, store, show_requests, registry.STEP in steps)

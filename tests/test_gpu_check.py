@@ -75,7 +75,7 @@ def test_every_check_runs_on_cpu_and_passes(tmp_path):
 @pytest.mark.slow
 @on_cpu_only
 def test_a_check_that_fails_makes_the_command_fail(tmp_path):
-    """fp16 needs a GPU: the training job refuses it on a CPU, and the check says why."""
+    """fp16 needs a GPU: on a CPU the driver refuses it before any job, and the check says why."""
     done = gpu_check(tmp_path / "work", "--only", "training", "--mixed-precision", "fp16")
     assert done.returncode == 1, (done.stdout + done.stderr)[-4000:]
     result, figures = table(done.stdout)["training"]

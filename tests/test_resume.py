@@ -247,11 +247,13 @@ def baseline2(tmp_path_factory, channels):
     return result(root)
 
 
-def test_sigkill_with_two_processes(tmp_path, channels, baseline2):
+def test_sigkill_with_two_processes(tmp_path, channels, baseline2, warm):
+    """Killed twice and resumed under torchrun, forked as the local backend starts it (the
+    agent and both workers: steps/runtime/torchrun_fork.py), against a cold baseline."""
     root, env = job_root(tmp_path, channels)
     for step in (4, 13):
-        kill_at(env, tmp_path / "gates", step, signal.SIGKILL, processes=2)
-    out = run_to_end(env, processes=2)
+        kill_at(env, tmp_path / "gates", step, signal.SIGKILL, processes=2, warm=warm)
+    out = run_to_end(env, processes=2, warm=warm)
     assert "resumed from" in out and "processes=2" in out
     ckpt_files = {p.name for p in ckpt.current_checkpoint(root / "checkpoints").iterdir()}
     assert {"rank0.pt", "rank1.pt", "state.pt"} <= ckpt_files

@@ -1,15 +1,20 @@
-"""The backend [experiment] BACKEND names, built for one run, and the image and role its
-requests name. The backends are imported where they are chosen: sagemaker's needs boto3's
-clients, emulated's moto (an optional dependency), and a run uses one."""
+"""The backend [experiment] BACKEND names, built for one run, the image and role its
+requests name, and what its hosts cannot run (said before any job starts). The backends are
+imported where they are chosen: sagemaker's needs boto3's clients, emulated's moto (an optional
+dependency), and a run uses one."""
 
 from __future__ import annotations
 
+import glob
 from typing import TYPE_CHECKING
+
+from steps.runtime.names import GPU_DEVICE_FILES
 
 if TYPE_CHECKING:
     from pipeline.backends import Backend
     from pipeline.config import Settings
     from pipeline.paths import RunTree
+    from pipeline.stages import Job
     from pipeline.store import Store
 
 
@@ -26,6 +31,45 @@ def identity(settings: Settings) -> tuple[str, str]:
     if e.backend == "emulated":
         return e.image_uri or EMULATED_IMAGE, e.role_arn or EMULATED_ROLE
     return e.image_uri, e.role_arn
+
+
+def host_gpus(settings: Settings) -> tuple[int, str] | None:
+    """How many GPUs each host of the backend's jobs has, and where those hosts are; None on
+    SageMaker, where the instance type decides and no table of those is kept here."""
+    here = len(glob.glob(GPU_DEVICE_FILES))  # as the entrypoint counts them
+    e = settings.experiment
+    if e.backend == "local":
+        return here, "the local backend runs its jobs on this machine"
+    if e.backend == "emulated" and settings.emulated.image:
+        # The engine is given no GPU (images.py passes no device): docs/sagemaker.md.
+        return 0, f"the emulated backend runs its jobs in containers of {settings.emulated.image}"
+    if e.backend == "emulated":
+        return here, "the emulated backend plays its jobs as processes of this machine"
+    return None
+
+
+def hosts_refuse(settings: Settings, jobs: list[Job]) -> list[str]:
+    """What the planned jobs ask of their hosts that those hosts cannot do, before any job
+    starts: fp16 without a GPU, which the training job itself refuses (steps/precision.py)
+    only after reconcile and prepare have run."""
+    from pipeline.jobs import TrainingJob, TuningJob
+
+    hosts = host_gpus(settings)
+    if hosts is None or hosts[0] > 0:
+        return []
+    problems = []
+    for job in jobs:
+        trial = job.trial if isinstance(job, TuningJob) else job
+        if not isinstance(trial, TrainingJob):
+            continue
+        # A tuning job's trials all run with it: MIXED_PRECISION is not searched (its row in
+        # steps/hyperparameters.py is not tunable), but a tuning section may set it.
+        if trial.hyperparameters["mixed_precision"] == "fp16":
+            problems.append(
+                f"model {trial.hyperparameters['model_name']}: MIXED_PRECISION = fp16 needs a "
+                f"GPU, and {hosts[1]}, which has none (auto, bf16 and no compute on a CPU)"
+            )
+    return problems
 
 
 def make_backend(settings: Settings, store: Store, run: RunTree, echo) -> Backend:

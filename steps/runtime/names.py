@@ -38,6 +38,9 @@ FAILURE_REASON_LIMIT = 1024
 # CheckpointConfig.LocalPath's default, synced with CheckpointConfig.S3Uri during training
 # (model-checkpoints.html; API_CheckpointConfig.html).
 CHECKPOINT_DIR = f"{CONTAINER_ROOT}/checkpoints"
+# A host's NVIDIA GPUs, one device file each: what the entrypoint counts (without importing
+# torch, which is slow) and what the driver counts where its jobs run on this machine.
+GPU_DEVICE_FILES = "/dev/nvidia[0-9]*"
 # A processing job's layout: "must begin with /opt/ml/processing/" for every input's and
 # output's LocalPath (API_ProcessingS3Input.html), and the job's own config files under
 # /opt/ml/config (build-your-own-processing-container.html).

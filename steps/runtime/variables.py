@@ -55,7 +55,7 @@ def training_variables(root: Path) -> dict[str, str]:
     if os.environ.get(names.TRIAL_CHECKPOINTS_VARIABLE) and job_name:
         checkpoints = checkpoints / job_name
     # As SageMaker's containers count them, without importing torch (slow: docs/performance.md).
-    gpus = len(glob.glob("/dev/nvidia[0-9]*"))
+    gpus = len(glob.glob(names.GPU_DEVICE_FILES))
     env: dict[str, object] = {
         names.SM_MODEL_DIR: host_path(root, names.MODEL_DIR),
         names.SM_INPUT_DIR: host_path(root, names.INPUT_DIR),

@@ -33,7 +33,9 @@ def settings_at(tmp_path, demo_raw, length: int):
     return write_settings(
         tmp_path / f"s{length}.ini",
         str(tmp_path / "store"),
-        models={"MODEL_NAMES": "minilm"},
+        # The baseline reads MiniLM's tokenizer (user_functions): the same rows, a model that
+        # trains and exports in a fraction of MiniLM's time.
+        models={"MODEL_NAMES": "bow"},
         data={"RAW_DATA": str(demo_raw), "MAX_SEQUENCE_LENGTH": str(length)},
         training={
             "EPOCHS": "1",
@@ -46,7 +48,7 @@ def settings_at(tmp_path, demo_raw, length: int):
 
 def rows(store_root, version: int, split: str) -> list[list[int]]:
     folder = store_root / TREE.data(version).split(split)
-    return datasets.load_from_disk(str(folder))["minilm_input_ids"]
+    return datasets.load_from_disk(str(folder))["bow_input_ids"]
 
 
 @pytest.mark.slow
@@ -66,11 +68,11 @@ def test_a_new_length_with_steps_train_inference_prepares_again(demo_raw, tmp_pa
     # Training and inference both read data 0002, whose rows are whole at 24 tokens: a row
     # cut by prepare still ends with the tokenizer's closing token (training cuts nothing).
     run2 = TREE.run(second["model_version"])
-    assert second["model_lineage"]["minilm"]["data_version"] == 2
+    assert second["model_lineage"]["bow"]["data_version"] == 2
     assert second["steps"]["inference"]["details"]["data_version"] == 2
-    record = json.loads((store_root / run2.model("minilm") / "model" / "smpipe.json").read_text())
+    record = json.loads((store_root / run2.model("bow") / "model" / "smpipe.json").read_text())
     assert record["max_length"] == 24
-    sep = load_tokenizer("minilm").sep_token_id
+    sep = load_tokenizer("bow").sep_token_id
     for split in ("train", "test"):
         lengths = [len(r) for r in rows(store_root, 2, split)]
         assert max(lengths) == 24 and all(r[-1] == sep for r in rows(store_root, 2, split))
@@ -80,4 +82,4 @@ def test_a_new_length_with_steps_train_inference_prepares_again(demo_raw, tmp_pa
     third = run(settings_at(tmp_path, demo_raw, 24), "train,inference")
     assert third["status"] == "completed" and third["planned_steps"] == ["train", "inference"]
     assert third["data_version"] == 2
-    assert third["model_lineage"]["minilm"]["data_version"] == 2
+    assert third["model_lineage"]["bow"]["data_version"] == 2

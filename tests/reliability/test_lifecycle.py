@@ -10,6 +10,7 @@ import errno
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,10 +79,23 @@ class Driver:
         return "".join(self.lines)
 
 
-def settings_for(tmp_path, demo_raw):
+def settings_for(tmp_path, demo_raw, **experiment: str):
     return write_settings(tmp_path / "s.ini", str(tmp_path / "store"), models={"MODEL_NAMES": "bow"},
-                          data={"RAW_DATA": str(demo_raw)},
-                          training={"EPOCHS": "30", "CHECKPOINT_EVERY_STEPS": "0", "MAX_RESTARTS": "0"})  # fmt: skip
+                          data={"RAW_DATA": str(demo_raw)}, experiment=experiment,
+                          training={"EPOCHS": "3", "CHECKPOINT_EVERY_STEPS": "0", "MAX_RESTARTS": "0"})  # fmt: skip
+
+
+# The demo's user functions, their model made to wait in a step for the driver's stop
+# (tests/jobs/gate.py, shipped beside them as stop_gate.py).
+GATED_DEMO = """
+from stop_gate import gate
+from user_functions import encode, load_tokenizer, ordered_input_keys, reconcile  # noqa: F401
+from user_functions import load_model as demo_load_model
+
+
+def load_model(model_name, id2label, label2id):
+    return gate(demo_load_model(model_name, id2label, label2id))
+"""
 
 
 def record(tmp_path, run=RUN1) -> dict:
@@ -92,20 +106,29 @@ def job_folders(tmp) -> list[str]:
     return [p.name for p in tmp.glob("smpipe-jobs-*")]
 
 
-def driver_in_training(tmp_path, demo_raw):
-    """A driver whose training job has reported step 4, its settings, its temporary folder,
-    and every process it has started."""
+def driver_in_training(tmp_path, demo_raw, monkeypatch):
+    """A driver whose training job waits in optimizer step 4 (until it gets SIGTERM: the
+    step then finishes), its settings, its temporary folder, and every process it has
+    started."""
+    from tests.conftest import wait_at_gate
+    from tests.jobs.gate import GATE_VARIABLE
+
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    settings = settings_for(tmp_path, demo_raw)
+    (tmp_path / "demo_gated.py").write_text(GATED_DEMO)
+    shutil.copy(ROOT / "tests/jobs/gate.py", tmp_path / "stop_gate.py")
+    settings = settings_for(tmp_path, demo_raw, USER_FUNCTIONS="demo_gated")
+    monkeypatch.setenv(GATE_VARIABLE, f"{tmp_path / 'gates'}:4")
     driver = Driver(settings, tmp)
-    driver.wait_for("] step=4/")
+    wait_at_gate(tmp_path / "gates", 4, lambda: driver.proc.poll() is None)
     return driver, settings, tmp, psutil.Process(driver.proc.pid).children(recursive=True)
 
 
 @pytest.mark.slow
-def test_a_stopped_driver_stops_its_job_and_resume_continues_the_run(tmp_path, demo_raw):
-    driver, settings, tmp, children = driver_in_training(tmp_path, demo_raw)
+def test_a_stopped_driver_stops_its_job_and_resume_continues_the_run(
+    tmp_path, demo_raw, monkeypatch
+):
+    driver, settings, tmp, children = driver_in_training(tmp_path, demo_raw, monkeypatch)
     driver.proc.send_signal(signal.SIGTERM)
     assert driver.finish() == 130, driver.output
     assert "run 0001 interrupted" in driver.output and "--resume 1 continues it" in driver.output
@@ -130,8 +153,10 @@ def test_a_stopped_driver_stops_its_job_and_resume_continues_the_run(tmp_path, d
 
 
 @pytest.mark.slow
-def test_a_killed_driver_takes_its_job_along_and_its_run_is_marked_abandoned(tmp_path, demo_raw):
-    driver, settings, tmp, children = driver_in_training(tmp_path, demo_raw)
+def test_a_killed_driver_takes_its_job_along_and_its_run_is_marked_abandoned(
+    tmp_path, demo_raw, monkeypatch
+):
+    driver, settings, tmp, children = driver_in_training(tmp_path, demo_raw, monkeypatch)
     driver.proc.kill()
     driver.finish()
     gone, alive = psutil.wait_procs(children, timeout=60)

@@ -136,6 +136,52 @@ def test_a_dry_run_creates_no_store_folder(tmp_path, capsys, demo_raw):
     assert not store.exists()
 
 
+@pytest.mark.skipif(
+    any(Path("/dev").glob("nvidia[0-9]*")), reason="this machine's GPUs compute fp16"
+)
+@pytest.mark.parametrize(
+    "backend, emulated, where",
+    [
+        pytest.param("local", {}, "the local backend runs its jobs on this machine", id="local"),
+        pytest.param(
+            "emulated",
+            {},
+            "the emulated backend plays its jobs as processes of this machine",
+            id="emulated",
+        ),
+        pytest.param(
+            "emulated",
+            {"IMAGE": "smpipe:latest"},
+            "the emulated backend runs its jobs in containers of smpipe:latest",
+            id="emulated-image",
+        ),
+    ],
+)
+def test_fp16_on_hosts_without_a_gpu_is_refused_before_any_job(
+    tmp_path, capsys, demo_raw, backend, emulated, where
+):
+    """The training job refuses fp16 on a CPU (steps/precision.py), but only once reconcile
+    and prepare have run: the driver knows the hosts of these backends have no GPU, and says
+    so first, per model, with the settings' other problems."""
+    store = tmp_path / "store"
+    settings = write_settings(
+        tmp_path / "s.ini",
+        str(store),
+        experiment={"BACKEND": backend},
+        emulated=emulated,
+        data={"RAW_DATA": str(demo_raw)},
+        training={"MIXED_PRECISION": "fp16"},
+        **{"training.bow": {"MIXED_PRECISION": "bf16"}},
+    )
+    code, err = cli(settings, capsys)
+    assert code == 2, err
+    assert f"model minilm: MIXED_PRECISION = fp16 needs a GPU, and {where}, which has none" in err
+    assert "model bow" not in err  # its own section asks for bf16
+    # Not a dry run either: nothing is claimed or written.
+    assert run_pipeline.main([str(settings)]) == 2
+    assert not store.exists()
+
+
 def test_a_misspelt_override_is_refused_not_ignored(tmp_path):
     path = write_settings(tmp_path / "s.ini", str(tmp_path / "store"))
     problems = problems_of(path, {"SMPIPE__TRAINNG__EPOCHS": "1", "SMPIPE__EPOCHS": "1"})
