@@ -102,13 +102,16 @@ class Forked:
         return out, None
 
 
-@pytest.fixture(scope="module")
-def warm(tmp_path_factory):
+@pytest.fixture
+def warm(tmp_path):
     """Starts jobs as the local backend does, forked by a fork server (fork_client.WarmStart:
     each job exactly its own environment, root and code, tests/test_warm_start.py): what these
     tests interrupt and resume is the step, and a cold start of each would cost seconds of
-    imports. The baselines start cold, so a resumed warm job is compared with a cold one."""
-    starter = WarmStart(tmp_path_factory.mktemp("warm"), echo=io.StringIO())
+    imports. The baselines start cold, so a resumed warm job is compared with a cold one.
+    One starter a test, as a run has one backend: it takes the server an earlier test or run
+    of this worker left (fork_client.IDLE) and leaves it to the next, the local backends of
+    this module's other tests included."""
+    starter = WarmStart(tmp_path / "warm", echo=io.StringIO())
     yield starter
     starter.close()
 
