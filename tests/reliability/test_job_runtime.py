@@ -57,10 +57,6 @@ _threading.Thread(target=_time.sleep, args=(3600,), name="user-logger").start()
 """
 
 
-# No fork server an earlier backend of this process left: a backend's first job is cold.
-pytestmark = pytest.mark.usefixtures("no_idle_servers")
-
-
 def ship(store: LocalStore, modules: dict[str, str]) -> None:
     """steps/ and `modules` (name -> source) as a run's code, and a one-file raw input."""
     with tempfile.TemporaryDirectory() as code:
@@ -90,6 +86,8 @@ def reconcile(name: str, module: str, max_run_seconds: int = 86400) -> Processin
 # -- case 8: a thread left running ---------------------------------------------------------------
 
 
+# No fork server an earlier backend of this process left: the backend's first job is cold.
+@pytest.mark.usefixtures("no_idle_servers")
 def test_a_job_whose_user_module_left_a_thread_ends_with_its_work_cold_and_warm(tmp_path):
     """reconcile's module starts a non-daemon thread at import. The step returns, and its
     process would join that thread forever: the job would run to its MaxRuntimeInSeconds (here
@@ -228,17 +226,19 @@ class CtrlC(io.StringIO):
 
 @pytest.mark.parametrize("start", ["cold", "warm"])
 def test_a_stopped_driver_waits_for_a_job_that_ignores_sigterm_only_until_it_kills_it(
-    tmp_path, start
+    tmp_path, start, request
 ):
     """Ctrl-C while a job that ignores SIGTERM runs: the job gets SIGTERM, then SIGKILL with
     everything under it once the stop grace (here 2 s) is over, and the driver's Ctrl-C goes
     on. Before, the driver waited for it forever."""
+    if start == "cold":  # no fork server an earlier backend of this process left
+        request.getfixturevalue("no_idle_servers")
     store = LocalStore(tmp_path / "store")
     ship(store, {"steps/stubborn": STUBBORN, "plain_functions": PLAIN})
     echo = CtrlC()
     backend = LocalBackend(store, RUN, echo=echo, work_root=str(tmp_path / "work"))
     backend.containers.grace_seconds = 2
-    if start == "warm":  # the first job is cold: the server starts with the next one
+    if start == "warm":  # where no earlier backend left a server, this one is cold
         assert backend.run_processing(reconcile("first", "plain_functions")).status == "Completed"
     job = ProcessingJob(name="stubborn", step="stubborn", code="code/", inputs={"raw": "raw/"},
                         outputs={"out": "out/stubborn/"})  # fmt: skip
