@@ -219,9 +219,11 @@ def study_of_two(tmp_path, functions: str = "reviews_tuning"):
     return settings, LocalStore(settings.store_uri())
 
 
-# The reviews model, except that its export job fails while a marker file exists: a study
-# that completed, then failed exporting its best model (a full disk, say). Training jobs see
-# their hyperparameters as SM_HP_* variables; the export, a processing job, does not.
+# The reviews model, except that its export job fails while a marker file exists (MARKER: its
+# path, written into the module, not set in the environment, which would give the jobs a fork
+# server of their own): a study that completed, then failed exporting its best model (a full
+# disk, say). Training jobs see their hyperparameters as SM_HP_* variables; the export, a
+# processing job, does not.
 EXPORT_FAILS = (
     REVIEWS
     + """
@@ -231,19 +233,19 @@ _load_model = load_model
 
 
 def load_model(model_name, id2label, label2id):
-    marker = _os.environ.get("REVIEWS_EXPORT_FAILS", "")
-    if "SM_HP_MODEL_NAME" not in _os.environ and marker and _os.path.exists(marker):
+    if "SM_HP_MODEL_NAME" not in _os.environ and _os.path.exists(MARKER):
         raise OSError("no space left on the export's disk, on purpose")
     return _load_model(model_name, id2label, label2id)
 """
 )
 
 
-def test_a_study_whose_export_failed_resumes_with_the_export_alone(tmp_path, monkeypatch):
+def test_a_study_whose_export_failed_resumes_with_the_export_alone(tmp_path):
     marker = tmp_path / "export-fails"
     marker.touch()
-    monkeypatch.setenv("REVIEWS_EXPORT_FAILS", str(marker))
-    write_module(tmp_path, "reviews_export_fails", EXPORT_FAILS)
+    write_module(
+        tmp_path, "reviews_export_fails", EXPORT_FAILS.replace("MARKER", repr(str(marker)))
+    )
     settings, store = study_of_two(tmp_path, "reviews_export_fails")
     with pytest.raises(PipelineError, match="no space left on the export's disk, on purpose"):
         run_pipeline(settings, store, parse_steps(None), echo=sys.stdout)
