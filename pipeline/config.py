@@ -26,7 +26,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
-from pipeline.config_checks import across_sections, sagemaker_limits
+from pipeline.config_checks import across_sections, lora_keys_unused, sagemaker_limits
 from pipeline.config_file import ConfigError, apply_env, read_ini, render_redacted
 from pipeline.errors import log
 from pipeline.search_space import SECTION as HP
@@ -460,6 +460,9 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
         for m in (parsed["models"].model_names if "models" in parsed else [])
     }
     problems += across_sections(parsed, spaces, model_tunables, metrics)
+    if names is not None and "training" in parsed:
+        effective = {m: model_training.get(m, parsed["training"]) for m in names}
+        problems += lora_keys_unused(parsed["training"], effective, raw, spaces)
     problems += sagemaker_limits(parsed, spaces, model_tunables, metrics)
     if problems:
         raise ConfigError(problems, str(path))

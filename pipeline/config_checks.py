@@ -19,6 +19,7 @@ from pipeline.errors import log
 from pipeline.search_space import SECTION as HP
 from pipeline.search_space import Categorical, Interval, Tunable
 from pipeline.service_model import check_value, shape
+from steps.hyperparameters import LORA_ONLY
 from steps.metrics import DEFINITIONS as METRIC_DEFINITIONS
 
 
@@ -65,6 +66,50 @@ def across_sections(
                 f"MAX_RUN_SECONDS ({t.max_run_seconds}): SageMaker's MaxWaitTimeInSeconds "
                 "includes the run"
             )
+    return problems
+
+
+def lora_keys_unused(
+    shared: BaseModel,
+    training: dict[str, BaseModel],
+    raw: dict[str, dict[str, str]],
+    spaces: dict[str, tuple[str, dict[str, Tunable]]],
+) -> list[str]:
+    """A LORA_* key set off its default, or searched, where no model it applies to has
+    FINETUNING = lora: a setting that would change nothing. `shared`: [training]; `training`:
+    each model of MODEL_NAMES -> [training] with its own section applied; `raw`: the file's
+    sections (keys in lower case), to know which section set a key."""
+    lora = {model: t.finetuning == "lora" for model, t in training.items()}
+
+    def changed(section: BaseModel, key: str) -> bool:
+        return getattr(section, key) != type(section).model_fields[key].default
+
+    def methods(models: list[str]) -> str:
+        return ", ".join(f"{m}: {training[m].finetuning}" for m in models)
+
+    problems = []
+    for key in LORA_ONLY:
+        # [training] KEY applies to each model whose own section does not set it again.
+        applies = [m for m in lora if key not in raw.get(f"training.{m}", {})]
+        if changed(shared, key) and applies and not any(lora[m] for m in applies):
+            problems.append(
+                f"[training] {key.upper()} = {getattr(shared, key)}, but no model it applies "
+                f"to has FINETUNING = lora ({methods(applies)}): set FINETUNING = lora, or "
+                "leave it at its default"
+            )
+        for model, own in training.items():
+            if key in raw.get(f"training.{model}", {}) and changed(own, key) and not lora[model]:
+                problems.append(
+                    f"[training.{model}] {key.upper()} = {getattr(own, key)}, but {model} has "
+                    f"FINETUNING = {own.finetuning}: set FINETUNING = lora, or remove it"
+                )
+            section, ranges = spaces.get(model, (HP, {}))
+            section = section if key in raw.get(section, {}) else HP  # its own, or the shared
+            if key in ranges and not lora[model]:
+                problems.append(
+                    f"[{section}] {key.upper()} is searched for {model}, which has FINETUNING = "
+                    f"{own.finetuning}: a tuning job would vary nothing"
+                )
     return problems
 
 

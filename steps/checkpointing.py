@@ -36,6 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from steps.finetuning import load_trained_state, trained_state
+
 CURRENT = "CURRENT"
 OBJECTS = ("model", "optimizer", "scheduler", "scaler", "sampler")
 STATE_FILE = "state.pt"
@@ -146,6 +148,10 @@ class ResumableBatchSampler:
             yield batches[b][self.rank * self.per_device : (self.rank + 1) * self.per_device]
 
 
+class OtherMethod(ValueError):
+    """The checkpoints train another part of the model than this job: no older one will do."""
+
+
 @dataclass
 class State:
     """The whole training state, after Composer's State."""
@@ -157,6 +163,7 @@ class State:
     seed: int
     run_name: str
     scaler: object | None = None
+    finetuning: str = "full"  # what the model holds that trains (steps/finetuning.py)
     epoch: int = 0
     batch_in_epoch: int = 0
     step: int = 0
@@ -169,7 +176,8 @@ class State:
 
     def state_dict(self) -> dict:
         return {
-            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            "finetuning": self.finetuning,
+            "model": trained_state(self.model, self.finetuning),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
@@ -189,20 +197,17 @@ class State:
         missing = [k for k in STATE_FIELDS if k not in state]
         if missing:
             raise KeyError(f"checkpoint lacks {missing}")
-        # Check every key and shape before touching the model: a foreign checkpoint must fail
-        # without leaving a half-loaded model behind (the previous checkpoint is tried next).
-        own = self.model.state_dict()
-        missing, unexpected = (
-            sorted(set(own) - set(state["model"])),
-            sorted(set(state["model"]) - set(own)),
-        )
-        wrong = [k for k in own if k in state["model"] and own[k].shape != state["model"][k].shape]
-        if missing or unexpected or wrong:
-            raise KeyError(
-                f"checkpoint is for another model: missing {missing[:5]}, unexpected "
-                f"{unexpected[:5]}, other shapes {wrong[:5]}"
+        # A checkpoint written before FINETUNING existed trained every weight.
+        written = state.get("finetuning", "full")
+        if written != self.finetuning:
+            raise OtherMethod(
+                f"the checkpoints were written with FINETUNING = {written} and this job has "
+                f"FINETUNING = {self.finetuning}: resume with FINETUNING = {written}, or start "
+                "a new run"
             )
-        self.model.load_state_dict(state["model"], strict=True)
+        # Every key and shape is checked before the model is touched: a foreign checkpoint
+        # fails without leaving a half-loaded model behind (the previous one is tried next).
+        load_trained_state(self.model, state["model"], self.finetuning)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state["scaler"] is not None:
@@ -363,6 +368,13 @@ def save_checkpoint(
         finish_rank_files(directory, tmp, keep)
     accelerator.wait_for_everyone()
     return time.time() - started
+
+
+def size_of(checkpoint: Path | None) -> int | None:
+    """A checkpoint's bytes on disk (its files; the best weights counted though shared)."""
+    if checkpoint is None:
+        return None
+    return sum(p.stat().st_size for p in checkpoint.iterdir() if p.is_file())
 
 
 def current_checkpoint(directory: Path) -> Path | None:

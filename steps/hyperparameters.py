@@ -68,6 +68,11 @@ _SYMBOL = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 PRECISION_CHOICES = ("auto", "no", "bf16", "fp16")
 # [training] EXPORTS as a job receives it: the formats in one order, or none (a tuning trial).
 EXPORT_CHOICES = ("torchscript", "exported", "torchscript,exported", "none")
+# FINETUNING's words: what of the model trains (steps/finetuning.py).
+FINETUNING_CHOICES = ("full", "lora")
+# The hyperparameters that mean something only with FINETUNING = lora (pipeline/config_checks.py
+# refuses them where no model they apply to trains with LoRA).
+LORA_ONLY = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
 
 # Defaults are the Hugging Face Trainer's where it has the same idea (learning rate 5e-5,
 # 3 epochs); the shipped settings.ini says where its demo differs (`# demo:`). Aligned by
@@ -111,6 +116,21 @@ TABLE: tuple[Hyperparameter, ...] = (
       help="batches of rows of similar length (as the Trainer's group_by_length): less padding"),
     H("compile",        bool,  False, per_model=True,
       help="torch.compile the model (dynamic shapes)"),
+    H("finetuning",     str,   "full", choices=FINETUNING_CHOICES, per_model=True,
+      help="full: every weight trains; lora: low-rank adapters on the attention and MLP "
+           "projections (PEFT's LoRA), the classification head in full (steps/finetuning.py)"),
+    H("lora_r",         int,   8,    ge=1, le=4096, tunable=True, per_model=True,
+      help="LoRA's rank (PEFT's LoraConfig r); FINETUNING = lora only"),
+    H("lora_alpha",     int,   8,    ge=1, le=65_536, tunable=True, per_model=True,
+      help="LoRA's scaling numerator: adapters are scaled by alpha / r (PEFT's lora_alpha)"),
+    H("lora_dropout",   float, 0.0,  ge=0, lt=1, per_model=True,
+      help="dropout on the adapters' input (PEFT's lora_dropout)"),
+    H("lora_target_modules", str, "auto", per_model=True,
+      help="the modules that get adapters, comma-separated names as PEFT matches them; auto: "
+           "every linear layer of the model's repeated blocks (attention and MLP projections)"),
+    H("gradient_checkpointing", bool, False, per_model=True,
+      help="recompute activations in the backward pass (the model's own "
+           "gradient_checkpointing_enable, non-reentrant): less memory, about a third more time"),
     H("dataloader_num_workers", int, "auto", ge=0, le=64, choices=("auto",),
       help="DataLoader processes beside each training process (the Trainer's "
            "dataloader_num_workers); auto: 2 on a GPU, 0 on a CPU"),

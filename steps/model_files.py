@@ -6,6 +6,8 @@ them, and `smpipe.json` records which exports passed their check against the eag
     model.pt2                                   a torch.export program   (EXPORTS exported)
     smpipe.json                                 keys, labels, best epoch, `max_length` (the
                                                 tokens prepare cut rows to), and `exports`
+    adapter/                                    FINETUNING = lora: the adapters and the head in
+                                                PEFT's format (the weights above are merged)
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import json
 from pathlib import Path
 
 RECORD = "smpipe.json"
+# The LoRA adapter as PEFT saves it (adapter_config.json, adapter_model.safetensors).
+ADAPTER = "adapter"
 # MODEL_FORMAT -> the file of that export.
 EXPORTS = {"torchscript": "model.torchscript.pt", "exported": "model.pt2"}
 

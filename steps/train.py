@@ -31,12 +31,13 @@ from dataclasses import dataclass, field
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import gather_object, set_seed
 from torch.utils.data import DataLoader
 
 from steps import checkpointing as ckpt
 from steps.batching import Batches, read_inputs, read_split
-from steps.export import check_exports, export_programs, logits_of
+from steps.export import check_batches, check_exports, export_programs, logits_of
+from steps.finetuning import Finetuning, final_model, load_trained_state, prepare, trained_state
 from steps.hyperparameters import parse_hyperparameters, reserved_hyperparameters
 from steps.metrics import metric_line, plot_curves
 from steps.prepared_files import read_encoding
@@ -102,9 +103,12 @@ class Job:
     total_steps: int
     wandb_on: bool
     settings: dict  # what was applied: precision, optimizer, compile, grouping
+    finetuning: Finetuning  # what of the model trains (full or LoRA), gradient checkpointing
     best_weights: dict | None = None
     resumed_from: dict | None = None
     checkpoint_seconds: list[float] = field(default_factory=list)
+    checkpoint_bytes: int | None = None  # the newest checkpoint's, as written (main process)
+    peak_memory: list[dict] = field(default_factory=list)  # per process (`finish`)
     started: float = field(default_factory=time.time)
     epoch_started: float = 0.0
     loop_seconds: float = 0.0  # in train_epoch: the optimizer steps, nothing around them
@@ -154,9 +158,11 @@ def user_model(functions, model_name: str, id2label: dict[int, str]) -> torch.nn
 
 
 def training_state(accelerator, model, optimizer, scheduler, sampler, hp, env) -> ckpt.State:
-    """What a checkpoint holds. The gradient scaler exists only under fp16 mixed precision
-    (Accelerate owns it); None otherwise."""
+    """What a checkpoint holds: with LoRA, only the adapters and the head of the model. The
+    gradient scaler exists only under fp16 mixed precision (Accelerate owns it); None
+    otherwise."""
     return ckpt.State(
+        finetuning=hp["finetuning"],
         model=accelerator.unwrap_model(model, keep_torch_compile=False),
         optimizer=optimizer,
         scheduler=scheduler,
@@ -196,6 +202,7 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
     # We build the model after seeding so that the seed also controls new weights' initialization.
     with timed("model"):
         model = user_model(functions, model_name, id2label)
+        model, finetuning = prepare(model, hp, len(id2label), functions.module)
 
     sampler, train_loader = loader_for(train, hp, per_device, accumulation, accelerator, on_gpu)
     total_steps = sampler.steps_per_epoch * hp["epochs"]
@@ -214,6 +221,8 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
         "optimizer": f"AdamW ({optimizer_kind})",
         "compile": compiled,
         **loading(hp, train_loader, multiple_of),
+        "finetuning": finetuning.method,
+        "gradient_checkpointing": finetuning.gradient_checkpointing,
     }
     announce(accelerator, hp, per_device, accumulation, settings)
     return Job(
@@ -236,6 +245,7 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
         total_steps=total_steps,
         wandb_on=wandb_on,
         settings=settings,
+        finetuning=finetuning,
     )
 
 
@@ -247,6 +257,8 @@ def resume(job: Job) -> None:
     for candidate in ckpt.resume_candidates(job.env.checkpoint_dir):
         try:
             job.best_weights = ckpt.load_checkpoint(candidate, state, accelerator.process_index)
+        except ckpt.OtherMethod:  # every checkpoint of the run is: none will load
+            raise
         except Exception as e:  # a truncated or foreign checkpoint: say which, try the one before
             accelerator.print(
                 f"checkpoint {candidate} could not be loaded ({type(e).__name__}: {e}); "
@@ -288,6 +300,19 @@ def checkpoint(job: Job, new_best: dict | None = None) -> None:
             job.accelerator, job.env.checkpoint_dir, job.state, new_best, job.hp["keep_checkpoints"]
         )
     )
+    if job.accelerator.is_main_process:
+        job.checkpoint_bytes = ckpt.size_of(ckpt.current_checkpoint(job.env.checkpoint_dir))
+
+
+def peak_memory(accelerator: Accelerator) -> dict:
+    """This process's peak memory: the GPU's allocated bytes on a GPU (what the model, its
+    gradients, optimizer state and activations took), the host's resident set on a CPU."""
+    if accelerator.device.type == "cuda":
+        return {"gpu_max_allocated_bytes": torch.cuda.max_memory_allocated(accelerator.device)}
+    import resource
+
+    # ru_maxrss is in kilobytes on Linux (getrusage(2)).
+    return {"host_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def check_finite(job: Job, before: list[float]) -> None:
@@ -408,12 +433,9 @@ def end_epoch(job: Job) -> None:
     new_best = None
     if state.best_metric is None or scores["f1"] > state.best_metric:
         state.best_metric, state.best_epoch = scores["f1"], state.epoch + 1
-        new_best = {
-            k: v.detach().cpu().clone()
-            for k, v in accelerator.unwrap_model(job.model, keep_torch_compile=False)
-            .state_dict()
-            .items()
-        }
+        new_best = trained_state(
+            accelerator.unwrap_model(job.model, keep_torch_compile=False), job.finetuning.method
+        )
         job.best_weights = new_best
     state.epoch += 1
     state.batch_in_epoch = 0
@@ -429,6 +451,8 @@ def end_epoch(job: Job) -> None:
 def finish(job: Job) -> None:
     """The main process keeps the model; then every process leaves together (`leave`)."""
     job.accelerator.wait_for_everyone()
+    mine = {"process": job.accelerator.process_index, **peak_memory(job.accelerator)}
+    job.peak_memory = gather_object([mine]) if job.accelerator.num_processes > 1 else [mine]
     if job.accelerator.is_main_process:
         keep_model(job)
     leave(job)
@@ -451,12 +475,14 @@ def keep_model(job: Job) -> None:
     # its casts, computing in bf16 wherever it ran (inference chooses its own precision).
     final = accelerator.unwrap_model(job.model, keep_fp32_wrapper=False, keep_torch_compile=False)
     if job.best_weights is not None:
-        final.load_state_dict(job.best_weights)
-    final = final.float().eval().cpu()
+        load_trained_state(final, job.best_weights, job.finetuning.method)
     # A tuning trial exports and draws nothing (hp exports = none): most trials' models are
     # deleted; the study's best is exported, and its curves drawn, once, after it
     # (steps/export.py).
     kept = hp["exports"] != "none"
+    final = final.float().eval().cpu()
+    with timed("merge"):
+        final, merge = merged(final, job, kept)
     formats = hp["exports"].split(",") if kept else []
     with timed("exports"):
         exports = export_programs(
@@ -476,7 +502,32 @@ def keep_model(job: Job) -> None:
         with timed("plots"):
             title = f"{hp['model_name']} ({env.job_name})"
             plot_curves(state.history, env.model_dir / "curves.png", title)
-    write_report(job, exports)
+    write_report(job, exports, merge)
+
+
+# How far the merged model's logits may be from the adapters' (fp32, on the CPU): merging adds
+# B @ A * alpha / r to each weight once, so only the order of float additions differs.
+MERGE_TOLERANCE = 1e-4
+
+
+def merged(final: torch.nn.Module, job: Job, keep_adapter: bool) -> tuple[torch.nn.Module, dict]:
+    """With LoRA: the adapter written in PEFT's format, then merged into the weights, and the
+    merged model checked against the adapters on the export check's rows (a merge that changed
+    what the model computes is never kept). Without LoRA: the model, unchanged."""
+    if job.finetuning.method != "lora":
+        return final, {}
+    rows = check_batches(job.val_batches)
+    with torch.no_grad():
+        before = [logits_of(final(**{k: b[k] for k in job.keys})) for b in rows]
+        final = final_model(final, job.env.model_dir, keep_adapter)
+        after = [logits_of(final(**{k: b[k] for k in job.keys})) for b in rows]
+    difference = max(float((a - b).abs().max()) for a, b in zip(after, before, strict=True))
+    if difference > MERGE_TOLERANCE:
+        raise RuntimeError(
+            f"the merged model's logits differ from the adapters' by {difference:.3g} "
+            f"(at most {MERGE_TOLERANCE:g}): no model of this job is kept"
+        )
+    return final, {"max_abs_difference": difference, "passed": True}
 
 
 def save_model(job: Job, final: torch.nn.Module, exports: dict) -> None:
@@ -491,6 +542,7 @@ def save_model(job: Job, final: torch.nn.Module, exports: dict) -> None:
         "max_length": job.max_length,  # as prepare recorded it (encoding.json)
         "exports": exports,  # which exports passed their check (steps/model_files.py)
         "wandb_run": wandb_run_of(job),
+        **job.finetuning.record(),
     }
     save_final_model(final, model_dir, record)
     labels = {str(k): v for k, v in job.id2label.items()}
@@ -507,7 +559,7 @@ def wandb_run_of(job: Job) -> dict | None:
     return {"id": run.id, "project": run.project}
 
 
-def write_report(job: Job, exports: dict) -> None:
+def write_report(job: Job, exports: dict, merge: dict) -> None:
     """The job's section of the run's Metadata (step_metadata.json in output/data)."""
     accelerator, state, env = job.accelerator, job.state, job.env
     gpu = None
@@ -531,6 +583,10 @@ def write_report(job: Job, exports: dict) -> None:
             "per_device_batch": job.per_device,
             "accumulation": job.accumulation,
             **job.settings,
+            **job.finetuning.record(),
+            "lora_merge": merge or None,
+            "peak_memory": job.peak_memory,
+            "checkpoint_bytes": job.checkpoint_bytes,
             "checkpoints_written": len(job.checkpoint_seconds),
             "checkpoint_seconds_total": round(sum(job.checkpoint_seconds), 3),
             "seconds": round(time.time() - job.started, 3),

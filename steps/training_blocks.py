@@ -53,7 +53,8 @@ def optimizer_for(model: torch.nn.Module, hp: dict, total_steps: int):
     """AdamW without weight decay on biases and norms, linear warmup then linear decay (the
     Trainer's defaults): the optimizer, its scheduler, and which AdamW implementation runs."""
     no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "norm.weight")
-    named = list(model.named_parameters())
+    # What trains (all of it, or LoRA's adapters and the head): a frozen weight gets no state.
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [
         {
             "params": [p for n, p in named if not n.endswith(no_decay)],

@@ -387,24 +387,77 @@ def test_sampler_resumes_mid_epoch_with_the_unseen_batches():
         resumed.load_state_dict({**full.state_dict(), "world": 4})
 
 
+# The bag of embeddings with LoRA: an adapter on its embedding, its classifier in full (it has
+# no repeated blocks for LORA_TARGET_MODULES = auto to find).
+LORA = {**HPS, "finetuning": "lora", "lora_target_modules": "embedding"}
+
+
+@pytest.fixture(scope="module")
+def lora_baseline(tmp_path_factory, channels):
+    root, env = job_root(tmp_path_factory.mktemp("lora-baseline"), channels, LORA)
+    run_to_end(env)
+    return result(root)
+
+
+def test_a_lora_job_killed_at_a_step_resumes_bitwise_equal(tmp_path, channels, lora_baseline, warm):
+    """A LoRA checkpoint holds only the adapters, the head and their optimizer state: the
+    frozen weights come from load_model again, and the resumed job ends where one never
+    interrupted ends."""
+    root, env = job_root(tmp_path, channels, LORA)
+    kill_at(env, tmp_path / "gates", 14, signal.SIGKILL, warm=warm)
+    saved = torch.load(root / "checkpoints/ckpt-00000012/state.pt", weights_only=False)
+    assert saved["finetuning"] == "lora"
+    assert sorted(saved["model"]) == [
+        "base_model.model.classifier.modules_to_save.default.bias",
+        "base_model.model.classifier.modules_to_save.default.weight",
+        "base_model.model.embedding.lora_embedding_A.default",
+        "base_model.model.embedding.lora_embedding_B.default",
+    ]
+    out = run_to_end(env, warm=warm)
+    assert "resumed from" in out and "at step 12" in out
+    assert_same(result(root), lora_baseline)
+
+
+def test_a_resume_with_another_finetuning_method_is_refused_naming_both(tmp_path, channels, warm):
+    """Checkpoints of full finetuning resumed with FINETUNING = lora (or back): the job stops
+    before its first step and says both, never trains from step 1 on the older checkpoints'
+    failure."""
+    root, env = job_root(tmp_path, channels, {**HPS, "epochs": "1"})
+    run_to_end(env, warm=warm)
+    assert list((root / "checkpoints").glob("ckpt-*"))
+    (root / "input/config/hyperparameters.json").write_text(json.dumps({**LORA, "epochs": "1"}))
+    proc = start(env, processes=1, warm=warm)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode != 0
+    assert (
+        "the checkpoints were written with FINETUNING = full and this job has FINETUNING = lora"
+        in out
+    ), out[-3000:]
+    assert "step=1/" not in out
+
+
 CHANGED = {"epochs": "2", "learning_rate": "0.02", "batch_size": "4", "warmup_ratio": "0.4",
-           "weight_decay": "0.5"}  # fmt: skip
+           "weight_decay": "0.5", "lora_r": "4", "lora_alpha": "32"}  # fmt: skip
 
 
 def test_every_tunable_hyperparameter_changes_what_training_does(
-    tmp_path, channels, baseline, warm
+    tmp_path, channels, baseline, lora_baseline, warm
 ):
-    """A tuning job that searched a value training ignores would record a choice never made."""
+    """A tuning job that searched a value training ignores would record a choice never made.
+    LoRA's are compared with a LoRA job's model."""
     assert set(CHANGED) == set(TUNABLE)
     jobs = {}
     for name, value in CHANGED.items():  # all at once: each job is mostly start-up
-        root, env = job_root(tmp_path / name, channels, {**HPS, name: value})
+        base = LORA if name.startswith("lora_") else HPS
+        root, env = job_root(tmp_path / name, channels, {**base, name: value})
         jobs[name] = (root, start(env, processes=1, warm=warm))
     for name, (root, proc) in jobs.items():
         out, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, out[-3000:]
         weights, _ = result(root)
-        assert any(not torch.equal(weights[k], baseline[0][k]) for k in weights), name
+        before = lora_baseline if name.startswith("lora_") else baseline
+        assert weights.keys() == before[0].keys()
+        assert any(not torch.equal(weights[k], before[0][k]) for k in weights), name
 
 
 NO_DROPOUT = """

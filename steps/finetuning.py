@@ -1,0 +1,229 @@
+"""What of the model trains: every weight (FINETUNING = full), or LoRA adapters with the
+classification head in full (FINETUNING = lora, through PEFT); and gradient checkpointing.
+
+The user's `load_model` returns the Hugging Face model as it always does; this module wraps it.
+A model it returns already wrapped with PEFT is taken as it is. What trains is what requires a
+gradient: the optimizer, the checkpoints and the best weights hold only that (with LoRA, the
+adapters and the head: torchtune keeps "only the adapter weights" in intermediate LoRA
+checkpoints, and PEFT's own `save_pretrained` saves the same set). At the end the adapters are
+merged into the weights (`merge_and_unload`), so the final model is a plain model that
+`from_pretrained`, the exports and inference read as any other, and the adapter is also written
+in PEFT's own format (`PeftModel.from_pretrained(base, <model>/adapter)` loads it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from steps.model_files import ADAPTER
+
+
+class FinetuningError(ValueError):
+    """A finetuning setting that cannot apply to this model: names the key and the model."""
+
+
+@dataclass(frozen=True)
+class Finetuning:
+    """How the model trains, as the job's report and checkpoints record it."""
+
+    method: str  # full | lora
+    settings: dict  # LoRA's r, alpha, dropout, target modules and head, as applied
+    gradient_checkpointing: bool
+    parameters: int
+    trained_parameters: int
+
+    def record(self) -> dict:
+        return {
+            "finetuning": self.method,
+            **({"lora": self.settings} if self.method == "lora" else {}),
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "parameters": self.parameters,
+            "trained_parameters": self.trained_parameters,
+        }
+
+
+def is_peft(model: torch.nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # peft is a dependency; a model from without it cannot be one
+        return False
+    return isinstance(model, PeftModel)
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[str]:
+    """The names of the model's transformer layers: the modules of the classes its
+    `_no_split_modules` names (transformers marks the blocks it never splits across devices),
+    or else the longest ModuleList of modules of one class (`encoder.layer`, `model.layers`):
+    BERT's classes, MiniLM's among them, name none."""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    named = [n for n, m in model.named_modules() if type(m).__name__ in classes]
+    if named:
+        return named
+    stacks = [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.ModuleList)
+        and len(m) > 1
+        and len({type(child) for child in m}) == 1
+    ]
+    if not stacks:
+        return []
+    name, longest = max(stacks, key=lambda s: len(s[1]))
+    return [f"{name}.{i}" if name else str(i) for i in range(len(longest))]
+
+
+def lora_targets(model: torch.nn.Module, wanted: str, module: str, model_name: str) -> list[str]:
+    """LORA_TARGET_MODULES as PEFT matches them (a module whose name is a target or ends with
+    `.target`). auto: every linear layer inside the repeated blocks, named from the block
+    (`attention.self.query`, `mlp.down_proj`): the attention and MLP projections."""
+    names = [n for n, _ in model.named_modules()]
+    if wanted != "auto":
+        targets = [t.strip() for t in wanted.split(",") if t.strip()]
+        unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+        if unmatched or not targets:
+            raise FinetuningError(
+                f"LORA_TARGET_MODULES = {wanted}: {', '.join(unmatched) or 'no name'} matches "
+                f"no module of model {model_name!r} ({module}.load_model; its modules end "
+                f"with: {', '.join(sorted({n.rsplit('.', 1)[-1] for n in names if n})[:30])})"
+            )
+        return targets
+    blocks = repeated_blocks(model)
+    relative = set()
+    for block in blocks:
+        for name, sub in model.get_submodule(block).named_modules():
+            if isinstance(sub, torch.nn.Linear) and name:
+                relative.add(name)
+    if not relative:
+        raise FinetuningError(
+            f"LORA_TARGET_MODULES = auto: model {model_name!r} ({module}.load_model, "
+            f"{type(model).__name__}) has no repeated blocks with linear layers to adapt; "
+            "name the modules in LORA_TARGET_MODULES"
+        )
+    return sorted(relative)
+
+
+def head_modules(model: torch.nn.Module, num_labels: int, module: str, name: str) -> list[str]:
+    """The classification head, which trains in full (PEFT's `modules_to_save`): a Hugging
+    Face model's top-level modules other than its base model (`classifier`, `score`, or
+    ModernBERT's `head` and `classifier`); for another module, the top-level module holding
+    the last linear layer with one output per label."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and hasattr(model, prefix):
+        heads = [
+            n
+            for n, child in model.named_children()
+            if n != prefix and any(True for _ in child.parameters())
+        ]
+        if heads:
+            return heads
+    last = [
+        n.split(".")[0]
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and m.out_features == num_labels
+    ]
+    if not last:
+        raise FinetuningError(
+            f"FINETUNING = lora: model {name!r} ({module}.load_model, {type(model).__name__}) "
+            f"has no linear layer of {num_labels} outputs to train in full as its head"
+        )
+    return [last[-1]]
+
+
+def prepare(
+    model: torch.nn.Module, hp: dict, num_labels: int, module: str
+) -> tuple[torch.nn.Module, Finetuning]:
+    """The model as it trains: gradient checkpointing on where asked, LoRA adapters where
+    asked; and what was applied."""
+    name = hp["model_name"]
+    if hp["gradient_checkpointing"]:
+        base = model.get_base_model() if is_peft(model) else model
+        # transformers 5 renamed it activation_checkpointing_enable (the old name warns).
+        enable = getattr(base, "activation_checkpointing_enable", None)
+        if enable is None and not hasattr(base, "gradient_checkpointing_enable"):
+            raise FinetuningError(
+                f"GRADIENT_CHECKPOINTING = true: model {name!r} ({module}.load_model, "
+                f"{type(base).__name__}) has no gradient_checkpointing_enable (a transformers "
+                "PreTrainedModel has); set it to false for this model"
+            )
+        # Non-reentrant: recomputes exactly what the forward did (dropout included) and needs
+        # no input that requires a gradient, which frozen embeddings under LoRA would not give
+        # (https://pytorch.org/docs/stable/checkpoint.html).
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            base.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+    settings: dict = {}
+    if hp["finetuning"] == "lora" and is_peft(model):
+        config = model.peft_config[model.active_adapter]
+        settings = {"from": "load_model", "peft_type": str(config.peft_type.value)}
+    elif hp["finetuning"] == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        targets = lora_targets(model, hp["lora_target_modules"], module, name)
+        heads = head_modules(model, num_labels, module, name)
+        targets = [t for t in targets if t.split(".")[0] not in heads]
+        config = LoraConfig(
+            r=hp["lora_r"],
+            lora_alpha=hp["lora_alpha"],
+            lora_dropout=hp["lora_dropout"],
+            target_modules=targets,
+            modules_to_save=heads,
+        )
+        model = get_peft_model(model, config)
+        settings = {
+            "r": hp["lora_r"],
+            "alpha": hp["lora_alpha"],
+            "dropout": hp["lora_dropout"],
+            "target_modules": targets,
+            "modules_to_save": heads,
+        }
+    elif is_peft(model):
+        raise FinetuningError(
+            f"model {name!r}: {module}.load_model returned a PEFT model, and FINETUNING is full; "
+            "set FINETUNING = lora for it, or return the model without its adapters"
+        )
+    parameters = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    method = hp["finetuning"]
+    return model, Finetuning(method, settings, hp["gradient_checkpointing"], parameters, trained)
+
+
+def trained_state(model: torch.nn.Module, method: str) -> dict[str, torch.Tensor]:
+    """What a checkpoint or the best weights hold, on the CPU: the whole state dict when every
+    weight trains; with LoRA only what requires a gradient (the adapters and the head)."""
+    if method == "full":
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trained_state(model: torch.nn.Module, state: dict, method: str) -> None:
+    """The inverse of `trained_state`: every key it names must be the model's, in its shape,
+    and with LoRA every trained weight must be there; checked before anything is loaded."""
+    own = (
+        model.state_dict()
+        if method == "full"
+        else {n: p for n, p in model.named_parameters() if p.requires_grad}
+    )
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    wrong = [k for k in own if k in state and own[k].shape != state[k].shape]
+    if missing or unexpected or wrong:
+        raise KeyError(
+            f"checkpoint is for another model: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}, other shapes {wrong[:5]}"
+        )
+    model.load_state_dict(state, strict=method == "full")
+
+
+def final_model(model: torch.nn.Module, model_dir: Path, keep_adapter: bool) -> torch.nn.Module:
+    """The model written as the job's output: with LoRA, the adapter saved in PEFT's format
+    (`model_dir/adapter`, where `keep_adapter`) and then merged into the weights."""
+    if not is_peft(model):
+        return model
+    if keep_adapter:
+        model.save_pretrained(model_dir / ADAPTER)
+    return model.merge_and_unload()

@@ -1,0 +1,251 @@
+"""FINETUNING = lora and GRADIENT_CHECKPOINTING (steps/finetuning.py): which modules get
+adapters and which train in full, found from the model; what is refused, and where (the
+settings before any job, the job before its first step); and a LoRA run of the real MiniLM
+whose checkpoints hold only what trains, whose merged model exports as any other, and whose
+adapter PEFT loads to the same logits."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
+from transformers import (
+    AutoModelForSequenceClassification,
+    BertConfig,
+    BertForSequenceClassification,
+    LlamaConfig,
+    LlamaForSequenceClassification,
+)
+
+from pipeline.config import ConfigError, load_settings
+from pipeline.driver import parse_steps, run_pipeline
+from pipeline.paths import ExperimentTree
+from pipeline.store import LocalStore
+from steps.finetuning import FinetuningError, head_modules, lora_targets, prepare, trained_state
+from steps.hyperparameters import DEFAULTS
+from tests.conftest import ROOT, write_settings
+from user_functions import load_model, load_tokenizer
+from user_functions.baseline import BagOfEmbeddings
+
+LABELS = 3
+
+
+def tiny_bert() -> BertForSequenceClassification:
+    config = BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64, num_labels=LABELS)  # fmt: skip
+    return BertForSequenceClassification(config)
+
+
+def tiny_llama() -> LlamaForSequenceClassification:
+    config = LlamaConfig(vocab_size=200, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, num_labels=LABELS,
+                         pad_token_id=0)  # fmt: skip
+    return LlamaForSequenceClassification(config)
+
+
+def hp(**overrides) -> dict:
+    return {**DEFAULTS, "model_name": "m", "finetuning": "lora", **overrides}
+
+
+def test_auto_targets_are_the_linear_layers_of_the_repeated_blocks():
+    """BERT (MiniLM's class) names no `_no_split_modules`: its blocks are found as the longest
+    list of modules of one class; Llama's are named by its own `_no_split_modules`. The head
+    trains in full and gets no adapter; BERT's pooler, outside the blocks, stays frozen."""
+    bert, llama = tiny_bert(), tiny_llama()
+    assert lora_targets(bert, "auto", "fns", "m") == [
+        "attention.output.dense", "attention.self.key", "attention.self.query",
+        "attention.self.value", "intermediate.dense", "output.dense",
+    ]  # fmt: skip
+    assert lora_targets(llama, "auto", "fns", "m") == [
+        "mlp.down_proj", "mlp.gate_proj", "mlp.up_proj",
+        "self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj",
+    ]  # fmt: skip
+    assert head_modules(bert, LABELS, "fns", "m") == ["classifier"]
+    assert head_modules(llama, LABELS, "fns", "m") == ["score"]
+    assert head_modules(BagOfEmbeddings(200, LABELS), LABELS, "fns", "m") == ["classifier"]
+
+    model, applied = prepare(bert, hp(lora_r=2), LABELS, "fns")
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n or ".classifier." in n for n in trained)
+    assert not any("pooler" in n for n in trained)
+    assert applied.trained_parameters == sum(
+        p.numel() for p in model.parameters() if p.requires_grad
+    )
+    assert applied.trained_parameters < applied.parameters / 5
+    # A checkpoint's and the best model's weights: exactly what trains.
+    assert set(trained_state(model, "lora")) == set(trained)
+
+
+def test_a_target_that_matches_nothing_is_refused_by_name():
+    with pytest.raises(
+        FinetuningError,
+        match=r"LORA_TARGET_MODULES = query,qkv: qkv matches no module of model 'm' \(fns.load_model",
+    ):
+        lora_targets(tiny_bert(), "query,qkv", "fns", "m")  # fmt: skip
+    assert lora_targets(tiny_bert(), "query, value", "fns", "m") == ["query", "value"]
+
+
+def test_a_model_without_repeated_blocks_needs_its_targets_named():
+    bow = BagOfEmbeddings(200, LABELS)
+    with pytest.raises(
+        FinetuningError,
+        match=r"LORA_TARGET_MODULES = auto: model 'bow' \(fns.load_model, BagOfEmbeddings\) has no repeated blocks",
+    ):
+        prepare(bow, hp(model_name="bow"), LABELS, "fns")  # fmt: skip
+    model, applied = prepare(
+        bow, hp(model_name="bow", lora_target_modules="embedding"), LABELS, "fns"
+    )
+    assert applied.settings["modules_to_save"] == ["classifier"]
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        "base_model.model.embedding.lora_embedding_A.default",
+        "base_model.model.embedding.lora_embedding_B.default",
+        "base_model.model.classifier.modules_to_save.default.weight",
+        "base_model.model.classifier.modules_to_save.default.bias",
+    }  # fmt: skip
+
+
+def test_gradient_checkpointing_needs_a_transformers_model():
+    with pytest.raises(
+        FinetuningError,
+        match=r"GRADIENT_CHECKPOINTING = true: model 'bow' \(fns.load_model, BagOfEmbeddings\) has no gradient_checkpointing_enable",
+    ):
+        prepare(BagOfEmbeddings(200, LABELS), hp(model_name="bow", finetuning="full", gradient_checkpointing=True), LABELS, "fns")  # fmt: skip
+
+
+def test_a_peft_model_from_load_model_is_taken_as_it_is():
+    """The PEFT docs' own idiom, get_peft_model in load_model, is accepted as it is with
+    FINETUNING = lora; with full it is refused, naming the model."""
+    wrapped = get_peft_model(
+        tiny_bert(), LoraConfig(r=2, target_modules=["query"], modules_to_save=["classifier"])
+    )
+    before = [n for n, p in wrapped.named_parameters() if p.requires_grad]
+    model, applied = prepare(wrapped, hp(), LABELS, "fns")
+    assert model is wrapped and applied.settings == {"from": "load_model", "peft_type": "LORA"}
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == before
+    with pytest.raises(
+        FinetuningError,
+        match="model 'm': fns.load_model returned a PEFT model, and FINETUNING is full",
+    ):
+        prepare(wrapped, hp(finetuning="full"), LABELS, "fns")  # fmt: skip
+
+
+@pytest.mark.parametrize("finetuning", ["full", "lora"])
+def test_gradient_checkpointing_gives_the_same_gradients(finetuning):
+    """Recomputing the activations (dropout included: non-reentrant checkpointing replays the
+    RNG) gives the gradients keeping them gives."""
+    ids = torch.randint(1, 200, (4, 12))
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model, applied = prepare(
+            tiny_bert(), hp(finetuning=finetuning, gradient_checkpointing=checkpointing), LABELS, "fns"
+        )  # fmt: skip
+        assert applied.gradient_checkpointing is checkpointing
+        model.train()
+        torch.manual_seed(1)
+        model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], msg=name)
+
+
+@pytest.mark.parametrize(
+    ("env", "problems"),
+    [
+        ({"SMPIPE__TRAINING__LORA_R": "16"},
+         ["[training] LORA_R = 16, but no model it applies to has FINETUNING = lora (minilm: full, bow: full)"]),
+        ({"SMPIPE__TRAINING__FINETUNING": "lora", "SMPIPE__TRAINING_BOW__FINETUNING": "full",
+          "SMPIPE__TRAINING_BOW__LORA_TARGET_MODULES": "embedding"},
+         ["[training.bow] LORA_TARGET_MODULES = embedding, but bow has FINETUNING = full"]),
+        ({"SMPIPE__TUNING_HYPERPARAMETERS__LORA_R": "4->32", "SMPIPE__TRAINING_BOW__FINETUNING": "lora"},
+         ["[tuning.hyperparameters] LORA_R is searched for minilm, which has FINETUNING = full"]),
+    ],
+)  # fmt: skip
+def test_lora_settings_where_nothing_trains_with_lora_are_refused(env, problems):
+    with pytest.raises(ConfigError) as raised:
+        load_settings(ROOT / "settings.ini", env=env)
+    assert [p.split(":")[0] for p in raised.value.problems] == [p.split(":")[0] for p in problems]
+    for problem in problems:
+        assert any(p.startswith(problem) for p in raised.value.problems), raised.value.problems
+
+
+def test_lora_settings_apply_where_a_model_trains_with_lora():
+    """[training] LORA_R reaches the one model with FINETUNING = lora; the shipped file's LORA_*
+    keys at their defaults are no mistake."""
+    settings = load_settings(ROOT / "settings.ini", env={
+        "SMPIPE__TRAINING__LORA_R": "16", "SMPIPE__TRAINING_MINILM__FINETUNING": "lora",
+        "SMPIPE__TUNING_HYPERPARAMETERS_MINILM__LORA_ALPHA": "8->64"})  # fmt: skip
+    minilm = settings.training_hyperparameters("minilm", "training")
+    assert (minilm["finetuning"], minilm["lora_r"]) == ("lora", "16")
+    assert settings.training_hyperparameters("bow", "training")["finetuning"] == "full"
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, demo_raw):
+    """One run of MiniLM with LoRA and gradient checkpointing, on the local backend."""
+    tmp = tmp_path_factory.mktemp("lora")
+    path = write_settings(
+        tmp / "settings.ini", str(tmp / "store"),
+        data={"RAW_DATA": str(demo_raw)}, models={"MODEL_NAMES": "minilm"},
+        training={"FINETUNING": "lora", "GRADIENT_CHECKPOINTING": "true", "LEARNING_RATE": "1e-3",
+                  "LORA_R": "4", "LORA_ALPHA": "16", "EPOCHS": "2",
+                  "EXPORTS": "torchscript,exported", "KEEP_CHECKPOINTS_AFTER_RUN": "true"},
+    )  # fmt: skip
+    settings = load_settings(path)
+    store = LocalStore(settings.store_uri())
+    record = run_pipeline(settings, store, parse_steps(None), echo=io.StringIO())
+    assert record["status"] == "completed", record
+    run = ExperimentTree("test-exp").run(1)
+    return store, run, tmp / "store" / run.model("minilm").removesuffix("/")
+
+
+def test_a_lora_run_keeps_only_what_trains_and_says_so(lora_run):
+    store, run, models = lora_run
+    report = json.loads((models / "output/step_metadata.json").read_text())
+    assert report["finetuning"] == "lora" and report["gradient_checkpointing"] is True
+    assert report["lora"]["r"] == 4 and report["lora"]["alpha"] == 16
+    assert report["lora"]["modules_to_save"] == ["classifier"]
+    assert report["parameters"] > 20 * report["trained_parameters"] > 0
+    assert report["peak_memory"][0]["host_max_rss_bytes"] > 100 * 2**20
+    assert report["exports"]["torchscript"]["passed"] and report["exports"]["exported"]["passed"]
+    assert report["lora_merge"]["passed"]
+    # A full checkpoint holds at least the weights and AdamW's two moments, 4 bytes each.
+    full_at_least = 3 * 4 * report["parameters"]
+    assert 0 < report["checkpoint_bytes"] <= 0.05 * full_at_least
+    checkpoints = sorted((store.root / run.checkpoints("minilm")).glob("ckpt-*/state.pt"))
+    assert checkpoints, "KEEP_CHECKPOINTS_AFTER_RUN = true keeps them"
+    saved = torch.load(checkpoints[-1], map_location="cpu", weights_only=False)
+    assert saved["finetuning"] == "lora"
+    assert all("lora_" in k or "modules_to_save" in k for k in saved["model"])
+    record = json.loads((models / "model/smpipe.json").read_text())
+    assert record["finetuning"] == "lora" and record["lora"]["target_modules"]
+
+
+def test_the_lora_adapter_loads_with_peft_and_gives_the_merged_models_logits(lora_run):
+    """model/ is a plain merged model (from_pretrained); model/adapter is PEFT's own format,
+    which `PeftModel.from_pretrained` puts on the base `load_model` returns: the same logits."""
+    _, _, models = lora_run
+    labels = json.loads((models / "model/id2label.json").read_text())
+    id2label = {int(k): v for k, v in labels.items()}
+    base = load_model("minilm", id2label, {v: k for k, v in id2label.items()})
+    adapted = PeftModel.from_pretrained(base, models / "model/adapter").eval()
+    merged = AutoModelForSequenceClassification.from_pretrained(models / "model").eval()
+    rows = load_tokenizer("minilm")(
+        ["Shares rose after the bank's results.", "The striker scored twice in the final."],
+        padding=True, return_tensors="pt",
+    )  # fmt: skip
+    with torch.no_grad():
+        want, got = adapted(**rows).logits, merged(**rows).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # Training moved the adapters: the merged projections are no longer the pretrained ones.
+    pretrained = load_model("minilm", id2label, {v: k for k, v in id2label.items()}).state_dict()
+    query = "bert.encoder.layer.0.attention.self.query.weight"
+    assert not torch.equal(merged.state_dict()[query], pretrained[query])
+    weights = load_file(str(models / "model/adapter/adapter_model.safetensors"))
+    assert any("classifier" in k for k in weights) and any("lora_B" in k for k in weights)
+    assert any(torch.count_nonzero(v) for k, v in weights.items() if "lora_B" in k)
