@@ -618,13 +618,14 @@ def bench_inference(
     # rows of different lengths.
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tracing warns about every branch it freezes
-        scripted = export_step.torchscript(
+        export_step.write_torchscript(
             export_step.LogitsOnly(model, keys).eval(),
             tuple(sample[k] for k in keys),
             keys,
             inputs,
             work / "model.torchscript.pt",
-        ).eval()
+        )
+        scripted = export_step.LOADERS["torchscript"](work / "model.torchscript.pt").eval()
     program = Recording(scripted)
     applied = precision_step.resolve("auto", 0)
     # Every side runs the same weights, the new head's included. The pipelines load them as a

@@ -72,6 +72,7 @@ def check_user_functions(settings: Settings) -> dict[str, tuple[str, str | None]
             "sys_path": sys.path,
             "env": env,
             "own": {name: str(path) for name, path in user_code(settings).items()},
+            "models": model_settings(settings),
             "answer": str(answer_file),
         }
         request_file.write_text(json.dumps(request))
@@ -91,6 +92,20 @@ def check_user_functions(settings: Settings) -> dict[str, tuple[str, str | None]
     if answer.get("problems"):
         raise UserFunctionError(answer["problems"], module)
     return {step: (reach, why) for step, (reach, why) in answer["reaches"].items()}
+
+
+def model_settings(settings: Settings) -> dict[str, dict]:
+    """The settings of each model they ask something of (steps/hyperparameters.py
+    MODEL_SETTINGS), for the model check (steps/finetuning.py `check_models`)."""
+    from steps.hyperparameters import MODEL_SETTINGS, asks_of_the_model
+
+    values = {
+        name: settings.model_training.get(name, settings.training).model_dump(
+            include=set(MODEL_SETTINGS)
+        )
+        for name in settings.models.model_names
+    }
+    return {name: hp for name, hp in values.items() if asks_of_the_model(hp)}
 
 
 def check_env() -> dict[str, str]:
@@ -177,6 +192,11 @@ def answer(request: dict) -> None:
         functions = load_user_functions(module, request["search_path"])
         own = {name: Path(path) for name, path in request["own"].items()}
         said = {"reaches": step_reaches(functions, own)}
+        if request["models"]:  # torch is imported for them only
+            from steps.finetuning import check_models
+
+            problems = check_models(functions, request["models"])
+            said = {"problems": problems} if problems else said
     except UserFunctionError as e:
         said = {"problems": e.problems}
     except BaseException as e:  # noqa: BLE001 - following its imports ran more of its code

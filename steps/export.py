@@ -95,33 +95,37 @@ def compare(program, checks: list[tuple[list, torch.Tensor]]) -> dict:
     }
 
 
-def torchscript(wrapper, args: tuple, keys: list[str], inputs: dict, path: Path):
-    """TorchScript traced on two rows of different lengths; the program as loaded back."""
+def write_torchscript(wrapper, args: tuple, keys: list[str], inputs: dict, path: Path) -> None:
+    """TorchScript, traced on two rows of different lengths."""
     torch.jit.trace(wrapper, args, strict=False, check_trace=False).save(str(path))
-    return torch.jit.load(str(path))
 
 
-def exported(wrapper, args: tuple, keys: list[str], inputs: dict, path: Path):
-    """A torch.export program with dynamic batch and sequence dimensions, as loaded back."""
+def write_exported(wrapper, args: tuple, keys: list[str], inputs: dict, path: Path) -> None:
+    """A torch.export program with dynamic batch and sequence dimensions."""
     dim = torch.export.Dim.DYNAMIC
     shapes = tuple({0: dim, 1: dim} if k in inputs["sequence"] else {0: dim} for k in keys)
     program = torch.export.export(wrapper, args, dynamic_shapes=(shapes,), strict=False)
     torch.export.save(program, str(path))
-    return torch.export.load(str(path)).module()
 
 
-# [training] EXPORTS names these; steps/model_files.py names their files.
-WRITERS = {"torchscript": torchscript, "exported": exported}
+# [training] EXPORTS names these; steps/model_files.py names their files. Each program is
+# checked as inference loads it.
+WRITERS = {"torchscript": write_torchscript, "exported": write_exported}
+LOADERS = {
+    "torchscript": lambda path: torch.jit.load(str(path)),
+    "exported": lambda path: torch.export.load(str(path)).module(),
+}
 
 
-def export_programs(
+def write_programs(
     model, keys: list[str], inputs: dict, batches: Batches, model_dir: Path, formats: list[str]
-) -> dict:
-    """Each program of `formats` written and checked against eager on two batches of
-    different widths; one that fails (or that torch cannot write: not every model exports
-    yet) is recorded with why and never kept."""
+) -> tuple[dict, list]:
+    """Each program of `formats` written from the eager model, and the eager model's logits on
+    two check batches of different widths: all `check_programs` needs, so that the eager model
+    can be gone by then (a program loaded back beside it would hold a large model's weights
+    twice). Returns the formats that could not be written, with why, and the checks."""
     if not formats:  # a tuning trial: nothing to write, nothing to check against
-        return {}
+        return {}, []
     wrapper = LogitsOnly(model, keys).eval()
     with torch.no_grad():  # eager's logits once, for every program
         arguments = [[batch[k] for k in keys] for batch in check_batches(batches)]
@@ -129,20 +133,47 @@ def export_programs(
     order = np.argsort(batches.lengths, kind="stable")
     sample = batches([int(order[0]), int(order[-1])])
     args = tuple(sample[k] for k in keys)
-    results = {}
+    failed = {}
     for name in formats:
-        path = model_dir / EXPORTS[name]
         # Tracing warns about every Python branch it freezes; the check is what tells.
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                program = WRITERS[name](wrapper, args, keys, inputs, path)
-                results[name] = {"file": path.name, **compare(program, checks)}
+                WRITERS[name](wrapper, args, keys, inputs, model_dir / EXPORTS[name])
             except Exception as e:  # noqa: BLE001 - recorded, and the job fails on it
-                results[name] = {"passed": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+                failed[name] = {"passed": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+    return failed, checks
+
+
+def check_programs(failed: dict, checks: list, model_dir: Path, formats: list[str]) -> dict:
+    """Each written program loaded back, one at a time, and checked against the eager logits;
+    one that fails (or that torch could not write: not every model exports yet) is recorded
+    with why and never kept."""
+    results = {}
+    for name in formats:
+        path = model_dir / EXPORTS[name]
+        if name in failed:
+            results[name] = failed[name]
+        else:
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                try:
+                    results[name] = {"file": path.name, **compare(LOADERS[name](path), checks)}
+                except Exception as e:  # noqa: BLE001 - recorded, and the job fails on it
+                    error = f"{type(e).__name__}: {str(e)[:500]}"
+                    results[name] = {"passed": False, "error": error}
         if not results[name]["passed"]:  # a program that disagrees is never kept
             path.unlink(missing_ok=True)
     return results
+
+
+def export_programs(
+    model, keys: list[str], inputs: dict, batches: Batches, model_dir: Path, formats: list[str]
+) -> dict:
+    """Each program of `formats` written and checked against eager (`write_programs`, then
+    `check_programs`), for a caller that keeps the eager model anyway."""
+    failed, checks = write_programs(model, keys, inputs, batches, model_dir, formats)
+    return check_programs(failed, checks, model_dir, formats)
 
 
 def check_exports(exports: dict) -> None:
@@ -195,7 +226,9 @@ def main() -> None:
     inputs = read_inputs(labels, args.model_name, keys)
     table = read_split(processing_input("validation"))
     batches = Batches(table, args.model_name, keys, inputs, record["max_length"])
-    record["exports"] = export_programs(model, keys, inputs, batches, out, formats)
+    failed, checks = write_programs(model, keys, inputs, batches, out, formats)
+    del model  # each program is loaded back beside the eager logits only
+    record["exports"] = check_programs(failed, checks, out, formats)
     write_record(out, record)
     for name, result in record["exports"].items():
         print(f"{name}: {result}")

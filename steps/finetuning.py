@@ -18,7 +18,9 @@ from pathlib import Path
 
 import torch
 
+from steps.hyperparameters import MODEL_SETTINGS, asks_of_the_model
 from steps.model_files import ADAPTER
+from steps.user_code import call
 
 
 class FinetuningError(ValueError):
@@ -191,6 +193,44 @@ def prepare(
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     method = hp["finetuning"]
     return model, Finetuning(method, settings, hp["gradient_checkpointing"], parameters, trained)
+
+
+# The labels the check's models are built with: the real ones come from reconcile, later.
+CHECK_LABELS = {0: "LABEL_0", 1: "LABEL_1"}
+
+
+def check_models(functions, settings: dict[str, dict]) -> list[str]:
+    """Before any job: each model whose settings ask something of it (hyperparameters.py
+    `asks_of_the_model`), built by the user's load_model on the meta device (Accelerate's
+    init_empty_weights: no weights read or allocated, so a 7B model is checked in a second),
+    and its LoRA targets, head and gradient checkpointing found as the training job finds
+    them. Every problem, each naming the model, the key and load_model."""
+    from accelerate import init_empty_weights
+
+    problems = []
+    label2id = {v: k for k, v in CHECK_LABELS.items()}
+    for name, hp in settings.items():
+        if not asks_of_the_model(hp):
+            continue
+        try:
+            with init_empty_weights():
+                model = call(functions, "load_model", name, CHECK_LABELS, label2id)
+            if not isinstance(model, torch.nn.Module):
+                problems.append(
+                    f"{functions.module}.load_model({name!r}, ...) must return a torch.nn.Module, "
+                    f"got {type(model).__name__}"
+                )
+                continue
+            prepare(model, {**hp, "model_name": name}, len(CHECK_LABELS), functions.module)
+        except FinetuningError as e:
+            problems.append(str(e))
+        except Exception as e:  # noqa: BLE001 - the user's code, or PEFT on what it returned
+            problems.append(
+                f"model {name!r}: checking its {', '.join(k.upper() for k in MODEL_SETTINGS[:3])} "
+                f"against {functions.module}.load_model (built on the meta device) raised "
+                f"{type(e).__name__}: {e}"
+            )
+    return problems
 
 
 def trained_state(model: torch.nn.Module, method: str) -> dict[str, torch.Tensor]:

@@ -73,6 +73,14 @@ FINETUNING_CHOICES = ("full", "lora")
 # The hyperparameters that mean something only with FINETUNING = lora (pipeline/config_checks.py
 # refuses them where no model they apply to trains with LoRA).
 LORA_ONLY = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+# The settings that ask something of the model itself: steps/finetuning.py checks them against
+# what load_model builds, in the training job and, for each model they ask it of, before any job.
+MODEL_SETTINGS = ("finetuning", "gradient_checkpointing", *LORA_ONLY)
+
+
+def asks_of_the_model(values: dict) -> bool:
+    return values["finetuning"] == "lora" or bool(values["gradient_checkpointing"])
+
 
 # Defaults are the Hugging Face Trainer's where it has the same idea (learning rate 5e-5,
 # 3 epochs); the shipped settings.ini says where its demo differs (`# demo:`). Aligned by

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import gc
 import json
 import math
 import os
@@ -36,10 +37,11 @@ from torch.utils.data import DataLoader
 
 from steps import checkpointing as ckpt
 from steps.batching import Batches, read_inputs, read_split
-from steps.export import check_batches, check_exports, export_programs, logits_of
+from steps.export import check_batches, check_exports, check_programs, logits_of, write_programs
 from steps.finetuning import Finetuning, final_model, load_trained_state, prepare, trained_state
 from steps.hyperparameters import parse_hyperparameters, reserved_hyperparameters
 from steps.metrics import metric_line, plot_curves
+from steps.model_files import read_record, write_record
 from steps.prepared_files import read_encoding
 from steps.runtime import names
 from steps.runtime.environment import TrainingEnv, training_env
@@ -485,11 +487,18 @@ def keep_model(job: Job) -> None:
         final, merge = merged(final, job, kept)
     formats = hp["exports"].split(",") if kept else []
     with timed("exports"):
-        exports = export_programs(
+        failed, checks = write_programs(
             final, job.keys, job.inputs, job.val_batches, env.model_dir, formats
         )
     with timed("save"):
-        save_model(job, final, exports)
+        save_model(job, final)
+    # The eager model's last use: each program is loaded back beside its logits only, so a
+    # large model's weights are never held twice (a 1B model's 4 GB, docs/performance.md).
+    del final
+    release_model(job)
+    with timed("exports"):
+        exports = check_programs(failed, checks, env.model_dir, formats)
+    record_exports(env.model_dir, exports)
     for name, result in exports.items():
         accelerator.print(f"{name} export: {result}")
     # The last metric line is the best epoch's: a tuner reading the final value sees the model
@@ -530,8 +539,23 @@ def merged(final: torch.nn.Module, job: Job, keep_adapter: bool) -> tuple[torch.
     return final, {"max_abs_difference": difference, "passed": True}
 
 
-def save_model(job: Job, final: torch.nn.Module, exports: dict) -> None:
-    """The model as `from_pretrained` loads it, with the record of what it is."""
+def release_model(job: Job) -> None:
+    """Nothing of the job holds the model, its optimizer or its best weights any more (the
+    main process, once its model is saved)."""
+    job.accelerator.free_memory()
+    job.model = job.state.model = job.optimizer = job.state.optimizer = None
+    job.scheduler = job.state.scheduler = job.best_weights = None
+    gc.collect()
+
+
+def record_exports(model_dir, exports: dict) -> None:
+    """Which exports passed their check, in the model's record (steps/model_files.py)."""
+    write_record(model_dir, {**read_record(model_dir), "exports": exports})
+
+
+def save_model(job: Job, final: torch.nn.Module) -> None:
+    """The model as `from_pretrained` loads it, with the record of what it is (which exports
+    passed is added once they are checked: `record_exports`)."""
     model_dir, state = job.env.model_dir, job.state
     record = {
         "model_name": job.hp["model_name"],
@@ -540,7 +564,7 @@ def save_model(job: Job, final: torch.nn.Module, exports: dict) -> None:
         "best_epoch": state.best_epoch,
         "best_validation_f1": state.best_metric,
         "max_length": job.max_length,  # as prepare recorded it (encoding.json)
-        "exports": exports,  # which exports passed their check (steps/model_files.py)
+        "exports": {},  # record_exports
         "wandb_run": wandb_run_of(job),
         **job.finetuning.record(),
     }
@@ -585,7 +609,11 @@ def write_report(job: Job, exports: dict, merge: dict) -> None:
             **job.settings,
             **job.finetuning.record(),
             "lora_merge": merge or None,
-            "peak_memory": job.peak_memory,
+            # Each process's peak; the main one's read again now, its saving and exports in.
+            "peak_memory": [
+                {**p, **peak_memory(accelerator)} if p["process"] == 0 else p
+                for p in job.peak_memory
+            ],
             "checkpoint_bytes": job.checkpoint_bytes,
             "checkpoints_written": len(job.checkpoint_seconds),
             "checkpoint_seconds_total": round(sum(job.checkpoint_seconds), 3),

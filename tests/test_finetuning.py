@@ -27,6 +27,7 @@ from pipeline.paths import ExperimentTree
 from pipeline.store import LocalStore
 from steps.finetuning import FinetuningError, head_modules, lora_targets, prepare, trained_state
 from steps.hyperparameters import DEFAULTS
+from steps.user_code import UserFunctionError
 from tests.conftest import ROOT, write_settings
 from user_functions import load_model, load_tokenizer
 from user_functions.baseline import BagOfEmbeddings
@@ -249,3 +250,46 @@ def test_the_lora_adapter_loads_with_peft_and_gives_the_merged_models_logits(lor
     weights = load_file(str(models / "model/adapter/adapter_model.safetensors"))
     assert any("classifier" in k for k in weights) and any("lora_B" in k for k in weights)
     assert any(torch.count_nonzero(v) for k, v in weights.items() if "lora_B" in k)
+
+
+BIG = """
+from user_functions import encode, load_tokenizer, ordered_input_keys, reconcile  # noqa: F401
+from user_functions import load_model as demo_model
+
+
+def load_model(model_name, id2label, label2id):
+    if model_name == "big":  # about 7B parameters: the check must never allocate them
+        from transformers import LlamaConfig, LlamaForSequenceClassification
+
+        config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                             num_labels=len(id2label), pad_token_id=0)
+        return LlamaForSequenceClassification(config)
+    return demo_model(model_name, id2label, label2id)
+"""
+
+
+def test_finetuning_settings_that_do_not_fit_the_model_are_refused_before_any_job(tmp_path):
+    """Every model's LoRA targets and gradient checkpointing are checked against what its
+    load_model builds (on the meta device: a 7B model costs no memory) before the first job:
+    every problem at once, naming the model, the key and the function; nothing is written."""
+    (tmp_path / "big_functions.py").write_text(BIG)
+    path = write_settings(
+        tmp_path / "settings.ini", str(tmp_path / "store"),
+        experiment={"USER_FUNCTIONS": "big_functions"}, data={"RAW_DATA": str(tmp_path)},
+        models={"MODEL_NAMES": "minilm, bow, big"}, training={"FINETUNING": "lora"},
+        **{"training.minilm": {"LORA_TARGET_MODULES": "query, qkv"},
+           "training.bow": {"FINETUNING": "full", "GRADIENT_CHECKPOINTING": "true"}},
+    )  # fmt: skip
+    settings = load_settings(path, env={})
+    store = LocalStore(settings.store_uri())
+    with pytest.raises(UserFunctionError) as raised:
+        run_pipeline(settings, store, parse_steps(None), echo=io.StringIO())
+    assert [p.split(":")[0] for p in raised.value.problems] == [
+        "LORA_TARGET_MODULES = query, qkv", "GRADIENT_CHECKPOINTING = true"
+    ]  # fmt: skip
+    assert (
+        "qkv matches no module of model 'minilm' (big_functions.load_model"
+        in raised.value.problems[0]
+    )
+    assert "model 'bow' (big_functions.load_model, BagOfEmbeddings)" in raised.value.problems[1]
+    assert not (tmp_path / "store").exists()
