@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH := 2.13.0
 DEMO_RAW := build/demo_raw
 
-.PHONY: install lock browser engine apt image run test lint bench gpu-check figures screenshot clean
+.PHONY: install lock browser engine apt image run test lint bench bench-models gpu-check figures screenshot clean
 
 # torch goes in first, pinned to the CPU build on this disk: anything that pulled torch
 # before it would drag in a multi-GB CUDA build. Then every other package at the version and
@@ -110,9 +110,18 @@ bench: install
 	$(PY) bench/metering.py
 	$(PY) bench/warm_start.py
 
+# Finetuning larger models (about 20 minutes on 2 cores): a 1B decoder with LoRA and gradient
+# checkpointing against full finetuning and the Trainer with a PEFT model
+# (bench/large_models.json), then LoRA beside full finetuning on MiniLM over three seeds
+# (bench/lora_quality.json). Each prints its table; none asserts a figure.
+bench-models: install
+	$(PY) bench/large_models.py
+	$(PY) bench/lora_quality.py
+
 # The GPU path on this machine's GPUs, through the real jobs (bench/gpu_check.py): bf16
 # training and its MFU, two processes on NCCL, loader workers with pinned memory, SIGTERM and
-# resume, COMPILE, bf16 inference and predict. Prints a table; exits 1 if a check failed.
+# resume, COMPILE, LoRA with gradient checkpointing (merged, exported, its adapter), bf16
+# inference and predict. Prints a table; exits 1 if a check failed.
 gpu-check: install
 	$(PY) bench/gpu_check.py
 

@@ -274,6 +274,33 @@ def check_inference(work: Workspace) -> str:
     )
 
 
+def check_lora(work: Workspace) -> str:
+    # The bag of embeddings has no repeated blocks to find adapters' targets in, nor gradient
+    # checkpointing: its embedding is named, and checkpointing is left to MiniLM.
+    hps = {"finetuning": "lora", "exports": "torchscript,exported"}
+    if work.model == "bow":
+        hps["lora_target_modules"] = "embedding"
+    else:
+        hps["gradient_checkpointing"] = "true"
+    job = work.job("lora", hps)
+    job.expect_exit(0)
+    report = job.report()
+    expect(report["finetuning"] == "lora", f"the job trained {report['finetuning']}")
+    expect(report["lora_merge"]["passed"], f"the merged model disagrees: {report['lora_merge']}")
+    failed = [name for name, e in report["exports"].items() if not e.get("passed")]
+    expect(not failed, f"merged exports that failed their check: {failed}")
+    expect((job.root / "model/adapter/adapter_config.json").exists(), "no PEFT adapter written")
+    peak = report["peak_memory"][0]
+    memory = peak.get("gpu_max_allocated_bytes") or peak["host_max_rss_bytes"]
+    where = "GPU allocated" if "gpu_max_allocated_bytes" in peak else "host RSS"
+    return (
+        f"{report['trained_parameters']:,} of {report['parameters']:,} parameters trained, "
+        f"gradient checkpointing {'on' if report['gradient_checkpointing'] else 'off'}; "
+        f"merged within {report['lora_merge']['max_abs_difference']:.2g}, exports passed; "
+        f"peak {memory / 2**20:.0f} MB {where}, checkpoint {report['checkpoint_bytes']:,} B"
+    )
+
+
 # The table: each check's name (for --only) and its function, in the order they run.
 CHECKS = {
     "peak": check_peak,
@@ -282,6 +309,7 @@ CHECKS = {
     "workers": check_workers,
     "sigterm": check_sigterm,
     "compile": check_compile,
+    "lora": check_lora,
     "inference": check_inference,
 }
 

@@ -144,11 +144,40 @@ def _model_view(
         "per_label": sorted(per_label, key=lambda r: -float(r["f1"])),
         "confusion": confusion,
         "tuning": _tuning(store, run, name, tuned),
+        "trained_as": trained_as(details),
         # What the test ran in and why, and bf16's predictions against fp32's when it ran bf16.
         "tested_in": inference.get("mixed_precision"),
         "tested_in_because": inference.get("precision_reason"),
         "against_fp32": (inference.get("against_fp32") or {}).get(name),
     }
+
+
+def trained_as(details: dict) -> str | None:
+    """How a model trained, in a line: what of it (full or LoRA, with its settings), gradient
+    checkpointing, the parameters trained, the processes, the peak memory and checkpoint size
+    (steps/train.py's report; None for a report from before these were recorded)."""
+    if "finetuning" not in details:
+        return None
+    lora = details.get("lora") or {}
+    if details["finetuning"] == "lora" and "r" in lora:
+        method = (
+            f"LoRA (r {lora['r']}, alpha {lora['alpha']}, dropout {lora['dropout']:g}; adapters on "
+            f"{', '.join(lora['target_modules'])}; in full: {', '.join(lora['modules_to_save'])})"
+        )
+    else:
+        method = "LoRA (the adapters load_model made)" if lora else "every weight"
+    said = [method + (", gradient checkpointing" if details.get("gradient_checkpointing") else "")]
+    said.append(
+        f"{details['trained_parameters']:,} of {details['parameters']:,} parameters trained"
+    )
+    processes = details.get("processes", 1)
+    said.append(f"{processes} process{'es (DDP)' if processes > 1 else ''}")
+    peaks = [max(v for k, v in p.items() if k != "process") for p in details.get("peak_memory", [])]
+    if peaks:
+        said.append(f"peak memory {max(peaks) / 2**20:,.0f} MB a process")
+    if details.get("checkpoint_bytes"):
+        said.append(f"checkpoint {details['checkpoint_bytes'] / 2**20:,.1f} MB")
+    return "; ".join(said)
 
 
 def _reconciled_version(record: dict) -> list[int]:

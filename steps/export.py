@@ -177,14 +177,21 @@ def export_programs(
 
 
 def check_exports(exports: dict) -> None:
-    """A model whose export is wrong is never promoted: the job fails, naming the setting."""
+    """A model whose export is wrong is never promoted: the job fails, naming the setting (and
+    telling a program that disagrees from one that could not be written or loaded back)."""
     failed = {name: result for name, result in exports.items() if not result["passed"]}
-    if failed:
-        raise RuntimeError(
-            f"the {' and '.join(failed)} export does not match the eager model: {failed}; "
-            "[training] EXPORTS names the programs written ([inference] MODEL_FORMAT's must "
-            "be among them)"
-        )
+    if not failed:
+        return
+    unmade = {name: r["error"] for name, r in failed.items() if "error" in r}
+    wrong = {name: r for name, r in failed.items() if "error" not in r}
+    said = [
+        f"the {name} export could not be written or loaded back: {e}" for name, e in unmade.items()
+    ]
+    said += [f"the {name} export does not match the eager model: {r}" for name, r in wrong.items()]
+    raise RuntimeError(
+        "; ".join(said) + "; [training] EXPORTS names the programs written ([inference] "
+        "MODEL_FORMAT's must be among them)"
+    )
 
 
 def trained_model(directory: Path, model_name: str, record: dict) -> torch.nn.Module:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from steps.hyperparameters import MODEL_SETTINGS, asks_of_the_model
+from steps.hyperparameters import asks_of_the_model
 from steps.model_files import ADAPTER
 from steps.user_code import call
 
@@ -134,6 +134,27 @@ def head_modules(model: torch.nn.Module, num_labels: int, module: str, name: str
     return [last[-1]]
 
 
+# The modules LoRA adds inside each adapted layer (PEFT's LoraLayer).
+ADAPTER_PARTS = (
+    "base_layer",
+    "lora_dropout",
+    "lora_A",
+    "lora_B",
+    "lora_embedding_A",
+    "lora_embedding_B",
+    "lora_magnitude_vector",
+)
+
+
+def suffix_of_its_own(head: str, names: list[str]) -> str:
+    """The head as PEFT's modules_to_save should name it. PEFT finds those by a plain suffix
+    (`key.endswith(name)`, peft/utils/other.py `_set_trainable`), so a head called `out`
+    would also catch every adapter's `lora_dropout`; a leading dot keeps the match to the
+    module itself where the plain name would catch another."""
+    others = [n for n in names if n != head] + list(ADAPTER_PARTS)
+    return f".{head}" if any(n.endswith(head) for n in others) else head
+
+
 def prepare(
     model: torch.nn.Module, hp: dict, num_labels: int, module: str
 ) -> tuple[torch.nn.Module, Finetuning]:
@@ -169,6 +190,8 @@ def prepare(
         targets = lora_targets(model, hp["lora_target_modules"], module, name)
         heads = head_modules(model, num_labels, module, name)
         targets = [t for t in targets if t.split(".")[0] not in heads]
+        names = [n for n, _ in model.named_modules()]
+        heads = [suffix_of_its_own(head, names) for head in heads]
         config = LoraConfig(
             r=hp["lora_r"],
             lora_alpha=hp["lora_alpha"],
@@ -226,8 +249,8 @@ def check_models(functions, settings: dict[str, dict]) -> list[str]:
             problems.append(str(e))
         except Exception as e:  # noqa: BLE001 - the user's code, or PEFT on what it returned
             problems.append(
-                f"model {name!r}: checking its {', '.join(k.upper() for k in MODEL_SETTINGS[:3])} "
-                f"against {functions.module}.load_model (built on the meta device) raised "
+                f"model {name!r}: checking FINETUNING and GRADIENT_CHECKPOINTING against "
+                f"{functions.module}.load_model (built on the meta device) raised "
                 f"{type(e).__name__}: {e}"
             )
     return problems
@@ -259,11 +282,11 @@ def load_trained_state(model: torch.nn.Module, state: dict, method: str) -> None
     model.load_state_dict(state, strict=method == "full")
 
 
-def final_model(model: torch.nn.Module, model_dir: Path, keep_adapter: bool) -> torch.nn.Module:
+def final_model(model: torch.nn.Module, model_dir: Path) -> torch.nn.Module:
     """The model written as the job's output: with LoRA, the adapter saved in PEFT's format
-    (`model_dir/adapter`, where `keep_adapter`) and then merged into the weights."""
+    (`model_dir/adapter`: a few MB, so a tuning trial writes it too, and the study's best model
+    keeps it) and then merged into the weights."""
     if not is_peft(model):
         return model
-    if keep_adapter:
-        model.save_pretrained(model_dir / ADAPTER)
+    model.save_pretrained(model_dir / ADAPTER)
     return model.merge_and_unload()

@@ -484,7 +484,7 @@ def keep_model(job: Job) -> None:
     kept = hp["exports"] != "none"
     final = final.float().eval().cpu()
     with timed("merge"):
-        final, merge = merged(final, job, kept)
+        final, merge = merged(final, job)
     formats = hp["exports"].split(",") if kept else []
     with timed("exports"):
         failed, checks = write_programs(
@@ -519,7 +519,7 @@ def keep_model(job: Job) -> None:
 MERGE_TOLERANCE = 1e-4
 
 
-def merged(final: torch.nn.Module, job: Job, keep_adapter: bool) -> tuple[torch.nn.Module, dict]:
+def merged(final: torch.nn.Module, job: Job) -> tuple[torch.nn.Module, dict]:
     """With LoRA: the adapter written in PEFT's format, then merged into the weights, and the
     merged model checked against the adapters on the export check's rows (a merge that changed
     what the model computes is never kept). Without LoRA: the model, unchanged."""
@@ -528,7 +528,7 @@ def merged(final: torch.nn.Module, job: Job, keep_adapter: bool) -> tuple[torch.
     rows = check_batches(job.val_batches)
     with torch.no_grad():
         before = [logits_of(final(**{k: b[k] for k in job.keys})) for b in rows]
-        final = final_model(final, job.env.model_dir, keep_adapter)
+        final = final_model(final, job.env.model_dir)
         after = [logits_of(final(**{k: b[k] for k in job.keys})) for b in rows]
     difference = max(float((a - b).abs().max()) for a, b in zip(after, before, strict=True))
     if difference > MERGE_TOLERANCE:

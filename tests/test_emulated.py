@@ -113,6 +113,34 @@ def test_train_on_two_emulated_hosts_agrees_with_local(staged, bucket, tmp_path,
     assert local_record["holdout_performance"]["bow"] == record["holdout_performance"]["bow"]
 
 
+def test_lora_on_an_emulated_host_agrees_with_local(staged, bucket, tmp_path):
+    """FINETUNING = lora through SageMaker's request, job root and model.tar.gz: the adapter
+    reaches the run tree beside the merged model, and the test metrics are the local
+    backend's for the same data and seed."""
+    lora = {"USE_DISTRIBUTED": "false", "INSTANCE_COUNT": "1", "FINETUNING": "lora",
+            "LORA_TARGET_MODULES": "embedding", "LEARNING_RATE": "1e-2"}  # fmt: skip
+    records = {}
+    for backend in ("emulated", "local"):
+        (tmp_path / backend).mkdir()
+        settings = emulated_settings(
+            tmp_path / backend, bucket, experiment={"BACKEND": backend},
+            models={"MODEL_NAMES": "bow"}, training=lora,
+        )  # fmt: skip
+        records[backend] = run_pipeline(
+            settings, staged, parse_steps("train,inference"), echo=io.StringIO()
+        )
+        assert records[backend]["status"] == "completed"
+    model = records["emulated"]["model_artifacts"]["bow"]
+    adapter = json.loads(staged.get_bytes(model + "adapter/adapter_config.json"))
+    assert adapter["target_modules"] == ["embedding"] and adapter["modules_to_save"] == [
+        "classifier"
+    ]
+    assert staged.exists(model + "adapter/adapter_model.safetensors")
+    assert json.loads(staged.get_bytes(model + "smpipe.json"))["finetuning"] == "lora"
+    performance = {b: r["holdout_performance"]["bow"] for b, r in records.items()}
+    assert performance["emulated"] == performance["local"]
+
+
 def test_tune_emulated(staged, bucket, tmp_path):
     # One host per trial: two emulated hosts are the test above's.
     settings = emulated_settings(

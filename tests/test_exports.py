@@ -115,3 +115,21 @@ def test_inference_says_why_the_export_it_wants_is_missing(tmp_path):
     # Its check passed, and its file went missing since.
     with pytest.raises(ValueError, match=r"its check passed, but model\.torchscript\.pt is no"):
         load_program(tmp_path, "torchscript", "minilm")
+
+
+def test_an_export_that_could_not_be_written_or_loaded_back_is_said_so():
+    """A program torch could not write or load back (out of memory, an unsupported model) is
+    not called a mismatch: the job's error says which it was."""
+    exports = {
+        "torchscript": {"passed": False, "error": "RuntimeError: can't allocate memory"},
+        "exported": {"passed": False, "max_abs_diff": 0.5, "same_predictions": False},
+    }
+    with pytest.raises(RuntimeError) as raised:
+        check_exports(exports)
+    message = str(raised.value)
+    assert (
+        "the torchscript export could not be written or loaded back: RuntimeError: can't allocate memory"
+        in message
+    )
+    assert "the exported export does not match the eager model" in message
+    assert "[training] EXPORTS" in message

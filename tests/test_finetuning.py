@@ -9,6 +9,8 @@ from __future__ import annotations
 import io
 import json
 
+import datasets
+import pandas as pd
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -24,6 +26,7 @@ from transformers import (
 from pipeline.config import ConfigError, load_settings
 from pipeline.driver import parse_steps, run_pipeline
 from pipeline.paths import ExperimentTree
+from pipeline.predict import predict
 from pipeline.store import LocalStore
 from steps.finetuning import FinetuningError, head_modules, lora_targets, prepare, trained_state
 from steps.hyperparameters import DEFAULTS
@@ -202,11 +205,11 @@ def lora_run(tmp_path_factory, demo_raw):
     record = run_pipeline(settings, store, parse_steps(None), echo=io.StringIO())
     assert record["status"] == "completed", record
     run = ExperimentTree("test-exp").run(1)
-    return store, run, tmp / "store" / run.model("minilm").removesuffix("/")
+    return store, run, tmp / "store" / run.model("minilm").removesuffix("/"), path
 
 
 def test_a_lora_run_keeps_only_what_trains_and_says_so(lora_run):
-    store, run, models = lora_run
+    store, run, models, _ = lora_run
     report = json.loads((models / "output/step_metadata.json").read_text())
     assert report["finetuning"] == "lora" and report["gradient_checkpointing"] is True
     assert report["lora"]["r"] == 4 and report["lora"]["alpha"] == 16
@@ -225,12 +228,15 @@ def test_a_lora_run_keeps_only_what_trains_and_says_so(lora_run):
     assert all("lora_" in k or "modules_to_save" in k for k in saved["model"])
     record = json.loads((models / "model/smpipe.json").read_text())
     assert record["finetuning"] == "lora" and record["lora"]["target_modules"]
+    page = (models.parent.parent / "report.html").read_text()
+    assert "Trained: LoRA (r 4, alpha 16, dropout 0; adapters on attention.output.dense," in page
+    assert "gradient checkpointing; " in page and " parameters trained; 1 process; " in page
 
 
 def test_the_lora_adapter_loads_with_peft_and_gives_the_merged_models_logits(lora_run):
     """model/ is a plain merged model (from_pretrained); model/adapter is PEFT's own format,
     which `PeftModel.from_pretrained` puts on the base `load_model` returns: the same logits."""
-    _, _, models = lora_run
+    _, _, models, _ = lora_run
     labels = json.loads((models / "model/id2label.json").read_text())
     id2label = {int(k): v for k, v in labels.items()}
     base = load_model("minilm", id2label, {v: k for k, v in id2label.items()})
@@ -293,3 +299,23 @@ def test_finetuning_settings_that_do_not_fit_the_model_are_refused_before_any_jo
     )
     assert "model 'bow' (big_functions.load_model, BagOfEmbeddings)" in raised.value.problems[1]
     assert not (tmp_path / "store").exists()
+
+
+def test_predict_labels_new_texts_with_the_merged_lora_model_as_inference_did(lora_run, tmp_path):
+    """The merged model is exported and tested as any model, so `smpipe predict` runs it as
+    it runs any: the test split's texts, given again, get inference's labels."""
+    store, run, _, path = lora_run
+    inferred = pd.read_csv(store.root / run.inference / "minilm/predictions.csv")
+    reconciled = datasets.load_from_disk(str(store.root / "test-exp/data/0001/reconciled/dataset"))
+    texts = dict(zip(reconciled["id"], reconciled["text"], strict=True))
+    source = tmp_path / "texts.csv"
+    pd.DataFrame({"id": inferred["id"], "text": [texts[i] for i in inferred["id"]]}).to_csv(
+        source, index=False
+    )
+    record = predict(
+        load_settings(path, env={}), store, source, tmp_path / "out.csv", echo=io.StringIO()
+    )
+    assert (record["run"], record["model"]) == ("0001", "minilm")
+    out = pd.read_csv(tmp_path / "out.csv")
+    assert list(out["id"]) == list(inferred["id"])
+    assert list(out["predicted"]) == list(inferred["predicted"])

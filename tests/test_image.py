@@ -180,11 +180,15 @@ def test_every_job_of_a_run_and_predict_run_in_the_image(
 
 
 def test_tuning_trials_run_in_the_image(image, staged, prepared, tmp_path):
+    """Trials with LoRA (PEFT from the image's lock) searching its rank, and the export of the
+    best one's merged model, all in the image; its PEFT adapter reaches the run tree."""
     _, settings = image_settings(
         tmp_path, prepared, experiment={"JOB": "tune"},
-        training={"USE_DISTRIBUTED": "false", "INSTANCE_COUNT": "1"},
+        training={"USE_DISTRIBUTED": "false", "INSTANCE_COUNT": "1", "FINETUNING": "lora",
+                  "LORA_TARGET_MODULES": "embedding"},
         tuning={"STRATEGY": "Random", "MAX_JOBS": "2", "MAX_PARALLEL_JOBS": "2"},
-        **{"tuning.hyperparameters": {"LEARNING_RATE": "1e-4->1e-2 log", "BATCH_SIZE": None}},
+        **{"tuning.hyperparameters": {"LEARNING_RATE": "1e-4->1e-2 log", "LORA_R": "2,8",
+                                      "BATCH_SIZE": None}},
     )  # fmt: skip
     exits, echo = Exits(), io.StringIO()
     record = run_pipeline(settings, staged, TRAINING, echo=echo, make_backend=exits)
@@ -204,6 +208,11 @@ def test_tuning_trials_run_in_the_image(image, staged, prepared, tmp_path):
         logs[trial["job_name"]] = "\n".join(e["message"] for e in events)
     missing = [name for name, log in logs.items() if not ran_in_the_image(log)]
     assert len(logs) == 3 and not missing, (missing, list(logs))
+    model = record["model_artifacts"]["bow"]
+    adapter = json.loads(staged.get_bytes(model + "adapter/adapter_config.json"))
+    kept = json.loads(staged.get_bytes(model + "smpipe.json"))
+    assert kept["finetuning"] == "lora" and adapter["r"] == kept["lora"]["r"] in (2, 8)
+    assert kept["exports"]["torchscript"]["passed"]
 
 
 def in_the_image(engine: str, image: str, code: str) -> str:

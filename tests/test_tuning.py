@@ -406,3 +406,47 @@ def test_an_interrupted_study_resumes_with_its_finished_trials(tmp_path, monkeyp
     assert "1 done before this run was resumed" in again.output
     record = json.loads((tmp_path / "store/reviews/runs/0001/metadata.json").read_text())
     assert record["status"] == "completed" and record["model_artifacts"]["tiny"]
+
+
+# The reviews model with a hidden layer between its bag of embeddings and its head: a linear
+# layer for LoRA's adapters (PEFT adapts no EmbeddingBag).
+REVIEWS_HIDDEN = REVIEWS.replace(
+    "        self.out = nn.Linear(16, n)",
+    "        self.mid = nn.Linear(16, 16)\n        self.out = nn.Linear(16, n)",
+).replace(
+    "return self.out(self.emb(token_ids, per_sample_weights=mask.float()))",
+    "return self.out(torch.relu(self.mid(self.emb(token_ids, per_sample_weights=mask.float()))))",
+)
+
+
+def test_a_study_searches_lora_r_and_its_best_model_keeps_its_adapter(tmp_path):
+    """FINETUNING = lora under a tuning job: each trial trains adapters of the rank it drew,
+    and the study's best model is merged and exported as any, with its PEFT adapter beside it."""
+    assert "self.mid" in REVIEWS_HIDDEN
+    path = tune_settings(
+        tmp_path, hyperparameters={"LORA_R": "2,16"}, STRATEGY="Grid", MAX_JOBS="2",
+        training={"FINETUNING": "lora", "LORA_TARGET_MODULES": "mid", "LEARNING_RATE": "0.05"},
+    )  # fmt: skip
+    write_module(tmp_path, "reviews_hidden", REVIEWS_HIDDEN)
+    text = path.read_text().replace(
+        "USER_FUNCTIONS = reviews_tuning", "USER_FUNCTIONS = reviews_hidden"
+    )
+    path.write_text(text)
+    settings = load_settings(path, env={})
+    store = LocalStore(settings.store_uri())
+    record = run_pipeline(settings, store, parse_steps("reconcile,prepare,train"), echo=sys.stdout)
+    assert record["status"] == "completed"
+    trials = record["steps"]["tune"]["details"]["models"]["tiny"]["trials"]
+    with open(store.root / "reviews/runs/0001/tuning/tiny/trials.csv") as f:
+        assert sorted(row["lora_r"] for row in csv.DictReader(f)) == ["16", "2"]
+    best = max(trials, key=lambda t: t["objective"])
+    report = json.loads((store.root / best["output"] / "step_metadata.json").read_text())
+    assert report["finetuning"] == "lora" and report["lora"]["target_modules"] == ["mid"]
+    promoted = store.root / record["model_artifacts"]["tiny"]
+    kept = json.loads((promoted / "smpipe.json").read_text())
+    assert kept["finetuning"] == "lora" and kept["exports"]["torchscript"]["passed"]
+    adapter = json.loads((promoted / "adapter/adapter_config.json").read_text())
+    assert adapter["r"] == kept["lora"]["r"] == report["lora"]["r"]
+    # `out` as PEFT's modules_to_save would also catch each adapter's `lora_dropout`
+    # (finetuning.suffix_of_its_own): `.out` is the head alone.
+    assert adapter["target_modules"] == ["mid"] and adapter["modules_to_save"] == [".out"]
