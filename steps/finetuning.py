@@ -57,11 +57,15 @@ def is_peft(model: torch.nn.Module) -> bool:
 
 def repeated_blocks(model: torch.nn.Module) -> list[str]:
     """The names of the model's transformer layers: the modules of the classes its
-    `_no_split_modules` names (transformers marks the blocks it never splits across devices),
-    or else the longest ModuleList of modules of one class (`encoder.layer`, `model.layers`):
-    BERT's classes, MiniLM's among them, name none."""
+    `_no_split_modules` names (transformers marks the blocks it never splits across devices)
+    that sit in a list (`encoder.layer.3`, `model.layers.0`; BERT also names its embeddings,
+    which are not a layer), or else the longest ModuleList of modules of one class."""
     classes = set(getattr(model, "_no_split_modules", None) or ())
-    named = [n for n, m in model.named_modules() if type(m).__name__ in classes]
+    named = [
+        n
+        for n, m in model.named_modules()
+        if type(m).__name__ in classes and n.rsplit(".", 1)[-1].isdigit()
+    ]
     if named:
         return named
     stacks = [
@@ -108,13 +112,23 @@ def lora_targets(model: torch.nn.Module, wanted: str, module: str, model_name: s
 
 
 def head_modules(model: torch.nn.Module, num_labels: int, module: str, name: str) -> list[str]:
-    """The classification head, which trains in full (PEFT's `modules_to_save`): a Hugging
-    Face model's top-level modules other than its base model (`classifier`, `score`, or
-    ModernBERT's `head` and `classifier`); for another module, the top-level module holding
-    the last linear layer with one output per label."""
+    """The classification head, which trains in full (PEFT's `modules_to_save`). For a Hugging
+    Face model: what lies after its repeated blocks, the base model's modules registered after
+    the one holding them (BERT's pooler, which a checkpoint trained for embeddings, MiniLM's
+    among them, does not hold and `from_pretrained` initializes anew; Llama's final norm), and
+    its top-level modules other than the base model (`classifier`, `score`). For another
+    module: the top-level module holding the last linear layer with one output per label."""
     prefix = getattr(model, "base_model_prefix", "")
-    if prefix and hasattr(model, prefix):
+    base = getattr(model, prefix, None) if prefix else None
+    if isinstance(base, torch.nn.Module):
+        blocks = repeated_blocks(model)
+        holder = blocks[0].split(".")[1] if blocks and blocks[0].startswith(f"{prefix}.") else None
+        children = [n for n, _ in base.named_children()]
+        after = children[children.index(holder) + 1 :] if holder in children else []
         heads = [
+            f"{prefix}.{n}" for n in after if any(True for _ in base.get_submodule(n).parameters())
+        ]
+        heads += [
             n
             for n, child in model.named_children()
             if n != prefix and any(True for _ in child.parameters())
@@ -189,7 +203,7 @@ def prepare(
 
         targets = lora_targets(model, hp["lora_target_modules"], module, name)
         heads = head_modules(model, num_labels, module, name)
-        targets = [t for t in targets if t.split(".")[0] not in heads]
+        targets = [t for t in targets if not any(t == h or t.startswith(h + ".") for h in heads)]
         names = [n for n, _ in model.named_modules()]
         heads = [suffix_of_its_own(head, names) for head in heads]
         config = LoraConfig(

@@ -56,9 +56,10 @@ def hp(**overrides) -> dict:
 
 
 def test_auto_targets_are_the_linear_layers_of_the_repeated_blocks():
-    """BERT (MiniLM's class) names no `_no_split_modules`: its blocks are found as the longest
-    list of modules of one class; Llama's are named by its own `_no_split_modules`. The head
-    trains in full and gets no adapter; BERT's pooler, outside the blocks, stays frozen."""
+    """The blocks are the listed modules of the classes `_no_split_modules` names (BERT also
+    names its embeddings, which sit in no list). The head trains in full and gets no adapter:
+    what lies after the blocks (BERT's pooler, which MiniLM's checkpoint lacks and
+    from_pretrained initializes anew; Llama's final norm) and the classifier."""
     bert, llama = tiny_bert(), tiny_llama()
     assert lora_targets(bert, "auto", "fns", "m") == [
         "attention.output.dense", "attention.self.key", "attention.self.query",
@@ -68,14 +69,19 @@ def test_auto_targets_are_the_linear_layers_of_the_repeated_blocks():
         "mlp.down_proj", "mlp.gate_proj", "mlp.up_proj",
         "self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj",
     ]  # fmt: skip
-    assert head_modules(bert, LABELS, "fns", "m") == ["classifier"]
-    assert head_modules(llama, LABELS, "fns", "m") == ["score"]
+    assert head_modules(bert, LABELS, "fns", "m") == ["bert.pooler", "classifier"]
+    assert head_modules(llama, LABELS, "fns", "m") == ["model.norm", "score"]
     assert head_modules(BagOfEmbeddings(200, LABELS), LABELS, "fns", "m") == ["classifier"]
 
     model, applied = prepare(bert, hp(lora_r=2), LABELS, "fns")
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert trained and all("lora_" in n or ".classifier." in n for n in trained)
-    assert not any("pooler" in n for n in trained)
+    in_full = [n for n in trained if "lora_" not in n]
+    assert in_full == [
+        "base_model.model.bert.pooler.modules_to_save.default.dense.weight",
+        "base_model.model.bert.pooler.modules_to_save.default.dense.bias",
+        "base_model.model.classifier.modules_to_save.default.weight",
+        "base_model.model.classifier.modules_to_save.default.bias",
+    ]
     assert applied.trained_parameters == sum(
         p.numel() for p in model.parameters() if p.requires_grad
     )
@@ -213,7 +219,7 @@ def test_a_lora_run_keeps_only_what_trains_and_says_so(lora_run):
     report = json.loads((models / "output/step_metadata.json").read_text())
     assert report["finetuning"] == "lora" and report["gradient_checkpointing"] is True
     assert report["lora"]["r"] == 4 and report["lora"]["alpha"] == 16
-    assert report["lora"]["modules_to_save"] == ["classifier"]
+    assert report["lora"]["modules_to_save"] == ["bert.pooler", "classifier"]
     assert report["parameters"] > 20 * report["trained_parameters"] > 0
     assert report["peak_memory"][0]["host_max_rss_bytes"] > 100 * 2**20
     assert report["exports"]["torchscript"]["passed"] and report["exports"]["exported"]["passed"]
@@ -254,7 +260,8 @@ def test_the_lora_adapter_loads_with_peft_and_gives_the_merged_models_logits(lor
     query = "bert.encoder.layer.0.attention.self.query.weight"
     assert not torch.equal(merged.state_dict()[query], pretrained[query])
     weights = load_file(str(models / "model/adapter/adapter_model.safetensors"))
-    assert any("classifier" in k for k in weights) and any("lora_B" in k for k in weights)
+    assert any("classifier" in k for k in weights) and any("pooler" in k for k in weights)
+    assert any("lora_B" in k for k in weights)
     assert any(torch.count_nonzero(v) for k, v in weights.items() if "lora_B" in k)
 
 
