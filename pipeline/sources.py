@@ -325,6 +325,14 @@ def log_reused(sources: Sources) -> None:
 RESUMABLE = ("failed", "interrupted", "abandoned")
 
 
+# What a --resume may change: the shape of the training job, not what it trains. A checkpoint
+# of one number of processes loads in another (steps/checkpointing.py `load_checkpoint`).
+RESHAPING = tuple(
+    f"[training] {key}"
+    for key in ("PROCESSES_PER_HOST", "INSTANCE_COUNT", "USE_DISTRIBUTED", "INSTANCE_TYPE")
+)
+
+
 def resumed_run(
     settings: Settings, store: Store, tree: ExperimentTree, run_num: int, steps: list[str] | None
 ) -> tuple[RunTree, md.Metadata, list[str], Sources]:
@@ -340,10 +348,18 @@ def resumed_run(
             "leave out --steps"
         )
     changed = settings_changes(store.get_bytes(run.settings).decode(), settings.applied_ini)
-    if changed:
+    reshaped = [c for c in changed if c.startswith(RESHAPING)]
+    if len(reshaped) < len(changed):
+        others = [c for c in changed if c not in reshaped]
         raise PipelineError(
             f"--resume {run_num}: the settings differ from the ones run {run.label} started with "
-            f"({'; '.join(changed)}); resume with those, or start a new run"
+            f"({'; '.join(others)}); resume with those, or start a new run (only "
+            f"{', '.join(k.removeprefix('[training] ') for k in RESHAPING)} may change)"
+        )
+    if reshaped:
+        log.info(
+            f"resuming run {run.label} on another job shape ({'; '.join(reshaped)}): training "
+            "goes on from its checkpoints with the new number of processes"
         )
     steps_done = record.get("steps", {}).items()
     done = {name for name, section in steps_done if section.get("status") == "completed"}

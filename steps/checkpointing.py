@@ -97,6 +97,9 @@ class ResumableBatchSampler:
         self.batches_per_epoch = self.steps_per_epoch * accumulation
         self.epoch = 0
         self.start = 0  # micro-batches of this epoch already consumed
+        # Resumed from a checkpoint of another shape: (its processes, per-device batch,
+        # accumulation), or None (load_state_dict).
+        self.resharded: tuple | None = None
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = epoch, start
@@ -108,14 +111,31 @@ class ResumableBatchSampler:
             "seed": self.seed,
             "n": self.n,
             "world": self.world,
+            "per_device": self.per_device,
+            "accumulation": self.accumulation,
             "grouped": self.lengths is not None,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        mine = (self.n, self.world, self.seed, self.lengths is not None)
-        if (state["n"], state["world"], state["seed"], state.get("grouped", False)) != mine:
+        """The position of a checkpoint's epoch. Written by another number of processes (a
+        resume after PROCESSES_PER_HOST or INSTANCE_COUNT changed), it is taken in optimizer
+        steps: a checkpoint is written between two (`start` is a whole number of accumulation
+        groups), and the rest of the epoch is this world's batches from the same step on. The
+        rows of that rest are then drawn in this world's order: the epoch is not the one an
+        uninterrupted run would have seen, and `resharded` says so."""
+        mine = (self.n, self.seed, self.lengths is not None)
+        if (state["n"], state["seed"], state.get("grouped", False)) != mine:
             raise ValueError(f"sampler state is for another run: {state}")
+        shape = (state["world"], state.get("per_device"), state.get("accumulation"))
         self.epoch, self.start = state["epoch"], state["start"]
+        self.resharded = (
+            shape if shape != (self.world, self.per_device, self.accumulation) else None
+        )
+        if self.resharded and shape[2] is None:  # written before the shape was recorded
+            raise ValueError(f"sampler state is for {state['world']} processes, not {self.world}")
+        if self.resharded:
+            steps = state["start"] // state["accumulation"]
+            self.start = min(steps, self.steps_per_epoch) * self.accumulation
 
     def __len__(self) -> int:
         return self.batches_per_epoch - self.start
@@ -216,6 +236,11 @@ class State:
         for key in STATE_FIELDS:
             if key not in OBJECTS:
                 setattr(self, key, state[key])
+        if self.sampler.resharded:  # the same optimizer step in this world's micro-batches
+            steps = state["batch_in_epoch"] // state["sampler"]["accumulation"]
+            self.batch_in_epoch = (
+                min(steps, self.sampler.steps_per_epoch) * self.sampler.accumulation
+            )
 
 
 def rng_state() -> dict:
@@ -225,6 +250,13 @@ def rng_state() -> dict:
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
+
+
+def seed_rng(seed: int) -> None:
+    """Every generator a rank draws from, from one seed (a rank new to a resumed run)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def set_rng_state(state: dict) -> None:
@@ -430,17 +462,33 @@ def check_complete(path: Path) -> None:
 
 
 def load_checkpoint(path: Path, state: State, rank: int) -> dict | None:
-    """Load a checkpoint into `state` and this rank's RNG; return the best weights, if any."""
+    """Load a checkpoint into `state` and this rank's RNG; return the best weights, if any.
+    One written by another number of processes loads too: the model, optimizer and scheduler
+    are every process's alike (DDP), the position is taken in optimizer steps
+    (ResumableBatchSampler.load_state_dict), the epoch's loss so far goes to rank 0 whole, and
+    a rank the checkpoint did not have starts its RNG from the seed, its rank and the step."""
     check_complete(path)
     saved = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-    rank_file = path / f"rank{rank}.pt"
-    if not rank_file.exists():
-        raise FileNotFoundError(
-            f"{rank_file} is missing (was the checkpoint written by another world size?)"
-        )
-    own = torch.load(rank_file, map_location="cpu", weights_only=False)
+    written = saved["sampler"]["world"]
+    ranks = [rank] if written == state.sampler.world else list(range(written))
+    missing = [path / f"rank{r}.pt" for r in ranks if not (path / f"rank{r}.pt").exists()]
+    if missing:
+        raise FileNotFoundError(f"{missing[0]} is missing: the checkpoint is incomplete")
+    own = {
+        r: torch.load(path / f"rank{r}.pt", map_location="cpu", weights_only=False) for r in ranks
+    }
     state.load_state_dict(saved)
-    state.epoch_loss = own["epoch_loss"]
-    set_rng_state(own["rng"])
+    if written == state.sampler.world:
+        state.epoch_loss = own[rank]["epoch_loss"]
+        set_rng_state(own[rank]["rng"])
+    else:
+        losses = [o["epoch_loss"] for o in own.values()]
+        state.epoch_loss = (
+            [sum(x[0] for x in losses), sum(x[1] for x in losses)] if rank == 0 else [0.0, 0.0]
+        )
+        if rank in own:
+            set_rng_state(own[rank]["rng"])
+        else:
+            seed_rng(state.seed * 1000003 + state.step * 101 + rank)
     best = path / BEST_FILE
     return torch.load(best, map_location="cpu", weights_only=False) if best.exists() else None

@@ -4,8 +4,7 @@ classification head in full (FINETUNING = lora, through PEFT); and gradient chec
 The user's `load_model` returns the Hugging Face model as it always does; this module wraps it.
 A model it returns already wrapped with PEFT is taken as it is. What trains is what requires a
 gradient: the optimizer, the checkpoints and the best weights hold only that (with LoRA, the
-adapters and the head: torchtune keeps "only the adapter weights" in intermediate LoRA
-checkpoints, and PEFT's own `save_pretrained` saves the same set). At the end the adapters are
+adapters and the head, the set PEFT's own `save_pretrained` saves). At the end the adapters are
 merged into the weights (`merge_and_unload`), so the final model is a plain model that
 `from_pretrained`, the exports and inference read as any other, and the adapter is also written
 in PEFT's own format (`PeftModel.from_pretrained(base, <model>/adapter)` loads it).
@@ -13,6 +12,7 @@ in PEFT's own format (`PeftModel.from_pretrained(base, <model>/adapter)` loads i
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,11 +48,10 @@ class Finetuning:
 
 
 def is_peft(model: torch.nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:  # peft is a dependency; a model from without it cannot be one
-        return False
-    return isinstance(model, PeftModel)
+    """Whether the model is PEFT's. A model can be one only once peft is imported, and importing
+    it costs a job a second or more: a job that finetunes in full never does."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def repeated_blocks(model: torch.nn.Module) -> list[str]:

@@ -280,6 +280,19 @@ def resume(job: Job) -> None:
             f"resumed from {candidate} at step {state.step} "
             f"(epoch {state.epoch}, batch {state.batch_in_epoch})"
         )
+        if job.sampler.resharded:
+            world, per_device, accumulation = job.sampler.resharded
+            job.resumed_from["written_by"] = {
+                "processes": world,
+                "per_device_batch": per_device,
+                "accumulation": accumulation,
+            }
+            accelerator.print(
+                f"the checkpoint was written by {world} processes of {per_device} rows x "
+                f"{accumulation}, this job has {accelerator.num_processes} of "
+                f"{job.per_device} x {job.accumulation}: it goes on from the same optimizer "
+                f"step, the rest of epoch {state.epoch + 1} drawn in this job's order"
+            )
         break
     if accelerator.num_processes > 1:
         steps = accelerator.gather(torch.tensor([state.step], device=accelerator.device))

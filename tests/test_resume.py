@@ -384,7 +384,17 @@ def test_sampler_resumes_mid_epoch_with_the_unseen_batches():
     seen = [i for b in batches + list(other_rank) for i in b]
     assert set(seen) == set(range(50))  # every example, the padding wraps around
     with pytest.raises(ValueError, match="another run"):
-        resumed.load_state_dict({**full.state_dict(), "world": 4})
+        resumed.load_state_dict({**full.state_dict(), "n": 51})
+    # Another number of processes (a resume after PROCESSES_PER_HOST changed): the same
+    # optimizer step, in this world's micro-batches. One written before the shape was
+    # recorded is refused.
+    state = {**full.state_dict(), "world": 2, "per_device": 4, "accumulation": 1, "start": 3}
+    resumed.load_state_dict(state)
+    assert resumed.resharded == (2, 4, 1) and resumed.start == 3 * resumed.accumulation
+    with pytest.raises(ValueError, match="for 4 processes"):
+        resumed.load_state_dict(
+            {k: v for k, v in state.items() if k != "accumulation"} | {"world": 4}
+        )
 
 
 # The bag of embeddings with LoRA: an adapter on its embedding, its classifier in full (it has
@@ -416,6 +426,31 @@ def test_a_lora_job_killed_at_a_step_resumes_bitwise_equal(tmp_path, channels, l
     out = run_to_end(env, warm=warm)
     assert "resumed from" in out and "at step 12" in out
     assert_same(result(root), lora_baseline)
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
+def test_a_job_resumed_with_another_number_of_processes_goes_on_from_the_same_step(
+    tmp_path, channels, before, after, warm
+):
+    """A resume after PROCESSES_PER_HOST changed: the model, optimizer and scheduler are every
+    process's alike, the position is taken in optimizer steps (batch 8 is 4 rows x 2 on one
+    process, 4 x 1 on each of two), the epoch's loss so far is kept whole. It completes every
+    epoch, from the step it was checkpointed at, and says what the checkpoint was written by."""
+    root, env = job_root(tmp_path, channels, LORA)
+    kill_at(env, tmp_path / "gates", 14, signal.SIGKILL, processes=before, warm=warm)
+    out = run_to_end(env, processes=after, warm=warm)
+    assert f"the checkpoint was written by {before} processes" in out, out[-3000:]
+    report = json.loads((root / "output/data/step_metadata.json").read_text())
+    assert report["processes"] == after
+    # 4 steps into the second epoch, in the new world's micro-batches: 4 x its accumulation.
+    resumed = report["resumed_from"]
+    assert (resumed["step"], resumed["batch_in_epoch"]) == (12, 4 * (3 - after))
+    assert report["resumed_from"]["written_by"] == {
+        "processes": before, "per_device_batch": 4, "accumulation": 3 - before,
+    }  # fmt: skip
+    history = json.loads((root / "model/history.json").read_text())
+    assert [h["step"] for h in history] == [8, 16, 24]
+    assert all(0 < h["train_loss"] < 5 for h in history), history
 
 
 def test_a_resume_with_another_finetuning_method_is_refused_naming_both(tmp_path, channels, warm):
@@ -533,3 +568,70 @@ def test_a_model_with_the_wrong_number_of_outputs_is_refused_before_training(
     assert reason == ("train: ValueError: wide_functions.load_model returned a model with 8 outputs "
                       "for 3 labels: give it one output per label (num_labels=len(id2label))")  # fmt: skip
     assert "step=1/" not in out and not list((root / "model").iterdir())
+
+
+# The demo's functions, their model made to fail in the 10th training forward pass of a job
+# (step 5 at 2 micro-batches a step) while the file FAIL names exists: a run that fails in
+# training after its checkpoint of step 4.
+FAILING = """
+from pathlib import Path
+
+from user_functions import encode, load_tokenizer, ordered_input_keys, reconcile  # noqa: F401
+from user_functions import load_model as demo_model
+
+FAIL = {fail!r}
+
+
+def load_model(model_name, id2label, label2id):
+    model = demo_model(model_name, id2label, label2id)
+    forwards = []
+
+    def count(module, args):
+        if module.training:
+            forwards.append(1)
+            if len(forwards) == 10 and Path(FAIL).exists():
+                raise RuntimeError("failing on purpose, at step 5")
+
+    model.register_forward_pre_hook(count)
+    return model
+"""
+
+
+def test_a_run_resumed_with_more_processes_goes_on_from_its_checkpoint(tmp_path, demo_raw):
+    """`--resume` after PROCESSES_PER_HOST changed: the driver allows the job's shape to change
+    (and nothing else), and the training job loads the one-process checkpoint with two."""
+    from pipeline.config import load_settings
+    from pipeline.driver import parse_steps, run_pipeline
+    from pipeline.errors import PipelineError
+    from tests.conftest import write_settings
+
+    fail = tmp_path / "fail"
+    fail.write_text("")
+    (tmp_path / "failing_functions.py").write_text(FAILING.format(fail=str(fail)))
+
+    def settings(**training):
+        path = write_settings(
+            tmp_path / "settings.ini", str(tmp_path / "store"),
+            experiment={"USER_FUNCTIONS": "failing_functions"}, data={"RAW_DATA": str(demo_raw)},
+            models={"MODEL_NAMES": "bow"},
+            training={"CHECKPOINT_EVERY_STEPS": "2", "KEEP_CHECKPOINTS": "2", **training},
+        )  # fmt: skip
+        return load_settings(path, env={})
+
+    store = LocalStore(tmp_path / "store")
+    with pytest.raises(PipelineError, match="failing on purpose"):
+        run_pipeline(settings(), store, parse_steps(None), echo=io.StringIO())
+    fail.unlink()
+    with pytest.raises(PipelineError, match=r"\[training\] EPOCHS: 1 -> 2\); resume with those"):
+        run_pipeline(settings(EPOCHS="2", USE_DISTRIBUTED="true", PROCESSES_PER_HOST="2"),
+                     store, parse_steps(None), echo=io.StringIO(), resume=1)  # fmt: skip
+    echo = io.StringIO()
+    record = run_pipeline(
+        settings(USE_DISTRIBUTED="true", PROCESSES_PER_HOST="2"), store, parse_steps(None),
+        echo=echo, resume=1,
+    )  # fmt: skip
+    assert record["status"] == "completed", echo.getvalue()[-3000:]
+    report = record["steps"]["train"]["details"]["models"]["bow"]
+    assert report["processes"] == 2 and report["resumed_from"]["step"] == 4
+    assert report["resumed_from"]["written_by"]["processes"] == 1
+    assert report["history"][-1]["step"] == 6
