@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -188,6 +189,9 @@ def ours(work: Path, name: str, finetuning: str, steps: int, limit_gb: float | N
         }
     if done.returncode != 0:
         figures["failure"] = (done.stdout + done.stderr).strip().splitlines()[-12:]
+    # The run's models and checkpoints are 8 to 20 GB a run: gone once read (its data stays,
+    # for the Trainer's side).
+    shutil.rmtree(work / "store" / name / "runs", ignore_errors=True)
     return figures
 
 

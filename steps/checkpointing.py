@@ -126,16 +126,28 @@ class ResumableBatchSampler:
         mine = (self.n, self.seed, self.lengths is not None)
         if (state["n"], state["seed"], state.get("grouped", False)) != mine:
             raise ValueError(f"sampler state is for another run: {state}")
-        shape = (state["world"], state.get("per_device"), state.get("accumulation"))
+        if "accumulation" not in state:  # written before the shape was recorded
+            if state["world"] != self.world:
+                raise Unresumable(
+                    f"the checkpoints were written by {state['world']} processes, by a version "
+                    f"that did not record their batch split; this job has {self.world}: resume "
+                    f"with {state['world']}, or start a new run"
+                )
+            state = {**state, "per_device": self.per_device, "accumulation": self.accumulation}
+        shape = (state["world"], state["per_device"], state["accumulation"])
+        mine = (self.world, self.per_device, self.accumulation)
+        rows, my_rows = math.prod(shape), math.prod(mine)
+        if rows != my_rows:  # an optimizer step of other rows: its step count means other data
+            raise Unresumable(
+                f"the checkpoints' optimizer steps are {rows} rows ({shape[0]} processes x "
+                f"{shape[1]} x {shape[2]} accumulated), this job's are {my_rows} ({mine[0]} x "
+                f"{mine[1]} x {mine[2]}): resume with a number of processes that splits "
+                "BATCH_SIZE the same way, or start a new run"
+            )
         self.epoch, self.start = state["epoch"], state["start"]
-        self.resharded = (
-            shape if shape != (self.world, self.per_device, self.accumulation) else None
-        )
-        if self.resharded and shape[2] is None:  # written before the shape was recorded
-            raise ValueError(f"sampler state is for {state['world']} processes, not {self.world}")
+        self.resharded = shape if shape != mine else None
         if self.resharded:
-            steps = state["start"] // state["accumulation"]
-            self.start = min(steps, self.steps_per_epoch) * self.accumulation
+            self.start = state["start"] // state["accumulation"] * self.accumulation
 
     def __len__(self) -> int:
         return self.batches_per_epoch - self.start
@@ -168,8 +180,13 @@ class ResumableBatchSampler:
             yield batches[b][self.rank * self.per_device : (self.rank + 1) * self.per_device]
 
 
-class OtherMethod(ValueError):
-    """The checkpoints train another part of the model than this job: no older one will do."""
+class Unresumable(ValueError):
+    """No checkpoint of this run will load in this job (every one was written the same way):
+    the job stops, saying why, rather than train from step 1."""
+
+
+class OtherMethod(Unresumable):
+    """The checkpoints train another part of the model than this job."""
 
 
 @dataclass
@@ -225,22 +242,21 @@ class State:
                 f"FINETUNING = {self.finetuning}: resume with FINETUNING = {written}, or start "
                 "a new run"
             )
-        # Every key and shape is checked before the model is touched: a foreign checkpoint
-        # fails without leaving a half-loaded model behind (the previous one is tried next).
+        # The sampler, then every key and shape, are checked before the model is touched: a
+        # foreign checkpoint fails without leaving a half-loaded model behind (the previous one
+        # is tried next).
+        self.sampler.load_state_dict(state["sampler"])
         load_trained_state(self.model, state["model"], self.finetuning)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
-        self.sampler.load_state_dict(state["sampler"])
         for key in STATE_FIELDS:
             if key not in OBJECTS:
                 setattr(self, key, state[key])
         if self.sampler.resharded:  # the same optimizer step in this world's micro-batches
             steps = state["batch_in_epoch"] // state["sampler"]["accumulation"]
-            self.batch_in_epoch = (
-                min(steps, self.sampler.steps_per_epoch) * self.sampler.accumulation
-            )
+            self.batch_in_epoch = steps * self.sampler.accumulation
 
 
 def rng_state() -> dict:
@@ -264,7 +280,9 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # One state per GPU the writer had; an instance of another type may have fewer.
+        for device, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, device)
 
 
 def _fsync_dir(path: Path) -> None:

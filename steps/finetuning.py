@@ -110,20 +110,25 @@ def lora_targets(model: torch.nn.Module, wanted: str, module: str, model_name: s
     return sorted(relative)
 
 
-def head_modules(model: torch.nn.Module, num_labels: int, module: str, name: str) -> list[str]:
+def head_modules(
+    model: torch.nn.Module, num_labels: int | None, module: str, name: str
+) -> list[str]:
     """The classification head, which trains in full (PEFT's `modules_to_save`). For a Hugging
     Face model: what lies after its repeated blocks, the base model's modules registered after
     the one holding them (BERT's pooler, which a checkpoint trained for embeddings, MiniLM's
     among them, does not hold and `from_pretrained` initializes anew; Llama's final norm), and
     its top-level modules other than the base model (`classifier`, `score`). For another
-    module: the top-level module holding the last linear layer with one output per label."""
+    module: the top-level module holding the last linear layer with one output per label (any
+    last linear layer where the labels are not known yet: `num_labels` None)."""
     prefix = getattr(model, "base_model_prefix", "")
     base = getattr(model, prefix, None) if prefix else None
     if isinstance(base, torch.nn.Module):
-        blocks = repeated_blocks(model)
-        holder = blocks[0].split(".")[1] if blocks and blocks[0].startswith(f"{prefix}.") else None
+        # After the last child holding blocks: an encoder-decoder (BART, T5) holds them in two.
+        blocks = [b for b in repeated_blocks(model) if b.startswith(f"{prefix}.")]
+        holders = {b.split(".")[1] for b in blocks}
         children = [n for n, _ in base.named_children()]
-        after = children[children.index(holder) + 1 :] if holder in children else []
+        held = [i for i, n in enumerate(children) if n in holders]
+        after = children[held[-1] + 1 :] if held else []
         heads = [
             f"{prefix}.{n}" for n in after if any(True for _ in base.get_submodule(n).parameters())
         ]
@@ -137,7 +142,7 @@ def head_modules(model: torch.nn.Module, num_labels: int, module: str, name: str
     last = [
         n.split(".")[0]
         for n, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and m.out_features == num_labels
+        if isinstance(m, torch.nn.Linear) and num_labels in (None, m.out_features)
     ]
     if not last:
         raise FinetuningError(
@@ -159,17 +164,29 @@ ADAPTER_PARTS = (
 )
 
 
-def suffix_of_its_own(head: str, names: list[str]) -> str:
-    """The head as PEFT's modules_to_save should name it. PEFT finds those by a plain suffix
-    (`key.endswith(name)`, peft/utils/other.py `_set_trainable`), so a head called `out`
-    would also catch every adapter's `lora_dropout`; a leading dot keeps the match to the
-    module itself where the plain name would catch another."""
-    others = [n for n in names if n != head] + list(ADAPTER_PARTS)
-    return f".{head}" if any(n.endswith(head) for n in others) else head
+def check_heads_alone(heads: list[str], names: list[str], module: str, name: str) -> None:
+    """PEFT finds modules_to_save by the end of their names alone (`key.endswith(name)`,
+    peft/utils/other.py `_set_trainable`), among the model's modules and the parts LoRA adds to
+    each adapted layer: a head called `out` would also catch every adapter's `lora_dropout`
+    (PEFT then fails) or a block's `attn.out`, and no other spelling singles it out (a leading
+    dot or a longer name matches nothing, and the head stays frozen without a word)."""
+    caught = {
+        head: [n for n in [*names, *ADAPTER_PARTS] if n != head and n.endswith(head)][:3]
+        for head in heads
+    }
+    caught = {head: others for head, others in caught.items() if others}
+    if caught:
+        said = "; ".join(f"{h} also ends {', '.join(o)}" for h, o in caught.items())
+        raise FinetuningError(
+            f"FINETUNING = lora: model {name!r} ({module}.load_model) has a head PEFT cannot "
+            f"name alone ({said}): PEFT finds the modules it trains in full by the end of their "
+            "names; give the head a name of its own (`classifier`), or wrap the model with "
+            "peft.get_peft_model in load_model"
+        )
 
 
 def prepare(
-    model: torch.nn.Module, hp: dict, num_labels: int, module: str
+    model: torch.nn.Module, hp: dict, num_labels: int | None, module: str
 ) -> tuple[torch.nn.Module, Finetuning]:
     """The model as it trains: gradient checkpointing on where asked, LoRA adapters where
     asked; and what was applied."""
@@ -193,18 +210,28 @@ def prepare(
             base.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
+    if getattr(model, "_hf_peft_config_loaded", False):  # transformers' own add_adapter
+        raise FinetuningError(
+            f"model {name!r}: {module}.load_model returned a model with adapters added by "
+            "transformers' add_adapter; return it without them (FINETUNING = lora adds LoRA's), "
+            "or wrap it with peft.get_peft_model"
+        )
     settings: dict = {}
     if hp["finetuning"] == "lora" and is_peft(model):
-        config = model.peft_config[model.active_adapter]
-        settings = {"from": "load_model", "peft_type": str(config.peft_type.value)}
+        settings = user_peft_model(model, name, module)
     elif hp["finetuning"] == "lora":
         from peft import LoraConfig, get_peft_model
 
         targets = lora_targets(model, hp["lora_target_modules"], module, name)
         heads = head_modules(model, num_labels, module, name)
         targets = [t for t in targets if not any(t == h or t.startswith(h + ".") for h in heads)]
-        names = [n for n, _ in model.named_modules()]
-        heads = [suffix_of_its_own(head, names) for head in heads]
+        if not targets:
+            raise FinetuningError(
+                f"LORA_TARGET_MODULES = {hp['lora_target_modules']}: model {name!r} "
+                f"({module}.load_model) has no module to adapt outside its head "
+                f"({', '.join(heads)}, which trains in full)"
+            )
+        check_heads_alone(heads, [n for n, _ in model.named_modules()], module, name)
         config = LoraConfig(
             r=hp["lora_r"],
             lora_alpha=hp["lora_alpha"],
@@ -231,6 +258,25 @@ def prepare(
     return model, Finetuning(method, settings, hp["gradient_checkpointing"], parameters, trained)
 
 
+def user_peft_model(model: torch.nn.Module, name: str, module: str) -> dict:
+    """A PEFT model load_model made, taken as it is where it can train and be merged: what it
+    is, for the report."""
+    config = model.peft_config[model.active_adapter]
+    kind = str(config.peft_type.value)
+    if not callable(getattr(model.base_model, "merge_and_unload", None)):
+        raise FinetuningError(
+            f"model {name!r}: {module}.load_model returned a PEFT model of type {kind}, whose "
+            "adapters cannot be merged into the weights; FINETUNING = lora takes LoRA's (or "
+            "return the model without adapters and let the pipeline add them)"
+        )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise FinetuningError(
+            f"model {name!r}: {module}.load_model returned a PEFT model with nothing to train "
+            "(PeftModel.from_pretrained loads adapters frozen unless is_trainable=True)"
+        )
+    return {"from": "load_model", "peft_type": kind}
+
+
 # The labels the check's models are built with: the real ones come from reconcile, later.
 CHECK_LABELS = {0: "LABEL_0", 1: "LABEL_1"}
 
@@ -238,9 +284,11 @@ CHECK_LABELS = {0: "LABEL_0", 1: "LABEL_1"}
 def check_models(functions, settings: dict[str, dict]) -> list[str]:
     """Before any job: each model whose settings ask something of it (hyperparameters.py
     `asks_of_the_model`), built by the user's load_model on the meta device (Accelerate's
-    init_empty_weights: no weights read or allocated, so a 7B model is checked in a second),
-    and its LoRA targets, head and gradient checkpointing found as the training job finds
-    them. Every problem, each naming the model, the key and load_model."""
+    init_empty_weights: no memory is allocated for the weights, so a 7B model built from its
+    config is checked in a second; `from_pretrained` still reads its checkpoint's files), and
+    its LoRA targets, head and gradient checkpointing found as the training job finds them
+    (the head by its place: the labels are not known yet). Every problem, each naming the
+    model, the key and load_model."""
     from accelerate import init_empty_weights
 
     problems = []
@@ -257,7 +305,7 @@ def check_models(functions, settings: dict[str, dict]) -> list[str]:
                     f"got {type(model).__name__}"
                 )
                 continue
-            prepare(model, {**hp, "model_name": name}, len(CHECK_LABELS), functions.module)
+            prepare(model, {**hp, "model_name": name}, None, functions.module)
         except FinetuningError as e:
             problems.append(str(e))
         except Exception as e:  # noqa: BLE001 - the user's code, or PEFT on what it returned

@@ -259,7 +259,7 @@ def resume(job: Job) -> None:
     for candidate in ckpt.resume_candidates(job.env.checkpoint_dir):
         try:
             job.best_weights = ckpt.load_checkpoint(candidate, state, accelerator.process_index)
-        except ckpt.OtherMethod:  # every checkpoint of the run is: none will load
+        except ckpt.Unresumable:  # every checkpoint of the run is so: none will load
             raise
         except Exception as e:  # a truncated or foreign checkpoint: say which, try the one before
             accelerator.print(
@@ -496,8 +496,7 @@ def keep_model(job: Job) -> None:
     # (steps/export.py).
     kept = hp["exports"] != "none"
     final = final.float().eval().cpu()
-    with timed("merge"):
-        final, merge = merged(final, job)
+    final, merge = merged(final, job)
     formats = hp["exports"].split(",") if kept else []
     with timed("exports"):
         failed, checks = write_programs(
@@ -527,8 +526,9 @@ def keep_model(job: Job) -> None:
     write_report(job, exports, merge)
 
 
-# How far the merged model's logits may be from the adapters' (fp32, on the CPU): merging adds
-# B @ A * alpha / r to each weight once, so only the order of float additions differs.
+# How far the merged model's logits may be from the adapters' (fp32, on the CPU), relative to
+# the largest logit (at least 1): merging adds B @ A * alpha / r to each weight once, so only
+# the order of float additions differs.
 MERGE_TOLERANCE = 1e-4
 
 
@@ -539,15 +539,16 @@ def merged(final: torch.nn.Module, job: Job) -> tuple[torch.nn.Module, dict]:
     if job.finetuning.method != "lora":
         return final, {}
     rows = check_batches(job.val_batches)
-    with torch.no_grad():
+    with torch.no_grad(), timed("merge"):
         before = [logits_of(final(**{k: b[k] for k in job.keys})) for b in rows]
         final = final_model(final, job.env.model_dir)
         after = [logits_of(final(**{k: b[k] for k in job.keys})) for b in rows]
     difference = max(float((a - b).abs().max()) for a, b in zip(after, before, strict=True))
-    if difference > MERGE_TOLERANCE:
+    allowed = MERGE_TOLERANCE * max([1.0] + [float(b.abs().max()) for b in before])
+    if difference > allowed:
         raise RuntimeError(
             f"the merged model's logits differ from the adapters' by {difference:.3g} "
-            f"(at most {MERGE_TOLERANCE:g}): no model of this job is kept"
+            f"(at most {allowed:.3g}): no model of this job is kept"
         )
     return final, {"max_abs_difference": difference, "passed": True}
 

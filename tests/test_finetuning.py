@@ -17,6 +17,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import (
     AutoModelForSequenceClassification,
+    BartConfig,
+    BartForSequenceClassification,
     BertConfig,
     BertForSequenceClassification,
     LlamaConfig,
@@ -124,6 +126,84 @@ def test_gradient_checkpointing_needs_a_transformers_model():
         match=r"GRADIENT_CHECKPOINTING = true: model 'bow' \(fns.load_model, BagOfEmbeddings\) has no gradient_checkpointing_enable",
     ):
         prepare(BagOfEmbeddings(200, LABELS), hp(model_name="bow", finetuning="full", gradient_checkpointing=True), LABELS, "fns")  # fmt: skip
+
+
+def test_an_encoder_decoder_trains_its_classification_head_in_full_and_adapts_both_stacks():
+    """BART holds its blocks in two children (encoder, decoder): the head is what follows the
+    last of them, here none in the base model, and the top-level classification head."""
+    config = BartConfig(vocab_size=200, d_model=16, encoder_layers=2, decoder_layers=2,
+                        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                        decoder_ffn_dim=32, max_position_embeddings=64, num_labels=LABELS)  # fmt: skip
+    bart = BartForSequenceClassification(config)
+    assert head_modules(bart, LABELS, "fns", "m") == ["classification_head"]
+    model, applied = prepare(bart, hp(lora_r=2), LABELS, "fns")
+    adapted = {n.split(".lora_A")[0] for n, _ in model.named_parameters() if ".lora_A." in n}
+    assert any(".encoder.layers." in n for n in adapted)
+    assert any(".decoder.layers." in n for n in adapted)
+
+
+def test_a_head_whose_name_peft_cannot_single_out_is_refused():
+    """PEFT matches modules_to_save by the end of a name: a head called `out` would also catch
+    each block's `attn.out` and each adapter's `lora_dropout`, and no other spelling of it
+    matches the head alone (a leading dot leaves it frozen without a word)."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.Module()
+            self.attn.out = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.attn.out(x)
+
+    class Custom(torch.nn.Module):
+        def __init__(self, head: str):
+            super().__init__()
+            self.emb = torch.nn.Embedding(50, 8)
+            self.layers = torch.nn.ModuleList([Block(), Block()])
+            self.head = head
+            setattr(self, head, torch.nn.Linear(8, LABELS))
+
+        def forward(self, input_ids):
+            x = self.emb(input_ids)
+            for layer in self.layers:
+                x = layer(x)
+            return getattr(self, self.head)(x.mean(1))
+
+    with pytest.raises(
+        FinetuningError,
+        match=r"has a head PEFT cannot name alone \(out also ends layers.0.attn.out",
+    ):
+        prepare(Custom("out"), hp(lora_r=2), LABELS, "fns")  # fmt: skip
+    model, applied = prepare(Custom("classifier"), hp(lora_r=2), LABELS, "fns")
+    assert applied.settings["target_modules"] == ["attn.out"]
+    in_full = [n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n]
+    assert in_full == ["base_model.model.classifier.modules_to_save.default.weight",
+                       "base_model.model.classifier.modules_to_save.default.bias"]  # fmt: skip
+
+
+def test_targets_that_leave_nothing_outside_the_head_are_refused():
+    with pytest.raises(FinetuningError, match="has no module to adapt outside its head"):
+        prepare(tiny_bert(), hp(lora_target_modules="classifier"), LABELS, "fns")
+
+
+def test_a_peft_model_that_cannot_train_or_merge_is_refused():
+    """Prompt tuning has nothing to merge into the weights; adapters loaded frozen
+    (PeftModel.from_pretrained without is_trainable) train nothing."""
+    from peft import PromptTuningConfig
+
+    prompt = get_peft_model(
+        tiny_bert(), PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=2)
+    )
+    with pytest.raises(
+        FinetuningError, match="PEFT model of type PROMPT_TUNING, whose adapters cannot be merged"
+    ):
+        prepare(prompt, hp(), LABELS, "fns")  # fmt: skip
+    frozen = get_peft_model(tiny_bert(), LoraConfig(r=2, target_modules=["query"]))
+    for parameter in frozen.parameters():
+        parameter.requires_grad_(False)
+    with pytest.raises(FinetuningError, match="a PEFT model with nothing to train"):
+        prepare(frozen, hp(), LABELS, "fns")
 
 
 def test_a_peft_model_from_load_model_is_taken_as_it_is():

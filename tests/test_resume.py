@@ -388,13 +388,18 @@ def test_sampler_resumes_mid_epoch_with_the_unseen_batches():
     # Another number of processes (a resume after PROCESSES_PER_HOST changed): the same
     # optimizer step, in this world's micro-batches. One written before the shape was
     # recorded is refused.
-    state = {**full.state_dict(), "world": 2, "per_device": 4, "accumulation": 1, "start": 3}
+    state = {**full.state_dict(), "world": 4, "per_device": 4, "accumulation": 1, "start": 3}
     resumed.load_state_dict(state)
-    assert resumed.resharded == (2, 4, 1) and resumed.start == 3 * resumed.accumulation
-    with pytest.raises(ValueError, match="for 4 processes"):
-        resumed.load_state_dict(
-            {k: v for k, v in state.items() if k != "accumulation"} | {"world": 4}
-        )
+    assert resumed.resharded == (4, 4, 1) and resumed.start == 3 * resumed.accumulation
+    # Steps of other rows (the step count would mean other data), and another world from
+    # before the split was recorded: refused, as no checkpoint of the run would load.
+    with pytest.raises(ckpt.Unresumable, match=r"optimizer steps are 8 rows \(2 processes x 4 x 1"):
+        resumed.load_state_dict({**state, "world": 2})
+    old = {k: v for k, v in full.state_dict().items() if k not in ("per_device", "accumulation")}
+    with pytest.raises(ckpt.Unresumable, match="written by 4 processes, by a version"):
+        resumed.load_state_dict({**old, "world": 4})
+    resumed.load_state_dict(old)  # the same world: loads, as before
+    assert resumed.resharded is None
 
 
 # The bag of embeddings with LoRA: an adapter on its embedding, its classifier in full (it has

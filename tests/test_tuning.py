@@ -412,10 +412,10 @@ def test_an_interrupted_study_resumes_with_its_finished_trials(tmp_path, monkeyp
 # layer for LoRA's adapters (PEFT adapts no EmbeddingBag).
 REVIEWS_HIDDEN = REVIEWS.replace(
     "        self.out = nn.Linear(16, n)",
-    "        self.mid = nn.Linear(16, 16)\n        self.out = nn.Linear(16, n)",
+    "        self.mid = nn.Linear(16, 16)\n        self.classifier = nn.Linear(16, n)",
 ).replace(
     "return self.out(self.emb(token_ids, per_sample_weights=mask.float()))",
-    "return self.out(torch.relu(self.mid(self.emb(token_ids, per_sample_weights=mask.float()))))",
+    "return self.classifier(torch.relu(self.mid(self.emb(token_ids, per_sample_weights=mask.float()))))",
 )
 
 
@@ -447,6 +447,6 @@ def test_a_study_searches_lora_r_and_its_best_model_keeps_its_adapter(tmp_path):
     assert kept["finetuning"] == "lora" and kept["exports"]["torchscript"]["passed"]
     adapter = json.loads((promoted / "adapter/adapter_config.json").read_text())
     assert adapter["r"] == kept["lora"]["r"] == report["lora"]["r"]
-    # `out` as PEFT's modules_to_save would also catch each adapter's `lora_dropout`
-    # (finetuning.suffix_of_its_own): `.out` is the head alone.
-    assert adapter["target_modules"] == ["mid"] and adapter["modules_to_save"] == [".out"]
+    assert adapter["target_modules"] == ["mid"] and adapter["modules_to_save"] == ["classifier"]
+    # What trained: the adapter on `mid` (A: r x 16, B: 16 x r) and the head, in full.
+    assert report["trained_parameters"] == 32 * report["lora"]["r"] + 16 * 3 + 3
