@@ -506,8 +506,12 @@ def keep_model(job: Job) -> None:
         save_model(job, final)
     # The eager model's last use: each program is loaded back beside its logits only, so a
     # large model's weights are never held twice (a 1B model's 4 GB, docs/performance.md).
+    # With several processes the model stays: its DDP wrapper holds the process group, which
+    # every process lets go of at the same point, at the end (one let go early, and the other
+    # hung at its end once in the suite: 2026-11-27).
     del final
-    release_model(job)
+    if accelerator.num_processes == 1:
+        release_model(job)
     with timed("exports"):
         exports = check_programs(failed, checks, env.model_dir, formats)
     record_exports(env.model_dir, exports)
