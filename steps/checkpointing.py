@@ -487,7 +487,7 @@ def load_checkpoint(path: Path, state: State, rank: int) -> dict | None:
     a rank the checkpoint did not have starts its RNG from the seed, its rank and the step."""
     check_complete(path)
     saved = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-    written = saved["sampler"]["world"]
+    written = saved.get("sampler", {}).get("world", state.sampler.world)  # checked in load
     ranks = [rank] if written == state.sampler.world else list(range(written))
     missing = [path / f"rank{r}.pt" for r in ranks if not (path / f"rank{r}.pt").exists()]
     if missing:

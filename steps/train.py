@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
 from steps import checkpointing as ckpt
@@ -110,7 +110,7 @@ class Job:
     resumed_from: dict | None = None
     checkpoint_seconds: list[float] = field(default_factory=list)
     checkpoint_bytes: int | None = None  # the newest checkpoint's, as written (main process)
-    peak_memory: list[dict] = field(default_factory=list)  # per process (`finish`)
+    peak_memory: list[dict] = field(default_factory=list)  # per process (`end_epoch`)
     started: float = field(default_factory=time.time)
     epoch_started: float = 0.0
     loop_seconds: float = 0.0  # in train_epoch: the optimizer steps, nothing around them
@@ -280,8 +280,8 @@ def resume(job: Job) -> None:
             f"resumed from {candidate} at step {state.step} "
             f"(epoch {state.epoch}, batch {state.batch_in_epoch})"
         )
-        if job.sampler.resharded:
-            world, per_device, accumulation = job.sampler.resharded
+        if state.sampler.resharded:
+            world, per_device, accumulation = state.sampler.resharded
             job.resumed_from["written_by"] = {
                 "processes": world,
                 "per_device_batch": per_device,
@@ -290,7 +290,8 @@ def resume(job: Job) -> None:
             accelerator.print(
                 f"the checkpoint was written by {world} processes of {per_device} rows x "
                 f"{accumulation}, this job has {accelerator.num_processes} of "
-                f"{job.per_device} x {job.accumulation}: it goes on from the same optimizer "
+                f"{state.sampler.per_device} x {state.sampler.accumulation}: it goes on from "
+                "the same optimizer "
                 f"step, the rest of epoch {state.epoch + 1} drawn in this job's order"
             )
         break
@@ -319,15 +320,16 @@ def checkpoint(job: Job, new_best: dict | None = None) -> None:
         job.checkpoint_bytes = ckpt.size_of(ckpt.current_checkpoint(job.env.checkpoint_dir))
 
 
-def peak_memory(accelerator: Accelerator) -> dict:
-    """This process's peak memory: the GPU's allocated bytes on a GPU (what the model, its
-    gradients, optimizer state and activations took), the host's resident set on a CPU."""
+def peak_memory(accelerator: Accelerator) -> tuple[str, int]:
+    """This process's peak memory so far, and what it is: the GPU's allocated bytes on a GPU
+    (what the model, its gradients, optimizer state and activations took), the host's
+    resident set on a CPU."""
     if accelerator.device.type == "cuda":
-        return {"gpu_max_allocated_bytes": torch.cuda.max_memory_allocated(accelerator.device)}
+        return "gpu_max_allocated_bytes", torch.cuda.max_memory_allocated(accelerator.device)
     import resource
 
     # ru_maxrss is in kilobytes on Linux (getrusage(2)).
-    return {"host_max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return "host_max_rss_bytes", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def check_finite(job: Job, before: list[float]) -> None:
@@ -423,15 +425,13 @@ def end_epoch(job: Job) -> None:
             f"the validation loss is {scores['val_loss']} after optimizer step {state.step} "
             f"(epoch {state.epoch + 1}); the weights are no longer finite and no model is kept"
         )
-    losses = (
-        accelerator.gather(
-            torch.tensor(state.epoch_loss, dtype=torch.float64, device=accelerator.device).reshape(
-                1, 2
-            )
-        )
-        .reshape(-1, 2)
-        .sum(0)
-    )
+    # Each process's loss sum and batches, and its peak memory so far, in the one gather an
+    # epoch makes anyway: no collective of its own near the job's end (`leave` says why).
+    kind, peak = peak_memory(accelerator)
+    mine = torch.tensor([*state.epoch_loss, float(peak)], dtype=torch.float64)
+    rows = accelerator.gather(mine.to(accelerator.device).reshape(1, 3)).reshape(-1, 3).cpu()
+    job.peak_memory = [{"process": i, kind: int(row[2])} for i, row in enumerate(rows)]
+    losses = rows[:, :2].sum(0)
     train_loss = (losses[0] / losses[1].clamp(min=1)).item()
     record = {
         "epoch": state.epoch + 1,
@@ -466,11 +466,12 @@ def end_epoch(job: Job) -> None:
 def finish(job: Job) -> None:
     """The main process keeps the model; then every process leaves together (`leave`)."""
     job.accelerator.wait_for_everyone()
-    mine = {"process": job.accelerator.process_index, **peak_memory(job.accelerator)}
-    job.peak_memory = gather_object([mine]) if job.accelerator.num_processes > 1 else [mine]
     if job.accelerator.is_main_process:
         keep_model(job)
     leave(job)
+
+
+LET_GLOO_FINISH_SECONDS = 0.5
 
 
 def leave(job: Job) -> None:
@@ -481,6 +482,15 @@ def leave(job: Job) -> None:
     job.accelerator.wait_for_everyone()
     tracked(job)
     job.accelerator.end_training()
+    if job.accelerator.num_processes > 1:
+        # The gloo worker thread destroys each finished collective after the caller's wait
+        # returns, and needs the GIL to drop the tensors Python made; the process group is
+        # destroyed when this function's caller lets go of the model (DDP holds the group),
+        # with the GIL held, joining that thread. Back to back they deadlock (py-spy:
+        # ~ProcessGroupGloo in std::thread::join, the worker in ~AsyncAllgatherWork waiting
+        # for the GIL; a two-process job hung at its end so, 2026-11-27): a pause that holds
+        # no GIL lets the worker finish first.
+        time.sleep(LET_GLOO_FINISH_SECONDS)
 
 
 def keep_model(job: Job) -> None:
@@ -507,8 +517,9 @@ def keep_model(job: Job) -> None:
     # The eager model's last use: each program is loaded back beside its logits only, so a
     # large model's weights are never held twice (a 1B model's 4 GB, docs/performance.md).
     # With several processes the model stays: its DDP wrapper holds the process group, which
-    # every process lets go of at the same point, at the end (one let go early, and the other
-    # hung at its end once in the suite: 2026-11-27).
+    # every process then lets go of at the same point, at the end, as before. (A two-process
+    # job hung at its end once in the suite, 2026-11-27, after its main process had let go
+    # early; whether that was the cause is not established.)
     del final
     if accelerator.num_processes == 1:
         release_model(job)
@@ -627,10 +638,11 @@ def write_report(job: Job, exports: dict, merge: dict) -> None:
             **job.settings,
             **job.finetuning.record(),
             "lora_merge": merge or None,
-            # Each process's peak; the main one's read again now, its saving and exports in.
+            # Each process's peak at its last epoch's end (end_epoch); the main one's read again
+            # now, its saving and exports in.
             "peak_memory": [
-                {**p, **peak_memory(accelerator)} if p["process"] == 0 else p
-                for p in job.peak_memory
+                {"process": 0, peak_memory(accelerator)[0]: peak_memory(accelerator)[1]},
+                *[p for p in job.peak_memory if p["process"] != 0],
             ],
             "checkpoint_bytes": job.checkpoint_bytes,
             "checkpoints_written": len(job.checkpoint_seconds),
