@@ -189,27 +189,10 @@ def prepare(
     model: torch.nn.Module, hp: dict, num_labels: int | None, module: str
 ) -> tuple[torch.nn.Module, Finetuning]:
     """The model as it trains: gradient checkpointing on where asked, LoRA adapters where
-    asked; and what was applied."""
+    asked (or the user's own PEFT model, checked); and what was applied."""
     name = hp["model_name"]
     if hp["gradient_checkpointing"]:
-        base = model.get_base_model() if is_peft(model) else model
-        # transformers 5 renamed it activation_checkpointing_enable (the old name warns).
-        enable = getattr(base, "activation_checkpointing_enable", None)
-        if enable is None and not hasattr(base, "gradient_checkpointing_enable"):
-            raise FinetuningError(
-                f"GRADIENT_CHECKPOINTING = true: model {name!r} ({module}.load_model, "
-                f"{type(base).__name__}) has no gradient_checkpointing_enable (a transformers "
-                "PreTrainedModel has); set it to false for this model"
-            )
-        # Non-reentrant: recomputes exactly what the forward did (dropout included) and needs
-        # no input that requires a gradient, which frozen embeddings under LoRA would not give
-        # (https://pytorch.org/docs/stable/checkpoint.html).
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            base.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+        enable_checkpointing(model.get_base_model() if is_peft(model) else model, name, module)
     if getattr(model, "_hf_peft_config_loaded", False):  # transformers' own add_adapter
         raise FinetuningError(
             f"model {name!r}: {module}.load_model returned a model with adapters added by "
@@ -220,33 +203,7 @@ def prepare(
     if hp["finetuning"] == "lora" and is_peft(model):
         settings = user_peft_model(model, name, module)
     elif hp["finetuning"] == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        targets = lora_targets(model, hp["lora_target_modules"], module, name)
-        heads = head_modules(model, num_labels, module, name)
-        targets = [t for t in targets if not any(t == h or t.startswith(h + ".") for h in heads)]
-        if not targets:
-            raise FinetuningError(
-                f"LORA_TARGET_MODULES = {hp['lora_target_modules']}: model {name!r} "
-                f"({module}.load_model) has no module to adapt outside its head "
-                f"({', '.join(heads)}, which trains in full)"
-            )
-        check_heads_alone(heads, [n for n, _ in model.named_modules()], module, name)
-        config = LoraConfig(
-            r=hp["lora_r"],
-            lora_alpha=hp["lora_alpha"],
-            lora_dropout=hp["lora_dropout"],
-            target_modules=targets,
-            modules_to_save=heads,
-        )
-        model = get_peft_model(model, config)
-        settings = {
-            "r": hp["lora_r"],
-            "alpha": hp["lora_alpha"],
-            "dropout": hp["lora_dropout"],
-            "target_modules": targets,
-            "modules_to_save": heads,
-        }
+        model, settings = add_lora(model, hp, num_labels, module)
     elif is_peft(model):
         raise FinetuningError(
             f"model {name!r}: {module}.load_model returned a PEFT model, and FINETUNING is full; "
@@ -256,6 +213,58 @@ def prepare(
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     method = hp["finetuning"]
     return model, Finetuning(method, settings, hp["gradient_checkpointing"], parameters, trained)
+
+
+def enable_checkpointing(base: torch.nn.Module, name: str, module: str) -> None:
+    """The model's own gradient checkpointing, non-reentrant: it recomputes exactly what the
+    forward did (dropout included) and needs no input that requires a gradient, which frozen
+    embeddings under LoRA would not give (https://pytorch.org/docs/stable/checkpoint.html).
+    transformers 5 renamed it activation_checkpointing_enable (the old name warns)."""
+    enable = getattr(base, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(base, "gradient_checkpointing_enable"):
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        raise FinetuningError(
+            f"GRADIENT_CHECKPOINTING = true: model {name!r} ({module}.load_model, "
+            f"{type(base).__name__}) has no gradient_checkpointing_enable (a transformers "
+            "PreTrainedModel has); set it to false for this model"
+        )
+
+
+def add_lora(
+    model: torch.nn.Module, hp: dict, num_labels: int | None, module: str
+) -> tuple[torch.nn.Module, dict]:
+    """PEFT's LoRA on the targets, the head in full; the model and the settings applied."""
+    from peft import LoraConfig, get_peft_model
+
+    name = hp["model_name"]
+    targets = lora_targets(model, hp["lora_target_modules"], module, name)
+    heads = head_modules(model, num_labels, module, name)
+    targets = [t for t in targets if not any(t == h or t.startswith(h + ".") for h in heads)]
+    if not targets:
+        raise FinetuningError(
+            f"LORA_TARGET_MODULES = {hp['lora_target_modules']}: model {name!r} "
+            f"({module}.load_model) has no module to adapt outside its head "
+            f"({', '.join(heads)}, which trains in full)"
+        )
+    check_heads_alone(heads, [n for n, _ in model.named_modules()], module, name)
+    config = LoraConfig(
+        r=hp["lora_r"],
+        lora_alpha=hp["lora_alpha"],
+        lora_dropout=hp["lora_dropout"],
+        target_modules=targets,
+        modules_to_save=heads,
+    )
+    settings = {
+        "r": hp["lora_r"],
+        "alpha": hp["lora_alpha"],
+        "dropout": hp["lora_dropout"],
+        "target_modules": targets,
+        "modules_to_save": heads,
+    }
+    return get_peft_model(model, config), settings
 
 
 def user_peft_model(model: torch.nn.Module, name: str, module: str) -> dict:

@@ -641,7 +641,7 @@ def write_report(job: Job, exports: dict, merge: dict) -> None:
             # Each process's peak at its last epoch's end (end_epoch); the main one's read again
             # now, its saving and exports in.
             "peak_memory": [
-                {"process": 0, peak_memory(accelerator)[0]: peak_memory(accelerator)[1]},
+                {"process": 0, **dict([peak_memory(accelerator)])},
                 *[p for p in job.peak_memory if p["process"] != 0],
             ],
             "checkpoint_bytes": job.checkpoint_bytes,
