@@ -171,7 +171,9 @@ def trained_as(details: dict) -> str | None:
         f"{details['trained_parameters']:,} of {details['parameters']:,} parameters trained"
     )
     processes = details.get("processes", 1)
-    said.append(f"{processes} process{'es (DDP)' if processes > 1 else ''}")
+    sharded = details.get("distributed_strategy") == "fsdp"
+    strategy = " (FSDP, sharded)" if sharded else " (DDP)" if processes > 1 else ""
+    said.append(f"{processes} process{'es' if processes > 1 else ''}{strategy}")
     peaks = [max(v for k, v in p.items() if k != "process") for p in details.get("peak_memory", [])]
     if peaks:
         said.append(f"peak memory {max(peaks) / 2**20:,.0f} MB a process")

@@ -186,7 +186,8 @@ class Unresumable(ValueError):
 
 
 class OtherMethod(Unresumable):
-    """The checkpoints train another part of the model than this job."""
+    """The checkpoints train another part of the model than this job, or share it among the
+    processes another way (DISTRIBUTED_STRATEGY)."""
 
 
 @dataclass
@@ -201,6 +202,8 @@ class State:
     run_name: str
     scaler: object | None = None
     finetuning: str = "full"  # what the model holds that trains (steps/finetuning.py)
+    # ddp: the model and optimizer in state.pt; fsdp: in each process's shards (steps/fsdp.py)
+    strategy: str = "ddp"
     epoch: int = 0
     batch_in_epoch: int = 0
     step: int = 0
@@ -211,11 +214,34 @@ class State:
     best_metric: float | None = None
     best_epoch: int | None = None
 
+    @property
+    def sharded(self) -> bool:
+        return self.strategy == "fsdp"
+
+    def trained(self) -> dict:
+        """What trains, copied: the best weights (with FSDP, this process's shards of them)."""
+        if self.sharded:
+            from steps import fsdp
+
+            return fsdp.trained_state(self.model, self.finetuning)
+        return trained_state(self.model, self.finetuning)
+
+    def load_trained(self, state: dict) -> None:
+        if self.sharded:
+            from steps import fsdp
+
+            fsdp.load_trained_state(self.model, state, self.finetuning)
+        else:
+            load_trained_state(self.model, state, self.finetuning)
+
     def state_dict(self) -> dict:
+        """What the main process writes to state.pt (with FSDP, the model and optimizer are
+        every process's shards, written beside it: `save_checkpoint`)."""
         return {
             "finetuning": self.finetuning,
-            "model": trained_state(self.model, self.finetuning),
-            "optimizer": self.optimizer.state_dict(),
+            "strategy": self.strategy,
+            "model": None if self.sharded else trained_state(self.model, self.finetuning),
+            "optimizer": None if self.sharded else self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "epoch": self.epoch,
@@ -234,20 +260,24 @@ class State:
         missing = [k for k in STATE_FIELDS if k not in state]
         if missing:
             raise KeyError(f"checkpoint lacks {missing}")
-        # A checkpoint written before FINETUNING existed trained every weight.
-        written = state.get("finetuning", "full")
-        if written != self.finetuning:
-            raise OtherMethod(
-                f"the checkpoints were written with FINETUNING = {written} and this job has "
-                f"FINETUNING = {self.finetuning}: resume with FINETUNING = {written}, or start "
-                "a new run"
-            )
+        # A checkpoint written before FINETUNING or DISTRIBUTED_STRATEGY existed trained every
+        # weight, with DDP.
+        for key, default in (("finetuning", "full"), ("strategy", "ddp")):
+            written, mine = state.get(key, default), getattr(self, key)
+            setting = {"finetuning": "FINETUNING", "strategy": "DISTRIBUTED_STRATEGY"}[key]
+            if written != mine:
+                raise OtherMethod(
+                    f"the checkpoints were written with {setting} = {written} and this job has "
+                    f"{setting} = {mine}: resume with {setting} = {written}, or start a new run"
+                )
         # The sampler, then every key and shape, are checked before the model is touched: a
         # foreign checkpoint fails without leaving a half-loaded model behind (the previous one
-        # is tried next).
+        # is tried next). With FSDP, the model and optimizer load from the shards after this
+        # (`load_checkpoint`).
         self.sampler.load_state_dict(state["sampler"])
-        load_trained_state(self.model, state["model"], self.finetuning)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if not self.sharded:
+            load_trained_state(self.model, state["model"], self.finetuning)
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
@@ -362,9 +392,9 @@ def finish_checkpoint(
         _save(best_weights, tmp / BEST_FILE)
     elif previous is not None and (previous / BEST_FILE).exists():
         os.link(previous / BEST_FILE, tmp / BEST_FILE)  # unchanged best: share the file
-    # Last, once every file of this node is in place (the processes wrote their rank files
-    # before): what a copy of this checkpoint must hold to be loaded.
-    files = sorted(p.name for p in tmp.iterdir() if p.is_file())
+    # Last, once every file of this node is in place (the processes wrote their rank files and
+    # shards before): what a copy of this checkpoint must hold to be loaded.
+    files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
     (tmp / MANIFEST).write_text(
         json.dumps(
             {
@@ -411,6 +441,13 @@ def save_checkpoint(
         begin_checkpoint(directory, state.step, keep)
     accelerator.wait_for_everyone()
     write_rank_state(tmp, accelerator.process_index, state)
+    if state.sharded:
+        from steps import fsdp
+
+        fsdp.save(tmp, state.model, state.optimizer, state.finetuning, new_best)
+        if new_best is None and accelerator.is_local_main_process:
+            link_best(directory, tmp / fsdp.BEST)
+        new_best = None  # in the shards
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         finish_checkpoint(directory, tmp, state, new_best, keep)
@@ -420,11 +457,23 @@ def save_checkpoint(
     return time.time() - started
 
 
+def link_best(directory: Path, best: Path) -> None:
+    """Sharded best weights unchanged since the previous checkpoint: each node shares that one's
+    files of them (the main node's previous is CURRENT's; another node has no CURRENT)."""
+    names = checkpoint_names(directory)
+    previous = current_checkpoint(directory) or (directory / names[-1] if names else None)
+    if previous is None or not (previous / best.name).is_dir():
+        return
+    best.mkdir(exist_ok=True)
+    for path in (previous / best.name).iterdir():
+        os.link(path, best / path.name)
+
+
 def size_of(checkpoint: Path | None) -> int | None:
     """A checkpoint's bytes on disk (its files; the best weights counted though shared)."""
     if checkpoint is None:
         return None
-    return sum(p.stat().st_size for p in checkpoint.iterdir() if p.is_file())
+    return sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
 
 
 def current_checkpoint(directory: Path) -> Path | None:
@@ -484,19 +533,19 @@ def load_checkpoint(path: Path, state: State, rank: int) -> dict | None:
     One written by another number of processes loads too: the model, optimizer and scheduler
     are every process's alike (DDP), the position is taken in optimizer steps
     (ResumableBatchSampler.load_state_dict), the epoch's loss so far goes to rank 0 whole, and
-    a rank the checkpoint did not have starts its RNG from the seed, its rank and the step."""
-    check_complete(path)
-    saved = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-    written = saved.get("sampler", {}).get("world", state.sampler.world)  # checked in load
-    ranks = [rank] if written == state.sampler.world else list(range(written))
-    missing = [path / f"rank{r}.pt" for r in ranks if not (path / f"rank{r}.pt").exists()]
-    if missing:
-        raise FileNotFoundError(f"{missing[0]} is missing: the checkpoint is incomplete")
-    own = {
-        r: torch.load(path / f"rank{r}.pt", map_location="cpu", weights_only=False) for r in ranks
-    }
+    a rank the checkpoint did not have starts its RNG from the seed, its rank and the step.
+    With FSDP the model and optimizer come from every process's shards, resharded by DCP to
+    this job's processes (steps/fsdp.py)."""
+    if state.sharded:  # every process reads, or none goes on to the collective load
+        from steps import fsdp
+
+        saved, own = agreed(fsdp.agree, lambda: read_checkpoint(path, state, rank))
+    else:
+        saved, own = read_checkpoint(path, state, rank)
     state.load_state_dict(saved)
-    if written == state.sampler.world:
+    if state.sharded:
+        best = fsdp.load(path, state.model, state.optimizer, state.finetuning)
+    if saved["sampler"]["world"] == state.sampler.world:
         state.epoch_loss = own[rank]["epoch_loss"]
         set_rng_state(own[rank]["rng"])
     else:
@@ -508,5 +557,35 @@ def load_checkpoint(path: Path, state: State, rank: int) -> dict | None:
             set_rng_state(own[rank]["rng"])
         else:
             seed_rng(state.seed * 1000003 + state.step * 101 + rank)
+    if state.sharded:
+        return best
     best = path / BEST_FILE
     return torch.load(best, map_location="cpu", weights_only=False) if best.exists() else None
+
+
+def read_checkpoint(path: Path, state: State, rank: int) -> tuple[dict, dict]:
+    """A checkpoint's state.pt and the rank files this rank reads, every file checked to be
+    there: nothing is loaded into the job yet."""
+    check_complete(path)
+    saved = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    written = saved.get("sampler", {}).get("world", state.sampler.world)  # checked in load
+    ranks = [rank] if written == state.sampler.world else list(range(written))
+    missing = [path / f"rank{r}.pt" for r in ranks if not (path / f"rank{r}.pt").exists()]
+    if missing:
+        raise FileNotFoundError(f"{missing[0]} is missing: the checkpoint is incomplete")
+    own = {
+        r: torch.load(path / f"rank{r}.pt", map_location="cpu", weights_only=False) for r in ranks
+    }
+    return saved, own
+
+
+def agreed(agree, read):
+    """`read()` on every process, its error raised on every process: what comes after is a
+    collective load, which a process that failed alone would leave the others waiting in."""
+    try:
+        result, error = read(), None
+    except Exception as e:  # noqa: BLE001 - raised again below, on every process
+        result, error = None, e
+    if not agree(error is None):
+        raise error or FileNotFoundError("another process could not read this checkpoint")
+    return result

@@ -80,6 +80,18 @@ def repeated_blocks(model: torch.nn.Module) -> list[str]:
     return [f"{name}.{i}" if name else str(i) for i in range(len(longest))]
 
 
+def check_blocks(model: torch.nn.Module, name: str, module: str) -> list[str]:
+    """The layers FSDP shards one by one (steps/fsdp.py), refused by name where there are none."""
+    blocks = repeated_blocks(model)
+    if not blocks:
+        raise FinetuningError(
+            f"DISTRIBUTED_STRATEGY = fsdp: model {name!r} ({module}.load_model, "
+            f"{type(model).__name__}) names no layer classes in _no_split_modules and has no "
+            "list of repeated layers to shard one by one; set DISTRIBUTED_STRATEGY = ddp for it"
+        )
+    return blocks
+
+
 def lora_targets(model: torch.nn.Module, wanted: str, module: str, model_name: str) -> list[str]:
     """LORA_TARGET_MODULES as PEFT matches them (a module whose name is a target or ends with
     `.target`). auto: every linear layer inside the repeated blocks, named from the block
@@ -314,13 +326,16 @@ def check_models(functions, settings: dict[str, dict]) -> list[str]:
                     f"got {type(model).__name__}"
                 )
                 continue
-            prepare(model, {**hp, "model_name": name}, None, functions.module)
+            model, _ = prepare(model, {**hp, "model_name": name}, None, functions.module)
+            if hp["distributed_strategy"] == "fsdp":
+                check_blocks(model, name, functions.module)
         except FinetuningError as e:
             problems.append(str(e))
         except Exception as e:  # noqa: BLE001 - the user's code, or PEFT on what it returned
             problems.append(
-                f"model {name!r}: checking FINETUNING and GRADIENT_CHECKPOINTING against "
-                f"{functions.module}.load_model (built on the meta device) raised "
+                f"model {name!r}: checking FINETUNING, GRADIENT_CHECKPOINTING and "
+                f"DISTRIBUTED_STRATEGY against {functions.module}.load_model (built on the meta "
+                f"device) raised "
                 f"{type(e).__name__}: {e}"
             )
     return problems

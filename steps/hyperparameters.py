@@ -70,16 +70,22 @@ PRECISION_CHOICES = ("auto", "no", "bf16", "fp16")
 EXPORT_CHOICES = ("torchscript", "exported", "torchscript,exported", "none")
 # FINETUNING's words: what of the model trains (steps/finetuning.py).
 FINETUNING_CHOICES = ("full", "lora")
+# DISTRIBUTED_STRATEGY's words: how processes share the model (steps/fsdp.py for fsdp).
+STRATEGY_CHOICES = ("ddp", "fsdp")
 # The hyperparameters that mean something only with FINETUNING = lora (pipeline/config_checks.py
 # refuses them where no model they apply to trains with LoRA).
 LORA_ONLY = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
 # The settings that ask something of the model itself: steps/finetuning.py checks them against
 # what load_model builds, in the training job and, for each model they ask it of, before any job.
-MODEL_SETTINGS = ("finetuning", "gradient_checkpointing", *LORA_ONLY)
+MODEL_SETTINGS = ("finetuning", "gradient_checkpointing", "distributed_strategy", *LORA_ONLY)
 
 
 def asks_of_the_model(values: dict) -> bool:
-    return values["finetuning"] == "lora" or bool(values["gradient_checkpointing"])
+    return (
+        values["finetuning"] == "lora"
+        or bool(values["gradient_checkpointing"])
+        or values["distributed_strategy"] == "fsdp"
+    )
 
 
 # Defaults are the Hugging Face Trainer's where it has the same idea (learning rate 5e-5,
@@ -139,6 +145,10 @@ TABLE: tuple[Hyperparameter, ...] = (
     H("gradient_checkpointing", bool, False, per_model=True,
       help="recompute activations in the backward pass (the model's own "
            "gradient_checkpointing_enable, non-reentrant): less memory, about a third more time"),
+    H("distributed_strategy", str, "ddp", choices=STRATEGY_CHOICES, per_model=True,
+      help="ddp: every process holds the whole model; fsdp: each holds 1/N of the weights, "
+           "gradients and optimizer state, one transformer layer gathered at a time "
+           "(torch's FSDP2, steps/fsdp.py)"),
     H("dataloader_num_workers", int, "auto", ge=0, le=64, choices=("auto",),
       help="DataLoader processes beside each training process (the Trainer's "
            "dataloader_num_workers); auto: 2 on a GPU, 0 on a CPU"),

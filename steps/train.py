@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader
 from steps import checkpointing as ckpt
 from steps.batching import Batches, read_inputs, read_split
 from steps.export import check_batches, check_exports, check_programs, logits_of, write_programs
-from steps.finetuning import Finetuning, final_model, load_trained_state, prepare, trained_state
+from steps.finetuning import Finetuning, check_blocks, final_model, load_trained_state, prepare
 from steps.hyperparameters import parse_hyperparameters, reserved_hyperparameters
 from steps.metrics import metric_line, plot_curves
 from steps.model_files import read_record, write_record
@@ -116,6 +116,8 @@ class Job:
     loop_seconds: float = 0.0  # in train_epoch: the optimizer steps, nothing around them
     last_finite: tuple[int, float] | None = None  # (optimizer step, its mean loss)
     tracking: concurrent.futures.Future | None = None  # wandb starting (start_tracking)
+    # FSDP: the model on the meta device, on the main process, for the gathered final weights
+    frame: torch.nn.Module | None = None
 
 
 def announce(
@@ -165,6 +167,7 @@ def training_state(accelerator, model, optimizer, scheduler, sampler, hp, env) -
     otherwise."""
     return ckpt.State(
         finetuning=hp["finetuning"],
+        strategy=hp["distributed_strategy"],
         model=accelerator.unwrap_model(model, keep_torch_compile=False),
         optimizer=optimizer,
         scheduler=scheduler,
@@ -209,9 +212,17 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
     sampler, train_loader = loader_for(train, hp, per_device, accumulation, accelerator, on_gpu)
     total_steps = sampler.steps_per_epoch * hp["epochs"]
     total_steps = min(total_steps, hp["max_steps"] or total_steps)
+    fsdp = hp["distributed_strategy"] == "fsdp"
+    frame = None
+    if fsdp:  # sharded before the optimizer is made, which then holds the shards
+        model, frame = sharded(model, accelerator, precision.applied, hp, functions.module)
     optimizer, scheduler, optimizer_kind = optimizer_for(model, hp, total_steps)
-    # The train loader is not prepared: the resumable sampler shards it itself, per rank.
-    model, optimizer = accelerator.prepare(model, optimizer)
+    # The train loader is not prepared: the resumable sampler shards it itself, per rank. Nor
+    # is a sharded model: Accelerate would wrap it in DDP.
+    if fsdp:
+        optimizer = accelerator.prepare(optimizer)
+    else:
+        model, optimizer = accelerator.prepare(model, optimizer)
     check_output_width(accelerator, model, val, keys, len(id2label), functions.module)
     compiled = False
     if hp["compile"]:
@@ -225,6 +236,7 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
         **loading(hp, train_loader, multiple_of),
         "finetuning": finetuning.method,
         "gradient_checkpointing": finetuning.gradient_checkpointing,
+        "distributed_strategy": hp["distributed_strategy"],
     }
     announce(accelerator, hp, per_device, accumulation, settings)
     return Job(
@@ -248,7 +260,19 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
         wandb_on=wandb_on,
         settings=settings,
         finetuning=finetuning,
+        frame=frame,
     )
+
+
+def sharded(model, accelerator: Accelerator, mixed_precision: str, hp: dict, module: str):
+    """DISTRIBUTED_STRATEGY = fsdp: the model sharded across the processes, each layer its own
+    unit, and (main process) its skeleton for the final weights (steps/fsdp.py)."""
+    from steps import fsdp  # DCP's import costs a job that does not shard 0.7 s
+
+    blocks = check_blocks(model, hp["model_name"], module)
+    fsdp.process_group(accelerator.device.type == "cuda")
+    frame = fsdp.skeleton(model) if accelerator.is_main_process else None
+    return fsdp.shard(model, blocks, accelerator.device, mixed_precision), frame
 
 
 def resume(job: Job) -> None:
@@ -367,13 +391,18 @@ def train_epoch(job: Job) -> None:
     log_every = max(1, job.sampler.steps_per_epoch // 10)  # about ten progress lines an epoch
     per_step = job.sampler.per_device * job.accumulation * accelerator.num_processes
     last_line = (time.time(), state.step)  # examples/s since the last progress line
+    # Accelerate's prepare makes a DDP model's forward autocast; a sharded model is not
+    # prepared (set_up). Its gradients are reduce-scattered at every micro-batch: kept whole
+    # until the last (set_requires_gradient_sync(False)), they would take a whole model's room.
+    autocast = accelerator.autocast if state.sharded else contextlib.nullcontext
     model.train()
     for batch in job.train_loader:
         if state.step >= job.total_steps:
             break
         batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
         with accelerator.accumulate(model):
-            logits = logits_of(model(**{k: batch[k] for k in keys}))
+            with autocast():
+                logits = logits_of(model(**{k: batch[k] for k in keys}))
             loss = torch.nn.functional.cross_entropy(logits.float(), batch["label_id"])
             accelerator.backward(loss)
             job.optimizer.step()
@@ -419,7 +448,9 @@ def end_epoch(job: Job) -> None:
     """Validate, log, keep the best by F1, checkpoint."""
     accelerator, state = job.accelerator, job.state
     with timed("validation"):
-        scores = evaluate(job.model, job.val_batches, job.keys, accelerator, job.per_device)
+        scores = evaluate(
+            job.model, job.val_batches, job.keys, accelerator, job.per_device, state.sharded
+        )
     if not math.isfinite(scores["val_loss"]):  # the last step's update broke the weights
         raise Diverged(
             f"the validation loss is {scores['val_loss']} after optimizer step {state.step} "
@@ -448,9 +479,7 @@ def end_epoch(job: Job) -> None:
     new_best = None
     if state.best_metric is None or scores["f1"] > state.best_metric:
         state.best_metric, state.best_epoch = scores["f1"], state.epoch + 1
-        new_best = trained_state(
-            accelerator.unwrap_model(job.model, keep_torch_compile=False), job.finetuning.method
-        )
+        new_best = state.trained()
         job.best_weights = new_best
     state.epoch += 1
     state.batch_in_epoch = 0
@@ -466,9 +495,31 @@ def end_epoch(job: Job) -> None:
 def finish(job: Job) -> None:
     """The main process keeps the model; then every process leaves together (`leave`)."""
     job.accelerator.wait_for_everyone()
+    final = best_model(job)
     if job.accelerator.is_main_process:
-        keep_model(job)
+        keep_model(job, final)
     leave(job)
+
+
+def best_model(job: Job) -> torch.nn.Module | None:
+    """The best epoch's model, plain, on the main process (None on the others). Without
+    Accelerate's mixed-precision wrapper: a program traced through it would carry its casts,
+    computing in bf16 wherever it ran (inference chooses its own precision). With FSDP every
+    process takes part: each loads its shards of the best weights, and the whole model is
+    gathered to the main process, into the skeleton it kept (steps/fsdp.py)."""
+    accelerator, state = job.accelerator, job.state
+    if state.sharded:
+        from steps import fsdp
+
+        if job.best_weights is not None:
+            state.load_trained(job.best_weights)
+        return fsdp.gathered(job.model, job.frame)
+    if not accelerator.is_main_process:
+        return None
+    final = accelerator.unwrap_model(job.model, keep_fp32_wrapper=False, keep_torch_compile=False)
+    if job.best_weights is not None:
+        load_trained_state(final, job.best_weights, job.finetuning.method)
+    return final
 
 
 LET_GLOO_FINISH_SECONDS = 0.5
@@ -493,14 +544,9 @@ def leave(job: Job) -> None:
         time.sleep(LET_GLOO_FINISH_SECONDS)
 
 
-def keep_model(job: Job) -> None:
+def keep_model(job: Job, final: torch.nn.Module) -> None:
     """The best model, its exports and curves, and the Metadata section."""
     accelerator, state, hp, env = job.accelerator, job.state, job.hp, job.env
-    # Without Accelerate's mixed-precision wrapper: a program traced through it would carry
-    # its casts, computing in bf16 wherever it ran (inference chooses its own precision).
-    final = accelerator.unwrap_model(job.model, keep_fp32_wrapper=False, keep_torch_compile=False)
-    if job.best_weights is not None:
-        load_trained_state(final, job.best_weights, job.finetuning.method)
     # A tuning trial exports and draws nothing (hp exports = none): most trials' models are
     # deleted; the study's best is exported, and its curves drawn, once, after it
     # (steps/export.py).

@@ -176,19 +176,35 @@ def interrupted(accelerator: Accelerator) -> bool:
 
 
 def evaluate(
-    model, batches: Batches, keys: list[str], accelerator: Accelerator, batch_size: int
+    model,
+    batches: Batches,
+    keys: list[str],
+    accelerator: Accelerator,
+    batch_size: int,
+    sharded: bool = False,
 ) -> dict:
     """Validation rows split across processes, each process's rows sorted by length and padded
     per batch; per-row results gathered on every process. The unwrapped model runs, so
-    processes with one batch more or less never wait on each other."""
+    processes with one batch more or less never wait on each other; a sharded one (FSDP)
+    gathers its weights with the others at every forward, so there each process makes as many
+    forwards as the one with the most rows, the extra ones on a spare row, their results
+    dropped."""
     model = accelerator.unwrap_model(model, keep_torch_compile=False).eval()
-    rows = np.arange(len(batches))[accelerator.process_index :: accelerator.num_processes]
+    world = accelerator.num_processes
+    share = [np.arange(len(batches))[rank::world] for rank in range(world)]
+    rows = share[accelerator.process_index]
+    plan = [rows[chunk].tolist() for chunk in by_length(batches.lengths[rows], batch_size)]
+    mine = len(plan)
+    if sharded:
+        plan += [[0]] * (max(len(by_length(batches.lengths[r], batch_size)) for r in share) - mine)
     losses, predictions, references = [], [], []
     with torch.no_grad(), accelerator.autocast():
-        for chunk in by_length(batches.lengths[rows], batch_size):
-            batch = batches(rows[chunk].tolist())
+        for i, chunk in enumerate(plan):
+            batch = batches(chunk)
             batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
             logits = logits_of(model(**{k: batch[k] for k in keys})).float()
+            if i >= mine:
+                continue
             losses.append(
                 torch.nn.functional.cross_entropy(logits, batch["label_id"], reduction="none").cpu()
             )

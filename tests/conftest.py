@@ -232,12 +232,13 @@ class SigtermAt(io.StringIO):
         return super().write(text)
 
 
-def gated(folder: Path, step: int) -> dict[str, str]:
+def gated(folder: Path, step: int, functions: str = "tests.jobs.gated") -> dict[str, str]:
     """A training job's environment that makes it wait in optimizer step `step` until it gets
-    SIGTERM (tests/jobs/gate.py), with the demo's user functions (tests/jobs/gated.py)."""
+    SIGTERM (tests/jobs/gate.py), with the demo's user functions (tests/jobs/gated.py) or
+    others whose model is gated."""
     from tests.jobs.gate import GATE_VARIABLE
 
-    return {"SMPIPE_USER_FUNCTIONS": "tests.jobs.gated", GATE_VARIABLE: f"{folder}:{step}"}
+    return {"SMPIPE_USER_FUNCTIONS": functions, GATE_VARIABLE: f"{folder}:{step}"}
 
 
 def wait_at_gate(folder: Path, step: int | str, running, timeout: float = 300) -> None:

@@ -148,7 +148,9 @@ class Gated:
     `step` for a signal (tests/jobs/gate.py)."""
 
     def __init__(self, env: dict, gates: Path, step: int, processes: int = 1, warm=None):
-        self.proc = start({**env, **gated(gates, step)}, processes, warm)
+        functions = env.get("SMPIPE_USER_FUNCTIONS", "user_functions")
+        functions = "tests.jobs.gated" if functions == "user_functions" else functions
+        self.proc = start({**env, **gated(gates, step, functions)}, processes, warm)
         self.lines: list[str] = []
         self.reader = threading.Thread(
             target=lambda: self.lines.extend(self.proc.stdout), daemon=True

@@ -14,7 +14,7 @@ from steps.batching import write_inputs
 from steps.prepared_files import encoding_record, write_encoding
 
 
-def write_small_splits(root: Path) -> dict[str, Path]:
+def write_small_splits(root: Path, validation: int = 18) -> dict[str, Path]:
     """train (64 rows), validation (18) and labels under `root`: each channel's folder."""
     rng = random.Random(0)
 
@@ -31,7 +31,7 @@ def write_small_splits(root: Path) -> dict[str, Path]:
                 "bow__length": [len(i) for i in ids], "label_id": labels}  # fmt: skip
 
     datasets.Dataset.from_dict(rows(64)).save_to_disk(str(root / "train"))
-    datasets.Dataset.from_dict(rows(18)).save_to_disk(str(root / "validation"))
+    datasets.Dataset.from_dict(rows(validation)).save_to_disk(str(root / "validation"))
     (root / "labels").mkdir()
     (root / "labels/id2label.json").write_text(json.dumps({"0": "a", "1": "b", "2": "c"}))
     write_inputs(root / "labels", {"bow": {"keys": ["input_ids", "attention_mask"],
