@@ -110,13 +110,16 @@ bench: install
 	$(PY) bench/metering.py
 	$(PY) bench/warm_start.py
 
-# Finetuning larger models (about 20 minutes on 2 cores): a 1B decoder with LoRA and gradient
+# Finetuning larger models (about 40 minutes on 2 cores): a 1B decoder with LoRA and gradient
 # checkpointing against full finetuning and the Trainer with a PEFT model
-# (bench/large_models.json), then LoRA beside full finetuning on MiniLM over three seeds
-# (bench/lora_quality.json). Each prints its table; none asserts a figure.
+# (bench/large_models.json), LoRA beside full finetuning on MiniLM over three seeds
+# (bench/lora_quality.json), then FSDP beside DDP: a BERT-large-sized model's memory per
+# process, and MiniLM over three seeds (bench/fsdp.json). Each prints its table; none asserts
+# a figure.
 bench-models: install
 	$(PY) bench/large_models.py
 	$(PY) bench/lora_quality.py
+	$(PY) bench/fsdp.py
 
 # The GPU path on this machine's GPUs, through the real jobs (bench/gpu_check.py): bf16
 # training and its MFU, two processes on NCCL, loader workers with pinned memory, SIGTERM and

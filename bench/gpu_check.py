@@ -20,6 +20,11 @@ result and figures, and the exit status is 1 if any failed (0 if all passed or w
   sigterm    SIGTERM mid-training with workers: the job checkpoints and exits 75; run again, it
              resumes from that checkpoint and completes
   compile    COMPILE = true trains, and both exported programs pass their checks
+  lora       FINETUNING = lora (with gradient checkpointing on MiniLM): the merged model, its
+             exports and the PEFT adapter
+  fsdp       DISTRIBUTED_STRATEGY = fsdp on MiniLM (two processes on two GPUs or a CPU, a
+             process group of one on one GPU): the shards of a checkpoint, a rerun resuming
+             from them, the gathered model's exports
   inference  [inference] MIXED_PRECISION = bf16: the inference step and `smpipe predict` on the
              test split, each saying what it computed in, with the same labels row for row
 
@@ -304,6 +309,40 @@ def check_lora(work: Workspace) -> str:
     )
 
 
+def check_fsdp(work: Workspace) -> str:
+    if work.model == "bow":
+        raise Skipped("the bag of embeddings has no layers to shard (--model minilm)")
+    # Two processes where there are two GPUs (or on a CPU); on one GPU a process group of one,
+    # NCCL all the same: the sharded parameters, the mixed-precision policy on CUDA, DCP.
+    processes = 1 if work.device == "cuda" and work.gpus < 2 else 2
+    hps = {"distributed_strategy": "fsdp", "checkpoint_every_steps": "2"}
+    hps["exports"] = "torchscript,exported"
+    job = work.job("fsdp", hps, processes=processes)
+    job.expect_exit(0)
+    report = job.report()
+    expect(
+        report["distributed_strategy"] == "fsdp", f"the job ran {report['distributed_strategy']}"
+    )
+    failed = [name for name, e in report["exports"].items() if not e.get("passed")]
+    expect(not failed, f"exports of the gathered model that failed their check: {failed}")
+    current = ckpt.current_checkpoint(job.root / "checkpoints")
+    shards = sorted(p.name for p in (current / "sharded").glob("*.distcp")) if current else []
+    expect(len(shards) == processes, f"shards in {current}: {shards}")
+    # The same job again, as a restart: it resumes from those shards (DCP reads them back).
+    again = work.job("fsdp", hps, processes=processes, again=True)
+    again.expect_exit(0)
+    resumed = again.report()["resumed_from"] or {}
+    expect(resumed.get("checkpoint") == str(current), f"the rerun resumed from {resumed}")
+    peak = report["training_peak_memory"][0]
+    memory = peak.get("gpu_max_allocated_bytes") or peak["host_max_rss_bytes"]
+    where = "GPU allocated" if "gpu_max_allocated_bytes" in peak else "host RSS"
+    return (
+        f"{processes} process{'es' if processes > 1 else ''}, {len(shards)} shard files a "
+        f"checkpoint, resumed from step {resumed.get('step')}; the gathered model's exports "
+        f"passed; training peak {memory / 2**20:.0f} MB {where} a process"
+    )
+
+
 # The table: each check's name (for --only) and its function, in the order they run.
 CHECKS = {
     "peak": check_peak,
@@ -313,6 +352,7 @@ CHECKS = {
     "sigterm": check_sigterm,
     "compile": check_compile,
     "lora": check_lora,
+    "fsdp": check_fsdp,
     "inference": check_inference,
 }
 

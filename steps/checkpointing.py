@@ -394,7 +394,12 @@ def finish_checkpoint(
         os.link(previous / BEST_FILE, tmp / BEST_FILE)  # unchanged best: share the file
     # Last, once every file of this node is in place (the processes wrote their rank files and
     # shards before): what a copy of this checkpoint must hold to be loaded.
-    files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+    files = {str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file()}
+    if state.sharded:  # every process's shards, on whichever node wrote them
+        from steps import fsdp
+
+        files = {f for f in files if not f.endswith("/" + fsdp.METADATA)} | set(fsdp.files(tmp))
+    files = sorted(files)
     (tmp / MANIFEST).write_text(
         json.dumps(
             {

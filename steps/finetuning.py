@@ -12,6 +12,7 @@ in PEFT's own format (`PeftModel.from_pretrained(base, <model>/adapter)` loads i
 
 from __future__ import annotations
 
+import copy
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,25 @@ def check_blocks(model: torch.nn.Module, name: str, module: str) -> list[str]:
             "list of repeated layers to shard one by one; set DISTRIBUTED_STRATEGY = ddp for it"
         )
     return blocks
+
+
+def skeleton(model: torch.nn.Module, name: str, module: str) -> torch.nn.Module:
+    """The model with its weights on the meta device (no memory), its buffers and everything
+    else copied: what FSDP's final model is gathered into (steps/fsdp.py `gathered`). A model that
+    holds what cannot be copied (a lock, an open file) is refused by name."""
+    memo = {
+        id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+        for p in model.parameters()
+    }
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as e:  # noqa: BLE001 - whatever the user's module holds
+        raise FinetuningError(
+            f"DISTRIBUTED_STRATEGY = fsdp: model {name!r} ({module}.load_model) cannot be copied "
+            f"(copy.deepcopy raised {type(e).__name__}: {e}); the final model is gathered into "
+            "a copy of it: keep locks, files and threads out of the model, or set "
+            "DISTRIBUTED_STRATEGY = ddp"
+        ) from None
 
 
 def lora_targets(model: torch.nn.Module, wanted: str, module: str, model_name: str) -> list[str]:
@@ -329,6 +349,7 @@ def check_models(functions, settings: dict[str, dict]) -> list[str]:
             model, _ = prepare(model, {**hp, "model_name": name}, None, functions.module)
             if hp["distributed_strategy"] == "fsdp":
                 check_blocks(model, name, functions.module)
+                skeleton(model, name, functions.module)
         except FinetuningError as e:
             problems.append(str(e))
         except Exception as e:  # noqa: BLE001 - the user's code, or PEFT on what it returned

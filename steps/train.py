@@ -38,7 +38,14 @@ from torch.utils.data import DataLoader
 from steps import checkpointing as ckpt
 from steps.batching import Batches, read_inputs, read_split
 from steps.export import check_batches, check_exports, check_programs, logits_of, write_programs
-from steps.finetuning import Finetuning, check_blocks, final_model, load_trained_state, prepare
+from steps.finetuning import (
+    Finetuning,
+    check_blocks,
+    final_model,
+    load_trained_state,
+    prepare,
+    skeleton,
+)
 from steps.hyperparameters import parse_hyperparameters, reserved_hyperparameters
 from steps.metrics import metric_line, plot_curves
 from steps.model_files import read_record, write_record
@@ -199,6 +206,10 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
     per_device, accumulation = batch_split(hp)
     accelerator, precision, wandb_on = accelerator_for(hp, env, accumulation)
     set_seed(hp["seed"])
+    if hp["distributed_strategy"] == "fsdp" and not on_gpu:
+        from steps import fsdp  # DCP's import costs a job that does not shard 0.7 s
+
+        fsdp.return_freed_memory()  # before the model is built: its whole copy is freed too
 
     # On a GPU, widths padded to a multiple of 8 keep the tensor cores' tiles full.
     multiple_of = 8 if on_gpu else 1
@@ -267,11 +278,11 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
 def sharded(model, accelerator: Accelerator, mixed_precision: str, hp: dict, module: str):
     """DISTRIBUTED_STRATEGY = fsdp: the model sharded across the processes, each layer its own
     unit, and (main process) its skeleton for the final weights (steps/fsdp.py)."""
-    from steps import fsdp  # DCP's import costs a job that does not shard 0.7 s
+    from steps import fsdp
 
     blocks = check_blocks(model, hp["model_name"], module)
     fsdp.process_group(accelerator.device.type == "cuda")
-    frame = fsdp.skeleton(model) if accelerator.is_main_process else None
+    frame = skeleton(model, hp["model_name"], module) if accelerator.is_main_process else None
     return fsdp.shard(model, blocks, accelerator.device, mixed_precision), frame
 
 
@@ -508,11 +519,15 @@ def best_model(job: Job) -> torch.nn.Module | None:
     process takes part: each loads its shards of the best weights, and the whole model is
     gathered to the main process, into the skeleton it kept (steps/fsdp.py)."""
     accelerator, state = job.accelerator, job.state
+    # The optimizer's state (two values a trained weight) is not read past the last step: gone
+    # before the model is gathered or exported.
+    getattr(job.optimizer, "optimizer", job.optimizer).state.clear()
     if state.sharded:
         from steps import fsdp
 
         if job.best_weights is not None:
             state.load_trained(job.best_weights)
+            job.best_weights = None
         return fsdp.gathered(job.model, job.frame)
     if not accelerator.is_main_process:
         return None
@@ -690,6 +705,7 @@ def write_report(job: Job, exports: dict, merge: dict) -> None:
                 {"process": 0, **dict([peak_memory(accelerator)])},
                 *[p for p in job.peak_memory if p["process"] != 0],
             ],
+            "training_peak_memory": job.peak_memory,  # every process's, at the last epoch's end
             "checkpoint_bytes": job.checkpoint_bytes,
             "checkpoints_written": len(job.checkpoint_seconds),
             "checkpoint_seconds_total": round(sum(job.checkpoint_seconds), 3),

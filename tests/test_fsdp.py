@@ -77,7 +77,7 @@ def test_sigterm_mid_epoch_then_resume_gives_the_same_losses(tmp_path, channels,
     assert "SIGTERM: checkpoint written at step 13" in out
     shards = ckpt.current_checkpoint(root / "checkpoints")
     manifest = json.loads((shards / ckpt.MANIFEST).read_text())["files"]
-    assert {"sharded/__0_0.distcp", "sharded/__1_0.distcp", "sharded/.metadata"} <= set(manifest)
+    assert {"sharded/__0_0.distcp", "sharded/__1_0.distcp", "sharded/metadata"} <= set(manifest)
     out = run_to_end(env, processes=2)
     assert "resumed from" in out and "at step 13" in out
     for resumed, uninterrupted in zip(history(root), history(baseline), strict=True):
@@ -144,3 +144,32 @@ def test_fsdp_on_a_model_without_layers_is_refused_before_any_job():
         from steps.finetuning import check_blocks
 
         check_blocks(torch.nn.Linear(2, 2), "x", "m")
+
+
+LOCKED = """
+import threading
+
+from tests.jobs.tiny_bert import encode, load_tokenizer, ordered_input_keys, reconcile  # noqa
+from tests.jobs.tiny_bert import load_model as tiny
+
+
+def load_model(model_name, id2label, label2id):
+    model = tiny(model_name, id2label, label2id)
+    model.lock = threading.Lock()  # what a copy of the model cannot take
+    return model
+"""
+
+
+def test_a_model_that_cannot_be_copied_is_refused_before_any_job(tmp_path, monkeypatch):
+    """The final model is gathered into a copy of the model made before it is sharded: one
+    holding a lock is refused by name before any job, not in the training job's set-up."""
+    (tmp_path / "locked_functions.py").write_text(LOCKED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    functions = load_user_functions("locked_functions")
+    problems = check_models(functions, {"bert": {**DEFAULTS, "distributed_strategy": "fsdp"}})
+    assert len(problems) == 1, problems
+    assert (
+        "DISTRIBUTED_STRATEGY = fsdp: model 'bert' (locked_functions.load_model) cannot be copied"
+        in problems[0]
+    )
+    assert "lock" in problems[0]

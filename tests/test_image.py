@@ -10,6 +10,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -177,6 +178,34 @@ def test_every_job_of_a_run_and_predict_run_in_the_image(
     said = json.loads(out.with_name(out.name + ".json").read_text())
     log = store.get_bytes(ExperimentTree("test-exp").run(int(said["run"])).log(said["job_name"]))
     assert ran_in_the_image(log.decode())
+
+
+def test_fsdp_with_lora_across_two_containers(image, staged, prepared, tmp_path):
+    """DISTRIBUTED_STRATEGY = fsdp with LoRA, one process in each of two containers: torchrun
+    across them by network alias, each writing its own shards; the model gathered in the
+    first, merged, exported and tested, all in the image."""
+    from tests.test_emulated import FSDP_FUNCTIONS
+
+    (tmp_path / "fsdp_functions.py").write_text(FSDP_FUNCTIONS)
+    # The demo's package beside it, as a project's own modules are (the code a run ships).
+    shutil.copytree(ROOT / "user_functions", tmp_path / "user_functions")
+    _, settings = image_settings(
+        tmp_path, prepared, experiment={"USER_FUNCTIONS": "fsdp_functions"},
+        training={"USE_DISTRIBUTED": "true", "INSTANCE_COUNT": "2", "DISTRIBUTED_STRATEGY": "fsdp",
+                  "FINETUNING": "lora", "EPOCHS": "2", "LEARNING_RATE": "1e-3"},
+    )  # fmt: skip
+    exits, echo = Exits(), io.StringIO()
+    record = run_pipeline(settings, staged, parse_steps(None), echo=echo, make_backend=exits)
+    assert record["status"] == "completed", echo.getvalue()[-3000:]
+    report = record["steps"]["train"]["details"]["models"]["bow"]
+    assert report["distributed_strategy"] == "fsdp" and report["processes"] == 2
+    assert report["lora_merge"]["passed"] and report["exports"]["torchscript"]["passed"]
+    [train] = [done for job, done in exits.by_job.items() if "-train-" in job]
+    assert len(train) == 2 and all(d.code == 0 for d in train)
+    logs = job_logs(staged, record["model_version"])
+    [train_log] = [log for name, log in logs.items() if "-train-" in name]
+    assert ran_in_the_image(train_log) and "algo-2" in train_log
+    assert "holdout_performance" in record and "bow" in record["holdout_performance"]
 
 
 def test_tuning_trials_run_in_the_image(image, staged, prepared, tmp_path):

@@ -6,7 +6,9 @@ weights (no download), for any model name: a model with layers to shard (FSDP) a
 from tests.jobs.gate import gate
 from user_functions import encode, load_tokenizer, ordered_input_keys, reconcile  # noqa: F401
 
-VOCAB = 30_522  # MiniLM's tokenizer (the demo encodes every model with it); the small splits use fewer
+VOCAB = (
+    30_522  # MiniLM's tokenizer (the demo encodes every model with it); the small splits use fewer
+)
 
 
 def load_model(model_name, id2label, label2id):
