@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.large_models import machine  # noqa: E402
+from bench.lora_quality import spread  # noqa: E402
 
 OUT = ROOT / "bench/fsdp.json"
 STRATEGIES = ("ddp", "fsdp")
@@ -174,11 +174,7 @@ def main() -> None:
     if "quality" in results:
         for strategy in STRATEGIES:
             scores = [r["macro_f1"] for r in results["quality"] if r["strategy"] == strategy]
-            results[strategy] = {
-                "macro_f1_mean": round(statistics.mean(scores), 4),
-                "macro_f1_min": min(scores),
-                "macro_f1_max": max(scores),
-            }
+            results[strategy] = spread(scores)
             r = results[strategy]
             print(
                 f"  MiniLM {strategy:4} test macro-F1 mean {r['macro_f1_mean']:.4f} "

@@ -71,6 +71,15 @@ def run(work: Path, method: str, seed: int) -> dict:
     }
 
 
+def spread(scores: list[float]) -> dict:
+    """Test macro-F1 over seeds: its mean, least and most."""
+    return {
+        "macro_f1_mean": round(statistics.mean(scores), 4),
+        "macro_f1_min": min(scores),
+        "macro_f1_max": max(scores),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--per-label", type=int, default=100)
@@ -90,12 +99,7 @@ def main() -> None:
                 results["runs"].append(run(work, method, seed))
                 print(json.dumps(results["runs"][-1]), flush=True)
     for method in METHODS:
-        scores = [r["macro_f1"] for r in results["runs"] if r["method"] == method]
-        results[method] = {
-            "macro_f1_mean": round(statistics.mean(scores), 4),
-            "macro_f1_min": min(scores),
-            "macro_f1_max": max(scores),
-        }
+        results[method] = spread([r["macro_f1"] for r in results["runs"] if r["method"] == method])
     full, lora = ([r for r in results["runs"] if r["method"] == m] for m in ("full", "lora"))
     results["checkpoint_share"] = round(
         statistics.mean(
