@@ -33,7 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from steps.hyperparameters import PRECISION_CHOICES
-from steps.runtime.names import CPU_BF16_VARIABLE  # overrides the CPU detection (see above)
+from steps.runtime.names import (  # overrides the CPU detection (see above)
+    CPU_BF16_CHOICES,
+    CPU_BF16_VARIABLE,
+)
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,7 @@ def cpu_bf16() -> tuple[bool, str]:
     """Whether this CPU computes bf16 natively, and what says so."""
     forced = os.environ.get(CPU_BF16_VARIABLE, "")
     if forced:
-        if forced not in ("native", "none"):
+        if forced not in CPU_BF16_CHOICES:
             raise ValueError(f"{CPU_BF16_VARIABLE}={forced!r}: use native or none")
         return forced == "native", f"{CPU_BF16_VARIABLE}={forced}"
     found = [

@@ -6,9 +6,10 @@ dependency), and a run uses one."""
 from __future__ import annotations
 
 import glob
+import os
 from typing import TYPE_CHECKING
 
-from steps.runtime.names import GPU_DEVICE_FILES
+from steps.runtime.names import CPU_BF16_CHOICES, CPU_BF16_VARIABLE, GPU_DEVICE_FILES
 
 if TYPE_CHECKING:
     from pipeline.backends import Backend
@@ -50,14 +51,24 @@ def host_gpus(settings: Settings) -> tuple[int, str] | None:
 
 def hosts_refuse(settings: Settings, jobs: list[Job]) -> list[str]:
     """What the planned jobs ask of their hosts that those hosts cannot do, before any job
-    starts: fp16 without a GPU, which the training job itself refuses (steps/precision.py)
-    only after reconcile and prepare have run."""
+    starts: fp16 without a GPU, or an SMPIPE_CPU_BF16 this machine's jobs are given (the
+    players pass it on: pipeline/player/environment.py) that is not one of its words; each of
+    which the training job itself refuses (steps/precision.py), but only after reconcile and
+    prepare have run."""
     from pipeline.jobs import TrainingJob, TuningJob
 
     hosts = host_gpus(settings)
-    if hosts is None or hosts[0] > 0:
+    if hosts is None:
         return []
     problems = []
+    forced = os.environ.get(CPU_BF16_VARIABLE, "")
+    if forced and forced not in CPU_BF16_CHOICES:
+        problems.append(
+            f"{CPU_BF16_VARIABLE}={forced!r} in the environment: use "
+            f"{' or '.join(CPU_BF16_CHOICES)}, or unset it ({hosts[1]}, with this variable)"
+        )
+    if hosts[0] > 0:
+        return problems
     for job in jobs:
         trial = job.trial if isinstance(job, TuningJob) else job
         if not isinstance(trial, TrainingJob):

@@ -169,6 +169,7 @@ MASTER_ADDR_VARIABLE = "SMPIPE_MASTER_ADDR"
 MASTER_PORT_VARIABLE = "SMPIPE_MASTER_PORT"
 # `native` or `none`: overrides the detection of bf16 on a CPU (steps/precision.py).
 CPU_BF16_VARIABLE = "SMPIPE_CPU_BF16"
+CPU_BF16_CHOICES = ("native", "none")
 
 
 def host_path(root: Path, container_path: str) -> Path:

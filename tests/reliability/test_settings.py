@@ -182,6 +182,25 @@ def test_fp16_on_hosts_without_a_gpu_is_refused_before_any_job(
     assert not store.exists()
 
 
+@pytest.mark.parametrize("backend", ["local", "emulated"])
+def test_a_bad_cpu_bf16_override_is_refused_before_any_job(
+    tmp_path, capsys, demo_raw, monkeypatch, backend
+):
+    """SMPIPE_CPU_BF16 reaches the jobs this machine plays, whose training refuses a word it
+    does not know (steps/precision.py), but only after reconcile and prepare ran: the driver
+    says so first, and nothing is written."""
+    monkeypatch.setenv("SMPIPE_CPU_BF16", "yes")
+    store = tmp_path / "store"
+    settings = write_settings(
+        tmp_path / "s.ini", str(store), experiment={"BACKEND": backend},
+        data={"RAW_DATA": str(demo_raw)},
+    )  # fmt: skip
+    code, err = cli(settings, capsys)
+    assert code == 2, err
+    assert "SMPIPE_CPU_BF16='yes' in the environment: use native or none, or unset it" in err
+    assert not store.exists()
+
+
 def test_a_misspelt_override_is_refused_not_ignored(tmp_path):
     path = write_settings(tmp_path / "s.ini", str(tmp_path / "store"))
     problems = problems_of(path, {"SMPIPE__TRAINNG__EPOCHS": "1", "SMPIPE__EPOCHS": "1"})
