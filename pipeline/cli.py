@@ -407,6 +407,15 @@ def open_experiment(path: str, backend: str | None = None, image: str | None = N
     from pipeline.config import ConfigError, load_settings
     from pipeline.store import open_store
 
+    if image is not None and not image.strip():  # `--image "$TAG"` with TAG unset, say
+        raise ConfigError(
+            [
+                f"--image {image!r}: name the image every job runs in (`make image` builds "
+                "smpipe:latest), or leave --image out to play the jobs as processes of this "
+                "machine"
+            ],
+            path,
+        )
     env = dict(os.environ)
     if backend:
         env["SMPIPE__EXPERIMENT__BACKEND"] = backend

@@ -49,3 +49,16 @@ def test_run_numbers_that_name_no_run_are_refused(two_runs, capsys):
     assert "no run 0099 of 'test-exp'" in err and "(runs 1-2)" in err
     assert cli.main(["compare", str(two_runs), "1", "7"]) == 1
     assert "run 0007 of 'test-exp' has no Metadata" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["run", "plan"])
+def test_an_empty_image_is_refused_not_taken_for_none(tmp_path, capsys, command):
+    """`--image "$TAG"` with TAG unset would play every job as a plain process, saying
+    nothing: refused, naming the option, before anything is written."""
+    path = write_settings(
+        tmp_path / "s.ini", str(tmp_path / "store"), experiment={"BACKEND": "emulated"}
+    )
+    assert cli.main([command, str(path), "--image", ""]) == 2
+    err = capsys.readouterr().err
+    assert "--image '': name the image every job runs in" in err
+    assert not (tmp_path / "store").exists()
