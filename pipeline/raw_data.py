@@ -116,7 +116,18 @@ def checked_files(folder: Path, where: str) -> dict[str, Path]:
 
 
 def contents(files: dict[str, Path]) -> dict[str, Content]:
-    return {rel: Content(path.stat().st_size, file_sha256(path)) for rel, path in files.items()}
+    """Each file's size and sha256; a file gone or unreadable since the folder was listed (an
+    edit while the driver hashes it) is named, never a traceback."""
+    found = {}
+    for rel, path in files.items():
+        try:
+            found[rel] = Content(path.stat().st_size, file_sha256(path))
+        except OSError as e:
+            raise PipelineError(
+                f"{path}: could not be read while the raw data was hashed ({e.strerror or e}): "
+                "the folder changed while it was read; run again once it holds what it should"
+            ) from None
+    return found
 
 
 def stamps(files: dict[str, Path]) -> dict[str, tuple[int, int]]:

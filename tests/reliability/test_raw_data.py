@@ -248,3 +248,27 @@ def test_raw_data_in_a_bucket_is_read_where_it_is(tmp_path):
     settings = load_settings(path, env={})
     sources = resolve_sources(settings, LocalStore(settings.store_uri()), TREE, ["reconcile"])
     assert sources.raw == "s3://their-bucket/raw/" and sources.local_raw is None
+
+
+def test_a_file_deleted_while_the_driver_hashes_the_folder_is_named(tmp_path, monkeypatch):
+    """A raw file removed between the folder's listing and its hashing (the user tidying up
+    while a run starts): one line naming the file, not a FileNotFoundError traceback."""
+    from pipeline import raw_data
+    from pipeline.errors import PipelineError
+
+    folder = tmp_path / "raw"
+    folder.mkdir()
+    for name in ("a.csv", "b.csv"):
+        (folder / name).write_text("id,text,label\n1,x,y\n")
+    listed = raw_data.checked_files
+
+    def listed_then_deleted(path, where):
+        files = listed(path, where)
+        (folder / "b.csv").unlink()  # gone once listed, before it is read
+        return files
+
+    monkeypatch.setattr(raw_data, "checked_files", listed_then_deleted)
+    with pytest.raises(
+        PipelineError, match=r"b\.csv: could not be read while the raw data was hashed"
+    ):
+        raw_data.local_version(ExperimentTree("test-exp"), folder)
