@@ -642,3 +642,24 @@ def test_a_run_resumed_with_more_processes_goes_on_from_its_checkpoint(tmp_path,
     assert report["processes"] == 2 and report["resumed_from"]["step"] == 4
     assert report["resumed_from"]["written_by"]["processes"] == 1
     assert report["history"][-1]["step"] == 6
+
+
+def test_a_rank_killed_by_a_signal_is_named_and_the_job_counts_as_killed(tmp_path, channels):
+    """torchrun exits 1 whatever ended its worker, and the other rank then fails on a closed
+    connection: the job's status is the signal's (128 + 11, which the backends' restart rule
+    reads as killed: pipeline/player/exits.py) and its failure names the rank and the signal."""
+    from tests.jobs.gate import marker
+
+    root, env = job_root(tmp_path, channels)
+    job = Gated(env, tmp_path / "gates", 5, processes=2)
+    rank1 = marker(tmp_path / "gates", 5, rank=1)
+    wait_at_gate(tmp_path / "gates", 5, lambda: job.proc.poll() is None)
+    for _ in range(500):  # rank 1 reaches the same step at about the same time
+        if rank1.exists():
+            break
+        threading.Event().wait(0.02)
+    os.kill(int(rank1.read_text()), signal.SIGSEGV)
+    job.output()
+    assert job.proc.returncode == 128 + signal.SIGSEGV
+    failure = (root / "output/failure").read_text()
+    assert failure.startswith("the training step: rank 1 was killed by SIGSEGV"), failure

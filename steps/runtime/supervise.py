@@ -179,8 +179,17 @@ def supervise(
             f"{what} exited with status 0 before it finished its work (os._exit in user code?)"
         )
     finished.unlink(missing_ok=True)
+    killed = worker_killed(tail) if code != 0 and launch.runs_workers(command) else None
     if code != 0 and interrupted.exists():  # it checkpointed on the signal: no failure to report
         code = names.EXIT_INTERRUPTED  # torchrun reports its workers' 75 as its own failure (1)
+    elif killed:  # torchrun exits 1 whatever ended its worker: the job was killed, and says so
+        rank, signum = killed
+        then = failure.read_text(errors="replace") if failure.exists() else ""
+        reason = f"{what}: rank {rank} was killed by {signal.Signals(signum).name}" + (
+            f"; then {then}" if then else ""
+        )
+        failure.write_text(reason[: names.FAILURE_REASON_LIMIT])
+        code = 128 + signum  # as a shell reports a signal: the backends' restart rule reads it
     elif code != 0 and not failure.exists():
         # The step died before it could say why (killed, out of memory, a crash in C code).
         last = " | ".join(list(tail)[-3:]) or "no output"
@@ -190,6 +199,32 @@ def supervise(
         failure.write_text(redact(failure.read_text(errors="replace"), secrets))
     scrub_files([failure.parent, *outputs], secrets)
     return code if code >= 0 else 128 - code
+
+
+def worker_killed(tail) -> tuple[int, int] | None:
+    """The rank and the signal of a torchrun worker whose death ended the job, from torchrun's
+    own summary of it ("Root Cause (first observed failure)": its `rank` and its `exitcode`,
+    negative for a signal: torch/distributed/elastic/multiprocessing/errors/__init__.py,
+    ChildFailedError.format_msg); None where the first failure was not a signal."""
+    lines = list(tail)
+    starts = [i for i, line in enumerate(lines) if "Root Cause (first observed failure)" in line]
+    if not starts:
+        return None
+    rank = exitcode = None
+    for line in lines[starts[-1] :]:
+        field, _, value = line.partition(":")
+        field, words = field.strip(), value.split()
+        if field == "rank" and words and words[0].isdigit():
+            rank = int(words[0])
+        elif field == "exitcode" and words and words[0].lstrip("-").isdigit():
+            exitcode = int(words[0])
+    if rank is None or exitcode is None or exitcode >= 0:
+        return None
+    try:
+        signal.Signals(-exitcode)
+    except ValueError:
+        return None
+    return rank, -exitcode
 
 
 def failed_to_start(failure: Path, error: BaseException) -> int:
