@@ -374,6 +374,8 @@ def resumed_run(
         sources.reconciled = tree.data(run_num)
     if "prepare" in done:
         sources.prepared, sources.data_version = tree.data(run_num), run_num
+    if done & {"train", "tune"}:  # inference, left, tests the models this run trained
+        sources.models = run.models
     keep = {k: v for k, v in record.items() if k in md.Metadata.model_fields and k != "steps"}
     resumed_at = [*record.get("resumed_at", []), md.iso(time.time())]
     again = {"status": "running", "failure_reason": None, "end_time": None}

@@ -331,3 +331,35 @@ def test_a_store_that_fills_fails_the_run_in_one_paragraph_and_leaves_no_tempora
                    temporaries=len(hidden_files(tmp_path / "store")))  # fmt: skip
     assert resumed["status"] == "completed"
     assert hidden_files(tmp_path / "store") == []
+
+
+class FullAtInference(LocalStore):
+    """A store whose disk fills as the inference step's outputs are written: training has
+    completed, only inference is left."""
+
+    def _copy(self, source, tmp: str) -> None:
+        if "/inference/" in tmp:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        super()._copy(source, tmp)
+
+
+def test_a_run_stopped_with_only_inference_left_resumes_to_the_end(tmp_path, demo_raw):
+    """--resume of a run that failed after training, in inference: inference tests the
+    models this run trained (its record's sources name none: they were to come from its own
+    training), and the run completes. It ended in a TypeError in jobs.py before (issue 45)."""
+    from pipeline.config import load_settings
+    from pipeline.driver import PipelineError, parse_steps, run_pipeline
+
+    path = write_settings(tmp_path / "s.ini", str(tmp_path / "store"), models={"MODEL_NAMES": "bow"},
+                          data={"RAW_DATA": str(demo_raw)}, training={"EPOCHS": "1"})  # fmt: skip
+    settings = load_settings(path, env={})
+    with pytest.raises(PipelineError, match="--resume 1 continues it"):
+        run_pipeline(settings, FullAtInference(tmp_path / "store"), parse_steps(None),
+                     echo=io.StringIO())  # fmt: skip
+    stopped = record(tmp_path)
+    assert stopped["steps"]["train"]["status"] == "completed", stopped["steps"]
+    resumed = run_pipeline(
+        settings, LocalStore(tmp_path / "store"), parse_steps(None), echo=io.StringIO(), resume=1
+    )
+    assert resumed["status"] == "completed"
+    assert resumed["holdout_performance"]["bow"]["macro_f1"] >= 0
