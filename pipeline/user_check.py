@@ -95,17 +95,17 @@ def check_user_functions(settings: Settings) -> dict[str, tuple[str, str | None]
 
 
 def model_settings(settings: Settings) -> dict[str, dict]:
-    """Each model's settings that ask something of the model (steps/hyperparameters.py
-    MODEL_SETTINGS), for the model check (steps/finetuning.py `check_models`): every model of
-    MODEL_NAMES is built once on the meta device, whatever they ask."""
-    from steps.hyperparameters import MODEL_SETTINGS
+    """The settings of each model they ask something of (steps/hyperparameters.py
+    MODEL_SETTINGS), for the model check (steps/finetuning.py `check_models`)."""
+    from steps.hyperparameters import MODEL_SETTINGS, asks_of_the_model
 
-    return {
+    values = {
         name: settings.model_training.get(name, settings.training).model_dump(
             include=set(MODEL_SETTINGS)
         )
         for name in settings.models.model_names
     }
+    return {name: hp for name, hp in values.items() if asks_of_the_model(hp)}
 
 
 def check_env() -> dict[str, str]:
