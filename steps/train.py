@@ -162,8 +162,8 @@ def user_model(functions, model_name: str, id2label: dict[int, str]) -> torch.nn
     model = call(functions, "load_model", model_name, id2label, label2id)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
-            f"{functions.module}.load_model must return a torch.nn.Module, "
-            f"got {type(model).__name__}"
+            f"{functions.module}.load_model({model_name!r}, ...) must return a "
+            f"torch.nn.Module, got {type(model).__name__}"
         )
     return model
 
