@@ -14,6 +14,7 @@ from datetime import datetime
 from pipeline.paths import ExperimentTree, run_label
 from pipeline.runs import existing_run_nums, silent_driver
 from pipeline.store import NotFound, Store
+from steps.runtime.names import PER_LABEL_FILE
 
 METRICS = ("accuracy", "macro_f1", "weighted_f1")
 
@@ -80,7 +81,7 @@ def run_rows(store: Store, tree: ExperimentTree) -> list[dict]:
 def per_label(store: Store, tree: ExperimentTree, run_num: int, model: str) -> dict[str, float]:
     """label -> test F1 of `model` in that run (empty when the run tested nothing)."""
     try:
-        text = store.get_bytes(f"{tree.run(run_num).inference}{model}/per_label.csv").decode()
+        text = store.get_bytes(f"{tree.run(run_num).inference}{model}/{PER_LABEL_FILE}").decode()
     except NotFound:
         return {}
     return {row["label"]: float(row["f1"]) for row in csv.DictReader(io.StringIO(text))}

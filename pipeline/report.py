@@ -18,6 +18,8 @@ from pipeline import cost
 from pipeline.history import age
 from pipeline.paths import ExperimentTree, RunTree, run_label
 from pipeline.store import NotFound, Store, artifact_key
+from steps.model_files import CURVES, HISTORY
+from steps.runtime.names import PER_LABEL_FILE, STEP_METADATA_FILE
 
 TEMPLATE = Path(__file__).with_name("report.html.j2")
 # The page's sections, in order: (id, title). The browser test checks each one rendered.
@@ -82,7 +84,7 @@ def context(store: Store, tree: ExperimentTree, run_num: int) -> dict:
     ]
     # The prepare report of the run that made the data (an earlier run's when it was reused).
     reports = [
-        _json(store, tree.run(n).report("prepare") + "step_metadata.json")
+        _json(store, tree.run(n).report("prepare") + STEP_METADATA_FILE)
         for n in [run_num] + ([version] if isinstance(version, int) else [])
     ]
     splits = next((r["split_sizes"] for r in reports if r and "split_sizes" in r), None)
@@ -132,14 +134,14 @@ def _model_view(
     where = (recorded and artifact_key(store, recorded)) or run.model(name) + "model"
     where = where.rstrip("/") + "/"
     details = trained.get(name) or {}
-    per_label = _csv(store, f"{results}{name}/per_label.csv") if results else []
+    per_label = _csv(store, f"{results}{name}/{PER_LABEL_FILE}") if results else []
     confusion = _image(store, f"{results}{name}/confusion_matrix.png") if results else None
     return {
         "name": name,
         "where": store.uri_of(where),
         "details": details,
-        "history": details.get("history") or _json(store, where + "history.json") or [],
-        "curves": _image(store, where + "curves.png"),
+        "history": details.get("history") or _json(store, where + HISTORY) or [],
+        "curves": _image(store, where + CURVES),
         "performance": (record.get("holdout_performance") or {}).get(name),
         "per_label": sorted(per_label, key=lambda r: -float(r["f1"])),
         "confusion": confusion,

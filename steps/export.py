@@ -30,7 +30,7 @@ import torch
 from steps.arguments import EXPORT, parse
 from steps.batching import Batches, read_inputs, read_split
 from steps.metrics import plot_curves
-from steps.model_files import EXPORTS, read_record, write_record
+from steps.model_files import CURVES, EXPORTS, HISTORY, read_record, write_record
 from steps.runtime import names
 from steps.runtime.environment import processing_input, processing_output
 from steps.runtime.step import run_step
@@ -223,10 +223,10 @@ def main() -> None:
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, target)
     record = read_record(out)
-    history = out / "history.json"  # a trial draws no curves: most trials' models are deleted
-    if history.exists() and not (out / "curves.png").exists():
+    history = out / HISTORY  # a trial draws no curves: most trials' models are deleted
+    if history.exists() and not (out / CURVES).exists():
         title = f"{args.model_name} (best trial)"
-        plot_curves(json.loads(history.read_text()), out / "curves.png", title)
+        plot_curves(json.loads(history.read_text()), out / CURVES, title)
     model = trained_model(out, args.model_name, record)
     keys = record["ordered_input_keys"]
     labels = processing_input("labels")

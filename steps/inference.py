@@ -36,6 +36,7 @@ from steps.model_artifact import log_models
 from steps.model_files import RECORD, read_record, usable_export
 from steps.precision import Precision, autocast, resolve
 from steps.runtime.environment import processing_input, processing_output
+from steps.runtime.names import PER_LABEL_FILE
 from steps.runtime.step import run_step, write_step_metadata
 
 FP32 = Precision("no", "fp32")
@@ -329,7 +330,7 @@ def write_results(folder: Path, name: str, y_true, y_pred, confidence, ids: list
     """One model's per-label table, overall scores, confusion matrix and predictions."""
     per_label, overall = statistics(y_true, y_pred, id2label)
     folder.mkdir(parents=True, exist_ok=True)
-    per_label.to_csv(folder / "per_label.csv", index=False, float_format="%.4f")
+    per_label.to_csv(folder / PER_LABEL_FILE, index=False, float_format="%.4f")
     (folder / "overall.json").write_text(json.dumps(overall, indent=2))
     label_names = [id2label[i] for i in sorted(id2label)]
     cm = confusion_matrix(y_true, y_pred, labels=sorted(id2label))

@@ -8,6 +8,7 @@ them, and `smpipe.json` records which exports passed their check against the eag
                                                 tokens prepare cut rows to), and `exports`
     adapter/                                    FINETUNING = lora: the adapters and the head in
                                                 PEFT's format (the weights above are merged)
+    history.json, curves.png                    each epoch's metrics, and their curves
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 RECORD = "smpipe.json"
 # The LoRA adapter as PEFT saves it (adapter_config.json, adapter_model.safetensors).
 ADAPTER = "adapter"
+HISTORY = "history.json"  # each epoch's metrics (train.py, export.py; the report reads them)
+CURVES = "curves.png"  # their curves, drawn once per kept model
 # MODEL_FORMAT -> the file of that export.
 EXPORTS = {"torchscript": "model.torchscript.pt", "exported": "model.pt2"}
 

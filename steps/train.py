@@ -48,7 +48,7 @@ from steps.finetuning import (
 )
 from steps.hyperparameters import parse_hyperparameters, reserved_hyperparameters
 from steps.metrics import metric_line, plot_curves
-from steps.model_files import read_record, write_record
+from steps.model_files import CURVES, HISTORY, read_record, write_record
 from steps.prepared_files import read_encoding
 from steps.runtime import names
 from steps.runtime.environment import TrainingEnv, training_env
@@ -594,11 +594,11 @@ def keep_model(job: Job, final: torch.nn.Module) -> None:
     best = next(h for h in state.history if h["epoch"] == state.best_epoch)
     accelerator.print("best " + metric_line(best))
     check_exports(exports)
-    (env.model_dir / "history.json").write_text(json.dumps(state.history, indent=2))
+    (env.model_dir / HISTORY).write_text(json.dumps(state.history, indent=2))
     if kept:
         with timed("plots"):
             title = f"{hp['model_name']} ({env.job_name})"
-            plot_curves(state.history, env.model_dir / "curves.png", title)
+            plot_curves(state.history, env.model_dir / CURVES, title)
     write_report(job, exports, merge)
 
 

@@ -74,6 +74,9 @@ FINISHED = "finished"
 EXIT_INTERRUPTED = 75
 # What a processing step reports for its Metadata section, in its report output.
 STEP_METADATA_FILE = "step_metadata.json"
+# The inference step's table of each label's precision, recall and F1, a model's folder of the
+# run's inference output each (the report and `smpipe compare` read it).
+PER_LABEL_FILE = "per_label.csv"
 
 # -- SageMaker's variables ----------------------------------------------------------------------
 # Set by SageMaker in a training container (your-algorithms-training-algo-running-container.html).
