@@ -1,4 +1,4 @@
-"""What a run costs beside its optimizer steps, and what it leaves behind (issue 20).
+"""What a run costs beside its optimizer steps, and what it leaves behind.
 
     python bench/run_cost.py [--trials 8] [--steps 10] [--skip-demo]
 

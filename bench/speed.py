@@ -355,7 +355,7 @@ def matmul_peaks(before: dict | None = None) -> dict[str, dict]:
 
 def add_mfu(tables: list[dict], peaks: dict) -> None:
     """MFU for every side that counted its model FLOP/s: against the peak of the precision it
-    ran in, and against the bf16 peak (issue 30: model FLOP/s over the most a bf16 matmul
+    ran in, and against the bf16 peak (model FLOP/s over the most a bf16 matmul
     reaches here; on a CPU without native bf16 an fp32 side exceeds 100% of it)."""
     for table in tables:
         for sides in table.values():

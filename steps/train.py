@@ -206,10 +206,8 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
     per_device, accumulation = batch_split(hp)
     accelerator, precision, wandb_on = accelerator_for(hp, env, accumulation)
     set_seed(hp["seed"])
-    if hp["distributed_strategy"] == "fsdp" and not on_gpu:
-        from steps import fsdp  # DCP's import costs a job that does not shard 0.7 s
-
-        fsdp.return_freed_memory()  # before the model is built: its whole copy is freed too
+    if hp["distributed_strategy"] == "fsdp" and not on_gpu:  # before the model is built
+        return_freed_memory()
 
     # On a GPU, widths padded to a multiple of 8 keep the tensor cores' tiles full.
     multiple_of = 8 if on_gpu else 1
@@ -223,17 +221,10 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
     sampler, train_loader = loader_for(train, hp, per_device, accumulation, accelerator, on_gpu)
     total_steps = sampler.steps_per_epoch * hp["epochs"]
     total_steps = min(total_steps, hp["max_steps"] or total_steps)
-    fsdp = hp["distributed_strategy"] == "fsdp"
-    frame = None
-    if fsdp:  # sharded before the optimizer is made, which then holds the shards
-        model, frame = sharded(model, accelerator, precision.applied, hp, functions.module)
-    optimizer, scheduler, optimizer_kind = optimizer_for(model, hp, total_steps)
-    # The train loader is not prepared: the resumable sampler shards it itself, per rank. Nor
-    # is a sharded model: Accelerate would wrap it in DDP.
-    if fsdp:
-        optimizer = accelerator.prepare(optimizer)
-    else:
-        model, optimizer = accelerator.prepare(model, optimizer)
+    # The train loader is not prepared: the resumable sampler shards it itself, per rank.
+    model, optimizer, scheduler, optimizer_kind, frame = shared(
+        model, accelerator, precision.applied, hp, total_steps, functions.module
+    )
     check_output_width(accelerator, model, val, keys, len(id2label), functions.module)
     compiled = False
     if hp["compile"]:
@@ -275,15 +266,33 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
     )
 
 
-def sharded(model, accelerator: Accelerator, mixed_precision: str, hp: dict, module: str):
-    """DISTRIBUTED_STRATEGY = fsdp: the model sharded across the processes, each layer its own
-    unit, and (main process) its skeleton for the final weights (steps/fsdp.py)."""
+def return_freed_memory() -> None:
+    """FSDP on a CPU: freed layers go back to the system (steps/fsdp.py says why). Its module
+    is imported here only: DCP's import costs a job that does not shard 0.7 s."""
+    from steps import fsdp
+
+    fsdp.return_freed_memory()
+
+
+def shared(model, accelerator: Accelerator, mixed_precision: str, hp, total_steps, module: str):
+    """The model as DISTRIBUTED_STRATEGY shares it among the processes, and its optimizer:
+    with ddp, both prepared by Accelerate (its DDP wrapper); with fsdp, the model sharded
+    first, each layer its own unit, so that the optimizer holds the shards, and not prepared
+    (Accelerate would wrap it in DDP), its skeleton kept on the main process for the final
+    weights (steps/fsdp.py). Returns the model, the optimizer, its schedule, which AdamW runs,
+    and the skeleton (None but on FSDP's main process)."""
+    if hp["distributed_strategy"] != "fsdp":
+        optimizer, scheduler, kind = optimizer_for(model, hp, total_steps)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        return model, optimizer, scheduler, kind, None
     from steps import fsdp
 
     blocks = check_blocks(model, hp["model_name"], module)
     fsdp.process_group(accelerator.device.type == "cuda")
     frame = skeleton(model, hp["model_name"], module) if accelerator.is_main_process else None
-    return fsdp.shard(model, blocks, accelerator.device, mixed_precision), frame
+    model = fsdp.shard(model, blocks, accelerator.device, mixed_precision)
+    optimizer, scheduler, kind = optimizer_for(model, hp, total_steps)
+    return model, accelerator.prepare(optimizer), scheduler, kind, frame
 
 
 def resume(job: Job) -> None:
