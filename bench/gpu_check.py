@@ -169,7 +169,9 @@ def check_training(work: Workspace) -> str:
     expected = resolve(work.mixed_precision, work.gpus).applied
     expect(applied == expected, f"the job applied {applied} ({why}), not {expected}")
     if work.device == "cuda":
-        if work.mixed_precision == "auto" and torch.cuda.is_bf16_supported():
+        if work.mixed_precision == "auto" and torch.cuda.is_bf16_supported(
+            including_emulation=False  # native bf16 only, as steps/precision.py asks
+        ):
             expect(applied == "bf16", f"auto applied {applied} on a GPU with bf16")
         used = job["gpu_usage"] or {}
         expect(used.get("max_memory_allocated_mb"), f"nothing allocated on a GPU: {used}")

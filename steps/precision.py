@@ -1,7 +1,10 @@
 """Which precision a job computes in, and why: one answer for training, inference and predict.
 
 `MIXED_PRECISION = auto` is bf16 where the hardware computes bf16 natively and fp32 elsewhere:
-- a GPU: bf16 where it has it (Ampere and later), else fp16 with Accelerate's loss scaler;
+- a GPU: bf16 where it computes it natively (compute capability 8.0, from Ampere on: A10G, A100,
+  L4, H100), else fp16 with Accelerate's loss scaler. A T4 (ml.g4dn) or a V100 (ml.p3) only
+  emulates bf16, yet `torch.cuda.is_bf16_supported()` counts emulation by default (its
+  `including_emulation=True`, torch 2.4 on: torch/cuda/__init__.py), so it is asked without;
 - a CPU: bf16 where it has AMX or AVX512-BF16 (Intel Sapphire Rapids and later: AWS's m7i,
   c7i, r7i), fp32 elsewhere. A CPU without them runs bf16 matmuls through conversions to fp32
   and back: on this project's AVX2 machine, under bf16 autocast, a MiniLM training step took
@@ -79,9 +82,9 @@ def resolve(setting: str, num_gpus: int) -> Precision:
     if num_gpus:
         if setting != "auto":
             return Precision(setting, f"MIXED_PRECISION = {setting}")
-        if torch.cuda.is_bf16_supported():
+        if torch.cuda.is_bf16_supported(including_emulation=False):  # native only: see above
             return Precision("bf16", "auto: the GPU computes bf16")
-        return Precision("fp16", "auto: the GPU has no bf16, fp16 with a loss scaler")
+        return Precision("fp16", "auto: the GPU has no native bf16, fp16 with a loss scaler")
     if setting == "fp16":
         raise ValueError("MIXED_PRECISION = fp16 needs a GPU (use bf16 or no on CPU)")
     if setting != "auto":

@@ -8,6 +8,7 @@ compute in what it resolves to."""
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -48,11 +49,27 @@ def test_without_the_override_the_detection_is_torch_s(monkeypatch):
         assert torch.backends.cpu.get_cpu_capability() in applied.reason
 
 
-def test_on_a_gpu_auto_is_bf16_where_it_has_it_else_fp16(monkeypatch):
-    # No CUDA here: only the GPU's answer is played; the branch is this module's.
-    for has_bf16, expected in ((True, "bf16"), (False, "fp16")):
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda has=has_bf16: has)
-        assert resolve("auto", num_gpus=1).applied == expected
+@pytest.mark.parametrize(
+    ("gpu", "capability", "expected"),
+    [("T4 (ml.g4dn)", (7, 5), "fp16"), ("V100 (ml.p3)", (7, 0), "fp16"), ("A100", (8, 0), "bf16")],
+)
+def test_on_a_gpu_auto_is_bf16_only_where_the_gpu_computes_it_natively(
+    gpu, capability, expected, monkeypatch
+):
+    """A T4 or a V100 emulates bf16, and torch's `is_bf16_supported()` counts emulation by
+    default (torch 2.4 on): auto must still pick fp16 there. No CUDA here: torch's own check runs
+    against a played device, which answers as one that emulates bf16 does."""
+    major, minor = capability
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda device=None: SimpleNamespace(name=gpu, major=major, minor=minor),
+    )
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True)
+    assert torch.cuda.is_bf16_supported()  # the played device emulates bf16, as a T4 does
+    assert resolve("auto", num_gpus=1).applied == expected
     assert resolve("no", num_gpus=1).applied == "no"
 
 
