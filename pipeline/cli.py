@@ -378,7 +378,8 @@ IAM = (
 
 
 def iam_command(args) -> int:
-    """Both policies, each under a heading (pipeline/iam.py); nothing is asked of AWS."""
+    """Both policies, each under a heading (pipeline/iam.py); AWS is asked only for the store
+    bucket's default encryption, and only where credentials are at hand."""
     from pipeline.config import load_settings
     from pipeline.iam import said
 

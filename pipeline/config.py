@@ -38,6 +38,7 @@ from steps.metrics import check_definition
 from steps.runtime.names import env_key
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+KMS_KEY_ARN = re.compile(r"^arn:aws[a-z-]*:kms:[a-z0-9-]+:\d{12}:key/[A-Za-z0-9-]+$")
 NAME_RULE = "letters, digits, '_' or '-', starting with a letter or digit, at most 63 characters"
 
 
@@ -80,9 +81,25 @@ class Experiment(Section):
     region: str = "us-east-1"
     role_arn: str = ""
     image_uri: str = ""
+    # A customer-managed KMS key the store bucket (and the secrets) are encrypted under: `smpipe
+    # iam` grants its use to the driver and the role (pipeline/iam.py). The key's own ARN, not
+    # an alias: "When an alias is the value of a resource element, the policy applies to the
+    # alias resource, not to any KMS key that might be associated with it" (KMS developer
+    # guide, alias-authorization.html).
+    kms_key_arn: str = ""
     user_functions: str = "user_functions"
 
     _name = field_validator("name")(check_name)
+
+    @field_validator("kms_key_arn")
+    @classmethod
+    def _kms_key_arn(cls, value: str) -> str:
+        if value and not KMS_KEY_ARN.match(value):
+            raise ValueError(
+                "is not a KMS key's ARN (arn:aws:kms:<region>:<account>:key/<key id>; an "
+                "alias cannot be granted on)"
+            )
+        return value
 
     @field_validator("store")
     @classmethod

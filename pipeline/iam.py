@@ -43,6 +43,7 @@ SERVICES = {
     "pricing": "pricing",
     "secretsmanager": "secretsmanager",
     "iam": "iam",
+    "kms": "kms",
 }
 # Permission-only actions: no operation of that name, but the operation named here documents
 # that it needs the action (its text in botocore's service model, checked by check_actions).
@@ -100,14 +101,15 @@ def planned_requests(settings: Settings) -> list[tuple[str, dict]]:
     from pipeline.jobs import request_for
     from pipeline.paths import ExperimentTree
     from pipeline.predict import Chosen, predict_job
-    from pipeline.sources import Sources
+    from pipeline.sources import Sources, raw_read_by_jobs
     from pipeline.stages import STEPS, build_jobs
 
     tree = ExperimentTree(settings.experiment.name)
     run = tree.run(RUN)
-    # Where reconcile reads raw data (pipeline/sources.py resolve_sources): on the sagemaker
-    # backend always the experiment's raw/ (a RAW_DATA folder is uploaded there first).
-    jobs = build_jobs(settings, list(STEPS), run, Sources(raw=tree.raw))
+    # Where reconcile reads raw data, as resolve_sources decides it: RAW_DATA's s3:// URI, a
+    # local RAW_DATA's raw version (any content: its digest is `*` too), or the experiment's raw/.
+    raw = raw_read_by_jobs(settings, tree, RUN)
+    jobs = build_jobs(settings, list(STEPS), run, Sources(raw=raw))
     data = tree.data(RUN)
     for model in settings.models.model_names:  # `smpipe predict` with any model of any run
         chosen = Chosen(
@@ -177,11 +179,43 @@ def statement(sid: str, actions: list[str], resources: list[str] | str, **condit
     return made
 
 
-def policies(settings: Settings) -> tuple[dict, dict]:
-    """(the driver's policy, the execution role's policy), each a whole IAM policy document,
-    every action checked against botocore's service models."""
-    problems = []
+# Characters an IAM policy's Resource reads as wildcards ("You can use wildcard characters (*
+# and ?) within any ARN segment", IAM JSON policy elements: Resource): a setting holding one
+# would grant on resources it does not name.
+WILDCARDS = "*?"
+
+
+def wildcard_settings(settings: Settings) -> list[str]:
+    """Each setting that becomes part of a policy's resource and holds a wildcard character."""
     e = settings.experiment
+    named = {
+        "[experiment] STORE": e.store if e.store.startswith("s3://") else "",
+        "[experiment] REGION": e.region,
+        "[experiment] ROLE_ARN": e.role_arn,
+        # Its repository (a tag or digest never becomes part of a resource).
+        "[experiment] IMAGE_URI": e.image_uri.split("@")[0].rsplit(":", 1)[0],
+        "[data] RAW_DATA": settings.data.raw_data if "://" in settings.data.raw_data else "",
+        "[tracking] WANDB_SECRET_ID": settings.tracking.wandb_secret_id,
+        "[hub] TOKEN_SECRET_ID": settings.hub.token_secret_id,
+        "[registry] MODEL_PACKAGE_GROUP": settings.registry.model_package_group,
+    }
+    whole = {"[experiment] IMAGE_URI": e.image_uri}
+    return [
+        f"{key}: {whole.get(key, value)!r} holds "
+        f"{' and '.join(repr(c) for c in WILDCARDS if c in value)}, "
+        "which an IAM policy reads as a wildcard: the policy would grant on resources this "
+        "setting does not name"
+        for key, value in named.items()
+        if any(c in value for c in WILDCARDS)
+    ]
+
+
+def policies(settings: Settings, store_key: str | None = None) -> tuple[dict, dict]:
+    """(the driver's policy, the execution role's policy), each a whole IAM policy document,
+    every action checked against botocore's service models. `store_key`: the store bucket's
+    default KMS key, where [experiment] KMS_KEY_ARN names none (`bucket_key`)."""
+    e = settings.experiment
+    problems = wildcard_settings(settings)
     if e.backend != "sagemaker":
         problems.append(
             f"[experiment] BACKEND = {e.backend}: `smpipe iam` prints what a run on the sagemaker "
@@ -201,16 +235,19 @@ def policies(settings: Settings) -> tuple[dict, dict]:
         raise ConfigError(problems, settings.source)
     where = Where(role["partition"], role["account"], e.region)
     requests = planned_requests(settings)
+    key = e.kms_key_arn or store_key
     driver, execution = (
-        driver_policy(settings, where, requests),
-        role_policy(settings, where, requests, image),
+        driver_policy(settings, where, requests, key),
+        role_policy(settings, where, requests, image, key),
     )
     check_actions(driver)
     check_actions(execution)
     return driver, execution
 
 
-def driver_policy(settings: Settings, where: Where, requests: list[tuple[str, dict]]) -> dict:
+def driver_policy(
+    settings: Settings, where: Where, requests: list[tuple[str, dict]], key: str | None
+) -> dict:
     e = settings.experiment
     kinds = sorted({kind for kind, _ in requests})
     # Resource types as the service model writes each job's ARN (TrainingJobArn
@@ -283,9 +320,21 @@ def driver_policy(settings: Settings, where: Where, requests: list[tuple[str, di
             [where.s3(bucket, experiment)],
         ),
         # HeadBucket (the store's reachability check, before anything is written) takes no
-        # prefix, so the listing cannot be narrowed to one with an s3:prefix condition.
-        statement("ListTheStore", ["s3:ListBucket"], [where.s3(bucket)]),
+        # prefix, so the listing cannot be narrowed to one with an s3:prefix condition. An
+        # s3:// RAW_DATA is listed too, for the cache's key (pipeline/cache.py raw_digest).
+        statement(
+            "ListTheStore",
+            ["s3:ListBucket"],
+            [where.s3(bucket)] + [where.s3(b) for b in _raw_buckets(settings)],
+        ),
     ]
+    if key:
+        # Reading an object under SSE-KMS needs kms:Decrypt, writing one kms:GenerateDataKey
+        # (S3 user guide, UsingKMSEncryption.html, "Permissions"; a multipart upload needs
+        # both, mpuoverview.html#mpuAndPermissions).
+        statements.append(
+            statement("UseTheStoreKey", ["kms:Decrypt", "kms:GenerateDataKey"], [key])
+        )
     if _asks_prices(settings, requests):
         # pipeline/cost.py ask_price_list: the Price List API names no resource.
         statements.append(statement("AskTheDaysPrices", ["pricing:GetProducts"], "*"))
@@ -309,7 +358,14 @@ def _asks_prices(settings: Settings, requests: list[tuple[str, dict]]) -> bool:
     return bool(used - set(settings.cost.prices))
 
 
-def role_policy(settings: Settings, where: Where, requests: list[tuple[str, dict]], image) -> dict:
+def _raw_buckets(settings: Settings) -> list[str]:
+    raw = settings.raw_data_uri()
+    return [_split(raw)[0]] if raw.startswith("s3://") else []
+
+
+def role_policy(
+    settings: Settings, where: Where, requests: list[tuple[str, dict]], image, key: str | None
+) -> dict:
     """The execution role's, as sagemaker-roles.html lists it for CreateTrainingJob,
     CreateProcessingJob and CreateHyperParameterTuningJob ("Execution Role Permissions"):
     cloudwatch:PutMetricData, the logs writes, s3:GetObject, s3:PutObject, s3:ListBucket and the
@@ -376,6 +432,17 @@ def role_policy(settings: Settings, where: Where, requests: list[tuple[str, dict
                 [_secret_arn(where, s) for s in sorted(secrets)],
             )
         )
+    if key:
+        # The inputs' and checkpoints' reads need kms:Decrypt and the writes
+        # kms:GenerateDataKey (UsingKMSEncryption.html); "the SageMaker execution role must
+        # include permissions to call kms:Encrypt" (OutputDataConfig's KmsKeyId, botocore's
+        # sagemaker model); a secret under the key is read with kms:Decrypt (Secrets Manager
+        # user guide, security-encryption.html).
+        statements.append(
+            statement(
+                "UseTheStoreKey", ["kms:Decrypt", "kms:Encrypt", "kms:GenerateDataKey"], [key]
+            )
+        )
     return {"Version": VERSION, "Statement": statements}
 
 
@@ -425,12 +492,85 @@ def _documentation(session, service: str, operation: str) -> str:
     return " ".join([op.documentation or "", *(m.documentation or "" for m in members)])
 
 
+# -- the store bucket's own key --------------------------------------------------------------------
+
+KEY_ID = re.compile(r"^(?:mrk-)?[0-9a-f-]{32,36}$")  # a key id, single- or multi-Region
+
+
+def bucket_key(settings: Settings) -> tuple[str | None, list[str]]:
+    """The customer-managed KMS key the store bucket encrypts new objects with by default, read
+    with GetBucketEncryption where [experiment] KMS_KEY_ARN names no key and AWS answers: (its
+    ARN or None, comment lines saying what was read or why nothing was)."""
+    e = settings.experiment
+    if e.kms_key_arn or not settings.store_uri().startswith("s3://"):
+        return None, []
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket = _split(settings.store_uri())[0]
+    set_it = (
+        "if it, or a secret the jobs read, is encrypted under a customer-managed KMS key, "
+        "set [experiment] KMS_KEY_ARN to that key's ARN"
+    )
+    session = boto3.Session(region_name=e.region)
+    if session.get_credentials() is None:
+        return None, [
+            f"# The default encryption of bucket {bucket} was not read (no AWS",
+            f"# credentials here): {set_it}.",
+        ]
+    client = session.client(
+        "s3", config=Config(connect_timeout=5, read_timeout=10, retries={"max_attempts": 2})
+    )
+    try:
+        rules = client.get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"][
+            "Rules"
+        ]
+    except ClientError as error:
+        if error.response["Error"]["Code"] == "ServerSideEncryptionConfigurationNotFoundError":
+            return None, []
+        return None, [
+            f"# The default encryption of bucket {bucket} was not read",
+            f"# ({error}): {set_it}.",
+        ]
+    except BotoCoreError as error:
+        return None, [
+            f"# The default encryption of bucket {bucket} was not read",
+            f"# ({error}): {set_it}.",
+        ]
+    for rule in rules:
+        default = rule.get("ApplyServerSideEncryptionByDefault") or {}
+        key = default.get("KMSMasterKeyID", "")
+        # SSE-S3 (AES256) and the AWS managed key aws/s3 need no grant: its key policy lets the
+        # account's principals use it through S3 (KMS developer guide, "AWS managed keys").
+        if not default.get("SSEAlgorithm", "").startswith("aws:kms") or not key:
+            continue
+        if key.endswith("alias/aws/s3"):
+            continue
+        role = ROLE.match(e.role_arn)
+        if KEY_ID.match(key) and role:  # a bare id is a key of the bucket's own account
+            key = f"arn:{role['partition']}:kms:{e.region}:{role['account']}:key/{key}"
+        if "alias/" in key or not key.startswith("arn:"):
+            return None, [
+                f"# Bucket {bucket} encrypts with KMS key {key!r} by default: an alias cannot",
+                "# be granted on; set [experiment] KMS_KEY_ARN to the ARN of the key it names.",
+            ]
+        return key, [
+            f"# Bucket {bucket} encrypts with KMS key {key} by default: its use is granted",
+            "# below ([experiment] KMS_KEY_ARN names a key of your choosing instead).",
+        ]
+    return None, []
+
+
 def said(settings: Settings) -> str:
-    """What `smpipe iam` prints: each policy under a heading."""
-    driver, execution = policies(settings)
+    """What `smpipe iam` prints: each policy under a heading, after what was read of the store
+    bucket's encryption."""
+    key, read = bucket_key(settings)
+    driver, execution = policies(settings, key)
     e = settings.experiment
     return "\n".join(
         [
+            *read,
             "# The driver's policy: attach it to whoever runs `smpipe run`, `plan`, `predict`,",
             "# `registry`, `approve` and `prune` for this experiment.",
             json.dumps(driver, indent=2),

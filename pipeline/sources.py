@@ -233,6 +233,17 @@ def steps_to_run(
     return [*steps[:at], "prepare", *steps[at:]]
 
 
+def raw_read_by_jobs(settings: Settings, tree: ExperimentTree, digest: str) -> str:
+    """Where the reconcile job reads the raw data: [data] RAW_DATA's URI as it is; a local
+    RAW_DATA folder as it is where the jobs run on this machine (the local backend), and its raw
+    version of content `digest` in the store where they run elsewhere; the experiment's raw/
+    when RAW_DATA is empty. `smpipe iam` grants what this names (pipeline/iam.py)."""
+    raw = settings.raw_data_uri()
+    if raw and "://" not in raw and settings.experiment.backend != "local":
+        return tree.raw_version(digest).files
+    return raw or tree.raw
+
+
 def resolve_sources(
     settings: Settings, store: Store, tree: ExperimentTree, steps: list[str]
 ) -> Sources:
@@ -250,7 +261,7 @@ def resolve_sources(
         # as a raw version of the store, which the run names (the local backend reads the
         # folder where it is).
         sources.local_raw = local_version(tree, Path(settings.raw_data_uri()))
-        sources.raw = sources.local_raw.version.files
+        sources.raw = raw_read_by_jobs(settings, tree, sources.local_raw.version.digest)
         say_raw_version(store, sources.local_raw)
     if "prepare" in steps and "reconcile" not in steps:
         version = newest_data(store, tree, "reconciled")

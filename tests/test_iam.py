@@ -313,3 +313,171 @@ def test_every_aws_call_a_job_makes_is_granted_to_the_role(tmp_path):
     assert called == {"secretsmanager:GetSecretValue"}
     settings = sagemaker_settings(tmp_path, tracking={"WANDB_SECRET_ID": "smpipe/wandb"})
     assert called <= actions(policies(settings)[1])
+
+
+# -- the raw data as reconcile reads it -------------------------------------------------------------
+
+
+def reconcile_reads(settings, store) -> str:
+    """The S3 URI the reconcile job of the plan reads, with its real raw version: what
+    resolve_sources decides, made into the request the backend sends."""
+    from pipeline.jobs import request_for
+    from pipeline.paths import ExperimentTree
+    from pipeline.sources import resolve_sources
+    from pipeline.stages import build_jobs
+
+    tree = ExperimentTree(settings.experiment.name)
+    sources = resolve_sources(settings, store, tree, ["reconcile"])
+    [job] = build_jobs(settings, ["reconcile"], tree.run(1), sources)
+    request = request_for(job, IMAGE, ROLE, lambda key: f"{settings.store_uri()}/{key}")
+    [raw] = [i["S3Input"]["S3Uri"] for i in request["ProcessingInputs"] if i["InputName"] == "raw"]
+    return raw
+
+
+def readable(policy: dict, uri: str) -> bool:
+    arn = "arn:aws:s3:::" + uri.removeprefix("s3://")
+    return any(re.fullmatch(_glob(r), arn) for r in granted(policy, "s3:GetObject"))
+
+
+def test_a_new_projects_raw_folder_is_granted_where_its_reconcile_reads_it(
+    tmp_path, bucket, monkeypatch
+):
+    from pipeline.project import init_project
+    from pipeline.store import open_store
+
+    init_project(tmp_path / "news")
+    for key, value in {
+        **SAGEMAKER,
+        "SMPIPE__EXPERIMENT__STORE": f"s3://{bucket}/smpipe",
+        "SMPIPE__TRACKING__WANDB_SECRET_ID": "",
+        "SMPIPE__HUB__TOKEN_SECRET_ID": "",
+    }.items():
+        monkeypatch.setenv(key, value)
+    settings = load_settings(tmp_path / "news/settings.ini")
+    assert settings.raw_data_uri() == str(tmp_path / "news/data")  # the template's RAW_DATA
+    read = reconcile_reads(settings, open_store(settings.store_uri()))
+    assert re.fullmatch(rf"s3://{bucket}/smpipe/news/raw-versions/[0-9a-f]{{64}}/files/", read)
+    _, execution = policies(settings)
+    # The raw version's files are readable, whatever its digest; nothing else of raw-versions/
+    # (its manifest) nor the experiment's raw/, which this project does not read.
+    assert f"arn:aws:s3:::{bucket}/smpipe/news/raw-versions/*/files/*" in granted(
+        execution, "s3:GetObject"
+    )
+    assert readable(execution, read + "bbc/business.csv")
+    assert not readable(execution, read.removesuffix("files/") + "manifest.json")
+    assert not readable(execution, f"s3://{bucket}/smpipe/news/raw/x.csv")
+
+
+def test_raw_data_in_another_bucket_is_granted_there(tmp_path, bucket):
+    settings = sagemaker_settings(tmp_path, data={"RAW_DATA": "s3://team-corpora/news/2024"})
+    driver, execution = policies(settings)
+    assert readable(execution, "s3://team-corpora/news/2024/labels.csv")
+    assert not readable(execution, "s3://team-corpora/other/labels.csv")
+    assert not any("team-corpora" in r for r in granted(execution, "s3:PutObject"))
+    assert "arn:aws:s3:::team-corpora" in granted(execution, "s3:ListBucket")
+    assert "arn:aws:s3:::team-corpora" in granted(driver, "s3:ListBucket")  # the cache's key
+    assert not any("team-corpora" in r for r in granted(driver, "s3:GetObject"))
+
+
+# -- wildcards and KMS --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value"),
+    [
+        ("experiment", "STORE", "s3://ml-*/smpipe"),
+        ("experiment", "STORE", "s3://ml-artifacts/team?"),
+        ("experiment", "REGION", "us-*"),
+        ("experiment", "ROLE_ARN", "arn:aws:iam::123456789012:role/*"),
+        ("experiment", "IMAGE_URI", "210987654321.dkr.ecr.eu-west-1.amazonaws.com/team/*:1"),
+        ("data", "RAW_DATA", "s3://corpora/*"),
+        ("tracking", "WANDB_SECRET_ID", "wandb*"),
+        ("hub", "TOKEN_SECRET_ID", "hf-token-?"),
+        ("registry", "MODEL_PACKAGE_GROUP", "news*"),
+    ],
+)
+def test_a_setting_that_would_be_a_wildcard_resource_is_refused_by_name(
+    tmp_path, section, key, value
+):
+    store = value if key == "STORE" else "s3://ml-artifacts/smpipe"
+    path = write_settings(
+        tmp_path / "settings.ini",
+        store,
+        experiment={"BACKEND": "sagemaker", "ROLE_ARN": ROLE, "IMAGE_URI": IMAGE}
+        | ({key: value} if section == "experiment" else {}),
+        **({section: {key: value}} if section != "experiment" else {}),
+    )
+    with pytest.raises(ConfigError, match=re.escape(f"[{section}] {key}: {value!r} ")):
+        policies(load_settings(path, env={}))  # ROLE_ARN's pattern refuses it on loading
+
+
+KEY = "arn:aws:kms:us-east-1:123456789012:key/1234abcd-12ab-34cd-56ef-1234567890ab"
+
+
+def test_a_kms_key_is_granted_to_the_driver_and_the_role(tmp_path):
+    settings = sagemaker_settings(tmp_path, experiment={"KMS_KEY_ARN": KEY})
+    driver, execution = policies(settings)
+    assert granted(driver, "kms:Decrypt") == granted(driver, "kms:GenerateDataKey") == [KEY]
+    assert {a for a in actions(execution) if a.startswith("kms:")} == {
+        "kms:Decrypt",
+        "kms:Encrypt",
+        "kms:GenerateDataKey",
+    }
+    assert granted(execution, "kms:Encrypt") == [KEY]
+    check_actions(driver)
+    check_actions(execution)
+    (tmp_path / "none").mkdir()
+    unkeyed = policies(sagemaker_settings(tmp_path / "none"))
+    assert not any(a.startswith("kms:") for p in unkeyed for a in actions(p))
+
+
+def test_a_kms_alias_is_refused_by_name(tmp_path):
+    with pytest.raises(
+        ConfigError,
+        match=r"\[experiment\] KMS_KEY_ARN: .*is not a KMS key's ARN .*alias cannot be granted on",
+    ):
+        sagemaker_settings(
+            tmp_path, experiment={"KMS_KEY_ARN": "arn:aws:kms:us-east-1:123456789012:alias/ml"}
+        )
+
+
+def test_iam_reads_the_store_buckets_default_key_and_says_so(tmp_path, bucket, capsys):
+    import boto3
+
+    settings_path = write_settings(
+        tmp_path / "settings.ini",
+        f"s3://{bucket}/smpipe",
+        experiment={"BACKEND": "sagemaker", "ROLE_ARN": ROLE, "IMAGE_URI": IMAGE},
+    )
+    assert main(["iam", str(settings_path)]) == 0  # SSE-S3, moto's default: no key to grant
+    assert "kms:" not in capsys.readouterr().out
+    boto3.client("s3").put_bucket_encryption(
+        Bucket=bucket,
+        ServerSideEncryptionConfiguration={
+            "Rules": [
+                {
+                    "ApplyServerSideEncryptionByDefault": {
+                        "SSEAlgorithm": "aws:kms",
+                        "KMSMasterKeyID": KEY.rsplit("/", 1)[1],  # a bare key id
+                    }
+                }
+            ]
+        },
+    )
+    assert main(["iam", str(settings_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"Bucket {bucket} encrypts with KMS key {KEY} by default" in out
+    driver, execution = documents(out).values()
+    assert granted(driver, "kms:Decrypt") == granted(execution, "kms:Encrypt") == [KEY]
+
+
+def test_iam_without_credentials_says_the_bucket_key_was_not_read(tmp_path, monkeypatch, capsys):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    sagemaker_settings(tmp_path)
+    assert main(["iam", str(tmp_path / "settings.ini")]) == 0
+    out = capsys.readouterr().out
+    assert "ml-artifacts was not read (no AWS" in out and "KMS_KEY_ARN" in out
