@@ -20,7 +20,12 @@ import boto3
 import pytest
 from botocore.awsrequest import AWSResponse
 from botocore.config import Config
-from botocore.exceptions import ConnectionClosedError
+from botocore.exceptions import (
+    ConnectionClosedError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    ReadTimeoutError,
+)
 from botocore.httpsession import URLLib3Session
 
 from pipeline.backends.sagemaker import SageMakerBackend
@@ -203,3 +208,95 @@ def test_a_name_taken_before_this_call_is_refused_even_by_the_same_request(train
     assert wire.attempts == 2  # one attempt: ResourceInUse is not retried
     assert result.status == "Failed" and "ResourceInUse" in result.failure_reason
     assert "adopted" not in echo.getvalue()
+
+
+def error_answer(request, status: int, code: str) -> AWSResponse:
+    """SageMaker's JSON error answer (awsJson1_1: `__type` and `message`)."""
+    body = json.dumps({"__type": code, "message": f"{code} (played)"}).encode()
+    return AWSResponse(request.url, status, {"x-amzn-RequestId": "played"}, Body(body))
+
+
+class TimedOutThen:
+    """The wire for CreateTrainingJob: the first attempt reaches SageMaker (the job is made)
+    and its answer times out; every attempt after it ends in `then` (an exception to raise,
+    or an error answer's status and code)."""
+
+    def __init__(self, then):
+        self.then, self.attempts = then, 0
+
+    def __call__(self, request, **_):
+        self.attempts += 1
+        if self.attempts == 1:
+            URLLib3Session().send(request)
+            raise ReadTimeoutError(endpoint_url=request.url)
+        if isinstance(self.then, Exception):
+            raise self.then
+        return error_answer(request, *self.then)
+
+
+TWO_ATTEMPTS = Config(retries={"total_max_attempts": 2, "mode": "standard"})
+
+
+@pytest.mark.parametrize(
+    "then",
+    [
+        EndpointConnectionError(endpoint_url="https://sagemaker.us-east-1.amazonaws.com"),
+        ConnectTimeoutError(endpoint_url="https://sagemaker.us-east-1.amazonaws.com"),
+        (503, "ServiceUnavailable"),
+        (500, "InternalFailure"),
+        (400, "ThrottlingException"),
+    ],
+    ids=["endpoint-connection", "connect-timeout", "503", "500", "throttling"],
+)
+def test_a_timed_out_create_whose_retry_ended_otherwise_is_adopted(training, then):
+    """botocore retries a timed-out create and the retry meets a dropped connection, a 5xx or
+    throttling instead of ResourceInUse: the job SageMaker made of the first attempt runs all
+    the same, and is found by Describe and followed."""
+    store, run, job = training
+    model_archive(store, job)
+    wire = TimedOutThen(then)
+    sagemaker, echo = backend(store, run, wire, TWO_ATTEMPTS)
+    result = sagemaker.run_training(job)
+    assert wire.attempts == 2
+    assert result.status == "Completed", result.failure_reason
+    assert (
+        "its answer was lost; DescribeTrainingJob shows this very request: adopted"
+        in echo.getvalue()
+    )
+
+
+def test_a_create_that_never_connected_is_still_described(training):
+    """An EndpointConnectionError to the only attempt: nothing was sent, and a Describe (one
+    call) finds no job, so the job is refused as SageMaker never saw it."""
+    store, run, job = training
+    described = []
+    wire = TimedOutThen(None)
+    wire.attempts = 1  # no attempt reaches SageMaker
+    wire.then = EndpointConnectionError(endpoint_url="https://sagemaker.us-east-1.amazonaws.com")
+    one = Config(retries={"total_max_attempts": 1, "mode": "standard"})
+    sagemaker, _ = backend(store, run, wire, one)
+    sagemaker.client.meta.events.register(
+        "before-call.sagemaker.DescribeTrainingJob", lambda **_: described.append(1)
+    )
+    result = sagemaker.run_training(job)
+    assert described, "the create was not checked with a Describe"
+    assert result.status == "Failed" and "SageMaker refused the job" in result.failure_reason
+    assert "could not be read" not in result.failure_reason
+
+
+def test_a_describe_that_cannot_be_read_leaves_the_question_open(training):
+    """The Describe after a lost create is throttled: that is no evidence the job was not
+    made, so the reason says how to look it up instead of calling it refused outright."""
+    store, run, job = training
+    wire = LostAnswer(carried_out=True)
+    sagemaker, _ = backend(store, run, wire, TWO_ATTEMPTS)
+    sagemaker.client.meta.events.register(
+        "before-send.sagemaker.DescribeTrainingJob",
+        lambda request, **_: error_answer(request, 400, "ThrottlingException"),
+    )
+    result = sagemaker.run_training(job)
+    assert result.status == "Failed"
+    assert "whether SageMaker created it could not be read" in result.failure_reason
+    assert f"aws sagemaker describe-training-job --training-job-name {job.name}" in (
+        result.failure_reason
+    )

@@ -17,35 +17,46 @@ def ours_after_all(
 ) -> tuple[str | None, str]:
     """A create that failed, and the job SageMaker may have made of it all the same.
 
-    CreateTrainingJob, CreateProcessingJob and CreateHyperParameterTuningJob take no
-    client token (only CreateModelPackage has an idempotencyToken member in botocore's
-    sagemaker service-2.json), and botocore retries a call whose connection dropped
-    (botocore/retries/standard.py: ConnectionError and HTTPClientError are transient): a
-    create that SageMaker carried out but whose answer was lost is sent again, and the
-    retry is refused with ResourceInUse ("a training job with this name already exists").
-    That job runs and bills. So a ResourceInUse to a retry, or a dropped connection, is
-    followed by a Describe of the name: a job that shows this very request (`not_ours`:
-    its role, image, every S3 location, its arguments, hyperparameters and environment; its
-    S3 locations lie in this run's tree) is adopted and followed as if the create had
-    answered; any other is refused, saying why. Returns (what to say of the adopted job,
-    or None; the reason)."""
+    The Create* calls of jobs take no client token (only CreateModelPackage has an
+    idempotencyToken member in botocore's sagemaker service-2.json), and botocore's standard
+    mode retries any call after a ConnectionError, an HTTPClientError (a read timeout), a 500,
+    502, 503 or 504 or a throttling code (botocore/retries/standard.py). A create SageMaker
+    carried out but whose answer was lost is sent again; whatever answers the last attempt
+    (ResourceInUse, a 5xx, throttling, another dropped connection) ends the call, and the job
+    runs and bills all the same.
+
+    So every error that may follow a carried-out attempt leads to a Describe of the name: a
+    ClientError after a retry (ResponseMetadata.RetryAttempts > 0, any code) or a 5xx, and any
+    ConnectionError or HTTPClientError. An EndpointConnectionError means the last attempt
+    sent nothing (botocore/httpsession.py: no TCP connection), not that no earlier one did,
+    and the exception does not say how many there were: one Describe settles it. A job that
+    shows this very request (`not_ours`) is adopted and followed; any other is refused, saying
+    why. Returns (what to say of the adopted job, or None; the reason)."""
     from botocore import xform_name
     from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
+    from botocore.exceptions import ConnectionError as NoConnection
 
     response = getattr(error, "response", None) or {}
     code = response.get("Error", {}).get("Code", "")
-    # botocore records how many times it resent the call (endpoint.py: "We want to share
-    # num retries, not num attempts": ResponseMetadata.RetryAttempts). A ResourceInUse to
-    # the first attempt means the name was taken before this call: that job is not ours.
-    retried = response.get("ResponseMetadata", {}).get("RetryAttempts", 0)
-    if not (code == "ResourceInUse" and retried) and not isinstance(error, HTTPClientError):
-        return None, ""
+    metadata = response.get("ResponseMetadata", {})
+    if isinstance(error, ClientError):
+        # botocore records how many times it resent the call (endpoint.py: "We want to share
+        # num retries, not num attempts"). A 4xx to the first attempt is SageMaker refusing
+        # this very request: a ResourceInUse then is a name taken before this call.
+        if not metadata.get("RetryAttempts", 0) and metadata.get("HTTPStatusCode", 0) < 500:
+            return None, ""
+    elif not isinstance(error, NoConnection | HTTPClientError):
+        return None, ""  # raised before anything was sent (credentials, parameters)
+    api = KINDS[kind]
     try:
         described = describe_job(kind, name)
-    except ClientError:  # no job of that name: the create was not carried out
-        return None, ""
-    except BotoCoreError as e:
-        api = KINDS[kind]
+    except (ClientError, BotoCoreError) as e:
+        # No job of that name: ResourceNotFound in the service model, ValidationException
+        # ("Requested resource not found.") as DescribeTrainingJob answers it (aws/aws-sdk
+        # issue 165). Anything else (throttling, a permission) leaves the question open.
+        missing = getattr(e, "response", {}).get("Error", {}).get("Code")
+        if missing in ("ResourceNotFound", "ValidationException"):
+            return None, ""
         return None, (
             f"; whether SageMaker created it could not be read ({e}): "
             f"`aws sagemaker {xform_name(api.describe, '-')} "
@@ -57,8 +68,7 @@ def ours_after_all(
             f"; the {kind} job {name} that exists is not this request ({'; '.join(differences)})"
         )
     lost = "its retry was refused" if code == "ResourceInUse" else "its answer was lost"
-    describe = KINDS[kind].describe
-    return f"{kind} job created ({lost}; {describe} shows this very request: adopted)", ""
+    return f"{kind} job created ({lost}; {api.describe} shows this very request: adopted)", ""
 
 
 def identity(kind: str, message: dict) -> dict:
