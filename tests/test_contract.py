@@ -14,7 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.player.job_root import lay_out_processing, lay_out_training, processing_job_config
+from pipeline.player.job_root import (
+    lay_out_processing,
+    lay_out_training,
+    processing_hosts,
+    processing_job_config,
+    training_hosts,
+)
 from steps.hyperparameters import parse_hyperparameters, reserved_hyperparameters
 from steps.runtime import names
 from steps.runtime.environment import training_env
@@ -219,6 +225,26 @@ def test_the_players_training_configs_have_the_shapes_sagemaker_writes(tmp_path)
     documented = corpus("training/inputdataconfig.docs.json")["validation"]
     assert json.loads((config / "inputdataconfig.json").read_text()) == {"train": documented}
     assert json.loads((config / "hyperparameters.json").read_text()) == {"epochs": "2"}
+
+
+def test_the_players_list_ten_hosts_as_sagemaker_sorts_them(tmp_path, monkeypatch):
+    """resourceconfig.json's `hosts` are "sorted lexicographically" (AWS's training toolkit,
+    sagemaker-training-toolkit environment.py): ten hosts are algo-1, algo-10, algo-2, ...;
+    algo-1 stays the first, torchrun's master, and each host's node rank is its place in the
+    file."""
+    ten = ["algo-1", "algo-10", *(f"algo-{i}" for i in range(2, 10))]
+    request = {
+        "InputDataConfig": [],
+        "ResourceConfig": {"InstanceType": "ml.g5.xlarge", "InstanceCount": 10},
+        "ProcessingResources": {"ClusterConfig": {"InstanceCount": 10}},
+    }
+    assert training_hosts(request) == processing_hosts(request) == ten
+    lay_out_training(request, tmp_path, "algo-10", training_hosts(request), None, {})
+    assert json.loads((tmp_path / "input/config/resourceconfig.json").read_text())["hosts"] == ten
+    monkeypatch.setenv("TRAINING_JOB_NAME", "ten-hosts")
+    monkeypatch.setenv(PROCESSES_VARIABLE, "1")
+    command = training_command(training_variables(tmp_path))
+    assert "--master_addr=algo-1" in command and "--node_rank=1" in command
 
 
 def test_the_image_looks_for_the_code_where_sagemaker_mounts_it():

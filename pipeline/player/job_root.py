@@ -100,10 +100,21 @@ def processing_job_config(request: dict, arn: str | None) -> dict:
     }
 
 
+def host_names(count: int) -> list[str]:
+    """`count` instances' names in the order resourceconfig.json lists them: "hosts: The list
+    of names of all containers on the container network, sorted lexicographically. For example,
+    `['algo-1', 'algo-2', 'algo-3']`" (AWS's training toolkit reading the file:
+    sagemaker-training-toolkit src/sagemaker_training/environment.py, Environment). So ten
+    hosts are algo-1, algo-10, algo-2, ... algo-9; algo-1 is first whatever the count. A
+    processing job's file shows the same list for three hosts
+    (build-your-own-processing-container.html); its order beyond nine the sources do not
+    give: the same rule here."""
+    return sorted(f"algo-{i}" for i in range(1, count + 1))
+
+
 def processing_hosts(request: dict) -> list[str]:
-    """A processing job's instances, named as resourceconfig.json names them."""
-    count = request["ProcessingResources"]["ClusterConfig"]["InstanceCount"]
-    return [f"algo-{i}" for i in range(1, count + 1)]
+    """A processing job's instances, as its resourceconfig.json lists them (`host_names`)."""
+    return host_names(request["ProcessingResources"]["ClusterConfig"]["InstanceCount"])
 
 
 def lay_out_processing(
@@ -225,8 +236,10 @@ def write_json(path: Path, value: dict) -> None:
 
 
 def training_hosts(request: dict) -> list[str]:
-    """algo-1 ... algo-N (your-algorithms-training-algo-running-container.html)."""
-    return [f"algo-{i}" for i in range(1, request["ResourceConfig"]["InstanceCount"] + 1)]
+    """A training job's instances, algo-1 ... algo-N
+    (your-algorithms-training-algo-running-container.html), as resourceconfig.json lists them
+    (`host_names`)."""
+    return host_names(request["ResourceConfig"]["InstanceCount"])
 
 
 def left_in_output(failure: Path, secrets: list[str]) -> tuple[bool, str | None]:
