@@ -51,9 +51,10 @@ ENGINE ?= $(shell if command -v docker >/dev/null 2>&1 && docker info >/dev/null
 ENGINE := $(ENGINE)
 IMAGE ?= smpipe:latest
 # The real base (docker/Dockerfile's BASE), and the stand-in built where it cannot be pulled:
-# Debian's Python 3.11 and the CPU torch the venv holds (docker/standin-base.sh).
+# Debian's Python 3.11 and the CPU torch the venv holds (docker/standin-base.sh). Its tag's
+# -rN grows whenever standin-base.sh changes what the stand-in holds: a kept one is rebuilt.
 REAL_BASE := pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime
-STANDIN_BASE := smpipe-standin-base:torch-$(TORCH)
+STANDIN_BASE := smpipe-standin-base:torch-$(TORCH)-r2
 CA_BUNDLE ?= /etc/ssl/certs/ca-certificates.crt
 
 engine:

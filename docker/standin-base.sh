@@ -2,8 +2,9 @@
 # A stand-in for the real base image (pytorch/pytorch, docker/Dockerfile's BASE) where that
 # cannot be pulled: Debian bookworm's Python 3.11 in a virtual environment at /opt/python,
 # first on PATH as the real base's Python is, holding the CPU torch this machine's venv holds
-# (`make install`) and what that torch needs, as the real base holds its own. What a stand-in
-# cannot tell: CUDA, and the real base's own Python and torch.
+# (`make install`) and what that torch needs, as the real base holds its own, and Python's C
+# headers, as the real base's conda Python has them (torch.compile's CPU kernels include
+# Python.h). What a stand-in cannot tell: CUDA, and the real base's own Python and torch.
 #
 #   docker/standin-base.sh ENGINE TAG TORCH_WHEEL [CA_BUNDLE]
 #
@@ -17,7 +18,7 @@ engine=$1 tag=$2 wheel=$3 ca=${4:-}
 work=$(mktemp -d)
 rootfs="$tag-rootfs" builder="smpipe-standin-$$"
 trap '"$engine" rm -f "$builder" >/dev/null 2>&1; "$engine" rmi -f "$rootfs" >/dev/null 2>&1; rm -rf "$work"' EXIT
-mmdebstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+mmdebstrap --variant=minbase --include=python3,python3-venv,python3-dev,ca-certificates \
     --customize-hook='chroot "$1" env -i /usr/bin/python3 -m venv /opt/python' \
     bookworm "$work/rootfs.tar" http://deb.debian.org/debian
 "$engine" import \

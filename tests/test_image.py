@@ -278,6 +278,16 @@ def test_the_image_holds_the_locks_versions_and_its_bases_torch(engine, image):
     assert record["lock_sha256"] == LOCK_SHA256
 
 
+def test_torch_compile_builds_its_cpu_kernels_in_the_image(engine, image):
+    """COMPILE = true on a CPU instance: inductor writes its CPU kernels as C++ and builds them
+    with g++ against Python's headers at the first step; an image without either fails there."""
+    code = (
+        "import torch; x = torch.randn(8); f = torch.compile(lambda x: (2 * x).sin().sum());"
+        "print(torch.allclose(f(x), (2 * x).sin().sum()))"
+    )
+    assert in_the_image(engine, image, code).strip() == "True"
+
+
 class ReclaimAt(io.StringIO):
     """Once the job reports step `step`, AWS takes the spot instance back: SIGTERM to the
     container (the engine's kill), then the job restarted from its checkpoints."""
