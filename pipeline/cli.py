@@ -607,9 +607,12 @@ def prune_command(args) -> int:
         print(f"nothing to prune: no run before the newest {args.keep} completed holds bulky files")
         return 0
     verb = "removed" if args.yes else "would remove"
-    for removal in removals:
-        if args.yes and removal.files:
-            prune_run(store, removal, args.keep)
+    for removal in list(removals):
+        why_not = prune_run(store, removal, args.keep) if args.yes and removal.files else None
+        if why_not:
+            print(f"run {removal.run.label}: not pruned: {why_not}")
+            removals.remove(removal)
+            continue
         what = ", ".join(f"{where} {human_bytes(n)}" for where, n in removal.groups.items())
         did = f"{verb} {human_bytes(removal.bytes)} in {len(removal.files)} files: {what}"
         print(

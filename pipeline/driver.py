@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from contextlib import nullcontext
 
 from pipeline import cache, registry
 from pipeline import metadata as md
@@ -28,7 +29,7 @@ from pipeline.paths import ExperimentTree, RunTree
 from pipeline.plan import check_requests, log_plan, prices_for
 from pipeline.prune import remove_checkpoints
 from pipeline.raw_data import upload_version
-from pipeline.runs import claim_run_num, heartbeat, mark_abandoned
+from pipeline.runs import checkpoint_files, claim_run_num, heartbeat, lease, mark_abandoned
 from pipeline.sources import (
     Sources,
     clear_partial_outputs,
@@ -87,34 +88,42 @@ def run_pipeline(
     nothing their import does reaches this process, and so none of the jobs it starts."""
     reaches = check_user_functions(settings)
     tree = ExperimentTree(settings.experiment.name)
-    data_steps: dict[str, cache.CacheEntry] = {}
-    if resume is not None:
-        asked = None if steps == list(STEPS) else steps
-        run, base, steps, sources = resumed_run(settings, store, tree, resume, asked)
-    else:
-        run = tree.run("<next run_num>")
-        steps = registry.with_registration(settings, steps_to_run(settings, store, tree, steps))
-        sources = resolve_sources(settings, store, tree, steps)
-        data_steps = consult_cache(settings, store, tree, steps, sources, reaches, use_cache)
-        skipped = {s for s, entry in data_steps.items() if entry.status in ("reused", "skipped")}
-        steps = [s for s in steps if s not in skipped]
-    planned = build_jobs(settings, steps, run, sources)
-    check_requests(planned, settings, store)
-    if problems := hosts_refuse(settings, planned):
-        raise ConfigError(problems, f"{settings.source}: what the backend's hosts cannot run")
-    if dry_run:
-        log_reused(sources)
-        log_plan(planned, settings, store, show_requests, registry.STEP in steps)
-        log.info("dry run: nothing was launched or written")
-        return None
-    mark_abandoned(store, tree)
-    if resume is None:
-        if sources.local_raw is not None:  # the raw version the run names, in the store
-            upload_version(store, sources.local_raw)
-        run, base = claim_run(settings, store, tree, steps, sources)
-        base.data_steps = {step: entry.record() for step, entry in data_steps.items()}
-    with heartbeat(store, run.heartbeat):
-        return execute(settings, store, run, base, steps, sources, echo or sys.stdout, make_backend)
+    # A resumed run is held from the moment its record is read: no prune removes what it
+    # resumes from meanwhile (pipeline/runs.py `lease`).
+    held = lease(store, tree.run(resume), "resumed") if resume is not None else nullcontext()
+    with held:
+        data_steps: dict[str, cache.CacheEntry] = {}
+        if resume is not None:
+            asked = None if steps == list(STEPS) else steps
+            run, base, steps, sources = resumed_run(settings, store, tree, resume, asked)
+        else:
+            run = tree.run("<next run_num>")
+            steps = registry.with_registration(settings, steps_to_run(settings, store, tree, steps))
+            sources = resolve_sources(settings, store, tree, steps)
+            data_steps = consult_cache(settings, store, tree, steps, sources, reaches, use_cache)
+            skipped = {
+                s for s, entry in data_steps.items() if entry.status in ("reused", "skipped")
+            }
+            steps = [s for s in steps if s not in skipped]
+        planned = build_jobs(settings, steps, run, sources)
+        check_requests(planned, settings, store)
+        if problems := hosts_refuse(settings, planned):
+            raise ConfigError(problems, f"{settings.source}: what the backend's hosts cannot run")
+        if dry_run:
+            log_reused(sources)
+            log_plan(planned, settings, store, show_requests, registry.STEP in steps)
+            log.info("dry run: nothing was launched or written")
+            return None
+        mark_abandoned(store, tree)
+        if resume is None:
+            if sources.local_raw is not None:  # the raw version the run names, in the store
+                upload_version(store, sources.local_raw)
+            run, base = claim_run(settings, store, tree, steps, sources)
+            base.data_steps = {step: entry.record() for step, entry in data_steps.items()}
+        with heartbeat(store, run.heartbeat):
+            return execute(
+                settings, store, run, base, steps, sources, echo or sys.stdout, make_backend
+            )
 
 
 def consult_cache(
@@ -270,6 +279,8 @@ def ended(ctx: RunContext, started: float, status: str, reason: str | None) -> d
     base = ctx.base
     if status == "completed" and not ctx.settings.training.keep_checkpoints_after_run:
         base.checkpoints_removed_bytes = remove_checkpoints(ctx.store, ctx.run)
+    elif status != "completed":
+        base.checkpoints_left = checkpoint_files(ctx.store, ctx.run)
     now = time.time()
     base.status, base.failure_reason = status, reason
     base.end_time, base.time_taken = md.iso(now), round(now - started, 3)

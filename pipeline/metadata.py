@@ -93,6 +93,9 @@ class Metadata(BaseModel):
     # The bytes of checkpoints removed when the run completed (pipeline/prune.py); None while
     # they are kept: the run did not complete, KEEP_CHECKPOINTS_AFTER_RUN, or the store refused.
     checkpoints_removed_bytes: int | None = None
+    # What a run that stopped left for --resume: each checkpoint folder (a model's, a trial's)
+    # -> its files, counted when it stopped; a resume finding them gone says so and stops.
+    checkpoints_left: dict[str, int] | None = None
     # `smpipe prune`: when, and what of the run it removed (a prefix of the run -> bytes).
     pruned: dict | None = None
     # The prices the run applies (cost.price_basis: region, each instance type's price and

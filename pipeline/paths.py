@@ -21,6 +21,8 @@
                                               each approval change since, created once
         runs/<run_num>/                       everything one run produces
             CLAIM                             written first, atomically: the run_num is taken
+            LEASE                             while a --resume or a prune acts on the ended run,
+                                              created atomically: the other waits its turn
             settings.ini                      the settings as applied, secrets redacted
             metadata.json                     every step's section merged
             metadata/<step>.json              one object per step: steps never overwrite each other
@@ -236,6 +238,11 @@ class RunTree:
     @property
     def claim(self) -> str:
         return f"{self.prefix}CLAIM"
+
+    @property
+    def lease(self) -> str:
+        """Held by the one `--resume` or `prune` acting on this ended run (pipeline/runs.py)."""
+        return f"{self.prefix}LEASE"
 
     @property
     def settings(self) -> str:

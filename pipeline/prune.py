@@ -31,6 +31,7 @@ from pipeline.errors import log
 from pipeline.history import human_bytes, run_rows
 from pipeline.paths import ExperimentTree, RunTree
 from pipeline.registry import registered_models
+from pipeline.runs import RunBusy, lease, silent_driver
 from pipeline.store import MANIFEST, NotFound, Store, StoreError, artifact_key
 from steps.model_files import EXPORTS
 
@@ -220,9 +221,24 @@ def predicted(store: Store, runs: list[RunTree]) -> list[Reference]:
     return found
 
 
-def prune_run(store: Store, removal: Removal, keep: int) -> None:
+def prune_run(store: Store, removal: Removal, keep: int) -> str | None:
     """Remove what `removal` names, manifests first (a model folder stops being complete
-    before its weights go), then record it in the run's metadata.json."""
+    before its weights go), then record it in the run's metadata.json; or, without removing
+    anything, why not: a `--resume` holds the run, or resumed it since the plan was made."""
+    try:
+        with lease(store, removal.run, "pruned"):
+            status = json.loads(store.get_bytes(removal.run.metadata)).get("status")
+            if status == "running" and silent_driver(store, removal.run.heartbeat):
+                status = "abandoned"  # as run_rows tells it
+            if status != removal.status:
+                return f"it is {status} now (it was {removal.status} when prune looked)"
+            _remove(store, removal, keep)
+    except RunBusy as e:
+        return str(e)
+    return None
+
+
+def _remove(store: Store, removal: Removal, keep: int) -> None:
     run = removal.run
     for key in sorted(removal.files, key=lambda k: not k.endswith(MANIFEST)):
         store.delete(key)

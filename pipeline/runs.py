@@ -5,6 +5,11 @@ A run is taken by creating `runs/<run_num>/CLAIM` with a conditional write (S3 `
 a hard link on disk, which fails if the name exists). The one that creates it owns the number;
 the others see the create fail and try the next one. Nothing of an existing run is touched.
 A run left `running` by a driver that is gone is marked `abandoned` (`mark_abandoned`).
+
+An ended run is acted on by one command at a time: a `--resume` and a `prune` each create
+`runs/<run_num>/LEASE` the same way before they read what the run is, and the one that finds it
+taken refuses (`lease`). Without it a prune could remove the checkpoints of a run a resume had
+just found unpruned.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ import threading
 import time
 from contextlib import contextmanager
 
-from pipeline.errors import log
-from pipeline.paths import ExperimentTree, parse_run_label
+from pipeline.errors import PipelineError, log
+from pipeline.paths import ExperimentTree, RunTree, parse_run_label
 from pipeline.store import NotFound, Store, StoreError
 
 
@@ -115,3 +120,65 @@ def mark_abandoned(store: Store, tree: ExperimentTree) -> None:
             f"run {run.label} was left running: {why}; marked abandoned "
             f"(--resume {run_num} continues it)"
         )
+
+
+def checkpoint_files(store: Store, run: RunTree) -> dict[str, int]:
+    """Each folder of the run's checkpoints (a model's, a tuning trial's) -> its files: what a
+    run that stopped leaves for --resume (Metadata's checkpoints_left)."""
+    found: dict[str, int] = {}
+    for key in store.list_keys(run.checkpoints_root):
+        folder = key[len(run.checkpoints_root) :].split("/", 1)[0]
+        found[folder] = found.get(folder, 0) + 1
+    return found
+
+
+# -- one command at a time on an ended run ------------------------------------------------------
+
+
+class RunBusy(PipelineError):
+    """Another command holds the run's lease."""
+
+
+@contextmanager
+def lease(store: Store, run: RunTree, doing: str):
+    """While the block runs, this process alone acts on `run` (`doing`: "resumed", "pruned").
+    A lease whose holder is gone (its process no longer exists on this machine, or it was taken
+    SILENT_FOR seconds ago elsewhere: a resume's own heartbeat covers it once it runs) is taken
+    over; a live one raises RunBusy naming its holder."""
+    import psutil
+
+    try:
+        store.get_bytes(run.claim)
+    except NotFound:  # no such run: nothing to hold, and no folder made for it (the caller says)
+        yield
+        return
+    body = json.dumps({**driver_identity(), "doing": doing, "time": time.time()}).encode()
+    if not store.create(run.lease, body):
+        try:
+            held = json.loads(store.get_bytes(run.lease))
+        except (NotFound, ValueError):  # released meanwhile, or half written: taken over
+            held = {"host": "", "pid": 0, "time": 0}
+        mine = held.get("host") == socket.gethostname()
+        gone = (mine and not psutil.pid_exists(held.get("pid", 0))) or (
+            time.time() - held.get("time", 0) > SILENT_FOR
+        )
+        if not gone:
+            since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(held["time"]))
+            raise RunBusy(
+                f"run {run.label} is being {held.get('doing', 'acted on')} by pid "
+                f"{held.get('pid')} on {held.get('host')} (since {since}); try again once it "
+                "has finished"
+            )
+        store.delete(run.lease)
+        if not store.create(run.lease, body):
+            raise RunBusy(f"run {run.label} was taken by another command just now; try again")
+    try:
+        yield
+    finally:
+        try:  # only its own: a long resume's lease may have been taken over meanwhile
+            if store.get_bytes(run.lease) == body:
+                store.delete(run.lease)
+        except NotFound:
+            pass
+        except StoreError as e:  # a stale lease is taken over once its holder is gone
+            log.warning(f"run {run.label}: its lease could not be removed ({e})")

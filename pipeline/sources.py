@@ -27,7 +27,7 @@ from pipeline.raw_data import (
     unfinished_upload,
 )
 from pipeline.raw_data import upload_raw as upload_raw  # `smpipe upload`'s, named here too
-from pipeline.runs import existing_run_nums, silent_driver
+from pipeline.runs import checkpoint_files, existing_run_nums, silent_driver
 from pipeline.store import NotFound, Store, artifact_key, is_complete
 from steps.prepared_files import ENCODING, parse_encoding
 
@@ -387,12 +387,32 @@ def resumed_run(
         sources.prepared, sources.data_version = tree.data(run_num), run_num
     if done & {"train", "tune"}:  # inference, left, tests the models this run trained
         sources.models = run.models
+    else:
+        check_checkpoints(store, run, record, resume=f"--resume {run_num}")
     keep = {k: v for k, v in record.items() if k in md.Metadata.model_fields and k != "steps"}
     resumed_at = [*record.get("resumed_at", []), md.iso(time.time())]
     again = {"status": "running", "failure_reason": None, "end_time": None}
+    again["checkpoints_left"] = None  # counted again when it stops
     base = md.Metadata(**{**keep, **again, "resumed_at": resumed_at})
     log.info(f"resuming run {run.label} ({record['status']}): {', '.join(remaining)} left")
     return run, base, remaining, sources
+
+
+def check_checkpoints(store: Store, run: RunTree, record: dict, resume: str) -> None:
+    """Training goes on from the checkpoints the run left: any that are gone since it stopped
+    (removed by hand, or by a lifecycle rule) stop the resume, which would otherwise train
+    those models from step 1 without a word; what each model starts from is said."""
+    left = record.get("checkpoints_left") or {}
+    now = checkpoint_files(store, run)
+    gone = sorted(folder for folder, files in left.items() if files and not now.get(folder))
+    if gone:
+        raise PipelineError(
+            f"{resume}: the checkpoints run {run.label} left are gone ({', '.join(gone)}, "
+            f"under {store.uri_of(run.checkpoints_root)}): resuming would train from step 1; "
+            "start a new run"
+        )
+    for folder, files in sorted(now.items()):
+        log.info(f"resuming run {run.label}: {folder} goes on from its checkpoints ({files} files)")
 
 
 def stopped_record(store: Store, run: RunTree) -> dict:

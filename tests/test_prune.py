@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 
 import pytest
@@ -251,3 +252,102 @@ def test_a_pruned_run_is_not_resumed(tmp_path):
     assert cli.main(["prune", str(path), "--keep", "1", "--yes"]) == 0
     with pytest.raises(PipelineError, match="was pruned at .*start a new run"):
         stopped_record(store, run)
+
+
+# -- a --resume and a prune never act on one run at once ---------------------------------------------
+
+
+def test_a_run_being_resumed_is_not_pruned(tmp_path, capsys):
+    """A resume holds the run from the moment it reads its record: a prune --yes run meanwhile
+    (between the resume's "not pruned" check and its first step) leaves it whole."""
+    from pipeline.runs import lease
+
+    store = LocalStore(tmp_path / "store")
+    run = write_run(store, 1, "failed")
+    for n in (2, 3):
+        write_run(store, n, "completed")
+    path = write_settings(tmp_path / "settings.ini", str(store.root))
+    before = {k: v for k, v in everything(store).items() if k.startswith(run.prefix)}
+    with lease(store, run, "resumed"):
+        assert cli.main(["prune", str(path), "--keep", "1", "--yes"]) == 0
+        out = capsys.readouterr().out
+        stopped_record(store, run)  # still resumable: not pruned
+    assert f"run 0001: not pruned: run 0001 is being resumed by pid {os.getpid()}" in out
+    assert "run 0002 (completed" in out and "freed" in out
+    after = {k: v for k, v in everything(store).items() if k.startswith(run.prefix)}
+    assert after == before  # the lease is gone with the resume, nothing else changed
+    assert not store.list_keys(TREE.run(2).checkpoints_root)
+
+
+def test_a_resume_is_refused_while_a_prune_holds_the_run(tmp_path, monkeypatch):
+    from pipeline.driver import run_pipeline
+    from pipeline.runs import RunBusy, lease
+
+    store = LocalStore(tmp_path / "store")
+    run = write_run(store, 1, "failed")
+    path = write_settings(tmp_path / "settings.ini", str(store.root))
+    monkeypatch.setattr("pipeline.driver.check_user_functions", lambda settings: {})
+    with lease(store, run, "pruned"), pytest.raises(RunBusy, match="run 0001 is being pruned by"):
+        run_pipeline(load_settings(path, env={}), store, ["train"], resume=1)
+    assert store.list_keys(run.checkpoints_root)
+
+
+def test_a_plan_made_before_a_resume_started_prunes_nothing(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    run = write_run(store, 1, "failed")
+    for n in (2, 3):
+        write_run(store, n, "completed")
+    [removal, _] = prune_plan(store, TREE, keep=1)
+    write_run(store, 1, "running")  # a resume started after the plan (its driver: this one)
+    assert (
+        prune_run(store, removal, keep=1) == "it is running now (it was failed when prune looked)"
+    )
+    assert store.list_keys(run.checkpoints_root)
+
+
+def test_a_lease_whose_holder_is_gone_is_taken_over(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    from pipeline.runs import lease
+
+    store = LocalStore(tmp_path / "store")
+    run = write_run(store, 1, "failed")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    held = {"host": socket.gethostname(), "pid": int(dead), "doing": "pruned", "time": time.time()}
+    store.create(run.lease, json.dumps(held).encode())
+    assert prune_run(store, prune_plan_of(store, run), keep=1) is None
+    assert not store.list_keys(run.checkpoints_root) and not store.list_keys(run.lease)
+    with lease(store, TREE.run(9), "resumed"):  # no such run: nothing is made for it
+        assert not store.list_keys(TREE.run(9).prefix)
+
+
+def prune_plan_of(store, run: RunTree):
+    for n in (2, 3):
+        write_run(store, n, "completed")
+    return next(r for r in prune_plan(store, TREE, keep=1) if r.run == run)
+
+
+# -- a resume whose checkpoints are gone -------------------------------------------------------------
+
+
+def test_a_stopped_run_records_its_checkpoints_and_a_resume_without_them_stops(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    record, run = end_run(tmp_path, store, "interrupted")
+    assert record["checkpoints_left"] == {"bow": 2, "bow-trial-001": 1}
+    record["planned_steps"] = ["train"]
+    record["sources"] = {"raw": "raw/", "reconciled": None, "prepared": None}
+    record["sources"] |= {"data_version": 1, "models": None}
+    record["steps"] = {"train": {"step": "train", "status": "interrupted"}}
+    store.put_bytes(run.metadata, json.dumps(record).encode())
+    for key in store.list_keys(run.checkpoints("bow")):
+        store.delete(key)
+    from pipeline.sources import resumed_run
+
+    settings = load_settings(tmp_path / "settings.ini", env={})
+    store.put_bytes(run.settings, settings.applied_ini.encode())
+    with pytest.raises(PipelineError, match=r"--resume 1: the checkpoints run 0001 left are gone "
+                       r"\(bow, under .*\): resuming would train from step 1"):  # fmt: skip
+        resumed_run(settings, store, TREE, 1, None)
