@@ -22,10 +22,10 @@ from pipeline.backends.local import LocalBackend
 from pipeline.jobs import ProcessingJob, TrainingJob, TuningJob
 from pipeline.paths import ExperimentTree
 from pipeline.player.environment import HOST_VARIABLES, container_home, dockerfile_instructions
-from pipeline.player.job_root import OWNER, WORK_PREFIX
+from pipeline.player.job_root import OWNER, WORK_PREFIX, gathered
 from pipeline.search_space import Categorical
 from pipeline.store import S3Store, upload_dir
-from steps.runtime.names import TRIAL_CHECKPOINTS_VARIABLE
+from steps.runtime.names import MODEL_DIR, TRIAL_CHECKPOINTS_VARIABLE, host_path
 from tests.conftest import ship_code
 
 RUN = ExperimentTree("probe").run(1)
@@ -203,6 +203,35 @@ def test_trials_share_one_checkpoint_uri_as_on_sagemaker(store, emulator, inputs
         "ckpt/trial-a/ckpt-rank0.txt",
         "ckpt/trial-b/ckpt-rank0.txt",
     ]
+
+
+def test_a_distributed_training_job_uploads_every_hosts_model(store, emulator, inputs):
+    """SageMaker gathers /opt/ml/model of every host into the one model.tar.gz (AWS's local
+    mode: "Get the model artifacts from all the container nodes"), not the first host's
+    only: each host's process leaves its own file there."""
+    job = probe_training("two-hosts", instance_count=2)
+    result = backend(emulator).run_training(job)
+    assert result.status == "Completed", result.failure_reason
+    seen = [json.loads(store.get_bytes(job.model_prefix + f"seen-rank{r}.json")) for r in (0, 1)]
+    assert [(s["rank"], s["current_host"]) for s in seen] == [(0, "algo-1"), (1, "algo-2")]
+
+
+def test_a_file_several_hosts_wrote_is_the_last_hosts(tmp_path):
+    """Which host's file SageMaker keeps is undocumented ("it will override duplicate files",
+    AWS's local mode): here the last host's in resourceconfig.json's order, and every other
+    host's files are there too."""
+    roots = {host: tmp_path / host for host in ("algo-1", "algo-10", "algo-2")}
+    for host, root in roots.items():
+        model = host_path(root, MODEL_DIR)
+        (model / "sub").mkdir(parents=True)
+        (model / "sub/same.txt").write_text(host)
+        (model / f"{host}.txt").write_text(host)
+    merged = gathered(roots, MODEL_DIR, tmp_path / "gathered")
+    assert (merged / "sub/same.txt").read_text() == "algo-2"
+    assert sorted(p.name for p in merged.glob("*.txt")) == [f"{h}.txt" for h in roots]
+    assert gathered({"algo-1": roots["algo-1"]}, MODEL_DIR, tmp_path / "one") == host_path(
+        roots["algo-1"], MODEL_DIR
+    )
 
 
 def tuning_job(name: str, fail: bool = False) -> TuningJob:

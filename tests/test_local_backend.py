@@ -103,8 +103,9 @@ def test_training_job_across_processes_and_hosts(store, tmp_path, hosts, per_hos
     # torchrun's log folder (a new one in the temporary folder, never removed) is not made.
     assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) <= left
     assert result.peak_memory_mb and result.peak_memory_mb > 10
-    # Only the first host's model folder is the job's, as on SageMaker.
-    seen = [json.loads(store.get_bytes(f"out/model/seen-rank{r}.json")) for r in range(per_host)]
+    # Every host's model folder is the job's, as SageMaker gathers them into model.tar.gz.
+    ranks = range(hosts * per_host)
+    seen = [json.loads(store.get_bytes(f"out/model/seen-rank{r}.json")) for r in ranks]
     for r, s in enumerate(seen):
         assert s["rank"] == r and s["world"] == 2 and s["all_reduce"] == 3.0
         # Hyperparameters arrive as SageMaker's containers deliver them: JSON-looking strings decoded.
@@ -122,7 +123,8 @@ def test_training_job_across_processes_and_hosts(store, tmp_path, hosts, per_hos
         }
         assert s["channels"]["train"] == ["rows.txt"] and "code" in s["channels"]
         assert s["hosts"] == [f"algo-{i}" for i in range(1, hosts + 1)] and s["num_gpus"] == 0
-        assert s["current_host"] == "algo-1" and s["job_name"] == "probe-train-1"
+        assert s["current_host"] == f"algo-{r // per_host + 1}"
+        assert s["job_name"] == "probe-train-1"
         for var in (
             "SM_MODEL_DIR",
             "SM_CHANNEL_TRAIN",

@@ -54,6 +54,7 @@ from pipeline.player.exits import status_after
 from pipeline.player.fork_client import WARM_FOLDER, WarmStart, warm_start_enabled
 from pipeline.player.images import ImageContainers, find_engine, image_id
 from pipeline.player.job_root import (
+    gathered,
     new_work_root,
     processing_outputs,
     remove_orphaned_work_roots,
@@ -64,7 +65,7 @@ from pipeline.player.transfers import LogStream, upload_folder, upload_tarball
 from pipeline.player.warm_pools import WarmPools
 from pipeline.service_model import TUNING_OBJECTIVE
 from pipeline.store import Store, aws_config
-from steps.runtime.names import MODEL_DIR, OUTPUT_DATA_DIR, host_path
+from steps.runtime.names import MODEL_DIR, OUTPUT_DATA_DIR
 
 EMULATED_IMAGE = "smpipe:emulated"
 EMULATED_ROLE = "arn:aws:iam::123456789012:role/smpipe-emulated"
@@ -572,9 +573,11 @@ class Emulator:
         if status == "Completed":
             job.secondary_status = "Uploading"
             base = request["OutputDataConfig"]["S3OutputPath"].rstrip("/") + f"/{name}/output/"
-            main = next(iter(played.roots.values()))
-            upload_tarball(self.store, host_path(main, MODEL_DIR), base + "model.tar.gz")
-            upload_tarball(self.store, host_path(main, OUTPUT_DATA_DIR), base + "output.tar.gz")
+            # Every host's model/ and output/data/, in one tarball each (job_root.gathered).
+            work = self.work_root / name / "gathered"
+            for folder, tarball in ((MODEL_DIR, "model"), (OUTPUT_DATA_DIR, "output")):
+                local = gathered(played.roots, folder, work / tarball)
+                upload_tarball(self.store, local, base + f"{tarball}.tar.gz")
         self._end(name, status, reason)
         shutil.rmtree(self.work_root / name, ignore_errors=True)
 

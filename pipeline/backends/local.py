@@ -39,6 +39,7 @@ from pipeline.paths import RunTree
 from pipeline.player.exits import status_after
 from pipeline.player.fork_client import WARM_FOLDER, WarmStart, warm_start_enabled
 from pipeline.player.job_root import (
+    gathered,
     new_work_root,
     processing_outputs,
     remove_orphaned_work_roots,
@@ -47,6 +48,7 @@ from pipeline.player.play import play_processing, play_training
 from pipeline.player.processes import Containers
 from pipeline.service_model import as_if_on_s3, refused
 from pipeline.store import LocalStore, Store, StoreError, upload_dir
+from steps.runtime.names import MODEL_DIR, OUTPUT_DATA_DIR
 
 # What the requests name as image and role when nothing is sent anywhere.
 LOCAL_IMAGE = "local:docker/Dockerfile"
@@ -243,9 +245,13 @@ class LocalBackend:
         )
         self.billed += result.billing
         if result.status == "Completed":
-            main = next(iter(played.roots.values()))  # the first host's, as SageMaker keeps
-            upload_dir(self.store, main / "model", job.model_prefix, {"job_name": job.name})
-            upload_dir(self.store, main / "output/data", job.output_prefix, {"job_name": job.name})
+            # Every host's model/ and output/data/, as SageMaker uploads them (gathered).
+            for folder, prefix in (
+                (MODEL_DIR, job.model_prefix),
+                (OUTPUT_DATA_DIR, job.output_prefix),
+            ):
+                local = gathered(played.roots, folder, root / "gathered" / Path(folder).name)
+                upload_dir(self.store, local, prefix, {"job_name": job.name})
         self._cleanup(root, result)
         return result
 

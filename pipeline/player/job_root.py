@@ -174,6 +174,34 @@ def processing_outputs(request: dict, root: Path) -> dict[str, Path]:
     return merged
 
 
+def gathered(roots: dict[str, Path], folder: str, into: Path) -> Path:
+    """`folder` of a training job (/opt/ml/model, /opt/ml/output/data) as the one folder its
+    tarball is made of: every host's. AWS's local mode of SageMaker gathers "the model
+    artifacts from all the container nodes... As the official SageMaker Training Service, it
+    will override duplicate files if multiple containers have the same file names"
+    (sagemaker-python-sdk src/sagemaker/local/image.py, retrieve_artifacts), copying the hosts
+    in their order. So here: a file several hosts wrote is the last host's in `roots`' order
+    (resourceconfig.json's); which host wins on SageMaker itself the sources are silent. One
+    host: its own folder. Several: their files hard-linked under `into` (copied where a link
+    cannot be made), so a model's weights are not copied."""
+    folders = [host_path(root, folder) for root in roots.values()]
+    if len(folders) == 1:
+        return folders[0]
+    into.mkdir(parents=True, exist_ok=True)
+    for source in folders:
+        for path in sorted(source.rglob("*")):
+            if not path.is_file():
+                continue
+            target = into / path.relative_to(source)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.unlink(missing_ok=True)
+            try:
+                os.link(path, target)
+            except OSError:
+                shutil.copy2(path, target)
+    return into
+
+
 # SageMaker's names for a training job's one instance group and its network interface, as
 # resourceconfig.json shows them (your-algorithms-training-algo-running-container.html; the
 # toolkit reads current_group_name: sagemaker-training-toolkit environment.py).

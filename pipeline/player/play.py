@@ -58,7 +58,7 @@ class ContainerRunner(Protocol):
 @dataclass
 class Played:
     exits: list[ContainerExit]
-    roots: dict[str, Path]  # host -> its job root; the first host's model is the job's
+    roots: dict[str, Path]  # host -> its job root, in resourceconfig.json's order
     restarts: int
 
 

@@ -84,7 +84,9 @@ class CheckpointSync:
             self.had[folder] = self._files(folder)
 
     def up(self) -> None:
-        written: dict[str, Path] = {}  # the first host's file wins, as the first host's model
+        # A file several hosts wrote: the first host's (which one SageMaker's sync keeps is
+        # undocumented).
+        written: dict[str, Path] = {}
         deleted: set[str] = set()
         for folder in self.folders:
             now, had = self._files(folder), self.had.get(folder, {})
