@@ -234,6 +234,37 @@ def test_a_file_several_hosts_wrote_is_the_last_hosts(tmp_path):
     )
 
 
+def long_failure(name: str, length: int, hosts: int) -> ProcessingJob:
+    return ProcessingJob(name=name, step="tests.jobs.long_failure", code="code/",
+                         inputs={"things": "inputs/things/"}, outputs={"seen": f"outputs/{name}/"},
+                         arguments=[str(length)], env={"SMPIPE_USER_FUNCTIONS": "user_functions"},
+                         instance_count=hosts)  # fmt: skip
+
+
+def said_by(host: str, length: int) -> str:
+    """What tests/jobs/long_failure.py leaves in /opt/ml/output/message on `host`."""
+    return f"long-failure: ValueError: {host}|" + "x" * length
+
+
+def test_the_exit_messages_of_several_hosts_are_concatenated_then_cut(store, emulator, inputs):
+    """ "If multiple containers exit with an ExitMessage, the content of the ExitMessage from
+    each processing container is concatenated, then truncated to 1 KB" (byoc-metadata.html)."""
+    job = long_failure("long-fail-two", 700, hosts=2)
+    assert backend(emulator).run_processing(job).status == "Failed"
+    described = emulator.client.describe_processing_job(ProcessingJobName=job.name)
+    assert described["ExitMessage"] == (said_by("algo-1", 700) + said_by("algo-2", 700))[:1024]
+
+
+def test_a_failure_reason_is_cut_at_what_sagemaker_returns(store, emulator, inputs):
+    """FailureReason is at most 1,024 characters (botocore's service model): the step's own
+    1,024 behind `AlgorithmError: ` are cut there."""
+    job = long_failure("long-fail-one", 3000, hosts=1)
+    assert backend(emulator).run_processing(job).status == "Failed"
+    described = emulator.client.describe_processing_job(ProcessingJobName=job.name)
+    assert described["FailureReason"] == ("AlgorithmError: " + said_by("algo-1", 3000))[:1024]
+    assert described["ExitMessage"] == said_by("algo-1", 3000)[:1024]
+
+
 def tuning_job(name: str, fail: bool = False) -> TuningJob:
     trial = probe_training(name, hyperparameters={"model_name": "probe", "epochs": "1", **({"fail": "1"} if fail else {})},
                            checkpoint_prefix=f"ckpt/{name}/")  # fmt: skip

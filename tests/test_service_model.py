@@ -21,6 +21,7 @@ from pipeline.service_model import as_if_on_s3, check, refused, shape
 from pipeline.sources import Sources
 from pipeline.stages import build_jobs
 from pipeline.store import LocalStore
+from steps.runtime import names
 from tests.conftest import ROOT, write_settings
 
 ROLE = "arn:aws:iam::123456789012:role/smpipe"
@@ -324,3 +325,13 @@ def test_settings_that_load_make_requests_sagemaker_accepts(tmp_path, sections):
     tree = ExperimentTree(loaded.experiment.name)
     jobs = build_jobs(loaded, STEPS, tree.run(9999), Sources(raw=tree.raw))
     check_requests(jobs, loaded, S3())  # raises, naming each field, where config let one through
+
+
+def test_the_containers_failure_limit_is_the_service_models():
+    """The entrypoint cuts its failure file where SageMaker cuts FailureReason and ExitMessage
+    (steps/ cannot read botocore's model; the emulator reads it there)."""
+    assert (
+        names.FAILURE_REASON_LIMIT
+        == shape("FailureReason").metadata["max"]
+        == shape("ExitMessage").metadata["max"]
+    )

@@ -63,7 +63,7 @@ from pipeline.player.play import play_processing, play_training
 from pipeline.player.processes import Containers
 from pipeline.player.transfers import LogStream, upload_folder, upload_tarball
 from pipeline.player.warm_pools import WarmPools
-from pipeline.service_model import TUNING_OBJECTIVE
+from pipeline.service_model import TUNING_OBJECTIVE, shape
 from pipeline.store import Store, aws_config
 from steps.runtime.names import MODEL_DIR, OUTPUT_DATA_DIR
 
@@ -445,6 +445,10 @@ class Emulator:
             }
 
     def _end(self, name: str, status: str, reason: str | None = None, exit_message=None) -> None:
+        # FailureReason and ExitMessage are at most 1,024 characters (their shapes' max in
+        # botocore's sagemaker service-2.json): SageMaker returns the first 1,024.
+        if reason:
+            reason = reason[: shape("FailureReason").metadata["max"]]
         if name in self._moto.processing_jobs:
             job = self._moto.processing_jobs[name]
             job.processing_job_status = status
@@ -452,7 +456,7 @@ class Emulator:
             if reason:
                 job.failure_reason = reason
             if exit_message:
-                job.exit_message = exit_message
+                job.exit_message = exit_message[: shape("ExitMessage").metadata["max"]]
         elif name in self._moto.training_jobs:
             job = self._moto.training_jobs[name]
             if name not in self._trial_names:  # its pool is there when its end is seen
@@ -529,8 +533,11 @@ class Emulator:
         if status == "Completed":
             for output, local in processing_outputs(request, root).items():
                 upload_folder(self.store, local, uris[output])
-        said = [e.reason for e in exits if e.code != 0 and e.reason] or [exits[0].reason]
-        self._end(name, status, reason, exit_message=said[0])
+        # "If multiple containers exit with an ExitMessage, the content of the ExitMessage from
+        # each processing container is concatenated, then truncated to 1 KB" (byoc-metadata.html;
+        # `_end` cuts it). The hosts in resourceconfig.json's order; no separator is documented.
+        said = "".join(e.reason for e in exits if e.reason)
+        self._end(name, status, reason, exit_message=said)
         shutil.rmtree(root, ignore_errors=True)
 
     def _play_training(self, name: str) -> None:
