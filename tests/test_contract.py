@@ -144,6 +144,27 @@ def test_nccl_uses_the_interface_resourceconfig_names(tmp_path, monkeypatch):
     assert "NCCL_SOCKET_IFNAME" not in training_variables(root)  # gloo on CPU: not NCCL's
 
 
+def test_gloo_uses_the_interface_resourceconfig_names_across_hosts(tmp_path, monkeypatch):
+    """Gloo binds to what the hostname resolves to, else to loopback; on SageMaker the hostname
+    is `aws` on every host, so across hosts it is told the interface, GPU or not (gloo is CPU
+    training's backend, and a GPU job's for its CPU tensors)."""
+    root = training_root(tmp_path, "resourceconfig.docs.json", "hyperparameters.empty.json")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv(names.MASTER_ADDR_VARIABLE, raising=False)  # hosts apart, as on SageMaker
+    import steps.runtime.variables as variables
+
+    for gpus in ([], ["/dev/nvidia0"]):
+        monkeypatch.setattr(variables.glob, "glob", lambda pattern, gpus=gpus: gpus)
+        assert training_variables(root)["GLOO_SOCKET_IFNAME"] == "eth1"
+    assert "GLOO_SOCKET_IFNAME" not in variables.distributed_variables("eth1", hosts=1, gpus=0)
+    # Hosts played as processes of this machine (their master on loopback): gloo finds its own.
+    monkeypatch.setenv(names.MASTER_ADDR_VARIABLE, "127.0.0.1")
+    assert "GLOO_SOCKET_IFNAME" not in training_variables(root)
+    monkeypatch.delenv(names.MASTER_ADDR_VARIABLE)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ens5")  # the user's own: kept
+    assert "GLOO_SOCKET_IFNAME" not in training_variables(root)
+
+
 def test_the_entrypoint_reads_the_documented_processing_config(tmp_path):
     (tmp_path / "config").mkdir()
     shutil.copy(

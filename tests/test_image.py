@@ -472,6 +472,8 @@ def test_a_container_of_the_image_sees_only_the_image_the_request_and_sagemaker(
         result = backend.run_training(training)
         assert result.status == "Completed", result.failure_reason
         seen = json.loads(store.get_bytes(training.model_prefix + "seen-rank0.json"))
+        # SageMaker's hostname, not the host's name (algo-1), which only the network knows.
+        assert seen["hostname"] == "aws" and seen["current_host"] == "algo-1"
         names = set(seen["env_names"])
         documented = {"TRAINING_JOB_NAME", "TRAINING_JOB_ARN"}
         request_env = {"SMPIPE_STEP", "SMPIPE_PROCESSES_PER_HOST", *training.env}

@@ -36,6 +36,8 @@ ENGINES = ("docker", "podman")
 # driver that made it: a driver killed outright (SIGKILL) cannot remove its own, so the next
 # one on this machine does (`sweep`).
 DRIVER_LABEL = "smpipe.driver"
+# Every container's hostname, as SageMaker's training hosts answer gethostname() (see _command).
+SAGEMAKER_HOSTNAME = "aws"
 
 
 def call(engine: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -315,8 +317,12 @@ class ImageContainers(Containers):
             "--rm",
             "--name",
             name,
+            # On SageMaker a container's hostname is `aws` on every host, never algo-N (AWS's
+            # PyTorch training containers LD_PRELOAD changehostname.c to change it, "without
+            # this gethostname() on SageMaker returns 'aws'": aws/deep-learning-containers);
+            # the hosts reach each other as algo-N, here by network alias.
             "--hostname",
-            host,
+            SAGEMAKER_HOSTNAME,
             "--network",
             network,
             "--network-alias",

@@ -102,18 +102,32 @@ def training_variables(root: Path) -> dict[str, str]:
 
 
 def distributed_variables(interface: str, hosts: int, gpus: int) -> dict[str, str]:
-    """What torchrun and NCCL need to be told on SageMaker (a variable already set wins)."""
+    """What torchrun, NCCL and gloo need to be told on SageMaker (a variable already set
+    wins)."""
     env = {}
     # torchrun gives its workers 30 s after passing on a SIGTERM before it kills them
     # (torch.distributed.launcher.api, TORCH_ELASTIC_SHUTDOWN_TIMEOUT); SageMaker gives 120
     # (API_StopTrainingJob.html). The entrypoint signals the workers itself, so this is for a
     # torchrun that gets the signal another way (its parent gone).
     env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "120")
+    # Hosts played as processes of one machine (a local player names torchrun's master, on
+    # loopback) share no interface of resourceconfig.json's name, which that machine may lack:
+    # there, NCCL and gloo find their own.
+    hosts_apart = hosts > 1 and names.MASTER_ADDR_VARIABLE not in os.environ
     # NCCL picks a network interface itself and, on an instance with several, may pick one the
     # other hosts cannot reach: the one resourceconfig.json names is the one they share
     # (your-algorithms-training-algo-running-container.html). Set only where NCCL runs.
-    if gpus and hosts > 1 and "NCCL_SOCKET_IFNAME" not in os.environ:
+    if gpus and hosts_apart and "NCCL_SOCKET_IFNAME" not in os.environ:
         env["NCCL_SOCKET_IFNAME"] = interface
+    # Gloo (CPU training's backend, and a GPU job's for CPU tensors) binds to the address the
+    # hostname resolves to, else to loopback ("Using the loopback address as fallback. Manually
+    # set the network interface to bind to with GLOO_SOCKET_IFNAME": torch's
+    # ProcessGroupGloo.cpp). On SageMaker the hostname is `aws` on every host, not algo-N
+    # (AWS's PyTorch training containers LD_PRELOAD changehostname.c to make it algo-N, "leading
+    # NCCL/MPI to think there is only one host" without it: aws/deep-learning-containers), so
+    # across hosts gloo is told the interface the hosts share.
+    if hosts_apart and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env["GLOO_SOCKET_IFNAME"] = interface
     return env
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,7 @@ def main():
         "channels": {k: sorted(p.name for p in v.iterdir()) for k, v in env.channels.items()},
         "hosts": env.hosts,
         "current_host": env.current_host,
+        "hostname": socket.gethostname(),
         "num_gpus": env.num_gpus,
         "model_dir": str(env.model_dir),
         "checkpoint_dir": str(env.checkpoint_dir),
