@@ -56,6 +56,10 @@ IMAGE ?= smpipe:latest
 REAL_BASE := pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime
 STANDIN_BASE := smpipe-standin-base:torch-$(TORCH)-r2
 CA_BUNDLE ?= /etc/ssl/certs/ca-certificates.crt
+# The image's platform: an engine on Apple Silicon pulls the arm64 variant of the base and
+# builds arm64 unless told, and SageMaker's x86 instances (ml.m5, ml.g5, ml.p4d...) cannot run
+# that image. `make image PLATFORM=linux/arm64` builds one for this machine only.
+PLATFORM ?= linux/amd64
 
 engine:
 	@command -v $(ENGINE) >/dev/null || $(MAKE) --no-print-directory apt PACKAGES="podman runc iptables netavark aardvark-dns"
@@ -74,7 +78,7 @@ image: engine requirements.lock
 	@base="$(BASE)"; \
 	if [ -z "$$base" ]; then \
 		if $(ENGINE) image exists $(REAL_BASE) 2>/dev/null || $(ENGINE) image inspect $(REAL_BASE) >/dev/null 2>&1 \
-			|| timeout 1800 $(ENGINE) pull -q $(REAL_BASE) >/dev/null 2>&1; then base=$(REAL_BASE); \
+			|| timeout 1800 $(ENGINE) pull -q --platform $(PLATFORM) $(REAL_BASE) >/dev/null 2>&1; then base=$(REAL_BASE); \
 		else \
 			base=$(STANDIN_BASE); \
 			echo "$(REAL_BASE) cannot be pulled here: building on the stand-in $$base (see README)"; \
@@ -88,7 +92,7 @@ image: engine requirements.lock
 		fi; \
 	fi; \
 	secret=; test -s $(CA_BUNDLE) && secret="--secret id=ca,src=$(CA_BUNDLE)"; \
-	$(ENGINE) build -q -f docker/Dockerfile --build-arg BASE=$$base $$secret -t $(IMAGE) . >/dev/null \
+	$(ENGINE) build -q --platform $(PLATFORM) -f docker/Dockerfile --build-arg BASE=$$base $$secret -t $(IMAGE) . >/dev/null \
 		&& echo "$(IMAGE) built on $$base"
 
 test: install browser image

@@ -77,3 +77,22 @@ def test_the_readme_opens_with_the_two_commands_and_make_has_them():
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^run: install$", makefile, re.M)
     assert re.search(r"^test: install", makefile, re.M)
+
+
+def test_every_image_build_the_project_runs_or_tells_of_is_for_sagemakers_x86():
+    """An engine on Apple Silicon builds (and pulls) arm64 unless told, an image SageMaker's x86
+    instances cannot run: `make image` and every build command a page or the Dockerfile shows
+    ask for linux/amd64."""
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^PLATFORM \?= linux/amd64$", makefile, re.M)
+    engine = [
+        line for line in makefile.splitlines() if re.search(r"\$\(ENGINE\) (build|pull)", line)
+    ]
+    assert engine and all("--platform $(PLATFORM)" in line for line in engine), engine
+    shown = [
+        f"{path.relative_to(ROOT)}: {line.strip()}"
+        for path in [*DOCUMENTS, ROOT / "docker/Dockerfile"]
+        for line in path.read_text().splitlines()
+        if re.search(r"\b(docker|podman) build\b", line)
+    ]
+    assert shown and all("--platform linux/amd64" in line for line in shown), shown
