@@ -23,6 +23,7 @@ from pipeline.jobs import ProcessingJob, TrainingJob, TuningJob
 from pipeline.paths import ExperimentTree
 from pipeline.player.environment import HOST_VARIABLES, container_home, dockerfile_instructions
 from pipeline.player.job_root import OWNER, WORK_PREFIX, gathered
+from pipeline.player.transfers import fetch_input
 from pipeline.search_space import Categorical
 from pipeline.store import S3Store, upload_dir
 from steps.runtime.names import MODEL_DIR, TRIAL_CHECKPOINTS_VARIABLE, host_path
@@ -263,6 +264,21 @@ def test_a_failure_reason_is_cut_at_what_sagemaker_returns(store, emulator, inpu
     described = emulator.client.describe_processing_job(ProcessingJobName=job.name)
     assert described["FailureReason"] == ("AlgorithmError: " + said_by("algo-1", 3000))[:1024]
     assert described["ExitMessage"] == said_by("algo-1", 3000)[:1024]
+
+
+def test_an_input_prefix_arrives_whole_its_manifest_included(store, tmp_path):
+    """An S3Prefix input is every object under the prefix ("SageMaker uses all objects that
+    match the specified key name prefix", API_S3DataSource): the store's _MANIFEST.json
+    arrives with the files it lists, and so does an object it does not list."""
+    (tmp_path / "folder/sub").mkdir(parents=True)
+    (tmp_path / "folder/sub/rows.txt").write_text("1\n")
+    upload_dir(store, tmp_path / "folder", "data/whole/")
+    store.put_bytes("data/whole/later.txt", b"added after the manifest")
+    fetch_input(store, store.uri_of("data/whole/"), tmp_path / "in")
+    arrived = sorted(
+        p.relative_to(tmp_path / "in").as_posix() for p in (tmp_path / "in").rglob("*")
+    )
+    assert arrived == ["_MANIFEST.json", "later.txt", "sub", "sub/rows.txt"]
 
 
 def tuning_job(name: str, fail: bool = False) -> TuningJob:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import tarfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pipeline.raw_data import is_hidden
@@ -14,8 +15,6 @@ from pipeline.store import (
     NotFound,
     Store,
     StoreError,
-    download_dir,
-    is_complete,
     key_of,
     open_store,
     verify_dir,
@@ -23,9 +22,14 @@ from pipeline.store import (
 
 
 def fetch_input(store: Store, uri: str, local: Path, shard: tuple[int, int] = (0, 1)) -> None:
-    """A manifested directory is downloaded and verified. Raw data the user keeps elsewhere
-    (another bucket or folder), or a folder of several manifested ones (every model of a run),
-    is downloaded as it is, and any manifest in it is checked.
+    """An S3Prefix input as SageMaker downloads it: every object whose key begins with the
+    prefix ("SageMaker uses all objects that match the specified key name prefix",
+    API_S3DataSource.html, S3DataType; "all objects with the specified key name prefix",
+    API_ProcessingS3Input.html), a manifested folder's `_MANIFEST.json` included, to the same
+    path under `local`. Then any manifest among them
+    is checked against the files it lists (the driver's own check: a folder that does not
+    match its manifest is refused, not SageMaker's). Raw data the user keeps elsewhere
+    (another bucket or folder) is read there.
 
     `shard` (this host's index, the hosts) is a ShardedByS3Key input on several instances:
     "sharded by Amazon S3 key, downloading one shard of data to each processing instance"
@@ -37,9 +41,6 @@ def fetch_input(store: Store, uri: str, local: Path, shard: tuple[int, int] = (0
     if elsewhere:
         store, key = open_store(uri), ""
     index, count = shard
-    if count == 1 and is_complete(store, key):
-        download_dir(store, key, local)
-        return
     keys = store.list_keys(key)
     if elsewhere and "://" not in uri:
         # A folder on this machine (the local backend's RAW_DATA): its hidden files and
@@ -48,8 +49,12 @@ def fetch_input(store: Store, uri: str, local: Path, shard: tuple[int, int] = (0
     if not keys:
         raise NotFound(f"nothing at {store.uri_of(key) if key else store.uri}")
     local.mkdir(parents=True, exist_ok=True)
-    for k in sorted(keys)[index::count]:
+
+    def fetch(k: str) -> None:
         store.download_file(k, local / k[len(key) :].lstrip("/"))
+
+    with ThreadPoolExecutor(max_workers=8) as pool:  # as download_dir moves a folder
+        list(pool.map(fetch, sorted(keys)[index::count]))
     if count == 1:
         verify_dir(local)
 
