@@ -589,7 +589,7 @@ def prune_command(args) -> int:
     from pipeline.errors import PipelineError
     from pipeline.history import human_bytes
     from pipeline.paths import ExperimentTree
-    from pipeline.prune import prune_plan, prune_run
+    from pipeline.prune import prune_plan, prune_run, raw_versions_plan, remove_raw_version
     from pipeline.registry import package_models
 
     settings, store = open_experiment(args.settings)
@@ -603,9 +603,6 @@ def prune_command(args) -> int:
             f"models they point at are not known; nothing was removed ({e})"
         ) from None
     removals = prune_plan(store, tree, args.keep, packages)
-    if not removals:
-        print(f"nothing to prune: no run before the newest {args.keep} completed holds bulky files")
-        return 0
     verb = "removed" if args.yes else "would remove"
     for removal in list(removals):
         why_not = prune_run(store, removal, args.keep) if args.yes and removal.files else None
@@ -622,20 +619,46 @@ def prune_command(args) -> int:
         for where, why in removal.why.items():
             print(f"  kept {where} ({human_bytes(removal.kept[where])}): {'; '.join(why)}")
     pruned = [r for r in removals if r.files]
-    freed = human_bytes(sum(r.bytes for r in pruned))
-    if not pruned:
+    raw = raw_versions_plan(store, tree, [r.run for r in pruned], current_raw(settings))
+    for version in list(raw):
+        why_not = remove_raw_version(store, tree, version) if args.yes else None
+        named = f"raw version {version.version.digest[:12]}"
+        if why_not:
+            print(f"{named}: not removed: {why_not}")
+            raw.remove(version)
+            continue
+        print(f"{named} ({version.why}): {verb} {human_bytes(version.bytes)}")
+    if not pruned and not raw:
         print(
             f"nothing to prune: the runs before the newest {args.keep} completed keep only "
-            "what is still read"
+            "what is still read, and every raw version is read"
         )
-    elif args.yes:
-        print(f"freed {freed} in {len(pruned)} runs; their Metadata, logs and reports stay")
+        return 0
+    freed = human_bytes(sum(r.bytes for r in pruned) + sum(v.bytes for v in raw))
+    runs = f"{len(pruned)} runs" + (f" and {len(raw)} raw versions" if raw else "")
+    if args.yes:
+        print(f"freed {freed} in {runs}; their Metadata, logs and reports stay")
     else:
-        print(f"would free {freed} in {len(pruned)} runs; nothing was removed (--yes removes it)")
+        print(f"would free {freed} in {runs}; nothing was removed (--yes removes it)")
     kept = sum(sum(r.kept.values()) for r in removals)
     if kept:
         print(f"kept {human_bytes(kept)} that runs, registered versions or predictions still read")
     return 0
+
+
+def current_raw(settings) -> list[str]:
+    """The digest of the RAW_DATA folder as it is now, which the next run reads: prune keeps
+    its raw version (none for raw data in the store or a bucket, or a folder not here)."""
+    from pipeline.errors import PipelineError
+    from pipeline.raw_data import folder_digest
+
+    raw = settings.raw_data_uri()
+    if not raw or "://" in raw or not Path(raw).is_dir():
+        return []
+    try:
+        return [folder_digest(Path(raw))]
+    except (OSError, PipelineError):
+        return []
 
 
 def predict_command(args) -> int:

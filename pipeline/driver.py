@@ -28,7 +28,7 @@ from pipeline.jobs import JobFailed
 from pipeline.paths import ExperimentTree, RunTree
 from pipeline.plan import check_requests, log_plan, prices_for
 from pipeline.prune import remove_checkpoints
-from pipeline.raw_data import upload_version
+from pipeline.raw_data import raw_version_held, upload_version
 from pipeline.runs import checkpoint_files, claim_run_num, heartbeat, lease, mark_abandoned
 from pipeline.sources import (
     Sources,
@@ -116,9 +116,12 @@ def run_pipeline(
             return None
         mark_abandoned(store, tree)
         if resume is None:
-            if sources.local_raw is not None:  # the raw version the run names, in the store
-                upload_version(store, sources.local_raw)
-            run, base = claim_run(settings, store, tree, steps, sources)
+            # The raw version the run names, in the store; held until the run is claimed and
+            # names it, so no prune removes it meanwhile (pipeline/prune.py raw_versions).
+            with raw_version_held(store, sources.local_raw):
+                if sources.local_raw is not None:
+                    upload_version(store, sources.local_raw)
+                run, base = claim_run(settings, store, tree, steps, sources)
             base.data_steps = {step: entry.record() for step, entry in data_steps.items()}
         with heartbeat(store, run.heartbeat):
             return execute(

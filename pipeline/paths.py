@@ -8,7 +8,8 @@
         raw-versions/<digest>/                a local RAW_DATA folder for jobs that run
                                               elsewhere, named by its content: files/ (its
                                               files as they are) and a manifest
-                                              (pipeline/raw_data.py)
+                                              (pipeline/raw_data.py); LEASE while a driver
+                                              uploads it or prune removes it
         data/<data_version>/                  experiment-level data, shared by later runs
             reconciled/                       snapshot + manifest (hash, rows, label counts, drops)
             prepared/                         train/ validation/ test/ (save_to_disk), labels/
@@ -154,6 +155,12 @@ class RawVersion:
     @property
     def digest(self) -> str:
         return self.prefix.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def lease(self) -> str:
+        """Held while a driver uploads this version and claims the run that reads it, or a
+        prune removes it (pipeline/runs.py `held`)."""
+        return f"{self.prefix}LEASE"
 
     @property
     def files(self) -> str:

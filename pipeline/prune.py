@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 from pipeline.errors import log
 from pipeline.history import human_bytes, run_rows
-from pipeline.paths import ExperimentTree, RunTree
+from pipeline.paths import ExperimentTree, RawVersion, RunTree, raw_version_digest
 from pipeline.registry import registered_models
-from pipeline.runs import RunBusy, lease, silent_driver
+from pipeline.runs import RunBusy, existing_run_nums, held, holder_gone, lease, silent_driver
 from pipeline.store import MANIFEST, NotFound, Store, StoreError, artifact_key
 from steps.model_files import EXPORTS
 
@@ -278,3 +278,91 @@ def remove_kept_jobs(store: Store, run: RunTree) -> int:
     size = sum(f.lstat().st_size for f in folder.rglob("*") if f.is_file() or f.is_symlink())
     shutil.rmtree(folder, ignore_errors=True)
     return size
+
+
+# -- raw versions ---------------------------------------------------------------------------------
+
+
+@dataclass
+class RawRemoval:
+    """A raw version prune removes, its bytes, and why it may go."""
+
+    version: RawVersion
+    bytes: int
+    why: str
+
+
+def raw_versions_plan(
+    store: Store, tree: ExperimentTree, pruning: Sequence[RunTree] = (), current: Sequence[str] = ()
+) -> list[RawRemoval]:
+    """The raw versions (a local RAW_DATA folder's content, pipeline/raw_data.py) that nothing
+    reads any more: no run that is not pruned names it (a pruned run is never resumed; its
+    data/ snapshot keeps what it read), and it is neither `current` (the digest of the RAW_DATA
+    folder as it is now, which the next run reads) nor the newest complete one. An upload that
+    did not finish goes too, unless its driver is alive. Registered versions and predict
+    records name no raw data. While a run is claimed without its Metadata, any version may be
+    the one it reads: none is removed. `pruning`: runs this prune removes from, counted as
+    pruned (what a dry run says is what --yes does)."""
+    digests = store.list_children(tree.raw_versions_root)
+    used = raw_versions_read(store, tree, {run.run_num for run in pruning})
+    if not digests or used is None:
+        return []
+    complete = {}
+    for digest in digests:
+        try:
+            manifest = json.loads(store.get_bytes(tree.raw_version(digest).prefix + MANIFEST))
+            complete[digest] = manifest.get("created", "")
+        except (NotFound, ValueError):
+            pass
+    newest = {d for d, created in complete.items() if created == max(complete.values())}
+    removals = []
+    for digest in digests:
+        version = tree.raw_version(digest)
+        if digest in used | newest | set(current) or not holder_gone(store, version.lease):
+            continue
+        why = (
+            "no run that is not pruned reads it"
+            if digest in complete
+            else "an upload that did not finish"
+        )
+        removals.append(RawRemoval(version, sum(store.list_sizes(version.prefix).values()), why))
+    return removals
+
+
+def raw_versions_read(
+    store: Store, tree: ExperimentTree, pruning: set[int] = frozenset()
+) -> set[str] | None:
+    """The digests of the raw versions the runs that are not pruned read; None while a run is
+    claimed without its Metadata (or has one that cannot be read): it may read any."""
+    used = set()
+    for run_num in existing_run_nums(store, tree):
+        if run_num in pruning:
+            continue
+        try:
+            record = json.loads(store.get_bytes(tree.run(run_num).metadata))
+        except (NotFound, ValueError, UnicodeDecodeError):
+            return None
+        if record.get("pruned"):
+            continue
+        named = [record.get("raw_path"), (record.get("sources") or {}).get("raw")]
+        used |= {raw_version_digest(artifact_key(store, n) or "") for n in named if n}
+    return used
+
+
+def remove_raw_version(store: Store, tree: ExperimentTree, removal: RawRemoval) -> str | None:
+    """Remove the version, manifest first (it stops being complete before its files go); or
+    why not: a driver holds it (uploading it, or claiming the run that reads it), or a run
+    claimed since the plan reads it. A driver takes the same lease to upload a version and
+    claim its run, so what is read here after taking it is what the runs read."""
+    version = removal.version
+    try:
+        with held(store, version.lease, f"raw version {version.digest[:12]}", "pruned"):
+            used = raw_versions_read(store, tree)
+            if used is None or version.digest in used:
+                return "a run started since reads it"
+            keys = [k for k in store.list_keys(version.prefix) if k != version.lease]
+            for key in sorted(keys, key=lambda k: not k.endswith(MANIFEST)):
+                store.delete(key)
+    except RunBusy as e:
+        return str(e)
+    return None

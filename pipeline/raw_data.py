@@ -43,11 +43,13 @@ import os
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import PipelineError, log
 from pipeline.paths import ExperimentTree, RawVersion
+from pipeline.runs import held
 from pipeline.store import MANIFEST, NotFound, Store, file_sha256, is_complete
 
 # Names the store gives its own files inside a folder it reads (store.verify_dir and
@@ -362,20 +364,50 @@ def local_version(tree: ExperimentTree, folder: Path) -> LocalRaw:
     return LocalRaw(folder, files, found, before, tree.raw_version(content_digest(found)))
 
 
+@contextmanager
+def raw_version_held(store: Store, raw: LocalRaw | None):
+    """While the block runs, this process alone writes or removes `raw`'s version (its LEASE,
+    held as a run is: pipeline/runs.py `held`): a second driver uploading the same content
+    waits its turn, and prune leaves it alone."""
+    if raw is None:
+        yield
+        return
+    with held(store, raw.version.lease, f"raw version {raw.version.digest[:12]}", "uploaded"):
+        yield
+
+
 def upload_version(store: Store, raw: LocalRaw) -> int:
     """The raw version into the store, once: nothing when it is complete there already (an
-    unchanged folder). The manifest is written last, so only a whole version is ever read.
-    Returns how many files were uploaded."""
+    unchanged folder). A file whose content an earlier version holds is copied from it inside
+    the store; only new content crosses the network. The manifest is written last, once every
+    file is there at its size, so only a whole version is ever read; an upload refused or
+    interrupted removes what it sent (prune removes what a killed one left). Returns how many
+    files were uploaded."""
     version = raw.version
     if is_complete(store, version.prefix):
         return 0
-    send(store, raw.files, version.files)
-    moved = [rel for rel, stamp in stamps(raw.files).items() if stamp != raw.stamps[rel]]
-    if moved:  # its files stay without a manifest: never read, written over by a next upload
-        raise PipelineError(
-            f"[data] RAW_DATA: {raw.folder} changed while it was uploaded ({named(moved)}); "
-            "nothing was run: run again once it has stopped changing"
-        )
+    held = known_files(store, version)
+    copied = {rel: held[c.sha256] for rel, c in raw.found.items() if c.sha256 in held}
+    sent = {rel: path for rel, path in raw.files.items() if rel not in copied}
+    try:
+        send(store, sent, version.files)
+        copy_within(store, copied, version.files)
+        moved = [rel for rel, stamp in stamps(raw.files).items() if stamp != raw.stamps[rel]]
+        if moved:
+            raise PipelineError(
+                f"[data] RAW_DATA: {raw.folder} changed while it was uploaded ({named(moved)}); "
+                "nothing was run: run again once it has stopped changing"
+            )
+        wanted = {rel: c.size for rel, c in raw.found.items()}
+        if stored_sizes(store, version.files) != wanted:
+            raise PipelineError(
+                f"[data] RAW_DATA: {store.uri_of(version.files)} does not hold the files of "
+                f"{raw.folder} after its upload (another upload of it was cut short there?); "
+                "nothing was run: run again"
+            )
+    except BaseException:
+        remove_unfinished(store, version)
+        raise
     manifest = {
         "files": {
             f"files/{rel}": {"size": c.size, "sha256": c.sha256} for rel, c in raw.found.items()
@@ -387,8 +419,42 @@ def upload_version(store: Store, raw: LocalRaw) -> int:
     }
     # False: another driver completed this very content meanwhile, which is as good.
     store.create(version.prefix + MANIFEST, json.dumps(manifest, indent=2).encode())
+    size = sum(raw.found[rel].size for rel in sent)
     log.info(
-        f"uploaded {len(raw.files)} raw files from {raw.folder} as raw version "
-        f"{version.digest[:12]}: {store.uri_of(version.files)}"
+        f"uploaded {len(sent)} raw files ({size:,} bytes) from {raw.folder} as raw version "
+        f"{version.digest[:12]}"
+        + (f", {len(copied)} unchanged ones copied from earlier versions" if copied else "")
+        + f": {store.uri_of(version.files)}"
     )
-    return len(raw.files)
+    return len(sent)
+
+
+def known_files(store: Store, version: RawVersion) -> dict[str, str]:
+    """sha256 -> the key of a file holding it, in any complete raw version beside `version`."""
+    root = version.prefix.rstrip("/").rsplit("/", 1)[0] + "/"
+    found = {}
+    for digest in store.list_children(root):
+        try:
+            manifest = json.loads(store.get_bytes(f"{root}{digest}/{MANIFEST}"))
+        except (NotFound, ValueError):
+            continue  # an upload that did not finish: nothing of it is trusted
+        for rel, entry in manifest.get("files", {}).items():
+            found.setdefault(entry["sha256"], f"{root}{digest}/{rel}")
+    return found
+
+
+def copy_within(store: Store, copies: dict[str, str], prefix: str) -> None:
+    """Each `prefix` + path as a copy of the key it maps to, 8 at a time."""
+    pool = ThreadPoolExecutor(max_workers=8)
+    try:
+        list(pool.map(lambda item: store.copy(item[1], prefix + item[0]), copies.items()))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def remove_unfinished(store: Store, version: RawVersion) -> None:
+    """What an upload that did not finish sent, unless another one completed the version."""
+    if is_complete(store, version.prefix):
+        return
+    for key in store.list_keys(version.files):
+        store.delete(key)

@@ -141,44 +141,58 @@ class RunBusy(PipelineError):
 
 @contextmanager
 def lease(store: Store, run: RunTree, doing: str):
-    """While the block runs, this process alone acts on `run` (`doing`: "resumed", "pruned").
-    A lease whose holder is gone (its process no longer exists on this machine, or it was taken
-    SILENT_FOR seconds ago elsewhere: a resume's own heartbeat covers it once it runs) is taken
-    over; a live one raises RunBusy naming its holder."""
-    import psutil
-
+    """While the block runs, this process alone acts on `run` (`doing`: "resumed", "pruned");
+    a run that was never claimed has nothing to hold, and nothing is made for it."""
     try:
         store.get_bytes(run.claim)
-    except NotFound:  # no such run: nothing to hold, and no folder made for it (the caller says)
+    except NotFound:  # no such run (the caller says so): no folder is made for it
         yield
         return
+    with held(store, run.lease, f"run {run.label}", doing):
+        yield
+
+
+@contextmanager
+def held(store: Store, key: str, what: str, doing: str):
+    """While the block runs, this process alone holds `key` (created as a run_num is claimed)
+    for `what` ("run 0003", "raw version 1a2b3c4d5e6f"). One whose holder is gone (its process
+    no longer exists on this machine, or it was taken SILENT_FOR seconds ago elsewhere: a
+    resume's heartbeat covers its run by then) is taken over; a live one raises RunBusy naming
+    its holder."""
     body = json.dumps({**driver_identity(), "doing": doing, "time": time.time()}).encode()
-    if not store.create(run.lease, body):
-        try:
-            held = json.loads(store.get_bytes(run.lease))
-        except (NotFound, ValueError):  # released meanwhile, or half written: taken over
-            held = {"host": "", "pid": 0, "time": 0}
-        mine = held.get("host") == socket.gethostname()
-        gone = (mine and not psutil.pid_exists(held.get("pid", 0))) or (
-            time.time() - held.get("time", 0) > SILENT_FOR
-        )
-        if not gone:
-            since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(held["time"]))
+    if not store.create(key, body):
+        if not holder_gone(store, key):
+            held_by = json.loads(store.get_bytes(key))
+            since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(held_by["time"]))
             raise RunBusy(
-                f"run {run.label} is being {held.get('doing', 'acted on')} by pid "
-                f"{held.get('pid')} on {held.get('host')} (since {since}); try again once it "
-                "has finished"
+                f"{what} is being {held_by.get('doing', 'acted on')} by pid "
+                f"{held_by.get('pid')} on {held_by.get('host')} (since {since}); try again once "
+                "it has finished"
             )
-        store.delete(run.lease)
-        if not store.create(run.lease, body):
-            raise RunBusy(f"run {run.label} was taken by another command just now; try again")
+        store.delete(key)
+        if not store.create(key, body):
+            raise RunBusy(f"{what} was taken by another command just now; try again")
     try:
         yield
     finally:
         try:  # only its own: a long resume's lease may have been taken over meanwhile
-            if store.get_bytes(run.lease) == body:
-                store.delete(run.lease)
+            if store.get_bytes(key) == body:
+                store.delete(key)
         except NotFound:
             pass
         except StoreError as e:  # a stale lease is taken over once its holder is gone
-            log.warning(f"run {run.label}: its lease could not be removed ({e})")
+            log.warning(f"{what}: {store.uri_of(key)} could not be removed ({e})")
+
+
+def holder_gone(store: Store, key: str) -> bool:
+    """Whether the process that holds `key` (`held`) is gone, or nobody holds it."""
+    import psutil
+
+    try:
+        holder = json.loads(store.get_bytes(key))
+    except (NotFound, ValueError):  # released meanwhile, or half written
+        return True
+    mine = holder.get("host") == socket.gethostname()
+    return (mine and not psutil.pid_exists(holder.get("pid", 0))) or (
+        time.time() - holder.get("time", 0) > SILENT_FOR
+    )

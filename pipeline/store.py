@@ -53,6 +53,8 @@ class Store(Protocol):
     def fingerprints(self, prefix: str) -> dict[str, str]: ...
     def upload_file(self, path: str | os.PathLike, key: str) -> None: ...
     def download_file(self, key: str, path: str | os.PathLike) -> None: ...
+    # A key's object as another key, without its bytes passing through this machine.
+    def copy(self, source: str, key: str) -> None: ...
     def delete(self, key: str) -> None: ...
     def uri_of(self, key: str) -> str: ...
     # Where `key` lies on this machine when uri_of names somewhere else (the emulated bucket
@@ -201,6 +203,20 @@ class LocalStore:
         with self._writing(dest) as tmp:
             self._copy(path, tmp)
         os.replace(tmp, dest)
+
+    def copy(self, source: str, key: str) -> None:
+        """A hard link where the folder allows one: no key's file is ever written in place
+        (put_bytes renames a new file over it), so the two never change together."""
+        src, path = self._path(source), self._path(key)
+        if not src.is_file():
+            raise NotFound(self.uri_of(source))
+        with self._writing(path) as tmp:
+            os.unlink(tmp)
+            try:
+                os.link(src, tmp)
+            except OSError:  # another file system, or one without links
+                shutil.copyfile(src, tmp)
+            os.replace(tmp, path)
 
     def download_file(self, key: str, path: str | os.PathLike) -> None:
         src = self._path(key)
@@ -388,6 +404,18 @@ class S3Store:
     def upload_file(self, path: str | os.PathLike, key: str) -> None:
         with self._named("upload", key):
             self.client.upload_file(str(path), self.bucket, self._key(key), Config=self.transfer)
+
+    def copy(self, source: str, key: str) -> None:
+        """S3's own copy (CopyObject, in parts above the transfer threshold: a single
+        CopyObject takes at most 5 GB, https://docs.aws.amazon.com/AmazonS3/latest/API/
+        API_CopyObject.html); needs s3:GetObject on the source and s3:PutObject here."""
+        with self._named("copy", key):
+            self.client.copy(
+                {"Bucket": self.bucket, "Key": self._key(source)},
+                self.bucket,
+                self._key(key),
+                Config=self.transfer,
+            )
 
     def download_file(self, key: str, path: str | os.PathLike) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

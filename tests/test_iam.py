@@ -236,7 +236,13 @@ CALL = re.compile(r"\b(?:client|self\.client|self\.logs|pricing)\.([a-z][a-z0-9_
 NAMED = re.compile(r'\bcall\(client, "([A-Za-z]+)"')
 PAGINATED = re.compile(r'get_paginator\("([a-z0-9_]+)"\)')
 # boto3's transfer methods, as the S3 operations they make (multipart for large files).
-TRANSFERS = {"upload_file": ["PutObject"], "download_file": ["GetObject", "HeadObject"]}
+# A managed copy (CopyObject, or UploadPartCopy in parts) reads its source and writes its key:
+# s3:GetObject and s3:PutObject (S3 API reference, CopyObject, "Permissions").
+TRANSFERS = {
+    "upload_file": ["PutObject"],
+    "download_file": ["GetObject", "HeadObject"],
+    "copy": ["GetObject", "PutObject"],
+}
 # S3 operations -> the IAM action each needs (botocore's s3 documentation of each operation:
 # HeadBucket and ListObjectsV2 "s3:ListBucket", HeadObject "s3:GetObject").
 S3_ACTION = {"HeadBucket": "ListBucket", "ListObjectsV2": "ListBucket", "HeadObject": "GetObject"}

@@ -272,3 +272,138 @@ def test_a_file_deleted_while_the_driver_hashes_the_folder_is_named(tmp_path, mo
         PipelineError, match=r"b\.csv: could not be read while the raw data was hashed"
     ):
         raw_data.local_version(ExperimentTree("test-exp"), folder)
+
+
+# -- raw versions: what crosses the network, what a refused upload leaves, what prune removes ------
+
+
+@pytest.fixture(params=["local", "s3"])
+def version_store(request, tmp_path):
+    if request.param == "s3":
+        return S3Store(f"s3://{request.getfixturevalue('bucket')}/root")
+    return LocalStore(tmp_path / "store")
+
+
+def uploaded_version(store, folder: Path):
+    from pipeline.raw_data import local_version, raw_version_held, upload_version
+
+    raw = local_version(TREE, folder)
+    with raw_version_held(store, raw):
+        return raw, upload_version(store, raw)
+
+
+def test_an_edited_folder_sends_only_what_changed(version_store, tmp_path, caplog):
+    """An edit of one file of a folder sends that file; the unchanged ones are copied inside the
+    store from the version that holds them (a hard link in a local folder)."""
+    folder = small_raw(tmp_path / "raw")
+    (folder / "big.bin").write_bytes(bytes(range(256)) * 4096)
+    first, sent = uploaded_version(version_store, folder)
+    assert sent == 4
+    (folder / "labels.csv").write_text("id,label\na1,business\na2,tech\n")
+    with caplog.at_level(logging.INFO, logger="smpipe"):
+        second, sent = uploaded_version(version_store, folder)
+    assert sent == 1 and second.version != first.version
+    assert "3 unchanged ones copied from earlier versions" in caplog.text
+    files = second.version.files
+    assert version_store.get_bytes(files + "big.bin") == (folder / "big.bin").read_bytes()
+    assert version_store.get_bytes(files + "labels.csv") == (folder / "labels.csv").read_bytes()
+    assert (
+        version_store.get_bytes(first.version.files + "labels.csv")
+        != (folder / "labels.csv").read_bytes()
+    )  # the first version is as it was
+    if isinstance(version_store, LocalStore):  # one file on disk for both versions
+        one, two = (
+            Path(version_store.uri_of(v.files + "big.bin")) for v in (first.version, second.version)
+        )
+        assert one.stat().st_ino == two.stat().st_ino
+
+
+def test_a_refused_or_interrupted_upload_leaves_nothing(version_store, tmp_path, monkeypatch):
+    from pipeline import raw_data
+    from pipeline.errors import PipelineError
+
+    folder = small_raw(tmp_path / "raw")
+    moving = raw_data.stamps
+    calls = []
+
+    def edited_during_upload(files):
+        calls.append(1)
+        found = moving(files)
+        return found if len(calls) == 1 else {k: (0, 0) for k in found}
+
+    monkeypatch.setattr(raw_data, "stamps", edited_during_upload)
+    with pytest.raises(PipelineError, match="changed while it was uploaded"):
+        uploaded_version(version_store, folder)
+    assert version_store.list_keys(TREE.raw_versions_root) == []
+    monkeypatch.setattr(raw_data, "stamps", moving)
+    sent = raw_data.send
+
+    def cut_short(store, files, prefix):
+        sent(store, dict(list(files.items())[:1]), prefix)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(raw_data, "send", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        uploaded_version(version_store, folder)
+    assert version_store.list_keys(TREE.raw_versions_root) == []
+
+
+def test_prune_removes_the_raw_versions_nothing_reads(tmp_path, capsys):
+    """A version that only a pruned run read, and an upload a killed driver left, go (and the
+    dry run says so first); the one a kept run reads, the newest, and one a live driver is
+    uploading stay."""
+    import json
+    import os
+    import socket
+    import time as clock
+
+    from tests.test_prune import write_run
+
+    store = LocalStore(tmp_path / "store")
+    path = write_settings(tmp_path / "s.ini", str(store.root))
+    folder = small_raw(tmp_path / "raw")
+    versions = []
+    for label in ("tech", "sport", "weather"):
+        (folder / "labels.csv").write_text(f"id,label\na1,{label}\na2,sport\n")
+        versions.append(uploaded_version(store, folder)[0].version)
+    old, read, newest = versions
+    for day, version in enumerate(versions, 1):  # uploaded on three days, not in one second
+        manifest = json.loads(store.get_bytes(version.prefix + MANIFEST))
+        manifest["created"] = f"2026-11-0{day}T12:00:00Z"
+        store.put_bytes(version.prefix + MANIFEST, json.dumps(manifest).encode())
+    for run_num, version, status in (
+        (1, old, "completed"),
+        (2, read, "completed"),
+        (3, read, "completed"),
+    ):
+        run = write_run(store, run_num, status)
+        record = json.loads(store.get_bytes(run.metadata))
+        store.put_bytes(run.metadata, json.dumps({**record, "raw_path": version.files}).encode())
+    killed = TREE.raw_version("0" * 64)  # a killed driver's upload: files, no manifest, no holder
+    store.put_bytes(killed.files + "labels.csv", b"id,label\n")
+    uploading = TREE.raw_version("1" * 64)  # a live driver's: held by this process
+    store.put_bytes(uploading.files + "labels.csv", b"id,label\n")
+    holder = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "doing": "uploaded",
+        "time": clock.time(),
+    }
+    store.create(uploading.lease, json.dumps(holder).encode())
+
+    assert cli.main(["prune", str(path), "--keep", "2"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"raw version {old.digest[:12]} (no run that is not pruned reads it): would remove" in out
+    )
+    assert f"raw version {'0' * 12} (an upload that did not finish): would remove" in out
+    assert read.digest[:12] not in out and newest.digest[:12] not in out and "1" * 12 not in out
+    assert store.list_keys(old.prefix)
+    assert cli.main(["prune", str(path), "--keep", "2", "--yes"]) == 0
+    out = capsys.readouterr().out
+    assert f"raw version {old.digest[:12]} (no run that is not pruned reads it): removed" in out
+    assert "and 2 raw versions" in out
+    assert not store.list_keys(old.prefix) and not store.list_keys(killed.prefix)
+    for kept in (read, newest):
+        assert store.list_keys(kept.files)
+    assert store.list_keys(uploading.files)
