@@ -289,6 +289,30 @@ def tuning_job(name: str, fail: bool = False) -> TuningJob:
                      max_jobs=2, max_parallel_jobs=2)  # fmt: skip
 
 
+def test_a_tuning_job_name_used_before_is_refused_in_aws_words(emulator):
+    """CreateHyperParameterTuningJob with a name taken (its case aside): ResourceInUse, "A
+    hyperparameter tuning job with the name, X, already exists. Choose a different name." (as
+    AWS answered it: github.com/aws/amazon-sagemaker-examples/pull/3353)."""
+    from types import SimpleNamespace
+
+    from botocore.exceptions import ClientError
+
+    request = backend(emulator).request(tuning_job("tune-taken"))
+    jobs = emulator._moto.hyper_parameter_tuning_jobs
+    jobs["Tune-Taken"] = SimpleNamespace(arn="arn:aws:sagemaker:us-east-1:123456789012:x")
+    try:
+        with pytest.raises(ClientError) as refused:
+            emulator.client.create_hyper_parameter_tuning_job(**request)
+    finally:
+        del jobs["Tune-Taken"]
+    error = refused.value.response["Error"]
+    assert error["Code"] == "ResourceInUse"
+    assert error["Message"] == (
+        "A hyperparameter tuning job with the name, tune-taken, already exists. "
+        "Choose a different name."
+    )
+
+
 def test_trials_get_the_objective_and_leave_only_the_best(store, emulator, inputs):
     job = tuning_job("tune-probe")
     result = backend(emulator).run_tuning(job)

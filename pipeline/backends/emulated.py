@@ -189,6 +189,27 @@ def _error_response(status: int, code: str, message: str):
     return _Response(status), {**error, "ResponseMetadata": {"HTTPStatusCode": status}}
 
 
+def used_name_message(kind: str, name: str, arn: str) -> str:
+    """ResourceInUse's message for a job name used before, as AWS words it where a source shows
+    it: training, "Training job names must be unique within an AWS account and region, and a
+    training job with this name already exists (arn:...)" (CreateTrainingJob, as AWS answered
+    it: github.com/aws/amazon-sagemaker-examples/pull/3108); tuning, "A hyperparameter tuning
+    job with the name, X, already exists. Choose a different name."
+    (CreateHyperParameterTuningJob: github.com/aws/amazon-sagemaker-examples/pull/3353). No
+    source shows CreateProcessingJob's: the training message's wording, with "processing job"
+    in it, is this emulator's guess."""
+    if kind == "tuning":
+        return (
+            f"A hyperparameter tuning job with the name, {name}, already exists. "
+            "Choose a different name."
+        )
+    job = {"processing": "processing job", "training": "training job"}[kind]
+    return (
+        f"{job.capitalize()} names must be unique within an AWS account and region, "
+        f"and a {job} with this name already exists ({arn})"
+    )
+
+
 class Emulator:
     """Plays the jobs moto accepts; `backend()` is the SageMaker backend wired to it."""
 
@@ -296,13 +317,12 @@ class Emulator:
         thread.start()
 
     def _refuse_used_name(self, model, params, **_):
-        """SageMaker's answer to a name used before: ResourceInUse, "Training job names must
-        be unique within an AWS account and region, and a training job with this name already
-        exists (arn:...)" (CreateTrainingJob's errors, API_CreateTrainingJob.html; the message
-        as AWS sent it: github.com/aws/amazon-sagemaker-examples/pull/3108). A name stays used
-        after its job ends: SageMaker deletes no job."""
+        """SageMaker's answer to a name used before: ResourceInUse (the Create* calls' errors
+        in botocore's sagemaker service-2.json), in the words AWS sent (`used_name_message`).
+        A name stays used after its job ends: SageMaker deletes no job."""
         body = _body(params)
-        name = next((v for k, v in body.items() if k.endswith("JobName")), None)
+        requested = next((v for k, v in body.items() if k.endswith("JobName")), None)
+        name = requested
         known = {
             **self._moto.processing_jobs,
             **self._moto.training_jobs,
@@ -315,16 +335,8 @@ class Emulator:
             name = taken.get(name.lower(), name)
         if name not in known:
             return None
-        kind = {
-            "processing": "processing job",
-            "training": "training job",
-            "tuning": "hyper parameter tuning job",
-        }[KIND_CREATED_BY[model.name]]
         arn = getattr(known[name], "arn", None) or name
-        message = (
-            f"{kind.capitalize()} names must be unique within an AWS account and region, "
-            f"and a {kind} with this name already exists ({arn})"
-        )
+        message = used_name_message(KIND_CREATED_BY[model.name], requested, arn)
         return _error_response(400, "ResourceInUse", message)
 
     def _stop(self, model, params, **_):
