@@ -21,7 +21,13 @@ from pipeline.backends.emulated import Emulator
 from pipeline.backends.local import LocalBackend
 from pipeline.jobs import ProcessingJob, TrainingJob, TuningJob
 from pipeline.paths import ExperimentTree
-from pipeline.player.environment import HOST_VARIABLES, container_home, dockerfile_instructions
+from pipeline.player.environment import (
+    HOST_VARIABLES,
+    container_home,
+    dockerfile_instructions,
+    fresh_container_env,
+    image_env,
+)
 from pipeline.player.job_root import OWNER, WORK_PREFIX, gathered
 from pipeline.player.transfers import fetch_input
 from pipeline.search_space import Categorical
@@ -42,7 +48,9 @@ CANARIES = {
 # follow.
 PLUMBING = {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
             "SMPIPE_ML_ROOT", "SMPIPE_DRIVER_PID", "SMPIPE_MASTER_ADDR", "SMPIPE_MASTER_PORT"}  # fmt: skip
-FRESH_CONTAINER = {"HOME", "PATH", "LANG", "LC_ALL", *HOST_VARIABLES}
+# A new container of the image: what Docker sets, and LC_CTYPE, which the job's own Python
+# sets as it coerces the C locale (PEP 538): neither the base nor docker/Dockerfile sets a locale.
+FRESH_CONTAINER = {"HOME", "PATH", "LC_CTYPE", *HOST_VARIABLES}
 IMAGE_ENV = {
     token.split("=", 1)[0]
     for instruction, args in dockerfile_instructions()
@@ -175,6 +183,15 @@ def test_an_emulated_container_sees_nothing_of_the_drivers_environment(
     )
     assert not names & set(CANARIES)
     assert seen["job_name"] == "env-train"
+
+
+def test_a_job_played_as_a_process_gets_no_locale_the_image_does_not_set():
+    """LANG and LC_ALL: pytorch/pytorch's Dockerfile sets neither, nor does docker/Dockerfile
+    (only the stand-in base made where the real one cannot be pulled does), so a job played
+    from the Dockerfile gets neither."""
+    env = fresh_container_env()
+    assert not {"LANG", "LC_ALL"} & set(env)
+    assert not {"LANG", "LC_ALL"} & set(image_env(Path("/opt/ml")))
 
 
 def test_a_name_used_before_is_refused_as_aws_refuses_it(store, emulator, inputs):

@@ -56,9 +56,11 @@ def image_env(root: Path) -> dict[str, str]:
 
 # A container of the image starts with what Docker sets in every Linux container (HOME, PATH,
 # HOSTNAME: https://docs.docker.com/engine/containers/run/#environment-variables) and what the
-# base image's ENV adds (pytorch/pytorch: its Python's folder first on PATH, LANG and LC_ALL
-# C.UTF-8); docker/Dockerfile's ENV comes on top (`image_env`), then the request's Environment,
-# then what SageMaker sets.
+# base image's ENV adds (pytorch/pytorch's Dockerfile: its Python's folder first on PATH, the
+# NVIDIA_* variables and LD_LIBRARY_PATH, which matter only beside a GPU driver; no LANG or
+# LC_ALL, nor does docker/Dockerfile set them, so a job gets none: its Python coerces the C
+# locale to C.UTF-8 itself, PEP 538); docker/Dockerfile's ENV comes on top (`image_env`), then
+# the request's Environment, then what SageMaker sets.
 DOCKER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # What this machine's processor is, passed on when set, as the processor a job runs on is the
 # host's: OpenBLAS's core type, on processors that older OpenBLAS builds misdetect; and the
@@ -95,8 +97,6 @@ def fresh_container_env() -> dict[str, str]:
     env = {
         "HOME": str(container_home()),
         "PATH": f"{Path(sys.executable).parent}:{DOCKER_PATH}",
-        "LANG": "C.UTF-8",
-        "LC_ALL": "C.UTF-8",
     }
     env.update({k: os.environ[k] for k in HOST_VARIABLES if k in os.environ})
     return env
