@@ -619,6 +619,9 @@ class Emulator:
             trial_name = f"{name}-{index:03d}-{uuid.uuid4().hex[:8]}"
             if name in self._stopping:
                 return trial_name, values
+            # The definition's one CheckpointConfig goes to every trial as it is (its member of
+            # HyperParameterTrainingJobDefinition, botocore's sagemaker service-2.json): whether
+            # SageMaker gives each trial that S3Uri or one of its own, the sources are silent.
             fields = {k: v for k, v in definition.items() if k not in TUNING_ONLY}
             # SageMaker adds the objective's name to every trial's hyperparameters, as is, not
             # JSON-quoted (automatic-model-tuning-define-ranges.html; the SDK's fixture of a
