@@ -433,11 +433,13 @@ def open_experiment(path: str, backend: str | None = None, image: str | None = N
         )
     if settings.experiment.backend == "emulated":  # never a real AWS endpoint
         from pipeline.backends.emulated import open_emulated_store
-        from pipeline.player.images import ImageUnavailable, find_engine, image_id
+        from pipeline.code_bundle import PROJECT_ROOT
+        from pipeline.player.images import ImageUnavailable, find_engine, resolve_image
 
-        if settings.emulated.image:  # before a run is claimed: the engine and the image
+        if settings.emulated.image:  # before a run is claimed: the engine, the image, its lock
             try:
-                image_id(find_engine(settings.emulated.engine), settings.emulated.image)
+                engine = find_engine(settings.emulated.engine)
+                resolve_image(engine, settings.emulated.image, PROJECT_ROOT / "requirements.lock")
             except ImageUnavailable as e:
                 raise ConfigError([str(e)], settings.source) from None
         store = open_emulated_store(settings)

@@ -205,6 +205,7 @@ def execute(
     started = time.time()
     ctx, planned = set_up(settings, store, run, base, steps, sources)
     ctx.backend = backend = make_backend(settings, store, run, echo)
+    base.image = getattr(backend, "image_record", None)  # a test's stand-in may hold none
     try:
         for stage, stage_jobs in planned:
             stage.run(ctx, stage_jobs)

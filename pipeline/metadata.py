@@ -96,6 +96,10 @@ class Metadata(BaseModel):
     # What a run that stopped left for --resume: each checkpoint folder (a model's, a trial's)
     # -> its files, counted when it stopped; a resume finding them gone says so and stops.
     checkpoints_left: dict[str, int] | None = None
+    # The image every job of the run ran in (Backend.image_record): on the emulated backend's
+    # image its name, id, digest and the sha256 of the lock it holds, resolved once before the
+    # first job; on sagemaker the URI the requests name; None where jobs are processes here.
+    image: dict | None = None
     # `smpipe prune`: when, and what of the run it removed (a prefix of the run -> bytes).
     pruned: dict | None = None
     # The prices the run applies (cost.price_basis: region, each instance type's price and

@@ -91,12 +91,15 @@ def image_settings(tmp_path, bucket, **overrides):
 class Exits:
     """make_backend, keeping every container's exit as the image player read it."""
 
-    def __init__(self):
+    def __init__(self, then=None):
         self.backend, self.exits = None, []
         self.by_job: dict[str, list] = {}
+        self.then = then  # called once the backend is made, before the first job
 
     def __call__(self, settings, store, run, echo):
         self.backend = make_backend(settings, store, run, echo)
+        if self.then:
+            self.then()
         containers = self.backend.emulator.containers
         run_one = containers.run
 
@@ -135,11 +138,17 @@ def test_every_job_of_a_run_and_predict_run_in_the_image(
 ):
     assert not Path(IMAGE_RECORD_FILE).exists()  # this machine has no image record of its own
     before = networks(engine)
+    # The run names the image by a tag of its own, which moves to another image once the run
+    # has resolved it: every job still runs the image the run started with.
+    tag = f"localhost/smpipe-moved:{os.getpid()}"
+    assert subprocess.run([engine, "tag", IMAGE, tag]).returncode == 0
+    built = json.loads(in_the_image(engine, image, f"print(open({IMAGE_RECORD_FILE!r}).read())"))
+    exits = Exits(then=lambda: subprocess.run([engine, "tag", built["base"], tag], check=True))
     # A local STORE (the emulated jobs see it as a bucket): `smpipe predict`, a process of its
     # own with an embedded moto of its own, finds the run there.
     path = write_settings(
         tmp_path / "settings.ini", str(tmp_path / "store"),
-        experiment={"BACKEND": "emulated"}, emulated={"IMAGE": IMAGE},
+        experiment={"BACKEND": "emulated"}, emulated={"IMAGE": tag},
         data={"RAW_DATA": str(demo_raw)}, models={"MODEL_NAMES": "bow"},
         training={"USE_DISTRIBUTED": "true", "INSTANCE_COUNT": "2"},
         tracking={"WANDB_SECRET_ID": "smpipe/wandb"},
@@ -148,12 +157,20 @@ def test_every_job_of_a_run_and_predict_run_in_the_image(
     # Manager at start, through the relay to the embedded control plane, or fails.
     monkeypatch.setenv("WANDB_API_KEY", SECRET)
     store = LocalStore(tmp_path / "store")
-    exits, echo = Exits(), io.StringIO()
-    record = run_pipeline(
-        load_settings(path, env={}), S3View(store), parse_steps(None), echo=echo,
-        make_backend=exits,
-    )  # fmt: skip
+    echo = io.StringIO()
+    try:
+        record = run_pipeline(
+            load_settings(path, env={}), S3View(store), parse_steps(None), echo=echo,
+            make_backend=exits,
+        )  # fmt: skip
+    finally:
+        subprocess.run([engine, "rmi", tag], capture_output=True)
     assert record["status"] == "completed", echo.getvalue()[-3000:]
+    # What ran, named: the image by id (the tag's, before it moved), digest and lock.
+    assert record["image"] == {
+        "name": tag, "id": image_id(engine, IMAGE), "digest": record["image"]["digest"],
+        "lock_sha256": LOCK_SHA256,
+    }  # fmt: skip
     logs = job_logs(store, 1)
     assert len(logs) == 4 and all(ran_in_the_image(log) for log in logs.values()), logs.keys()
     # Two hosts, two containers (each job's network went with them), torchrun across them.
@@ -339,6 +356,42 @@ def test_an_image_that_is_not_there_is_said_before_a_run_is_claimed(engine, tmp_
     assert not (tmp_path / "store").exists()
     with pytest.raises(ConfigError, match="--image: .*emulated backend only .*BACKEND is local"):
         open_experiment(str(path), backend="local", image=IMAGE)
+
+
+def test_an_image_built_from_another_lock_is_refused_before_a_run_is_claimed(
+    engine, image, tmp_path, monkeypatch
+):
+    from pipeline import code_bundle
+    from pipeline.cli import open_experiment
+    from pipeline.player.images import ImageUnavailable, resolve_image
+
+    other = tmp_path / "checkout" / "requirements.lock"
+    other.parent.mkdir()
+    other.write_text("torch==0.0.1 --hash=sha256:00\n")
+    theirs = hashlib.sha256(other.read_bytes()).hexdigest()
+    with pytest.raises(ImageUnavailable, match=rf"sha256 {LOCK_SHA256[:12]}, and this checkout's is {theirs[:12]}"):  # fmt: skip
+        resolve_image(engine, image, other)
+    monkeypatch.setattr(code_bundle, "PROJECT_ROOT", other.parent)
+    path = write_settings(
+        tmp_path / "settings.ini", str(tmp_path / "store"),
+        experiment={"BACKEND": "emulated"}, emulated={"IMAGE": IMAGE},
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"was built from a requirements\.lock .*`make image`"):
+        open_experiment(str(path))
+    assert not (tmp_path / "store").exists()
+
+
+def test_podman_on_another_network_backend_is_said_before_any_job(engine, tmp_path, monkeypatch):
+    from pipeline.player.images import ImageUnavailable
+
+    if engine != "podman":
+        pytest.skip("a podman setting")
+    settings = tmp_path / "containers.conf"  # `make engine`'s, without its [network] section
+    text = (ROOT / "docker/containers.conf").read_text()
+    settings.write_text(text[: text.index("[network]")])
+    monkeypatch.setenv("CONTAINERS_CONF", str(settings))
+    with pytest.raises(ImageUnavailable, match=rf"network backend is 'cni'.* in {settings}"):
+        find_engine("podman")
 
 
 def test_what_a_killed_driver_left_is_removed_by_the_next(engine, image):

@@ -35,6 +35,10 @@ class Backend(Protocol):
     # SageMaker's client, for the run's requests that are no job (registering its winner:
     # pipeline/registry.py); moto's when emulated, None where nothing is sent to SageMaker.
     client: object | None
+    # The image the run's jobs run in, as its Metadata records it (pipeline/metadata.py
+    # `image`): name, id, digest and lock where the backend resolved it before the first job
+    # (the emulated backend's image), the request's image on sagemaker, None for processes.
+    image_record: dict | None
 
     def run_processing(self, job: ProcessingJob) -> JobResult:
         """Run a processing job; its outputs land at job.outputs, each sealed with a manifest."""

@@ -47,12 +47,13 @@ from pipeline.backends import moto_server
 from pipeline.backends.emulated_search import candidates
 from pipeline.backends.following import LOG_GROUPS
 from pipeline.backends.sagemaker import SageMakerBackend
+from pipeline.code_bundle import PROJECT_ROOT
 from pipeline.jobs import KINDS, JobResult, ProcessingJob, TrainingJob, TuningJob
 from pipeline.paths import RunTree
 from pipeline.player.environment import fresh_container_env
 from pipeline.player.exits import status_after
 from pipeline.player.fork_client import WARM_FOLDER, WarmStart, warm_start_enabled
-from pipeline.player.images import ImageContainers, find_engine, image_id
+from pipeline.player.images import ImageContainers, find_engine, resolve_image
 from pipeline.player.job_root import (
     gathered,
     new_work_root,
@@ -129,8 +130,10 @@ def job_containers(image: str, engine: str, endpoint: str, warm: WarmStart | Non
     if not image:
         return Containers(base_env=fresh_container_env() | job_plumbing(endpoint), starter=warm)
     engine = find_engine(engine)
-    image_id(engine, image)  # ImageUnavailable before any job
-    return ImageContainers(engine, image, job_plumbing, int(endpoint.rsplit(":", 1)[1]))
+    # Resolved to its id once, before any job (ImageUnavailable: none, or another lock's):
+    # every job runs that id, whatever the tag names meanwhile.
+    ref = resolve_image(engine, image, PROJECT_ROOT / "requirements.lock")
+    return ImageContainers(engine, ref, job_plumbing, int(endpoint.rsplit(":", 1)[1]))
 
 
 class S3View:
@@ -716,6 +719,8 @@ class EmulatedBackend:
     def __init__(self, sagemaker: SageMakerBackend, emulator: Emulator) -> None:
         self.sagemaker, self.emulator = sagemaker, emulator
         self.client = sagemaker.client
+        ref = getattr(emulator.containers, "ref", None)  # jobs played as processes: none
+        self.image_record = ref.record() if ref else None
 
     def run_processing(self, job: ProcessingJob) -> JobResult:
         return self.sagemaker.run_processing(job)

@@ -110,6 +110,7 @@ def kept_jobs_folder(store: Store, run: RunTree) -> Path:
 class LocalBackend:
     name = "local"
     client = None  # nothing is sent to SageMaker (Backend.client)
+    image_record = None  # jobs are processes of this machine
 
     def __init__(
         self,

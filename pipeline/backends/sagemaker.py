@@ -196,6 +196,12 @@ class SageMakerBackend:
         self._last_training: str | None = None  # whose warm pool the next one may start on
         self._lock = threading.Lock()
 
+    @property
+    def image_record(self) -> dict:
+        """SageMaker pulls the image each job names by its URI: the tag is resolved there, at
+        each job's start, and no Describe* answer says to what."""
+        return {"name": self.image}
+
     def request(self, job) -> dict:
         """The request a job becomes."""
         return request_for(job, self.image, self.role, self.store.uri_of)

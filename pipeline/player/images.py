@@ -13,6 +13,7 @@ the failure file and the exit are the process player's.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import os
@@ -23,6 +24,7 @@ import subprocess
 import threading
 import time
 import uuid
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline.player.job_root import clear_output
@@ -93,11 +95,30 @@ def find_engine(wanted: str = "auto") -> str:
         if shutil.which(engine) is None:
             continue
         if call(engine, "info", timeout=60).returncode == 0:
+            if engine == "podman":
+                network_backend_problem(engine)
             return engine
     raise ImageUnavailable(
         f"no container engine answers ({' or '.join(candidates)}): `make engine` installs "
         "podman; without --image, the emulated backend plays jobs as processes"
     )
+
+
+def network_backend_problem(engine: str) -> None:
+    """ImageUnavailable where podman's network backend is not netavark: its other one, CNI,
+    needs plugins Debian installs apart, resolves no container by alias (algo-N), and a job's
+    network made with it fails in the job and leaves its file in /etc/cni/net.d. The setting
+    decides (containers.conf(5), [network] network_backend); without it podman 4.3 on Debian 12
+    chose CNI here."""
+    found = call(engine, "info", "--format", "{{.Host.NetworkBackend}}", timeout=60)
+    backend = found.stdout.strip()
+    if found.returncode == 0 and backend != "netavark":
+        where = os.environ.get("CONTAINERS_CONF") or "/etc/containers/containers.conf"
+        raise ImageUnavailable(
+            f"podman's network backend is {backend!r}, and the jobs' containers find each other "
+            f'by name on netavark\'s: set network_backend = "netavark" under [network] in {where} '
+            "(docker/containers.conf holds it; `make engine` installs it where there is none)"
+        )
 
 
 def image_id(engine: str, image: str) -> str:
@@ -109,6 +130,55 @@ def image_id(engine: str, image: str) -> str:
             f"smpipe:latest from docker/Dockerfile)"
         )
     return found.stdout.strip()
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """The image a run's jobs run in, resolved once before the first job: every job runs it by
+    `id`, so a tag moved meanwhile changes nothing; the run's Metadata records it."""
+
+    name: str  # as the settings or --image named it
+    id: str
+    digest: str | None  # the registry's digest, for an image pulled or pushed (None: local only)
+    lock_sha256: str  # of the requirements.lock it was built with (its IMAGE_RECORD_FILE)
+
+    def record(self) -> dict:
+        return asdict(self)
+
+
+def resolve_image(engine: str, image: str, lock: Path | None) -> ImageRef:
+    """`image` as its id, its digest and its lock, or ImageUnavailable: no such image, or one
+    built from a lock other than `lock` (the checkout's requirements.lock; None where there is
+    none, as in an installed smpipe), naming both hashes and how to build it anew."""
+    found = image_id(engine, image)
+    digests = call(engine, "image", "inspect", "--format", "{{json .RepoDigests}}", found)
+    listed = json.loads(digests.stdout or "null") if digests.returncode == 0 else None
+    digest = listed[0].rpartition("@")[2] if listed else None
+    # The record docker/Dockerfile writes into the image, read in a container of it (a read of
+    # the image's files that docker and podman both give, without mounting it here).
+    read = call(engine, "run", "--rm", "--network", "none", "--entrypoint", "cat", found,
+                names.IMAGE_RECORD_FILE)  # fmt: skip
+    try:
+        held = json.loads(read.stdout)["lock_sha256"] if read.returncode == 0 else None
+    except (ValueError, KeyError, TypeError):
+        held = None
+    if held is None:
+        raise ImageUnavailable(
+            f"[emulated] IMAGE {image!r} (id {short(found)}) holds no {names.IMAGE_RECORD_FILE}: "
+            "it was not built from docker/Dockerfile (`make image` builds smpipe:latest)"
+        )
+    wanted = hashlib.sha256(lock.read_bytes()).hexdigest() if lock and lock.is_file() else held
+    if held != wanted:
+        raise ImageUnavailable(
+            f"[emulated] IMAGE {image!r} (id {short(found)}) was built from a requirements.lock "
+            f"of sha256 {held[:12]}, and this checkout's is {wanted[:12]}: its jobs would run "
+            "other packages than the lock says; `make image` builds it anew"
+        )
+    return ImageRef(image, found, digest, held)
+
+
+def short(image: str) -> str:
+    return image.removeprefix("sha256:")[:12]
 
 
 def current_host(root: Path) -> str:
@@ -252,9 +322,10 @@ class ImageContainers(Containers):
     # syslog listens (seen with podman 4.3 on Debian 12): the engine's, not the job's.
     noise = frozenset({"failed to connect to syslog: Initialization"})
 
-    def __init__(self, engine: str, image: str, plumbing, moto_port: int) -> None:
+    def __init__(self, engine: str, ref: ImageRef, plumbing, moto_port: int) -> None:
         super().__init__()
-        self.engine, self.image, self.plumbing = engine, image, plumbing
+        self.engine, self.ref, self.plumbing = engine, ref, plumbing
+        self.image = ref.id  # every container: the image as resolved, not its tag
         sweep(engine)
         self.gateway = Gateway(moto_port)
         self.networks = Networks(engine, self.gateway)
