@@ -65,7 +65,8 @@ def test_processing_job_sees_the_contract(store, tmp_path):
     assert is_complete(store, "outputs/seen/")
     seen = json.loads(store.get_bytes("outputs/seen/seen.json"))
     assert seen["argv"] == ["--flag", "1"]
-    assert seen["files"] == ["a.txt", "deep/b.txt"] and seen["content"] == "hello"
+    # The input as SageMaker delivers a prefix: every object under it, the manifest included.
+    assert seen["files"] == ["_MANIFEST.json", "a.txt", "deep/b.txt"] and seen["content"] == "hello"
     assert seen["env"]["SM_PROCESSING_INPUT_THINGS"].endswith("processing/input/things")
     assert seen["env"]["SM_PROCESSING_OUTPUT_SEEN"].endswith("processing/output/seen")
     # The code came from the store's code/ input, not from this checkout.
@@ -121,7 +122,7 @@ def test_training_job_across_processes_and_hosts(store, tmp_path, hosts, per_hos
             "model_name": "str",
             "use_x": "bool",
         }
-        assert s["channels"]["train"] == ["rows.txt"] and "code" in s["channels"]
+        assert s["channels"]["train"] == ["_MANIFEST.json", "rows.txt"] and "code" in s["channels"]
         assert s["hosts"] == [f"algo-{i}" for i in range(1, hosts + 1)] and s["num_gpus"] == 0
         assert s["current_host"] == f"algo-{r // per_host + 1}"
         assert s["job_name"] == "probe-train-1"
