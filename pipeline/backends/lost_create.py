@@ -52,8 +52,9 @@ def ours_after_all(
         described = describe_job(kind, name)
     except (ClientError, BotoCoreError) as e:
         # No job of that name: ResourceNotFound in the service model, ValidationException
-        # ("Requested resource not found.") as DescribeTrainingJob answers it (aws/aws-sdk
-        # issue 165). Anything else (throttling, a permission) leaves the question open.
+        # ("Requested resource not found.") as DescribeTrainingJob answers it
+        # (github.com/aws/aws-sdk/issues/165). Anything else (throttling, a permission)
+        # leaves the question open.
         missing = getattr(e, "response", {}).get("Error", {}).get("Code")
         if missing in ("ResourceNotFound", "ValidationException"):
             return None, ""
