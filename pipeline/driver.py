@@ -13,9 +13,11 @@ hands the same objects to the backend (pipeline/backends/).
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 from pipeline import cache, registry
 from pipeline import metadata as md
@@ -224,8 +226,9 @@ def execute(
             f"{store.uri_of(run.metadata)} and nothing from it is promoted."
         ) from None
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (pipeline/cli.py turns it into this)
-        backend.stop()
-        ended(ctx, started, "interrupted", "stopped by the user (SIGINT/SIGTERM)")
+        with undisturbed():
+            backend.stop()
+            ended(ctx, started, "interrupted", "stopped by the user (SIGINT/SIGTERM)")
         log.info(
             f"run {run.label} interrupted: its jobs were stopped and their logs kept; "
             f"--resume {run.run_num} continues it"
@@ -281,18 +284,42 @@ def ended(ctx: RunContext, started: float, status: str, reason: str | None) -> d
     completed); a completed run's checkpoints removed (it will not be resumed), a failed run's
     report drawn."""
     base = ctx.base
-    if status == "completed" and not ctx.settings.training.keep_checkpoints_after_run:
-        base.checkpoints_removed_bytes = remove_checkpoints(ctx.store, ctx.run)
-    elif status != "completed":
-        base.checkpoints_left = checkpoint_files(ctx.store, ctx.run)
-    now = time.time()
-    base.status, base.failure_reason = status, reason
-    base.end_time, base.time_taken = md.iso(now), round(now - started, 3)
-    record = md.merge(ctx.store, ctx.run, base).model_dump()
-    ctx.backend.close(succeeded=status == "completed")
+    with undisturbed():
+        if status == "completed" and not ctx.settings.training.keep_checkpoints_after_run:
+            base.checkpoints_removed_bytes = remove_checkpoints(ctx.store, ctx.run)
+        elif status != "completed":
+            base.checkpoints_left = checkpoint_files(ctx.store, ctx.run)
+        now = time.time()
+        base.status, base.failure_reason = status, reason
+        base.end_time, base.time_taken = md.iso(now), round(now - started, 3)
+        record = md.merge(ctx.store, ctx.run, base).model_dump()
+        ctx.backend.close(succeeded=status == "completed")
     if status == "failed":
         write_run_report(ctx.store, ctx.run)
     return record
+
+
+@contextmanager
+def undisturbed():
+    """While a run that ends stops its jobs, records how it ended and tidies up (bounded by
+    the jobs' 120 s grace), a further Ctrl-C or SIGTERM is said, not obeyed: obeyed, it cut the
+    tidying short and left the jobs' networks and work folders until the next run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def said(signum, _frame) -> None:
+        log.warning(
+            "still stopping: each job has up to 120 s to save, then it is killed; its "
+            "network and work folder are removed"
+        )
+
+    before = {s: signal.signal(s, said) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():  # None: a handler set outside Python
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 def ended_if_possible(ctx: RunContext, started: float, error: StoreError) -> str:

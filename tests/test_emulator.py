@@ -421,3 +421,17 @@ def test_a_container_that_ignores_its_stop_is_killed_after_the_grace(store, tmp_
     local.containers.stop()
     thread.join(timeout=30)
     assert not thread.is_alive() and results[0].status != "Completed"
+
+
+def test_a_job_stopped_while_its_container_starts_is_stopped_once_it_has(store, tmp_path, inputs):
+    """StopProcessingJob before the job's container was registered (Ctrl-C as it starts): the
+    container gets the signal, then SIGKILL after the grace, and does not run on."""
+    local = LocalBackend(store, RUN, echo=io.StringIO(), work_root=str(tmp_path / "work"))
+    local.containers.grace_seconds = 1
+    hang = probe_processing("hang-late", "--hang")
+    local.containers.stop(hang.name)  # what StopProcessingJob asks, before its container exists
+    results = []
+    thread = threading.Thread(target=lambda: results.append(local.run_processing(hang)))
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and results[0].status != "Completed"

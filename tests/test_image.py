@@ -10,7 +10,9 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -536,3 +538,45 @@ def test_a_container_of_the_image_sees_only_the_image_the_request_and_sagemaker(
         assert not names & set(CANARIES)
     finally:
         emulator.close()
+
+
+def test_ctrl_c_twice_as_a_training_container_starts_stops_it_and_leaves_nothing(
+    engine, image, demo_raw, tmp_path
+):
+    """Ctrl-C the moment the training job is created (its container starting), and again 0.3 s
+    later: the container is stopped within the grace, and neither its network, nor a container,
+    nor the run's work folder is left (the second Ctrl-C is said, not obeyed)."""
+    path = write_settings(
+        tmp_path / "settings.ini", str(tmp_path / "store"),
+        experiment={"BACKEND": "emulated"}, emulated={"IMAGE": IMAGE},
+        data={"RAW_DATA": str(demo_raw)}, models={"MODEL_NAMES": "bow"},
+        training={"EPOCHS": "30"},
+    )  # fmt: skip
+    staged = LocalStore(tmp_path / "store")
+    before = networks(engine)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "run", str(path)],
+        cwd=ROOT, env={**os.environ, "TMPDIR": str(temp)}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if "training job created" in line:
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGINT)
+            break
+    rest, _ = proc.communicate(timeout=300)
+    said = "".join(out) + rest
+    assert proc.returncode == 130 and "still stopping" in said, said[-3000:]
+    record = json.loads(staged.get_bytes(ExperimentTree("test-exp").run(
+        int(re.search(r"run (\d+) interrupted", said)[1])).metadata))  # fmt: skip
+    assert record["status"] == "interrupted" and "train" not in record["steps"]
+    assert networks(engine) == before
+    running = subprocess.run([engine, "ps", "-a", "--format", "{{.Names}}"], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+    assert "-train-" not in running
+    assert [p.name for p in temp.iterdir() if p.name.startswith("smpipe")] == []

@@ -305,11 +305,6 @@ def _subnet_and_gateway(inspected: dict) -> tuple[str, str]:
     raise RuntimeError(f"network {inspected.get('name') or inspected.get('Name')} has no subnet")
 
 
-# How long a container may take to be created before a signal for it is given up (an image
-# already present is created in about a second here).
-STARTING_SECONDS = 60
-
-
 class ImageContainers(Containers):
     """The containers of the jobs a backend plays, run in `image` with `engine`.
 
@@ -432,16 +427,18 @@ class ImageContainers(Containers):
 
     def _send(self, pid: int, signum: int) -> None:
         """`signum` to the container's PID 1, as `docker stop` / `docker kill` send it. A
-        container still being created when the signal comes gets it once it exists: the
-        engine refuses a kill until then, and the client that creates it is still running."""
+        container still being created when the signal comes gets it once it exists, however
+        long that takes on a loaded machine: the engine refuses a kill until then, and the
+        client that creates it is still running (a signal given up on left one training on)."""
         with self._lock:
             name = self._names.get(pid)
         if name is None:
             return
 
         def send() -> None:
-            for _ in range(STARTING_SECONDS * 2):
-                if call(self.engine, "kill", "--signal", str(int(signum)), name).returncode == 0:
+            while True:
+                done = call(self.engine, "kill", "--signal", str(int(signum)), name, timeout=30)
+                if done.returncode == 0:
                     return
                 with self._lock:
                     if pid not in self._names:  # the client has exited: nothing to stop

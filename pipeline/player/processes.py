@@ -140,7 +140,9 @@ class Containers:
     def _register(self, pid: int, job: str) -> None:
         with self._lock:
             self._running[pid] = job
-            late = self.stopping  # stop() came while this one was starting: it stops too
+            # stop() came while this one was starting (for every job, or for this one's, as
+            # StopTrainingJob stops it): it stops too.
+            late = self.stopping or any(job.startswith(p) for p in self._stopped if p)
         if late:
             self._send(pid, signal.SIGTERM)
 
