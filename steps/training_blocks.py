@@ -73,6 +73,28 @@ def optimizer_for(model: torch.nn.Module, hp: dict, total_steps: int):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor), kind
 
 
+def cuda_unusable(gpus: int) -> str:
+    """Why torch cannot use the host's GPUs, said with what to do. The NVIDIA driver on
+    SageMaker's training hosts is not documented (its inference guide lists 470 as the default
+    on g4dn, g5 and p4d hosts); a CUDA 12 build of torch (the real base's is 12.8) needs a
+    driver of 525 or newer (CUDA's minor-version compatibility), or the CUDA forward-
+    compatibility package, which AWS's own PyTorch containers set up at start
+    (aws/deep-learning-containers, start_cuda_compat.sh) and the pytorch/pytorch runtime base
+    does not carry."""
+    try:
+        torch.cuda.init()
+        reason = "torch.cuda.is_available() is False"
+    except Exception as e:  # noqa: BLE001 - its words are the reason
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return (
+        f"this host has {gpus} GPU(s), and torch {torch.__version__} (CUDA "
+        f"{torch.version.cuda or 'none'}) cannot use them: {reason}. Where the NVIDIA driver is "
+        "older than the image's CUDA needs, build the image on a base whose CUDA release it "
+        "runs, add the CUDA forward-compatibility package (cuda-compat) to it, or build on "
+        "AWS's PyTorch training container, which sets that package up itself"
+    )
+
+
 def accelerator_for(
     hp: dict, env: TrainingEnv, accumulation: int
 ) -> tuple[Accelerator, Precision, bool]:
@@ -86,6 +108,8 @@ def accelerator_for(
         os.environ["WANDB_MODE"] = hp["wandb_mode"]
         os.environ.setdefault("WANDB_DIR", str(env.output_data_dir))
         os.environ.setdefault("WANDB_SILENT", "true")
+    if on_gpu and not torch.cuda.is_available():
+        raise RuntimeError(cuda_unusable(env.num_gpus))
     precision = resolve(hp["mixed_precision"], env.num_gpus)
     if on_gpu:  # TF32 matmuls on Ampere and later (ignored before)
         torch.backends.cuda.matmul.allow_tf32 = True

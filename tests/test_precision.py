@@ -8,6 +8,7 @@ compute in what it resolves to."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -164,3 +165,24 @@ def test_a_run_computes_in_what_the_cpu_has_and_its_report_says_so(
     # bf16 really ran: its probabilities are not fp32's.
     assert checked["max_probability_difference"] > 0
     assert f"Against fp32 on {rows} test rows" in page
+
+
+def test_gpus_torch_cannot_use_stop_the_job_saying_why_and_what_to_do(monkeypatch):
+    """A GPU host whose driver is older than the image's CUDA (SageMaker documents no driver):
+    the job stops before Accelerate, naming the GPUs, torch's CUDA and torch's own reason."""
+    from steps.training_blocks import accelerator_for
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def too_old():
+        raise RuntimeError("The NVIDIA driver on your system is too old (found version 11040).")
+
+    monkeypatch.setattr(torch.cuda, "init", too_old)
+    env = SimpleNamespace(num_gpus=4, output_data_dir=Path("/tmp"))
+    hp = {"wandb_mode": "disabled", "mixed_precision": "auto"}
+    with pytest.raises(RuntimeError) as raised:
+        accelerator_for(hp, env, accumulation=1)
+    said = str(raised.value)
+    assert said.startswith(f"this host has 4 GPU(s), and torch {torch.__version__} (CUDA ")
+    assert "The NVIDIA driver on your system is too old (found version 11040)" in said
+    assert "forward-compatibility package" in said
