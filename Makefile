@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH := 2.13.0
 DEMO_RAW := build/demo_raw
 
-.PHONY: install lock browser engine apt image run test lint bench bench-models gpu-check figures screenshot clean
+.PHONY: install lock browser engine apt image image-base-torch run test lint bench bench-models gpu-check figures screenshot clean
 
 # torch goes in first, pinned to the CPU build on this disk: anything that pulled torch
 # before it would drag in a multi-GB CUDA build. Then every other package at the version and
@@ -54,7 +54,7 @@ IMAGE ?= smpipe:latest
 # Debian's Python 3.11 and the CPU torch the venv holds (docker/standin-base.sh). Its tag's
 # -rN grows whenever standin-base.sh changes what the stand-in holds: a kept one is rebuilt.
 REAL_BASE := pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime
-STANDIN_BASE := smpipe-standin-base:torch-$(TORCH)-r2
+STANDIN_BASE := smpipe-standin-base:torch-$(TORCH)-r3
 CA_BUNDLE ?= /etc/ssl/certs/ca-certificates.crt
 # The image's platform: an engine on Apple Silicon pulls the arm64 variant of the base and
 # builds arm64 unless told, and SageMaker's x86 instances (ml.m5, ml.g5, ml.p4d...) cannot run
@@ -95,7 +95,28 @@ image: engine requirements.lock
 	$(ENGINE) build -q --platform $(PLATFORM) -f docker/Dockerfile --build-arg BASE=$$base $$secret -t $(IMAGE) . >/dev/null \
 		&& echo "$(IMAGE) built on $$base"
 
-test: install browser image
+# The real base's torch release on a stand-in: torch $(BASE_TORCH) from the package index (its
+# CUDA build, which runs on a CPU, and the NVIDIA libraries it needs: about 3 GB, 7 GB
+# installed) on the stand-in's Debian Python 3.11 (the real base's is 3.11 too), and the image
+# built on it, tagged $(BASE_TORCH_IMAGE). make test runs the job tests that matter in it
+# (tests/test_image.py, `base_torch`): a torch API steps/ uses that $(BASE_TORCH) lacks fails
+# here, not on SageMaker. Built once, kept, as the other stand-in.
+BASE_TORCH := 2.9.1
+BASE_TORCH_STANDIN := smpipe-standin-base:torch-$(BASE_TORCH)-r3
+BASE_TORCH_IMAGE ?= smpipe:torch-$(BASE_TORCH)
+image-base-torch: engine requirements.lock
+	@$(ENGINE) image inspect $(BASE_TORCH_STANDIN) >/dev/null 2>&1 || { \
+		command -v mmdebstrap >/dev/null || $(MAKE) --no-print-directory apt PACKAGES=mmdebstrap; \
+		wheel=$$(ls build/wheels/torch-$(BASE_TORCH)-cp311-*manylinux*x86_64.whl 2>/dev/null | head -1); \
+		if [ -z "$$wheel" ]; then mkdir -p build/wheels && python3 -m pip download -q --no-deps \
+			--python-version 3.11 --only-binary=:all: --platform manylinux_2_28_x86_64 \
+			-d build/wheels torch==$(BASE_TORCH) && wheel=$$(ls build/wheels/torch-$(BASE_TORCH)-cp311-*.whl); fi; \
+		docker/standin-base.sh $(ENGINE) $(BASE_TORCH_STANDIN) $$wheel $(CA_BUNDLE); }
+	@secret=; test -s $(CA_BUNDLE) && secret="--secret id=ca,src=$(CA_BUNDLE)"; \
+	$(ENGINE) build -q --platform $(PLATFORM) -f docker/Dockerfile --build-arg BASE=$(BASE_TORCH_STANDIN) $$secret \
+		-t $(BASE_TORCH_IMAGE) . >/dev/null && echo "$(BASE_TORCH_IMAGE) built on $(BASE_TORCH_STANDIN)"
+
+test: install browser image image-base-torch
 	$(PY) -m pytest -q
 
 lint: install

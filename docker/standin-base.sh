@@ -4,7 +4,9 @@
 # first on PATH as the real base's Python is, holding the CPU torch this machine's venv holds
 # (`make install`) and what that torch needs, as the real base holds its own, and Python's C
 # headers, as the real base's conda Python has them (torch.compile's CPU kernels include
-# Python.h). What a stand-in cannot tell: CUDA, and the real base's own Python and torch.
+# Python.h). No LANG or LC_ALL: the real base sets neither (pytorch/pytorch's Dockerfile), and
+# Python coerces the C locale to UTF-8 itself (PEP 538). What a stand-in cannot tell: CUDA, and
+# the real base's own Python and torch.
 #
 #   docker/standin-base.sh ENGINE TAG TORCH_WHEEL [CA_BUNDLE]
 #
@@ -15,6 +17,7 @@
 set -eu
 engine=$1 tag=$2 wheel=$3 ca=${4:-}
 [ -f "$wheel" ] || { echo "standin-base.sh: no torch wheel at $wheel" >&2; exit 1; }
+wheel=$(cd "$(dirname "$wheel")" && pwd)/$(basename "$wheel")  # a volume's source is a path
 work=$(mktemp -d)
 rootfs="$tag-rootfs" builder="smpipe-standin-$$"
 trap '"$engine" rm -f "$builder" >/dev/null 2>&1; "$engine" rmi -f "$rootfs" >/dev/null 2>&1; rm -rf "$work"' EXIT
@@ -23,7 +26,6 @@ mmdebstrap --variant=minbase --include=python3,python3-venv,python3-dev,ca-certi
     bookworm "$work/rootfs.tar" http://deb.debian.org/debian
 "$engine" import \
     --change 'ENV PATH=/opt/python/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-    --change 'ENV LANG=C.UTF-8' --change 'ENV LC_ALL=C.UTF-8' \
     --change 'CMD ["python3"]' \
     "$work/rootfs.tar" "$rootfs"
 name=$(basename "$wheel")

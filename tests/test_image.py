@@ -37,6 +37,9 @@ from tests.test_emulator import CANARIES, IMAGE_ENV, RUN, probe_processing, prob
 from tests.test_lock import TORCH_RELEASES, _lock_tool, pins
 
 IMAGE = os.environ.get("SMPIPE_TEST_IMAGE", "smpipe:latest")
+# The image `make image-base-torch` builds on the real base's torch release (Makefile).
+BASE_TORCH = "2.9.1"
+BASE_TORCH_IMAGE = os.environ.get("SMPIPE_TEST_BASE_TORCH_IMAGE", f"smpipe:torch-{BASE_TORCH}")
 LOCK_SHA256 = hashlib.sha256((ROOT / "requirements.lock").read_bytes()).hexdigest()
 SECRET = "wandb-image-secret-0123456789abcdef"
 pytestmark = [pytest.mark.slow, pytest.mark.image]
@@ -49,11 +52,26 @@ def engine() -> str:
 
 @pytest.fixture(scope="module")
 def image(engine) -> str:
+    return present(engine, IMAGE, "make image")
+
+
+def present(engine: str, image: str, make: str) -> str:
     try:
-        image_id(engine, IMAGE)
+        image_id(engine, image)
     except Exception as e:  # noqa: BLE001 - said as the test's failure
-        pytest.fail(f"{e}: `make image` builds it (`make test` does first)")
-    return IMAGE
+        pytest.fail(f"{e}: `{make}` builds it (`make test` does first)")
+    return image
+
+
+@pytest.fixture(params=["base", "base_torch"])
+def any_image(request, engine, image) -> str:
+    """The image on this machine's base (the real one, or the stand-in holding the venv's
+    torch), and the one on the real base's torch release (`make image-base-torch`): the job
+    tests that matter run in both, so an API of torch that steps/ uses and the real base's
+    torch lacks fails here."""
+    if request.param == "base":
+        return image
+    return present(engine, BASE_TORCH_IMAGE, "make image-base-torch")
 
 
 @pytest.fixture(scope="module")
@@ -136,22 +154,27 @@ def networks(engine: str) -> set[str]:
 
 
 def test_every_job_of_a_run_and_predict_run_in_the_image(
-    engine, image, aws_env, demo_raw, tmp_path, monkeypatch
+    engine, any_image, aws_env, demo_raw, tmp_path, monkeypatch
 ):
+    image = any_image
     assert not Path(IMAGE_RECORD_FILE).exists()  # this machine has no image record of its own
     before = networks(engine)
     # The run names the image by a tag of its own, which moves to another image once the run
     # has resolved it: every job still runs the image the run started with.
     tag = f"localhost/smpipe-moved:{os.getpid()}"
-    assert subprocess.run([engine, "tag", IMAGE, tag]).returncode == 0
+    assert subprocess.run([engine, "tag", image, tag]).returncode == 0
     built = json.loads(in_the_image(engine, image, f"print(open({IMAGE_RECORD_FILE!r}).read())"))
+    models = "bow"
+    if image == BASE_TORCH_IMAGE:  # the transformer too: its exports are torch's most of all
+        assert built["torch"].startswith(BASE_TORCH), built
+        models = "bow,minilm"
     exits = Exits(then=lambda: subprocess.run([engine, "tag", built["base"], tag], check=True))
     # A local STORE (the emulated jobs see it as a bucket): `smpipe predict`, a process of its
     # own with an embedded moto of its own, finds the run there.
     path = write_settings(
         tmp_path / "settings.ini", str(tmp_path / "store"),
         experiment={"BACKEND": "emulated"}, emulated={"IMAGE": tag},
-        data={"RAW_DATA": str(demo_raw)}, models={"MODEL_NAMES": "bow"},
+        data={"RAW_DATA": str(demo_raw)}, models={"MODEL_NAMES": models},
         training={"USE_DISTRIBUTED": "true", "INSTANCE_COUNT": "2"},
         tracking={"WANDB_SECRET_ID": "smpipe/wandb"},
     )  # fmt: skip
@@ -170,16 +193,19 @@ def test_every_job_of_a_run_and_predict_run_in_the_image(
     assert record["status"] == "completed", echo.getvalue()[-3000:]
     # What ran, named: the image by id (the tag's, before it moved), digest and lock.
     assert record["image"] == {
-        "name": tag, "id": image_id(engine, IMAGE), "digest": record["image"]["digest"],
+        "name": tag, "id": image_id(engine, image), "digest": record["image"]["digest"],
         "lock_sha256": LOCK_SHA256,
     }  # fmt: skip
     logs = job_logs(store, 1)
-    assert len(logs) == 4 and all(ran_in_the_image(log) for log in logs.values()), logs.keys()
+    trained = len(models.split(","))
+    assert len(logs) == 3 + trained, logs.keys()
+    assert all(ran_in_the_image(log) for log in logs.values()), logs.keys()
     # Two hosts, two containers (each job's network went with them), torchrun across them.
-    assert [len(done) for done in exits.by_job.values()] == [1, 1, 2, 1]
+    assert [len(done) for done in exits.by_job.values()] == [1, 1, *[2] * trained, 1]
     assert all(d.code == 0 for done in exits.by_job.values() for d in done)
-    [train_log] = [log for name, log in logs.items() if "-train-" in name]
-    assert "algo-1" in train_log and "algo-2" in train_log
+    train_logs = [log for name, log in logs.items() if "-train-" in name]
+    assert len(train_logs) == trained
+    assert all("algo-1" in log and "algo-2" in log for log in train_logs)
     assert SECRET not in echo.getvalue() and not any(SECRET in log for log in logs.values())
     assert networks(engine) == before
 
@@ -189,7 +215,7 @@ def test_every_job_of_a_run_and_predict_run_in_the_image(
     out = tmp_path / "predictions.csv"
     done = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "predict", str(path), str(source), str(out),
-         "--image", IMAGE, "--quiet"],
+         "--image", image, "--quiet"],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -504,13 +530,14 @@ def test_a_container_of_the_image_sees_only_the_image_the_request_and_sagemaker(
     emulator = Emulator(store, "us-east-1", image=IMAGE)
     plumbing = set(job_plumbing("http://moto"))
     # A new container's: Docker's (HOME, PATH, HOSTNAME) and the image's ENV, its base's
-    # included (the stand-in's LANG and LC_ALL; the real base's NVIDIA_* and LD_LIBRARY_PATH);
+    # included (the real base's NVIDIA_* and LD_LIBRARY_PATH);
     # not podman's own TERM and `container`, which docker does not set.
     inspected = subprocess.run(
         [find_engine(), "image", "inspect", "--format", "{{json .Config.Env}}", IMAGE],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     engine_given = {"HOME", "HOSTNAME", *(e.split("=", 1)[0] for e in json.loads(inspected.stdout))}
+    engine_given.add("LC_CTYPE")  # set by the job's own Python, in the C locale (PEP 538)
     try:
         backend = emulator.backend(RUN, "", "", io.StringIO())
         job = probe_processing("env-probe-image")
