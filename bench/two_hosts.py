@@ -2,8 +2,8 @@
 
     python bench/two_hosts.py [--runs 20] [--timeout 600]
 
-One bucket on an embedded moto server holds the demo's raw data (12 articles a topic),
-reconciled and prepared once. Then `smpipe run --steps train` of the bag-of-embeddings model
+A local store (the emulated backend's bucket) and the demo's raw data (12 articles a topic) as
+RAW_DATA, reconciled and prepared once. Then `smpipe run --steps train` of the bag-of-embeddings model
 on two emulated hosts (INSTANCE_COUNT = 2, one process each: torchrun across two hosts, gloo)
 runs `--runs` times in a row, each a driver of its own. The baseline, in the same run: the
 same training on one host, once, before them. A run that has not ended after `--timeout`
@@ -16,7 +16,6 @@ Prints each run's wall time and status, and the count; asserts nothing about tim
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import shutil
 import signal
@@ -30,25 +29,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import boto3  # noqa: E402
-
-from pipeline.backends.moto_server import serve  # noqa: E402
-from pipeline.config import load_settings  # noqa: E402
-from pipeline.driver import parse_steps, run_pipeline  # noqa: E402
-from pipeline.paths import ExperimentTree  # noqa: E402
-from pipeline.sources import upload_raw  # noqa: E402
-from pipeline.store import S3Store  # noqa: E402
-from tests.conftest import moto_env, write_settings  # noqa: E402
+from tests.conftest import write_settings  # noqa: E402
 from user_functions.demo_data import write_demo  # noqa: E402
 
 
-def settings_file(folder: Path, bucket: str, hosts: int) -> Path:
+def settings_file(folder: Path, store: Path, raw: Path, hosts: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     training = {"USE_DISTRIBUTED": str(hosts > 1).lower(), "INSTANCE_COUNT": str(hosts),
                 "PROCESSES_PER_HOST": "1"}  # fmt: skip
-    return write_settings(folder / "settings.ini", f"s3://{bucket}/root",
+    return write_settings(folder / "settings.ini", str(store),
                           experiment={"BACKEND": "emulated"}, models={"MODEL_NAMES": "bow"},
-                          training=training)  # fmt: skip
+                          data={"RAW_DATA": str(raw)}, training=training)  # fmt: skip
 
 
 def dump(pid: int) -> str:
@@ -66,12 +57,14 @@ def dump(pid: int) -> str:
     return "\n".join(stacks)
 
 
-def one_run(settings: Path, env: dict, timeout: float, log: Path) -> tuple[str, float]:
-    """(status, wall seconds) of one `smpipe run --steps train`."""
+def one_run(
+    settings: Path, env: dict, timeout: float, log: Path, steps: str = "train"
+) -> tuple[str, float]:
+    """(status, wall seconds) of one `smpipe run --steps STEPS`."""
     started = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli", "run", str(settings), "--steps", "train"],
+            [sys.executable, "-m", "pipeline.cli", "run", str(settings), "--steps", steps],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         try:
@@ -90,20 +83,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=600)
     args = parser.parse_args()
-    server, endpoint = serve()
-    env = {**os.environ, **moto_env(endpoint), "PYTHONPATH": str(ROOT)}
-    os.environ.update(moto_env(endpoint))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     work = Path(tempfile.mkdtemp(prefix="two-hosts-"))
     try:
-        bucket = "smpipe-two-hosts"
-        boto3.client("s3").create_bucket(Bucket=bucket)
-        store = S3Store(f"s3://{bucket}/root")
         write_demo(work / "raw", per_label=12)
-        upload_raw(store, ExperimentTree("test-exp"), work / "raw")
-        one, two = settings_file(work / "one", bucket, 1), settings_file(work / "two", bucket, 2)
-        record = run_pipeline(load_settings(one, env={}), store,
-                              parse_steps("reconcile,prepare"), echo=io.StringIO())  # fmt: skip
-        assert record["status"] == "completed", record.get("failure_reason")
+        one = settings_file(work / "one", work / "store", work / "raw", 1)
+        two = settings_file(work / "two", work / "store", work / "raw", 2)
+        status, _ = one_run(one, env, args.timeout, work / "data.log", "reconcile,prepare")
+        assert status == "completed", (work / "data.log").read_text()[-2000:]
         status, baseline = one_run(one, env, args.timeout, work / "one.log")
         print(f"baseline, one host: {status} in {baseline:.1f} s")
         results = []
@@ -123,7 +110,6 @@ def main() -> None:
             print(f"logs and stacks kept in {work}")
             work = None
     finally:
-        server.stop()
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
 

@@ -331,6 +331,7 @@ class Settings(BaseModel):
     metric_definitions: dict[str, str] = {}
     source: str = ""  # the file it came from
     applied_ini: str = ""  # the file as applied (environment overrides in), secrets redacted
+    overrides: tuple[str, ...] = ()  # the SMPIPE__ variables that changed it
     base_dir: str = ""  # relative local paths resolve against the settings file's folder
 
     def store_uri(self) -> str:
@@ -416,8 +417,10 @@ def _pydantic_problems(section: str, error: ValidationError) -> list[str]:
         elif e["type"] == "extra_forbidden" and (section, key.lower()) in MOVED:
             problems.append(f"[{section}] {key}: {MOVED[section, key.lower()]}")
         elif e["type"] == "extra_forbidden":
-            allowed = ", ".join(k.upper() for k in SECTIONS[section].model_fields)
-            problems.append(f"[{section}] {key}: unknown key (allowed: {allowed})")
+            known = [k.upper() for k in SECTIONS[section].model_fields]
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.7)
+            hint = f"did you mean {close[0]}? " if close else ""
+            problems.append(f"[{section}] {key}: unknown key ({hint}allowed: {', '.join(known)})")
         else:
             msg = e["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
             problems.append(f"[{section}] {key}: {msg} (got {e.get('input')!r})")
@@ -444,8 +447,9 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
     """Read, override from the environment, validate; raise one ConfigError listing everything."""
     path = Path(path)
     raw, problems = read_ini(path)
+    overrides: dict[tuple[str, str], str] = {}
     problems += apply_env(
-        raw, dict(os.environ) if env is None else env, [*SECTIONS, *FREE_SECTIONS]
+        raw, dict(os.environ) if env is None else env, [*SECTIONS, *FREE_SECTIONS], overrides
     )
     problems += _unknown_sections(raw)
     parsed = _sections(raw, problems)
@@ -482,7 +486,7 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
         problems += lora_keys_unused(parsed["training"], effective, raw, spaces)
     problems += sagemaker_limits(parsed, spaces, model_tunables, metrics)
     if problems:
-        raise ConfigError(problems, str(path))
+        raise ConfigError([from_environment(p, overrides) for p in problems], str(path))
     return Settings(
         **parsed,
         model_training=model_training,
@@ -494,7 +498,17 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
         source=str(path),
         base_dir=str(path.resolve().parent),
         applied_ini=render_redacted(raw),
+        overrides=tuple(sorted(overrides.values())),
     )
+
+
+def from_environment(problem: str, overrides: dict[tuple[str, str], str]) -> str:
+    """A problem with a value an SMPIPE__ variable set, naming the variable: the file does not
+    hold that value, and a user reading only the file would not find it."""
+    for (section, key), var in overrides.items():
+        if problem.startswith(f"[{section}] {key.upper()}:"):
+            return f"{problem} (set by {var} in the environment)"
+    return problem
 
 
 def _unknown_sections(raw: dict[str, dict[str, str]]) -> list[str]:

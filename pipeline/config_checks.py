@@ -120,12 +120,27 @@ def _sagemaker_needs(parsed: dict[str, BaseModel]) -> list[str]:
         return problems
     e = parsed["experiment"]
     if not e.store.startswith("s3://"):
-        problems.append("[experiment] STORE: the sagemaker backend needs an s3:// store")
+        problems.append(
+            "[experiment] STORE: the sagemaker backend needs an s3:// store, e.g. STORE = "
+            "s3://my-bucket/smpipe"
+        )
     if not e.role_arn.startswith("arn:"):
-        problems.append("[experiment] ROLE_ARN: the sagemaker backend needs an IAM role ARN")
+        problems.append(
+            "[experiment] ROLE_ARN: the sagemaker backend needs the IAM role its jobs run as, "
+            "e.g. ROLE_ARN = arn:aws:iam::123456789012:role/smpipe-jobs (`smpipe iam "
+            "settings.ini` prints the policy it needs)"
+        )
     if not e.image_uri:
         problems.append(
-            "[experiment] IMAGE_URI: the sagemaker backend needs the image built from docker/"
+            "[experiment] IMAGE_URI: the sagemaker backend needs the image every job runs in, "
+            "pushed to ECR, e.g. IMAGE_URI = 123456789012.dkr.ecr.us-east-1.amazonaws.com/"
+            "smpipe:latest: build it from smpipe's docker/Dockerfile (docs/sagemaker.md, \"The "
+            'image")'
+        )
+    if problems:  # the next step, said once
+        problems[-1] += (
+            "; to try the sagemaker backend's requests and jobs here first, with no AWS: "
+            "`smpipe run settings.ini --backend emulated`"
         )
     tracking = parsed.get("tracking")
     if tracking and tracking.wandb_mode == "online" and not tracking.wandb_secret_id:

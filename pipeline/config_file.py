@@ -114,11 +114,16 @@ def read_ini(path: Path) -> tuple[dict[str, dict[str, str]], list[str]]:
 
 
 def apply_env(
-    raw: dict[str, dict[str, str]], env: dict[str, str], sections: list[str]
+    raw: dict[str, dict[str, str]],
+    env: dict[str, str],
+    sections: list[str],
+    applied: dict[tuple[str, str], str] | None = None,
 ) -> list[str]:
     """SMPIPE__<SECTION>__<KEY> overrides of `sections` (and of the per-model ones); one that
-    names no section is refused, not ignored."""
+    names no section is refused, not ignored. `applied` gets (section, key) -> the variable
+    that set it, so a problem with it names the variable and the run says what it overrode."""
     names = {s.replace(".", "_"): s for s in sections}
+    applied = {} if applied is None else applied
     problems = []
     for var, value in sorted(env.items()):
         if not var.startswith(ENV_PREFIX):
@@ -128,10 +133,13 @@ def apply_env(
             problems.append(f"environment {var}: write it as {ENV_PREFIX}<SECTION>__<KEY>")
         elif section in names:
             raw.setdefault(names[section], {})[key] = value
+            applied[names[section], key] = var
         elif section.startswith("training_"):  # SMPIPE__TRAINING_<MODEL>__<KEY>
             raw.setdefault("training." + section.removeprefix("training_"), {})[key] = value
+            applied["training." + section.removeprefix("training_"), key] = var
         elif section.startswith(HP_ENV):  # SMPIPE__TUNING_HYPERPARAMETERS_<MODEL>__<KEY>
             raw.setdefault(HP + "." + section.removeprefix(HP_ENV), {})[key] = value
+            applied[HP + "." + section.removeprefix(HP_ENV), key] = var
         else:
             allowed = (
                 ", ".join(n.upper() for n in names)

@@ -88,6 +88,8 @@ def run_pipeline(
 
     The user functions are checked in a process of their own (pipeline/user_check.py):
     nothing their import does reaches this process, and so none of the jobs it starts."""
+    if settings.overrides:  # what the file does not say: the run's settings.ini records it
+        log.info(f"settings from {settings.source}, overridden by {', '.join(settings.overrides)}")
     reaches = check_user_functions(settings)
     tree = ExperimentTree(settings.experiment.name)
     # A resumed run is held from the moment its record is read: no prune removes what it
@@ -273,7 +275,9 @@ def set_up(
         clear_partial_outputs(store, run, jobs)
     if settings.experiment.backend != "local":  # asked once, kept with the run
         base.prices = base.prices if base.resumed_at else prices_for(jobs, settings, store)
-    log_plan(jobs, settings, store, registering=registry.STEP in steps, basis=base.prices)
+    log_plan(
+        jobs, settings, store, registering=registry.STEP in steps, basis=base.prices, brief=True
+    )
     if not is_complete(store, run.code):  # a resumed run runs the code it started with
         ship_code(settings, store, run.code)
     return ctx, planned

@@ -48,13 +48,16 @@ def log_plan(
     show_requests=False,
     registering=False,
     basis: dict | None = None,
+    brief: bool = False,
 ) -> None:
+    """The plan: every job with its inputs and outputs (`smpipe plan`), or, `brief`, a line a
+    job and the most it can cost, as a run opens (its paths are the plan's to say)."""
     e = settings.experiment
     labels = {"event": ("plan", [job_label(j) for j in jobs])}
     where = f"on the {e.backend} backend, store {store.uri}"
     log.info(f"plan for experiment {e.name!r} {where}:", extra=labels)
     for number, job in enumerate(jobs, 1):
-        for line in plan_lines(number, job, store):
+        for line in plan_lines(number, job, store)[: 1 if brief else None]:
             log.info(line)
         if show_requests:
             text = json.dumps(describe(job, settings, store), indent=2)
@@ -68,8 +71,13 @@ def log_plan(
         priced = [
             (job_label(j), cost.maximum(j.kind, describe(j, settings, store), basis)) for j in jobs
         ]
-        for line in cost.plan_lines(priced):
+        lines = cost.plan_lines(priced)
+        if brief:  # the plan's most, not each job's
+            lines = [line for line in lines[1:] if not line.startswith(" ")]
+        for line in lines:
             log.info(line)
+    if brief:
+        log.info("(`smpipe plan settings.ini` says each job's inputs, outputs and costs)")
 
 
 def prices_for(jobs: list[Job], settings: Settings, store: Store, pricing=None) -> dict:

@@ -53,6 +53,34 @@ BOOTSTRAP = (
 )
 
 
+def not_shipped(settings: Settings) -> str | None:
+    """Why USER_FUNCTIONS would not reach the jobs, if it would not: jobs import only the code
+    a run ships, found beside the settings file (or in smpipe's own folder: the demo's), never
+    what this machine's PYTHONPATH or site-packages hold, so the check looks where shipping
+    looks, and says where the driver found the module instead."""
+    import importlib.util
+
+    from pipeline.code_bundle import PROJECT_ROOT, user_code
+
+    module = settings.experiment.user_functions
+    top = module.split(".")[0]
+    if top in user_code(settings):
+        return None
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        spec = None
+    where = None
+    if spec is not None:  # a namespace package has no origin, only its folders
+        where = spec.origin or next(iter(spec.submodule_search_locations or []), None)
+    found = f"; this machine imports it from {where}, which no job receives" if where else ""
+    return (
+        f"[experiment] USER_FUNCTIONS = {module}: no {top}.py or {top}/ beside the settings "
+        f"file ({settings.base_dir}) nor in {PROJECT_ROOT}, where a run takes the code its "
+        f"jobs import{found}: put it (or a link to it) beside settings.ini"
+    )
+
+
 def check_user_functions(settings: Settings) -> dict[str, tuple[str, str | None]]:
     """Check USER_FUNCTIONS in a process of its own: raise UserFunctionError listing every
     problem, or return what each data step's functions can reach (cache.step_reaches)."""
@@ -60,6 +88,9 @@ def check_user_functions(settings: Settings) -> dict[str, tuple[str, str | None]
     from pipeline.player.job_root import new_work_root
 
     module = settings.experiment.user_functions
+    unshipped = not_shipped(settings)
+    if unshipped:
+        raise UserFunctionError([unshipped], module)
     env = check_env()
     # The request and the answer, in a folder the next driver removes if this one is killed
     # before it can (job_root.py).

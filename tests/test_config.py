@@ -308,3 +308,34 @@ def test_processes_and_loader_workers_default_to_auto(tmp_path):
         "[training] PROCESSES_PER_HOST",
         "[training] DATALOADER_NUM_WORKERS",
     }
+
+
+def test_an_unknown_key_gets_a_did_you_mean_and_names_the_variable_that_set_it(tmp_path):
+    """A typo'd key is said with the key it resembles; a value an SMPIPE__ variable set is
+    said with that variable, which the file does not show."""
+    path = write_settings(tmp_path / "settings.ini", str(tmp_path / "store"),
+                          training={"LEARNING_RAT": "0.1"})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"\[training\] LEARNING_RAT: unknown key \(did you mean LEARNING_RATE\? allowed: "):  # fmt: skip
+        load_settings(path, env={})
+    env = {"SMPIPE__TRAINING__EPOCHZ": "3", "SMPIPE__TRAINING__BATCH_SIZE": "many"}
+    with pytest.raises(ConfigError) as raised:
+        load_settings(write_settings(path, str(tmp_path / "store")), env=env)
+    said = str(raised.value)
+    assert "[training] EPOCHZ: unknown key (did you mean EPOCHS?" in said
+    assert "(set by SMPIPE__TRAINING__EPOCHZ in the environment)" in said
+    assert "[training] BATCH_SIZE: " in said
+    assert "(set by SMPIPE__TRAINING__BATCH_SIZE in the environment)" in said
+    settings = load_settings(path, env={"SMPIPE__TRAINING__EPOCHS": "2"})
+    assert settings.overrides == ("SMPIPE__TRAINING__EPOCHS",)
+
+
+def test_the_sagemaker_backends_missing_settings_give_an_example_and_the_next_step(tmp_path):
+    path = write_settings(tmp_path / "settings.ini", str(tmp_path / "store"),
+                          experiment={"BACKEND": "sagemaker"})  # fmt: skip
+    with pytest.raises(ConfigError) as raised:
+        load_settings(path, env={})
+    said = str(raised.value)
+    assert "STORE = s3://my-bucket/smpipe" in said
+    assert "ROLE_ARN = arn:aws:iam::123456789012:role/smpipe-jobs (`smpipe iam" in said
+    assert "IMAGE_URI = 123456789012.dkr.ecr.us-east-1.amazonaws.com/smpipe:latest" in said
+    assert said.count("--backend emulated") == 1

@@ -114,8 +114,11 @@ def price_document(product: str, usd: float) -> str:
     )
 
 
-def plan_said(settings, caplog, answers: dict[str, float | None] | None = None) -> list[str]:
-    """What the plan logs, the Price List answering `answers` (none: it has no price)."""
+def plan_said(
+    settings, caplog, answers: dict[str, float | None] | None = None, brief: bool = False
+) -> list[str]:
+    """What the plan logs, the Price List answering `answers` (none: it has no price); `brief`:
+    as a run opens."""
     jobs = planned(settings)
     if answers is None:
         answers = {
@@ -127,7 +130,8 @@ def plan_said(settings, caplog, answers: dict[str, float | None] | None = None) 
         }
     client, stubber = price_list(answers, settings.experiment.region)
     with caplog.at_level(logging.INFO, logger="smpipe"):
-        log_plan(jobs, settings, S3(), basis=prices_for(jobs, settings, S3(), pricing=client))
+        basis = prices_for(jobs, settings, S3(), pricing=client)
+        log_plan(jobs, settings, S3(), basis=basis, brief=brief)
     stubber.assert_no_pending_responses()
     return [r.getMessage() for r in caplog.records]
 
@@ -457,3 +461,24 @@ def test_peak_memory_reads_smaps_while_a_tree_grows_and_not_on_every_tick(monkey
         watcher.join(timeout=10)
     assert peak["rss"] >= (64 + 128) << 20  # both allocations, own pages of the one process
     assert len(ticks) >= 8 and len(reads) <= len(ticks) // 2, (len(reads), len(ticks))
+
+
+def test_a_run_opens_with_a_line_a_job_and_the_most_it_can_cost(tmp_path, caplog):
+    """The plan `smpipe plan` prints names every input and output; a run opens with a line a
+    job and the plan's most, and points at the plan for the rest."""
+    settings = sagemaker_settings(
+        tmp_path, cost={"PRICES": "ml.m5.xlarge: 0.23, ml.g5.xlarge: 1.4"}
+    )
+    full = plan_said(settings, caplog)
+    caplog.clear()
+    brief = plan_said(settings, caplog, brief=True)
+    jobs = planned(settings)
+    assert sum(line.lstrip().startswith(("input ", "output ")) for line in full) > len(jobs)
+    assert not any(line.lstrip().startswith(("input ", "output ")) for line in brief)
+    assert [line for line in brief if line.startswith("  ") and ". " in line][: len(jobs)] == [
+        line for line in full if line.startswith(tuple(f"  {n}. " for n in range(1, 10)))
+    ][: len(jobs)]
+    assert any(line.startswith("most this plan can cost: $") for line in brief)
+    assert not any(": at most $" in line for line in brief)
+    assert brief[-1] == "(`smpipe plan settings.ini` says each job's inputs, outputs and costs)"
+    assert len(brief) <= len(jobs) + 3

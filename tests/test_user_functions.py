@@ -145,3 +145,33 @@ def test_a_user_function_that_raises_fails_its_step_by_name(tmp_path):
     assert record["status"] == "failed" and record["steps"]["prepare"]["status"] == "failed"
     assert "train" not in record["steps"] and record["model_artifacts"] == {}
     assert not store.list_keys("reviews/data/0001/prepared/")  # nothing promoted
+
+
+def test_a_module_this_machine_imports_but_no_run_ships_is_refused_naming_both_places(
+    tmp_path, monkeypatch
+):
+    """USER_FUNCTIONS importable here through PYTHONPATH, but not beside the settings file: the
+    jobs would not get it. Refused before any job, saying where the driver found it and where
+    a run takes its code from."""
+    from pipeline.user_check import check_user_functions
+
+    elsewhere = tmp_path / "lib"
+    elsewhere.mkdir()
+    write_module(elsewhere, "mymodels", REVIEWS)
+    monkeypatch.syspath_prepend(str(elsewhere))
+    project = tmp_path / "project"
+    project.mkdir()
+    settings = load_settings(
+        write_settings(project / "settings.ini", str(tmp_path / "store"),
+                       experiment={"USER_FUNCTIONS": "mymodels"}),
+        env={},
+    )  # fmt: skip
+    with pytest.raises(UserFunctionError) as raised:
+        check_user_functions(settings)
+    said = str(raised.value)
+    assert f"no mymodels.py or mymodels/ beside the settings file ({project})" in said
+    assert (
+        f"this machine imports it from {elsewhere / 'mymodels.py'}, which no job receives" in said
+    )
+    write_module(project, "mymodels", REVIEWS)  # beside it: shipped, and checked as before
+    assert check_user_functions(settings)
