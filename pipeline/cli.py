@@ -403,10 +403,14 @@ def init_command(args) -> int:
     return 0
 
 
-def open_experiment(path: str, backend: str | None = None, image: str | None = None):
-    """The settings (environment overrides applied) and the store they name, checked."""
+def open_experiment(
+    path: str, backend: str | None = None, image: str | None = None, planning: bool = False
+):
+    """The settings (environment overrides applied) and the store they name, checked.
+    `planning`: a store that cannot be reached is said in a note, and the plan goes on as for
+    an experiment with nothing in it yet (`smpipe plan` needs no AWS)."""
     from pipeline.config import ConfigError, load_settings
-    from pipeline.store import open_store
+    from pipeline.store import S3Store, Unreached, open_store
 
     if image is not None and not image.strip():  # `--image "$TAG"` with TAG unset, say
         raise ConfigError(
@@ -445,6 +449,10 @@ def open_experiment(path: str, backend: str | None = None, image: str | None = N
         store = open_emulated_store(settings)
     else:
         store = open_store(settings.store_uri(), settings.experiment.region)
+    if planning and isinstance(store, S3Store):
+        unreached = store.problems(quick=True)
+        if unreached:
+            return settings, Unreached(store, "; ".join(unreached))
     unreachable = store.problems()  # checked before anything is written
     if unreachable:
         raise ConfigError(unreachable, settings.source)
@@ -478,11 +486,19 @@ def displayed(verbose: bool, quiet: bool):
 def run_command(args) -> int:
     from pipeline.console import summary_lines
     from pipeline.driver import parse_steps, run_pipeline
+    from pipeline.errors import log
+    from pipeline.store import Unreached
 
     signal.signal(signal.SIGTERM, _interrupt)
-    settings, store = open_experiment(args.settings, args.backend, args.image)
+    settings, store = open_experiment(args.settings, args.backend, args.image, args.dry_run)
     steps = parse_steps(args.steps)
     with displayed(args.verbose, args.quiet) as echo:
+        if isinstance(store, Unreached):
+            log.warning(
+                f"{store.why}: planned as for an experiment with nothing in it yet (no earlier "
+                "data, runs or cache are read; the store is not needed to plan). `smpipe plan "
+                "settings.ini --backend emulated --show-requests` shows the very requests offline"
+            )
         record = run_pipeline(
             settings,
             store,

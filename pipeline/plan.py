@@ -86,7 +86,10 @@ def prices_for(jobs: list[Job], settings: Settings, store: Store, pricing=None) 
     table. The emulated backend asks no one: its AWS is moto, which has no Price List."""
     e = settings.experiment
     asked = None
-    if e.backend == "sagemaker":
+    if e.backend == "sagemaker" and getattr(store, "unreached", False):
+        unasked = "the store could not be reached, so the AWS Price List API was not asked"
+        asked = {"prices": {}, "unanswered": [unasked], "date": None}
+    elif e.backend == "sagemaker":
         wanted = {
             (use, instance)
             for job in jobs

@@ -178,6 +178,8 @@ def check_raw_data(settings: Settings, store: Store, tree: ExperimentTree) -> li
     if raw and "://" not in raw:
         return [f"[data] RAW_DATA: {problem}" for problem in folder_problems(Path(raw))]
     if not raw:
+        if getattr(store, "unreached", False):  # a plan without the store: unknown, not empty
+            return []
         if not stored_sizes(store, tree.raw):
             return [
                 f"no raw data at {store.uri_of(tree.raw)} ([data] RAW_DATA is empty, so the "

@@ -62,3 +62,33 @@ def test_an_empty_image_is_refused_not_taken_for_none(tmp_path, capsys, command)
     err = capsys.readouterr().err
     assert "--image '': name the image every job runs in" in err
     assert not (tmp_path / "store").exists()
+
+
+def test_plan_on_the_sagemaker_backend_needs_no_aws(tmp_path, monkeypatch, capsys):
+    """No credentials (and no route to AWS): the plan says the store cannot be reached, plans
+    as for an empty experiment, and prints every job and the most it can cost."""
+    from pipeline.project import init_project
+
+    init_project(tmp_path / "news")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    for key, value in {
+        "BACKEND": "sagemaker",
+        "STORE": "s3://my-bucket/smpipe",
+        "ROLE_ARN": "arn:aws:iam::123456789012:role/smpipe-jobs",
+        "IMAGE_URI": "123456789012.dkr.ecr.us-east-1.amazonaws.com/smpipe:latest",
+    }.items():
+        monkeypatch.setenv(f"SMPIPE__EXPERIMENT__{key}", value)
+    assert cli.main(["plan", str(tmp_path / "news/settings.ini")]) == 0
+    out = capsys.readouterr()
+    said = out.out + out.err
+    assert (
+        "s3://my-bucket/smpipe cannot be reached (Unable to locate credentials): planned as" in said
+    )
+    assert "--backend emulated --show-requests" in said
+    assert "4. inference (processing job news-next-run-num-inference-" in said
+    assert "most this plan can cost: $" in said
+    assert "dry run: nothing was launched or written" in said
