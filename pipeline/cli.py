@@ -604,79 +604,11 @@ def report_command(args) -> int:
 def prune_command(args) -> int:
     """What would go (or goes, with --yes), run by run, and the bytes it frees; what is kept
     because something still reads it, and why."""
-    from pipeline.errors import PipelineError
-    from pipeline.history import human_bytes
-    from pipeline.paths import ExperimentTree
-    from pipeline.prune import prune_plan, prune_run, raw_versions_plan, remove_raw_version
-    from pipeline.registry import package_models
+    from pipeline.prune import prune_experiment
 
     settings, store = open_experiment(args.settings)
-    tree = ExperimentTree(settings.experiment.name)
-    try:  # before anything is removed: what SageMaker's registered versions point at
-        packages = package_models(settings, store)
-    except PipelineError as e:
-        group = settings.registry.model_package_group
-        raise PipelineError(
-            f"prune: the versions of model package group {group!r} cannot be read, so the "
-            f"models they point at are not known; nothing was removed ({e})"
-        ) from None
-    removals = prune_plan(store, tree, args.keep, packages)
-    verb = "removed" if args.yes else "would remove"
-    for removal in list(removals):
-        why_not = prune_run(store, removal, args.keep) if args.yes and removal.files else None
-        if why_not:
-            print(f"run {removal.run.label}: not pruned: {why_not}")
-            removals.remove(removal)
-            continue
-        what = ", ".join(f"{where} {human_bytes(n)}" for where, n in removal.groups.items())
-        did = f"{verb} {human_bytes(removal.bytes)} in {len(removal.files)} files: {what}"
-        print(
-            f"run {removal.run.label} ({removal.status}, {human_bytes(removal.run_bytes)}): "
-            + (did if removal.files else "nothing to remove")
-        )
-        for where, why in removal.why.items():
-            print(f"  kept {where} ({human_bytes(removal.kept[where])}): {'; '.join(why)}")
-    pruned = [r for r in removals if r.files]
-    raw = raw_versions_plan(store, tree, [r.run for r in pruned], current_raw(settings))
-    for version in list(raw):
-        why_not = remove_raw_version(store, tree, version) if args.yes else None
-        named = f"raw version {version.version.digest[:12]}"
-        if why_not:
-            print(f"{named}: not removed: {why_not}")
-            raw.remove(version)
-            continue
-        print(f"{named} ({version.why}): {verb} {human_bytes(version.bytes)}")
-    if not pruned and not raw:
-        print(
-            f"nothing to prune: the runs before the newest {args.keep} completed keep only "
-            "what is still read, and every raw version is read"
-        )
-        return 0
-    freed = human_bytes(sum(r.bytes for r in pruned) + sum(v.bytes for v in raw))
-    runs = f"{len(pruned)} runs" + (f" and {len(raw)} raw versions" if raw else "")
-    if args.yes:
-        print(f"freed {freed} in {runs}; their Metadata, logs and reports stay")
-    else:
-        print(f"would free {freed} in {runs}; nothing was removed (--yes removes it)")
-    kept = sum(sum(r.kept.values()) for r in removals)
-    if kept:
-        print(f"kept {human_bytes(kept)} that runs, registered versions or predictions still read")
+    print("\n".join(prune_experiment(settings, store, args.keep, remove=args.yes)))
     return 0
-
-
-def current_raw(settings) -> list[str]:
-    """The digest of the RAW_DATA folder as it is now, which the next run reads: prune keeps
-    its raw version (none for raw data in the store or a bucket, or a folder not here)."""
-    from pipeline.errors import PipelineError
-    from pipeline.raw_data import folder_digest
-
-    raw = settings.raw_data_uri()
-    if not raw or "://" in raw or not Path(raw).is_dir():
-        return []
-    try:
-        return [folder_digest(Path(raw))]
-    except (OSError, PipelineError):
-        return []
 
 
 def predict_command(args) -> int:

@@ -87,6 +87,9 @@ class Experiment(Section):
     # alias resource, not to any KMS key that might be associated with it" (KMS developer
     # guide, alias-authorization.html).
     kms_key_arn: str = ""
+    # After each completed run, prune the runs before the newest KEEP_RUNS completed ones and
+    # the raw versions nothing reads, as `smpipe prune --keep KEEP_RUNS --yes` does; 0: never.
+    keep_runs: int = Field(0, ge=0)
     user_functions: str = "user_functions"
 
     _name = field_validator("name")(check_name)

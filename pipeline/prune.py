@@ -366,3 +366,86 @@ def remove_raw_version(store: Store, tree: ExperimentTree, removal: RawRemoval) 
     except RunBusy as e:
         return str(e)
     return None
+
+
+# -- the whole experiment, as `smpipe prune` and KEEP_RUNS prune it --------------------------------
+
+
+def prune_experiment(settings, store: Store, keep: int, remove: bool) -> list[str]:
+    """Prune the runs before the newest `keep` completed ones and the raw versions nothing
+    reads (`remove`), or say what that would remove: a line a run and a version, what is kept
+    because something still reads it and why, and the bytes freed."""
+    from pipeline.errors import PipelineError
+    from pipeline.registry import package_models
+
+    tree = ExperimentTree(settings.experiment.name)
+    try:  # before anything is removed: what SageMaker's registered versions point at
+        packages = package_models(settings, store)
+    except PipelineError as e:
+        group = settings.registry.model_package_group
+        raise PipelineError(
+            f"prune: the versions of model package group {group!r} cannot be read, so the "
+            f"models they point at are not known; nothing was removed ({e})"
+        ) from None
+    lines: list[str] = []
+    verb = "removed" if remove else "would remove"
+    removals = prune_plan(store, tree, keep, packages)
+    for removal in list(removals):
+        why_not = prune_run(store, removal, keep) if remove and removal.files else None
+        if why_not:
+            lines.append(f"run {removal.run.label}: not pruned: {why_not}")
+            removals.remove(removal)
+            continue
+        what = ", ".join(f"{where} {human_bytes(n)}" for where, n in removal.groups.items())
+        did = f"{verb} {human_bytes(removal.bytes)} in {len(removal.files)} files: {what}"
+        lines.append(
+            f"run {removal.run.label} ({removal.status}, {human_bytes(removal.run_bytes)}): "
+            + (did if removal.files else "nothing to remove")
+        )
+        for where, why in removal.why.items():
+            lines.append(f"  kept {where} ({human_bytes(removal.kept[where])}): {'; '.join(why)}")
+    pruned = [r for r in removals if r.files]
+    raw = raw_versions_plan(store, tree, [r.run for r in pruned], current_raw(settings))
+    for version in list(raw):
+        why_not = remove_raw_version(store, tree, version) if remove else None
+        named = f"raw version {version.version.digest[:12]}"
+        if why_not:
+            lines.append(f"{named}: not removed: {why_not}")
+            raw.remove(version)
+            continue
+        lines.append(f"{named} ({version.why}): {verb} {human_bytes(version.bytes)}")
+    if not pruned and not raw:
+        lines.append(
+            f"nothing to prune: the runs before the newest {keep} completed keep only what is "
+            "still read, and every raw version is read"
+        )
+        return lines
+    freed = human_bytes(sum(r.bytes for r in pruned) + sum(v.bytes for v in raw))
+    runs = f"{len(pruned)} runs" + (f" and {len(raw)} raw versions" if raw else "")
+    if remove:
+        lines.append(f"freed {freed} in {runs}; their Metadata, logs and reports stay")
+    else:
+        lines.append(f"would free {freed} in {runs}; nothing was removed (--yes removes it)")
+    kept = sum(sum(r.kept.values()) for r in removals)
+    if kept:
+        lines.append(
+            f"kept {human_bytes(kept)} that runs, registered versions or predictions still read"
+        )
+    return lines
+
+
+def current_raw(settings) -> list[str]:
+    """The digest of the RAW_DATA folder as it is now, which the next run reads: prune keeps
+    its raw version (none for raw data in the store or a bucket, or a folder not here)."""
+    from pathlib import Path
+
+    from pipeline.errors import PipelineError
+    from pipeline.raw_data import folder_digest
+
+    raw = settings.raw_data_uri()
+    if not raw or "://" in raw or not Path(raw).is_dir():
+        return []
+    try:
+        return [folder_digest(Path(raw))]
+    except (OSError, PipelineError):
+        return []

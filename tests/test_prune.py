@@ -351,3 +351,30 @@ def test_a_stopped_run_records_its_checkpoints_and_a_resume_without_them_stops(t
     with pytest.raises(PipelineError, match=r"--resume 1: the checkpoints run 0001 left are gone "
                        r"\(bow, under .*\): resuming would train from step 1"):  # fmt: skip
         resumed_run(settings, store, TREE, 1, None)
+
+
+# -- the end of a run: KEEP_RUNS, and what the run and the experiment hold ----------------------------
+
+
+def test_a_completed_run_says_its_size_and_keep_runs_prunes_the_older_ones(tmp_path, caplog):
+    from pipeline.driver import kept_small
+
+    store = LocalStore(tmp_path / "store")
+    runs = [write_run(store, n, "completed") for n in (1, 2, 3)]
+    path = write_settings(tmp_path / "settings.ini", str(store.root))
+    with caplog.at_level(logging.INFO, logger="smpipe"):
+        kept_small(load_settings(path, env={}), store, runs[-1])
+    said = caplog.text
+    size = human_bytes(sum(store.list_sizes(runs[-1].prefix).values()))
+    assert f"run 0003 holds {size}; experiment 'test-exp' holds " in said
+    assert "in 3 runs (`smpipe prune" in said and "KEEP_RUNS does it after each run" in said
+    assert store.list_keys(runs[0].checkpoints_root)  # KEEP_RUNS = 0: nothing pruned
+    caplog.clear()
+    path = write_settings(tmp_path / "settings.ini", str(store.root), experiment={"KEEP_RUNS": "2"})
+    with caplog.at_level(logging.INFO, logger="smpipe"):
+        kept_small(load_settings(path, env={}), store, runs[-1])
+    assert "KEEP_RUNS = 2: run 0001 (completed" in caplog.text and "freed " in caplog.text
+    assert not store.list_keys(runs[0].checkpoints_root)
+    assert json.loads(store.get_bytes(runs[0].metadata))["pruned"]["keep"] == 2
+    for kept in runs[1:]:
+        assert store.list_keys(kept.checkpoints_root)
