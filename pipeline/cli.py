@@ -583,7 +583,7 @@ def compare_command(args) -> int:
 
 def report_command(args) -> int:
     from pipeline.paths import ExperimentTree
-    from pipeline.report import write_report
+    from pipeline.report import where_to_open, write_report
     from pipeline.runs import existing_run_nums
 
     settings, store = open_experiment(args.settings)
@@ -597,7 +597,7 @@ def report_command(args) -> int:
         what = f"no run {run_num:04d}" if run_num else "no runs"
         raise HistoryError(f"{what} of {settings.experiment.name!r} in {store.uri} ({there})")
     key = write_report(store, tree, run_num)
-    print(f"report of run {run_num:04d}: {store.uri_of(key)}")
+    print(f"report of run {run_num:04d}: {where_to_open(store, key)}")
     return 0
 
 

@@ -234,6 +234,15 @@ def log_summary(record: dict, run_uri: str) -> None:
         log.info(line)
 
 
+# What an emulated run showed, and what it could not (docs/sagemaker.md's emulator section).
+EMULATED_CHECKED = (
+    "emulated: every request was checked against botocore's SageMaker model and its limits, and "
+    "each job played as SageMaker runs it; not checked here: IAM permissions (`smpipe iam` "
+    "prints them), VPC, KMS and quotas, the GPU and its driver, real speed and the bill "
+    "(docs/sagemaker.md, BACKEND = emulated)"
+)
+
+
 def summary_lines(record: dict, run_uri: str) -> list[str]:
     """What a finished run says at the end: per model its test metrics, training time, best
     epoch and where its model is; the comparison's winner and whether the win is significant."""
@@ -263,6 +272,8 @@ def summary_lines(record: dict, run_uri: str) -> list[str]:
             lines.append("  " + verdict(pair))
     if record.get("cost"):  # dollars from SageMaker's billing; locally CPU-seconds
         lines.append(cost.said(record["cost"]))
+    if record.get("backend") == "emulated":
+        lines.append(EMULATED_CHECKED)
     took = f"{record['time_taken']:.0f}s"
     lines.append(
         f"\nrun {run_label(record['model_version'])} {record['status']} in {took}: {run_uri}"

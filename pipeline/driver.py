@@ -380,11 +380,11 @@ def ended_if_possible(ctx: RunContext, started: float, error: StoreError) -> str
 def write_run_report(store: Store, run: RunTree) -> None:
     """report.html of a run that ended. A view of what is recorded: a failure to draw it is
     said, and changes nothing of the run."""
-    from pipeline.report import write_report
+    from pipeline.report import where_to_open, write_report
 
     try:
         key = write_report(store, ExperimentTree(run.experiment), run.run_num)
     except Exception as e:  # noqa: BLE001 -- the run's outcome stands either way
         log.warning(f"report.html of run {run.label} could not be written: {type(e).__name__}: {e}")
         return
-    log.info(f"report: {store.uri_of(key)}")
+    log.info(f"report: {where_to_open(store, key)}")

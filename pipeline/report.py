@@ -220,3 +220,19 @@ def write_report(store: Store, tree: ExperimentTree, run_num: int) -> str:
     key = tree.run(run_num).report_html
     store.put_bytes(key, render(context(store, tree, run_num)).encode())
     return key
+
+
+def where_to_open(store: Store, key: str) -> str:
+    """What a browser opens of the report at `key`: its file where the store is this machine's
+    (a folder, or the emulated bucket over one); else a copy here of the one in S3, which no
+    browser opens by its s3:// URI (the emulated backend's embedded S3 is gone once the
+    driver ends), said with the original."""
+    import tempfile
+    from pathlib import Path
+
+    here = store.folder_of(key) or store.uri_of(key)
+    if "://" not in here:
+        return here
+    copy = Path(tempfile.gettempdir(), "smpipe-reports", key.replace("/", "-"))
+    store.download_file(key, copy)
+    return f"{copy} (a copy of {here})"

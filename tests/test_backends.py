@@ -65,6 +65,14 @@ RAN_OUT = "MaxRuntimeExceeded: the job was stopped after 3 s, its MaxRuntimeInSe
 WAITED = "MaxWaitTimeExceeded: the job lost its spot capacity and its MaxWaitTimeInSeconds ran out"
 NOT_RESTARTED = "exit status 75: it was interrupted, saved a checkpoint and was not restarted"
 UNREADABLE = "ClientError: input 'train' cannot be read"
+# A container killed by a signal no stop sent: who did, as far as the run can tell.
+KILLED_15 = (
+    "killed by SIGTERM, which neither the job's stop nor its limits sent: something outside the "
+    "run stopped it (`docker stop` or `kill` on its container or process)"
+)
+KILLED_9 = KILLED_15.replace("SIGTERM", "SIGKILL").replace(
+    "process)", "process, or the kernel's out-of-memory killer)"
+)
 
 
 @pytest.mark.parametrize(
@@ -73,7 +81,8 @@ UNREADABLE = "ClientError: input 'train' cannot be read"
         ([exit_(0), exit_(0)], False, False, ("Completed", None)),
         ([exit_(0)], True, False, ("Completed", None)),  # it finished before the stop reached it
         ([exit_(1, reason="train: no")], False, False, ("Failed", "train: no")),
-        ([exit_(0), exit_(-9)], False, False, ("Failed", "exit status -9")),
+        ([exit_(0), exit_(-9)], False, False, ("Failed", f"exit status -9: {KILLED_9}")),
+        ([exit_(143)], False, False, ("Failed", f"exit status 143: {KILLED_15}")),
         ([INTERRUPTED], True, False, ("Stopped", None)),  # Stop*, the driver, a pruned trial
         ([INTERRUPTED], False, True, ("Stopped", WAITED)),
         ([exit_(143, timed_out=True, end=3.2)], False, False, ("Stopped", RAN_OUT)),

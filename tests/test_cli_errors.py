@@ -92,3 +92,24 @@ def test_plan_on_the_sagemaker_backend_needs_no_aws(tmp_path, monkeypatch, capsy
     assert "4. inference (processing job news-next-run-num-inference-" in said
     assert "most this plan can cost: $" in said
     assert "dry run: nothing was launched or written" in said
+
+
+def test_the_report_is_said_where_a_browser_opens_it(two_runs, bucket, capsys):
+    """A local store's report by its file; one in S3 (or the emulated backend's embedded S3,
+    gone with the driver) as a copy here, beside its s3:// URI."""
+    from pathlib import Path
+
+    from pipeline.report import where_to_open, write_report
+    from pipeline.store import S3Store
+
+    assert cli.main(["report", str(two_runs), "2"]) == 0
+    local = capsys.readouterr().out.strip().removeprefix("report of run 0002: ")
+    assert Path(local).is_file() and "<html" in Path(local).read_text().lower()
+    store, tree = S3Store(f"s3://{bucket}/root"), ExperimentTree("test-exp")
+    for key in LocalStore(Path(two_runs).parent / "store").list_keys("test-exp/"):
+        store.put_bytes(key, LocalStore(Path(two_runs).parent / "store").get_bytes(key))
+    key = write_report(store, tree, 2)
+    said = where_to_open(store, key)
+    copy, _, original = said.partition(" (a copy of ")
+    assert original == f"{store.uri_of(key)})"
+    assert Path(copy).read_bytes() == store.get_bytes(key)

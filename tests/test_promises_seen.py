@@ -117,6 +117,11 @@ def test_the_summary_gives_each_models_scores_time_epoch_and_place_then_the_verd
     said = "\n".join(summary_lines(record, "s3://bucket/exp/runs/0003"))
     assert "minilm vs bow: no significant difference (minilm ahead by accuracy +0.0067" in said
     assert f"McNemar p={exact_mcnemar_p(12, 10):.3g})" in said
+    assert "not checked here" not in said
+    # An emulated run says what it checked and what only AWS can tell.
+    said = "\n".join(summary_lines({**record, "backend": "emulated"}, "s3://bucket/exp/runs/3"))
+    assert "emulated: every request was checked against botocore's SageMaker model" in said
+    assert "not checked here: IAM permissions (`smpipe iam` prints them)" in said
 
 
 def test_plan_with_show_requests_prints_every_job_and_the_request_it_becomes(

@@ -72,4 +72,25 @@ def status_after(
     said = f"exit status {code}"
     if any(e.interrupted for e in exits):
         said += ": it was interrupted, saved a checkpoint and was not restarted"
+    elif any(e.killed for e in exits):
+        said += f": {killed_from_outside(code)}"
     return "Failed", next((e.reason for e in exits if e.reason), None) or said
+
+
+def killed_from_outside(code: int) -> str:
+    """Who ended a container killed by a signal when no stop was asked for (no Stop*, no
+    MaxRuntimeInSeconds, no spot reclaim: status_after rules those out before): not SageMaker
+    and not smpipe, so something on the host (`docker stop`, `kill`, the engine removing the
+    container, or, for SIGKILL, the kernel's out-of-memory killer)."""
+    import signal
+
+    number = -code if code < 0 else code - 128
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        name = f"signal {number}"
+    oom = ", or the kernel's out-of-memory killer" if number == signal.SIGKILL else ""
+    return (
+        f"killed by {name}, which neither the job's stop nor its limits sent: something outside "
+        f"the run stopped it (`docker stop` or `kill` on its container or process{oom})"
+    )
