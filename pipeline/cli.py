@@ -397,7 +397,7 @@ def init_command(args) -> int:
     print(f"created project {name!r} in {args.folder}:")
     for path in files:
         print(f"  {path.as_posix()}")
-    print("run its sample (MiniLM on 100 news items, on this machine):")
+    print("run its sample (MiniLM against a from-scratch baseline on 100 news items, here):")
     print(f"  cd {shlex.quote(str(args.folder))}")
     print("  smpipe run settings.ini")
     return 0

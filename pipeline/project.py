@@ -31,7 +31,8 @@ KEY_LINE = re.compile(r"^([A-Za-z0-9_:]+)\s*=\s*(.*)$")
 
 HEADER = """\
 # The settings of this project, made by `smpipe init`: MiniLM finetuned on the sample in
-# data/news.csv (100 news items, 5 topics) on this machine; `smpipe run settings.ini` runs it.
+# data/news.csv (100 news items, 5 topics) on this machine, against a bag-of-embeddings
+# baseline learned from scratch; `smpipe run settings.ini` runs both and compares them.
 # Every key is listed with what it means and its default, except where a line "# sample: ..."
 # just above the key says what the sample sets instead, why, and what to set for your own data.
 # Keys are case-insensitive; an unknown key or section is an error.
@@ -49,7 +50,11 @@ SAMPLE = {
         "data (default empty): the sample beside this file. Point it at your own data, or "
         "leave it empty and `smpipe upload settings.ini FOLDER` once.",
     ),
-    ("models", "MODEL_NAMES"): ("minilm", ""),
+    ("models", "MODEL_NAMES"): (
+        "minilm, bow",
+        "minilm, bow: the pretrained MiniLM against a bag of embeddings learned from scratch "
+        "(user_functions), so the first run's report compares two models.",
+    ),
     ("training", "LEARNING_RATE"): (
         "3e-4",
         "3e-4 (default 5e-5, the Trainer's): the sample's 15 steps need large ones; for your "
@@ -162,9 +167,11 @@ def init_project(folder: Path) -> tuple[str, list[Path]]:
 
 
 def per_model(section: str) -> bool:
-    """[training.<model>] and [tuning.hyperparameters.<model>]: the demo's models, not the
-    sample's."""
-    return section.startswith(("training.", "tuning.hyperparameters."))
+    """[training.<model>] and [tuning.hyperparameters.<model>] of a model the sample does not
+    train: the demo's only."""
+    model = section.rsplit(".", 1)[-1]
+    sample = [m.strip() for m in SAMPLE["models", "MODEL_NAMES"][0].split(",")]
+    return section.startswith(("training.", "tuning.hyperparameters.")) and model not in sample
 
 
 def default_text(section: str, key: str) -> str:

@@ -53,7 +53,13 @@ def run_sample(project: Path, *options: str) -> dict:
     # The project's own functions ran (not the demo's of the same module name), on its sample.
     shipped = run / "code" / "user_functions" / "__init__.py"
     assert shipped.read_text() == (TEMPLATE / "user_functions" / "__init__.py").read_text()
-    assert record["holdout_performance"]["minilm"]["rows"] == 10
+    # Two models, so the first report compares: the pretrained one and the baseline.
+    assert {m: p["rows"] for m, p in record["holdout_performance"].items()} == {
+        "minilm": 10,
+        "bow": 10,
+    }
+    comparison = record["steps"]["inference"]["details"]["comparison"]
+    assert [sorted(pair["models"]) for pair in comparison["pairs"]] == [["bow", "minilm"]]
     snapshot = next(project.glob("artifacts/my-project/data/*/reconciled/snapshot.json"))
     reconciled = json.loads(snapshot.read_text())
     # The BBC dataset repeats an article: reconcile drops the second, by id, and says so.
@@ -145,7 +151,9 @@ def template_keys() -> dict[tuple[str, str], list[str]]:
 
 def test_the_template_settings_hold_every_key_at_its_default_or_say_why():
     settings = load_settings(TEMPLATE_SETTINGS, env={})
-    assert settings.models.model_names == ["minilm"] and settings.experiment.backend == "local"
+    assert (
+        settings.models.model_names == ["minilm", "bow"] and settings.experiment.backend == "local"
+    )
     keys = template_keys()
     missing = [f"[{s}] {k}" for s, model in SECTIONS.items() for k in model.model_fields
                if (s, k) not in keys]  # fmt: skip

