@@ -505,8 +505,9 @@ def bucket_key(settings: Settings) -> tuple[str | None, list[str]]:
     if e.kms_key_arn or not settings.store_uri().startswith("s3://"):
         return None, []
     import boto3
-    from botocore.config import Config
     from botocore.exceptions import BotoCoreError, ClientError
+
+    from pipeline.store import aws_config
 
     bucket = _split(settings.store_uri())[0]
     set_it = (
@@ -519,9 +520,7 @@ def bucket_key(settings: Settings) -> tuple[str | None, list[str]]:
             f"# The default encryption of bucket {bucket} was not read (no AWS",
             f"# credentials here): {set_it}.",
         ]
-    client = session.client(
-        "s3", config=Config(connect_timeout=5, read_timeout=10, retries={"max_attempts": 2})
-    )
+    client = session.client("s3", config=aws_config(attempts=2, connect_timeout=5, read_timeout=10))
     try:
         rules = client.get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"][
             "Rules"

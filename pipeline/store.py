@@ -239,14 +239,16 @@ class LocalStore:
                 break
 
 
-def aws_config(**extra):
+def aws_config(attempts: int = 10, **extra):
     """Every AWS client of the driver (S3, SageMaker, CloudWatch Logs) retries the same way:
     botocore's standard mode (exponential backoff with jitter on 5xx, throttling such as 503
     SlowDown, and dropped connections), 10 attempts. Permanent errors (403, 404) are not
-    retried: they fail at once, naming what was asked for."""
+    retried: they fail at once, naming what was asked for. `attempts`: fewer only for a
+    question whose answer is optional (a plan's look at the store, `smpipe iam`'s at the
+    bucket's encryption), where a lost connection must not cost minutes."""
     from botocore.config import Config
 
-    return Config(retries={"max_attempts": 10, "mode": "standard"}, **extra)
+    return Config(retries={"max_attempts": attempts, "mode": "standard"}, **extra)
 
 
 class S3Store:
@@ -307,10 +309,12 @@ class S3Store:
         client = self.client
         if quick:
             import boto3
-            from botocore.config import Config
 
-            config = Config(connect_timeout=5, read_timeout=10, retries={"max_attempts": 1})
-            client = boto3.client("s3", region_name=client.meta.region_name, config=config)
+            client = boto3.session.Session().client(  # credentials found anew, not cached
+                "s3",
+                region_name=client.meta.region_name,
+                config=aws_config(attempts=1, connect_timeout=5, read_timeout=10),
+            )
         try:
             client.head_bucket(Bucket=self.bucket)
         except ClientError as e:

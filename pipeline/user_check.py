@@ -91,6 +91,10 @@ def check_user_functions(settings: Settings) -> dict[str, tuple[str, str | None]
     unshipped = not_shipped(settings)
     if unshipped:
         raise UserFunctionError([unshipped], module)
+    kept = passed_before(settings)
+    if kept.exists() and not os.environ.get(CHECK_AGAIN):  # this very check passed before
+        answer = json.loads(kept.read_text())
+        return {step: (reach, why) for step, (reach, why) in answer.items()}
     env = check_env()
     # The request and the answer, in a folder the next driver removes if this one is killed
     # before it can (job_root.py).
@@ -122,21 +126,63 @@ def check_user_functions(settings: Settings) -> dict[str, tuple[str, str | None]
     answer = json.loads(said)
     if answer.get("problems"):
         raise UserFunctionError(answer["problems"], module)
+    try:  # a pass is kept: the next run or plan of the same code skips the 4 s of load_model
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(json.dumps(answer["reaches"]))
+    except OSError:  # a cache that cannot be written costs the next check its time, no more
+        pass
     return {step: (reach, why) for step, (reach, why) in answer["reaches"].items()}
 
 
-def model_settings(settings: Settings) -> dict[str, dict]:
-    """The settings of each model they ask something of (steps/hyperparameters.py
-    MODEL_SETTINGS), for the model check (steps/finetuning.py `check_models`)."""
-    from steps.hyperparameters import MODEL_SETTINGS, asks_of_the_model
+# Set (to anything) to check the user functions again although a pass of this very check is
+# kept: after a change outside them (the checkpoint folder load_model reads, say).
+CHECK_AGAIN = "SMPIPE_CHECK_AGAIN"
 
-    values = {
+
+def installed(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"{package} {version(package)}"
+    except PackageNotFoundError:
+        return f"{package} none"
+
+
+def passed_before(settings: Settings) -> Path:
+    """Where a pass of this check is kept: named by the user's shipped files (path and
+    content), the models and their settings, and the check's own code (this module and the
+    steps modules it runs), in the user's cache folder ($XDG_CACHE_HOME or ~/.cache, as pip
+    keeps its own). What lies outside the user's files (a checkpoint folder from_pretrained
+    reads, an installed library) is not in the name: a change there is found by the job."""
+    from pipeline.cache import all_files_digest, digest, step_code_digest
+    from pipeline.code_bundle import user_code
+
+    key = digest(
+        all_files_digest(user_code(settings)),
+        settings.experiment.user_functions,
+        json.dumps(model_settings(settings), sort_keys=True),
+        Path(__file__).read_text(),
+        step_code_digest("user_code"),
+        step_code_digest("finetuning"),
+        sys.version,
+        *(installed(name) for name in ("torch", "transformers", "peft", "accelerate")),
+    )
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(home, "smpipe", "user-check", f"{key}.json")
+
+
+def model_settings(settings: Settings) -> dict[str, dict]:
+    """Each model's settings that ask something of the model (steps/hyperparameters.py
+    MODEL_SETTINGS), for the model check (steps/finetuning.py `check_models`): every model of
+    MODEL_NAMES is built once on the meta device, whatever they ask."""
+    from steps.hyperparameters import MODEL_SETTINGS
+
+    return {
         name: settings.model_training.get(name, settings.training).model_dump(
             include=set(MODEL_SETTINGS)
         )
         for name in settings.models.model_names
     }
-    return {name: hp for name, hp in values.items() if asks_of_the_model(hp)}
 
 
 def check_env() -> dict[str, str]:

@@ -323,29 +323,35 @@ CHECK_LABELS = {0: "LABEL_0", 1: "LABEL_1"}
 
 
 def check_models(functions, settings: dict[str, dict]) -> list[str]:
-    """Before any job: each model whose settings ask something of it (hyperparameters.py
-    `asks_of_the_model`), built by the user's load_model on the meta device (Accelerate's
-    init_empty_weights: no memory is allocated for the weights, so a 7B model built from its
-    config is checked in a second; `from_pretrained` still reads its checkpoint's files), and
-    its LoRA targets, head and gradient checkpointing found as the training job finds them
-    (the head by its place: the labels are not known yet). Every problem, each naming the
-    model, the key and load_model."""
+    """Before any job: every model of MODEL_NAMES built by the user's load_model on the meta
+    device (Accelerate's init_empty_weights: no memory is allocated for the weights, so a 7B
+    model built from its config is checked in a second; `from_pretrained` still reads its
+    checkpoint's files), so that a name load_model does not know fails here and not in its
+    training job; and where its settings ask something of it (hyperparameters.py
+    `asks_of_the_model`), its LoRA targets, head, gradient checkpointing and FSDP layers found
+    as the training job finds them (the head by its place: the labels are not known yet).
+    Every problem, each naming the model, the key and load_model."""
     from accelerate import init_empty_weights
 
     problems = []
     label2id = {v: k for k, v in CHECK_LABELS.items()}
     for name, hp in settings.items():
-        if not asks_of_the_model(hp):
-            continue
+        doing = f"calling {functions.module}.load_model({name!r}, ...) on the meta device"
         try:
             with init_empty_weights():
                 model = call(functions, "load_model", name, CHECK_LABELS, label2id)
             if not isinstance(model, torch.nn.Module):
                 problems.append(
                     f"{functions.module}.load_model({name!r}, ...) must return a torch.nn.Module, "
-                    f"got {type(model).__name__}"
+                    f"got {type(model).__name__} (MODEL_NAMES names {name!r})"
                 )
                 continue
+            if not asks_of_the_model(hp):
+                continue
+            doing = (
+                f"checking FINETUNING, GRADIENT_CHECKPOINTING and DISTRIBUTED_STRATEGY against "
+                f"{functions.module}.load_model (built on the meta device)"
+            )
             model, _ = prepare(model, {**hp, "model_name": name}, None, functions.module)
             if hp["distributed_strategy"] == "fsdp":
                 check_blocks(model, name, functions.module)
@@ -353,12 +359,7 @@ def check_models(functions, settings: dict[str, dict]) -> list[str]:
         except FinetuningError as e:
             problems.append(str(e))
         except Exception as e:  # noqa: BLE001 - the user's code, or PEFT on what it returned
-            problems.append(
-                f"model {name!r}: checking FINETUNING, GRADIENT_CHECKPOINTING and "
-                f"DISTRIBUTED_STRATEGY against {functions.module}.load_model (built on the meta "
-                f"device) raised "
-                f"{type(e).__name__}: {e}"
-            )
+            problems.append(f"model {name!r}: {doing} raised {type(e).__name__}: {e}")
     return problems
 
 

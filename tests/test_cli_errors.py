@@ -89,7 +89,7 @@ def test_plan_on_the_sagemaker_backend_needs_no_aws(tmp_path, monkeypatch, capsy
         "s3://my-bucket/smpipe cannot be reached (Unable to locate credentials): planned as" in said
     )
     assert "--backend emulated --show-requests" in said
-    assert "4. inference (processing job news-next-run-num-inference-" in said
+    assert "5. inference (processing job news-next-run-num-inference-" in said
     assert "most this plan can cost: $" in said
     assert "dry run: nothing was launched or written" in said
 

@@ -222,8 +222,8 @@ def study_of_two(tmp_path, functions: str = "reviews_tuning"):
 # The reviews model, except that its export job fails while a marker file exists (MARKER: its
 # path, written into the module, not set in the environment, which would give the jobs a fork
 # server of their own): a study that completed, then failed exporting its best model (a full
-# disk, say). Training jobs see their hyperparameters as SM_HP_* variables; the export, a
-# processing job, does not.
+# disk, say). The export, a processing job, sees its inputs as SM_PROCESSING_INPUT_* variables;
+# the trials and the driver's check of every model see none.
 EXPORT_FAILS = (
     REVIEWS
     + """
@@ -233,7 +233,10 @@ _load_model = load_model
 
 
 def load_model(model_name, id2label, label2id):
-    if "SM_HP_MODEL_NAME" not in _os.environ and _os.path.exists(MARKER):
+    # The export job only: a processing job (its inputs' variables), not a trial and not the
+    # driver's check of every model.
+    export = any(k.startswith("SM_PROCESSING_INPUT_") for k in _os.environ)
+    if export and _os.path.exists(MARKER):
         raise OSError("no space left on the export's disk, on purpose")
     return _load_model(model_name, id2label, label2id)
 """

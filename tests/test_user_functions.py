@@ -175,3 +175,25 @@ def test_a_module_this_machine_imports_but_no_run_ships_is_refused_naming_both_p
     )
     write_module(project, "mymodels", REVIEWS)  # beside it: shipped, and checked as before
     assert check_user_functions(settings)
+
+
+def test_a_model_name_load_model_does_not_know_is_refused_before_any_job(tmp_path):
+    """MODEL_NAMES names a model load_model has no branch for: said before any job, naming the
+    model, not in that model's training job after the others trained (on SageMaker, after a
+    paid GPU job). Every model is built once, on the meta device, by the driver's check."""
+    write_module(tmp_path, "one_model_functions", REVIEWS.replace(
+        "    return Tiny(len(id2label))",
+        "    if model_name == 'tiny':\n        return Tiny(len(id2label))"))  # fmt: skip
+    write_reviews(tmp_path / "raw")
+    path = write_settings(
+        tmp_path / "settings.ini", str(tmp_path / "store"),
+        experiment={"USER_FUNCTIONS": "one_model_functions", "NAME": "reviews"},
+        data={"RAW_DATA": str(tmp_path / "raw")}, models={"MODEL_NAMES": "tiny, other"},
+    )  # fmt: skip
+    settings = load_settings(path, env={})
+    with pytest.raises(UserFunctionError) as info:
+        run_pipeline(settings, LocalStore(settings.store_uri()), parse_steps(None), echo=sys.stdout)
+    said = str(info.value)
+    assert "one_model_functions.load_model('other', ...) must return a torch.nn.Module" in said
+    assert "got NoneType (MODEL_NAMES names 'other')" in said and "'tiny'" not in said
+    assert not (tmp_path / "store").exists()

@@ -299,16 +299,17 @@ CHECKED = (
 
 
 def test_the_user_functions_check_is_forked_from_a_kept_server_of_its_environment(
-    shipped, tmp_path, no_idle_servers
+    shipped, tmp_path, no_idle_servers, monkeypatch
 ):
     """With no kept server, the driver checks the user functions in a new interpreter. Once a
     closed backend has left one whose jobs have the check's environment, the check is forked
     from it, with torch already imported; what the import did stays in the check's process
     (the server's next job sees none of it)."""
     from pipeline.config import load_settings
-    from pipeline.user_check import check_user_functions
+    from pipeline.user_check import CHECK_AGAIN, check_user_functions
 
     store, _ = shipped
+    monkeypatch.setenv(CHECK_AGAIN, "1")  # checked twice: a kept pass would answer the second
     (tmp_path / "project").mkdir()
     (tmp_path / "project/checked_functions.py").write_text(CHECKED)
     settings = load_settings(
@@ -515,7 +516,9 @@ def test_sigterm_to_a_warm_job_reaches_its_step(shipped, tmp_path):
 
     class StopWhenWaiting(io.StringIO):
         def write(self, text):
-            if "probe waiting" in text:
+            # The trapped job's own line: a stop of a job stops it from the moment it starts,
+            # and the first job's line would stop this one before its trap is set.
+            if "[trapped] probe waiting" in text:
                 backend.containers.stop("trapped")
             return super().write(text)
 

@@ -129,17 +129,24 @@ def test_a_job_whose_user_module_left_a_thread_ends_with_its_work_cold_and_warm(
 
 def blocking_demo(gate: Path) -> str:
     """The demo's functions with a logger thread started at import, and a load_tokenizer that
-    says where its step runs (in `gate`) and waits there."""
+    says where its step runs (in `gate`) and waits there: in a processing job only (its
+    inputs' variables), not where the driver's check builds a model that asks for it."""
     return (
         DEMO
         + LOGGER_THREAD
         + textwrap.dedent(f"""
 
+        _demo_load_tokenizer = load_tokenizer
+
+
         def load_tokenizer(model_name):
             import json
+            import os
 
             import psutil
 
+            if not any(k.startswith("SM_PROCESSING_INPUT_") for k in os.environ):
+                return _demo_load_tokenizer(model_name)
             starter = psutil.Process().parent().parent().cmdline()
             Path({str(gate)!r}).write_text(json.dumps(starter))
             _time.sleep(600)

@@ -31,7 +31,9 @@ def encode(batch, tokenizer, model_name, max_length):
     return {}
 
 def load_model(model_name, id2label, label2id):
-    return None
+    import torch  # a module, as the driver's check of every model asks; nothing trains it
+
+    return torch.nn.Linear(1, len(id2label))
 
 def ordered_input_keys(model_name):
     return ["input_ids"]
@@ -184,7 +186,9 @@ def encode(batch, tokenizer, model_name, max_length):
 
 
 def load_model(model_name, id2label, label2id):
-    raise RuntimeError("this test trains nothing")
+    import torch  # a module, as the driver's check of every model asks; this test trains nothing
+
+    return torch.nn.Linear(1, len(id2label))
 
 
 def ordered_input_keys(model_name):
