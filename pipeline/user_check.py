@@ -137,6 +137,8 @@ def check_user_functions(settings: Settings) -> dict[str, tuple[str, str | None]
 # Set (to anything) to check the user functions again although a pass of this very check is
 # kept: after a change outside them (the checkpoint folder load_model reads, say).
 CHECK_AGAIN = "SMPIPE_CHECK_AGAIN"
+# Where the passes are kept, in place of the user's cache folder (the tests' own, say).
+CHECK_CACHE = "SMPIPE_CHECK_CACHE"
 
 
 def installed(package: str) -> str:
@@ -168,7 +170,8 @@ def passed_before(settings: Settings) -> Path:
         *(installed(name) for name in ("torch", "transformers", "peft", "accelerate")),
     )
     home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(home, "smpipe", "user-check", f"{key}.json")
+    folder = os.environ.get(CHECK_CACHE) or os.path.join(home, "smpipe", "user-check")
+    return Path(folder, f"{key}.json")
 
 
 def model_settings(settings: Settings) -> dict[str, dict]:

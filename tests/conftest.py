@@ -34,6 +34,18 @@ if WORKERS > 1:
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(name, str(max(1, (os.cpu_count() or 1) // WORKERS)))
 
+# The driver's kept passes of the user functions' check (pipeline/user_check.py) go in a folder
+# of this session's, not the user's cache: what a test checks does not outlive the suite.
+CHECKS = os.environ.setdefault("SMPIPE_CHECK_CACHE", tempfile.mkdtemp(prefix="smpipe-test-checks-"))
+
+
+def pytest_unconfigure(config):
+    if Path(CHECKS).name.startswith("smpipe-test-checks-"):  # this session's own, not one given
+        import shutil
+
+        shutil.rmtree(CHECKS, ignore_errors=True)
+
+
 # The modules whose tests take longest (a minute or more of one worker: docs/performance.md,
 # "Where the suite's time goes"), longest first, run first: pytest-xdist's loadscope hands the
 # workers whole modules in collection order, so the two end within a short module of each
