@@ -294,7 +294,7 @@ class RawRemoval:
 
 def raw_versions_plan(
     store: Store, tree: ExperimentTree, pruning: Sequence[RunTree] = (), current: Sequence[str] = ()
-) -> list[RawRemoval]:
+) -> tuple[list[RawRemoval], dict[str, str]]:
     """The raw versions (a local RAW_DATA folder's content, pipeline/raw_data.py) that nothing
     reads any more: no run that is not pruned names it (a pruned run is never resumed; its
     data/ snapshot keeps what it read), and it is neither `current` (the digest of the RAW_DATA
@@ -302,11 +302,15 @@ def raw_versions_plan(
     did not finish goes too, unless its driver is alive. Registered versions and predict
     records name no raw data. While a run is claimed without its Metadata, any version may be
     the one it reads: none is removed. `pruning`: runs this prune removes from, counted as
-    pruned (what a dry run says is what --yes does)."""
+    pruned (what a dry run says is what --yes does). Returns the removals, and each version
+    kept with why."""
     digests = store.list_children(tree.raw_versions_root)
     used = raw_versions_read(store, tree, {run.run_num for run in pruning})
-    if not digests or used is None:
-        return []
+    if not digests:
+        return [], {}
+    if used is None:
+        why = "a run is claimed and has no Metadata yet: it may read any version"
+        return [], dict.fromkeys(digests, why)
     complete = {}
     for digest in digests:
         try:
@@ -315,10 +319,19 @@ def raw_versions_plan(
         except (NotFound, ValueError):
             pass
     newest = {d for d, created in complete.items() if created == max(complete.values())}
-    removals = []
+    removals, kept = [], {}
     for digest in digests:
         version = tree.raw_version(digest)
-        if digest in used | newest | set(current) or not holder_gone(store, version.lease):
+        if digest in used:
+            runs = used[digest]
+            kept[digest] = f"run{'s' if len(runs) > 1 else ''} {', '.join(runs)} read it"
+        elif digest in current:
+            kept[digest] = "RAW_DATA holds it now: the next run reads it"
+        elif digest in newest:
+            kept[digest] = "the newest version"
+        elif not holder_gone(store, version.lease):
+            kept[digest] = "a driver holds it (uploading it, or claiming the run that reads it)"
+        if digest in kept:
             continue
         why = (
             "no run that is not pruned reads it"
@@ -326,15 +339,16 @@ def raw_versions_plan(
             else "an upload that did not finish"
         )
         removals.append(RawRemoval(version, sum(store.list_sizes(version.prefix).values()), why))
-    return removals
+    return removals, kept
 
 
 def raw_versions_read(
     store: Store, tree: ExperimentTree, pruning: set[int] = frozenset()
-) -> set[str] | None:
-    """The digests of the raw versions the runs that are not pruned read; None while a run is
-    claimed without its Metadata (or has one that cannot be read): it may read any."""
-    used = set()
+) -> dict[str, list[str]] | None:
+    """The digest of each raw version the runs that are not pruned read -> those runs' labels;
+    None while a run is claimed without its Metadata (or has one that cannot be read): it may
+    read any."""
+    used: dict[str, list[str]] = {}
     for run_num in existing_run_nums(store, tree):
         if run_num in pruning:
             continue
@@ -345,7 +359,9 @@ def raw_versions_read(
         if record.get("pruned"):
             continue
         named = [record.get("raw_path"), (record.get("sources") or {}).get("raw")]
-        used |= {raw_version_digest(artifact_key(store, n) or "") for n in named if n}
+        for digest in {raw_version_digest(artifact_key(store, n) or "") for n in named if n}:
+            if digest:
+                used.setdefault(digest, []).append(tree.run(run_num).label)
     return used
 
 
@@ -405,7 +421,10 @@ def prune_experiment(settings, store: Store, keep: int, remove: bool) -> list[st
         for where, why in removal.why.items():
             lines.append(f"  kept {where} ({human_bytes(removal.kept[where])}): {'; '.join(why)}")
     pruned = [r for r in removals if r.files]
-    raw = raw_versions_plan(store, tree, [r.run for r in pruned], current_raw(settings))
+    raw, kept_raw = raw_versions_plan(store, tree, [r.run for r in pruned], current_raw(settings))
+    for digest, why in kept_raw.items():
+        size = human_bytes(sum(store.list_sizes(tree.raw_version(digest).prefix).values()))
+        lines.append(f"kept raw version {digest[:12]} ({size}): {why}")
     for version in list(raw):
         why_not = remove_raw_version(store, tree, version) if remove else None
         named = f"raw version {version.version.digest[:12]}"

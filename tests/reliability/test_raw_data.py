@@ -397,7 +397,10 @@ def test_prune_removes_the_raw_versions_nothing_reads(tmp_path, capsys):
         f"raw version {old.digest[:12]} (no run that is not pruned reads it): would remove" in out
     )
     assert f"raw version {'0' * 12} (an upload that did not finish): would remove" in out
-    assert read.digest[:12] not in out and newest.digest[:12] not in out and "1" * 12 not in out
+    # What stays is said too, with why (a dry run lists what it keeps, not only what goes).
+    assert f"kept raw version {read.digest[:12]} (" in out and "): runs 0002, 0003 read it" in out
+    assert f"kept raw version {newest.digest[:12]} (" in out and "): the newest version" in out
+    assert f"kept raw version {'1' * 12} (" in out and "): a driver holds it (uploading" in out
     assert store.list_keys(old.prefix)
     assert cli.main(["prune", str(path), "--keep", "2", "--yes"]) == 0
     out = capsys.readouterr().out
