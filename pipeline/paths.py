@@ -30,8 +30,9 @@
             heartbeat.json                    the driver, alive: rewritten every 30 s while it runs
             logs/<job_name>.log
             models/<model>/                   model/ (safetensors, the programs EXPORTS names,
-                                              curves), output/; best-trial/ while a tuned
-                                              model waits for its export
+                                              curves, README.md: the model card), output/;
+                                              best-trial/ while a tuned model waits for its
+                                              export
             failed-jobs/<job_name>/           a failed local job's folder, kept for inspection
                                               (a local store); removed when the run completes
                                               or by prune

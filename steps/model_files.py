@@ -9,6 +9,8 @@ them, and `smpipe.json` records which exports passed their check against the eag
     adapter/                                    FINETUNING = lora: the adapters and the head in
                                                 PEFT's format (the weights above are merged)
     history.json, curves.png                    each epoch's metrics, and their curves
+    README.md                                   the model card, in the Hugging Face Hub's
+                                                format (`write_card`)
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ RECORD = "smpipe.json"
 # The LoRA adapter as PEFT saves it (adapter_config.json, adapter_model.safetensors).
 ADAPTER = "adapter"
 HISTORY = "history.json"  # each epoch's metrics (train.py, export.py; the report reads them)
+CARD = (
+    "README.md"  # the model card: what the Hub shows for a model, and `from_pretrained` users read
+)
 CURVES = "curves.png"  # their curves, drawn once per kept model
 # MODEL_FORMAT -> the file of that export.
 EXPORTS = {"torchscript": "model.torchscript.pt", "exported": "model.pt2"}
@@ -65,3 +70,91 @@ def usable_export(model_dir: Path, model_format: str, name: str) -> Path:
 def _differences(check: dict) -> str:
     shown = {k: v for k, v in check.items() if k not in ("passed", "file")}
     return ", ".join(f"{k} {v}" for k, v in shown.items()) or "no detail recorded"
+
+
+def write_card(model_dir: Path, record: dict, history: list[dict], settings: dict) -> None:
+    """The model card beside the weights, in the Hugging Face Hub's model-card format: a YAML
+    header (the Hub's metadata: library, base model, task, tags, and `model-index` with the
+    validation metric), then the labels, how it was trained and each epoch's metrics
+    (huggingface_hub's ModelCard: the header between `---` lines, then markdown). The test
+    metrics are the run's (inference/), made after this folder is sealed. Each header value is
+    written as JSON, which is YAML too (YAML 1.2's flow style): no YAML library is needed."""
+    config = model_dir / "config.json"
+    base = json.loads(config.read_text()).get("_name_or_path") if config.exists() else None
+    local = not base or base.startswith(("/", ".")) or Path(base).exists()
+    name = record["model_name"]
+    header = {
+        **({"library_name": "transformers"} if config.exists() else {}),
+        **({"base_model": base} if base and not local else {}),
+        "pipeline_tag": "text-classification",
+        "tags": [
+            "smpipe",
+            "text-classification",
+            *(["lora"] if record.get("finetuning") == "lora" else []),
+        ],
+        "model-index": [
+            {
+                "name": name,
+                "results": [
+                    {
+                        "task": {"type": "text-classification", "name": "Text Classification"},
+                        "dataset": {"type": "custom", "name": "the run's validation split"},
+                        "metrics": [
+                            {
+                                "type": "f1",
+                                "value": round(float(record["best_validation_f1"]), 4),
+                                "name": f"macro F1, validation, epoch {record['best_epoch']}",
+                            }
+                        ],
+                    }
+                ],
+            }
+        ],
+    }
+    labels = "\n".join(
+        f"| {i} | {label} |"
+        for i, label in sorted(record["id2label"].items(), key=lambda kv: int(kv[0]))
+    )
+    trained = "\n".join(f"| {k} | {v} |" for k, v in sorted(settings.items()) if v is not None)
+    metrics = sorted({k for h in history for k in h if k != "epoch"})
+    epochs = "\n".join(
+        f"| {h['epoch']}{' (best)' if h['epoch'] == record['best_epoch'] else ''} | "
+        + " | ".join(
+            f"{h[m]:.4f}" if isinstance(h.get(m), float) else str(h.get(m, "")) for m in metrics
+        )
+        + " |"
+        for h in history
+    )
+    # A local folder by its name only: where it lay on the training host says nothing here.
+    from_base = f" from `{Path(base).name if local else base}`" if base else ""
+    card = f"""---
+{chr(10).join(f"{key}: {json.dumps(value)}" for key, value in header.items())}
+---
+
+# {name}
+
+A text classifier finetuned{from_base} by smpipe: its best epoch by validation macro F1 (epoch
+{record["best_epoch"]}, {float(record["best_validation_f1"]):.4f}) is these weights. The exports
+beside them (TorchScript, torch.export) take `{", ".join(record["ordered_input_keys"])}` in that
+order; `smpipe.json` records which passed their check against these weights. The test-set
+metrics are the run's own (its `inference/` folder and report.html).
+
+## Labels
+
+| id | label |
+| --- | --- |
+{labels}
+
+## Training
+
+| setting | value |
+| --- | --- |
+{trained}
+
+## Validation, by epoch
+
+| epoch | {" | ".join(metrics)} |
+| --- |{" --- |" * len(metrics)}
+{epochs}
+"""
+    (model_dir / CARD).write_text(card)

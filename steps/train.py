@@ -48,7 +48,7 @@ from steps.finetuning import (
 )
 from steps.hyperparameters import parse_hyperparameters, reserved_hyperparameters
 from steps.metrics import metric_line, plot_curves
-from steps.model_files import CURVES, HISTORY, read_record, write_record
+from steps.model_files import CURVES, HISTORY, read_record, write_card, write_record
 from steps.prepared_files import read_encoding
 from steps.runtime import names
 from steps.runtime.environment import TrainingEnv, training_env
@@ -604,6 +604,7 @@ def keep_model(job: Job, final: torch.nn.Module) -> None:
     accelerator.print("best " + metric_line(best))
     check_exports(exports)
     (env.model_dir / HISTORY).write_text(json.dumps(state.history, indent=2))
+    write_card(env.model_dir, read_record(env.model_dir), state.history, {**hp, **job.settings})
     if kept:
         with timed("plots"):
             title = f"{hp['model_name']} ({env.job_name})"

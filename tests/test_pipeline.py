@@ -128,6 +128,23 @@ def test_two_models_end_to_end(staged, bucket, tmp_path, monkeypatch):
     download_dir(store, run1.model("bow") + "model/", tmp_path / "bow")
     load_model(model, str(tmp_path / "bow/model.safetensors"))
 
+    # A model card beside each model, as the Hub reads one (huggingface_hub's ModelCard): its
+    # metadata, then the labels, the training settings and each epoch's metrics.
+    from huggingface_hub import ModelCard
+
+    for name, folder in (("bow", tmp_path / "bow"), ("minilm", tmp_path / "minilm")):
+        card = ModelCard.load(folder / "README.md")
+        best = json.loads((folder / "smpipe.json").read_text())
+        assert card.data.pipeline_tag == "text-classification" and "smpipe" in card.data.tags
+        [result] = card.data.eval_results
+        assert result.metric_type == "f1" and result.metric_value == round(
+            best["best_validation_f1"], 4
+        )
+        assert all(f"| {label} |" in card.text for label in id2label.values())
+        assert "| learning_rate |" in card.text and "| mixed_precision |" in card.text
+        assert f"| {best['best_epoch']} (best) |" in card.text, name
+    assert ModelCard.load(tmp_path / "minilm/README.md").data.library_name == "transformers"
+
     # Metadata: every step's section, its own object too; nothing fabricated.
     for step in ("reconcile", "prepare", "train", "inference"):
         section = record["steps"][step]
