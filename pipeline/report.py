@@ -197,7 +197,7 @@ def _tuning(store: Store, run, model: str, tuned: bool) -> dict | None:
     return {
         "record": record,
         "trials": record.get("trials") or [],
-        "chart": _image(store, run.tuning(model) + "trials.png"),
+        "chart": _image(store, run.trials(model, "png")),
     }
 
 

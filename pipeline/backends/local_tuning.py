@@ -535,6 +535,7 @@ def draw(
     fig.suptitle(f"tuning {model_name}")
     fig.tight_layout()
     with tempfile.TemporaryDirectory() as tmp:
-        fig.savefig(Path(tmp, "trials.png"), dpi=100)
-        store.upload_file(Path(tmp, "trials.png"), run.trials(model_name, "png"))
+        chart = Path(tmp, Path(run.trials(model_name, "png")).name)
+        fig.savefig(chart, dpi=100)
+        store.upload_file(chart, run.trials(model_name, "png"))
     plt.close(fig)
