@@ -1,4 +1,4 @@
-"""What the fourth cuts of issue 32 save, each against its baseline in the same run.
+"""What warm start saves the suite and the jobs, each against its baseline in the same run.
 
     python bench/warm_start.py [--repeat 3]
 

@@ -525,18 +525,21 @@ def bucket_key(settings: Settings) -> tuple[str | None, list[str]]:
         rules = client.get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"][
             "Rules"
         ]
-    except ClientError as error:
-        if error.response["Error"]["Code"] == "ServerSideEncryptionConfigurationNotFoundError":
+    except (ClientError, BotoCoreError) as error:
+        code = getattr(error, "response", {}).get("Error", {}).get("Code")
+        if code == "ServerSideEncryptionConfigurationNotFoundError":
             return None, []
         return None, [
             f"# The default encryption of bucket {bucket} was not read",
             f"# ({error}): {set_it}.",
         ]
-    except BotoCoreError as error:
-        return None, [
-            f"# The default encryption of bucket {bucket} was not read",
-            f"# ({error}): {set_it}.",
-        ]
+    return customer_key(rules, settings, bucket)
+
+
+def customer_key(rules: list[dict], settings: Settings, bucket: str) -> tuple[str | None, list]:
+    """The customer-managed key a bucket's default encryption rules name, as an ARN a policy
+    grants on, and what to say of it."""
+    e = settings.experiment
     for rule in rules:
         default = rule.get("ApplyServerSideEncryptionByDefault") or {}
         key = default.get("KMSMasterKeyID", "")

@@ -421,18 +421,7 @@ def prune_experiment(settings, store: Store, keep: int, remove: bool) -> list[st
         for where, why in removal.why.items():
             lines.append(f"  kept {where} ({human_bytes(removal.kept[where])}): {'; '.join(why)}")
     pruned = [r for r in removals if r.files]
-    raw, kept_raw = raw_versions_plan(store, tree, [r.run for r in pruned], current_raw(settings))
-    for digest, why in kept_raw.items():
-        size = human_bytes(sum(store.list_sizes(tree.raw_version(digest).prefix).values()))
-        lines.append(f"kept raw version {digest[:12]} ({size}): {why}")
-    for version in list(raw):
-        why_not = remove_raw_version(store, tree, version) if remove else None
-        named = f"raw version {version.version.digest[:12]}"
-        if why_not:
-            lines.append(f"{named}: not removed: {why_not}")
-            raw.remove(version)
-            continue
-        lines.append(f"{named} ({version.why}): {verb} {human_bytes(version.bytes)}")
+    raw = prune_raw_versions(settings, store, tree, [r.run for r in pruned], remove, lines)
     if not pruned and not raw:
         lines.append(
             f"nothing to prune: the runs before the newest {keep} completed keep only what is "
@@ -451,6 +440,27 @@ def prune_experiment(settings, store: Store, keep: int, remove: bool) -> list[st
             f"kept {human_bytes(kept)} that runs, registered versions or predictions still read"
         )
     return lines
+
+
+def prune_raw_versions(
+    settings, store: Store, tree: ExperimentTree, pruning: list[RunTree], remove: bool, lines
+) -> list[RawRemoval]:
+    """The raw versions nothing reads, removed (`remove`) or said, and each kept one with why,
+    as lines added to `lines`; the ones removed (or that would be)."""
+    verb = "removed" if remove else "would remove"
+    raw, kept = raw_versions_plan(store, tree, pruning, current_raw(settings))
+    for digest, why in kept.items():
+        size = human_bytes(sum(store.list_sizes(tree.raw_version(digest).prefix).values()))
+        lines.append(f"kept raw version {digest[:12]} ({size}): {why}")
+    for version in list(raw):
+        why_not = remove_raw_version(store, tree, version) if remove else None
+        named = f"raw version {version.version.digest[:12]}"
+        if why_not:
+            lines.append(f"{named}: not removed: {why_not}")
+            raw.remove(version)
+            continue
+        lines.append(f"{named} ({version.why}): {verb} {human_bytes(version.bytes)}")
+    return raw
 
 
 def current_raw(settings) -> list[str]:

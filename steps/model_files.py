@@ -82,51 +82,10 @@ def write_card(model_dir: Path, record: dict, history: list[dict], settings: dic
     config = model_dir / "config.json"
     base = json.loads(config.read_text()).get("_name_or_path") if config.exists() else None
     local = not base or base.startswith(("/", ".")) or Path(base).exists()
-    name = record["model_name"]
-    header = {
-        **({"library_name": "transformers"} if config.exists() else {}),
-        **({"base_model": base} if base and not local else {}),
-        "pipeline_tag": "text-classification",
-        "tags": [
-            "smpipe",
-            "text-classification",
-            *(["lora"] if record.get("finetuning") == "lora" else []),
-        ],
-        "model-index": [
-            {
-                "name": name,
-                "results": [
-                    {
-                        "task": {"type": "text-classification", "name": "Text Classification"},
-                        "dataset": {"type": "custom", "name": "the run's validation split"},
-                        "metrics": [
-                            {
-                                "type": "f1",
-                                "value": round(float(record["best_validation_f1"]), 4),
-                                "name": f"macro F1, validation, epoch {record['best_epoch']}",
-                            }
-                        ],
-                    }
-                ],
-            }
-        ],
-    }
-    labels = "\n".join(
-        f"| {i} | {label} |"
-        for i, label in sorted(record["id2label"].items(), key=lambda kv: int(kv[0]))
-    )
-    trained = "\n".join(f"| {k} | {v} |" for k, v in sorted(settings.items()) if v is not None)
-    metrics = sorted({k for h in history for k in h if k != "epoch"})
-    epochs = "\n".join(
-        f"| {h['epoch']}{' (best)' if h['epoch'] == record['best_epoch'] else ''} | "
-        + " | ".join(
-            f"{h[m]:.4f}" if isinstance(h.get(m), float) else str(h.get(m, "")) for m in metrics
-        )
-        + " |"
-        for h in history
-    )
+    header = card_header(record, config.exists(), None if local else base)
     # A local folder by its name only: where it lay on the training host says nothing here.
     from_base = f" from `{Path(base).name if local else base}`" if base else ""
+    name, best = record["model_name"], record["best_epoch"]
     card = f"""---
 {chr(10).join(f"{key}: {json.dumps(value)}" for key, value in header.items())}
 ---
@@ -134,27 +93,63 @@ def write_card(model_dir: Path, record: dict, history: list[dict], settings: dic
 # {name}
 
 A text classifier finetuned{from_base} by smpipe: its best epoch by validation macro F1 (epoch
-{record["best_epoch"]}, {float(record["best_validation_f1"]):.4f}) is these weights. The exports
+{best}, {float(record["best_validation_f1"]):.4f}) is these weights. The exports
 beside them (TorchScript, torch.export) take `{", ".join(record["ordered_input_keys"])}` in that
 order; `smpipe.json` records which passed their check against these weights. The test-set
 metrics are the run's own (its `inference/` folder and report.html).
 
 ## Labels
 
-| id | label |
-| --- | --- |
-{labels}
+{table(["id", "label"], sorted(record["id2label"].items(), key=lambda kv: int(kv[0])))}
 
 ## Training
 
-| setting | value |
-| --- | --- |
-{trained}
+{table(["setting", "value"], [(k, v) for k, v in sorted(settings.items()) if v is not None])}
 
 ## Validation, by epoch
 
-| epoch | {" | ".join(metrics)} |
-| --- |{" --- |" * len(metrics)}
-{epochs}
+{epoch_table(history, best)}
 """
     (model_dir / CARD).write_text(card)
+
+
+def card_header(record: dict, transformers: bool, hub_name: str | None) -> dict:
+    """The card's metadata, as the Hub reads it: `model-index` holds the validation F1."""
+    metric = {
+        "type": "f1",
+        "value": round(float(record["best_validation_f1"]), 4),
+        "name": f"macro F1, validation, epoch {record['best_epoch']}",
+    }
+    result = {
+        "task": {"type": "text-classification", "name": "Text Classification"},
+        "dataset": {"type": "custom", "name": "the run's validation split"},
+        "metrics": [metric],
+    }
+    lora = ["lora"] if record.get("finetuning") == "lora" else []
+    return {
+        **({"library_name": "transformers"} if transformers else {}),
+        **({"base_model": hub_name} if hub_name else {}),
+        "pipeline_tag": "text-classification",
+        "tags": ["smpipe", "text-classification", *lora],
+        "model-index": [{"name": record["model_name"], "results": [result]}],
+    }
+
+
+def table(columns: list[str], rows) -> str:
+    lines = [f"| {' | '.join(columns)} |", f"|{' --- |' * len(columns)}"]
+    return "\n".join(lines + [f"| {' | '.join(str(c) for c in row)} |" for row in rows])
+
+
+def epoch_table(history: list[dict], best: int) -> str:
+    """Each epoch's metrics, the best epoch marked."""
+    metrics = sorted({k for h in history for k in h if k != "epoch"})
+
+    def shown(value) -> str:
+        return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+    rows = [
+        [f"{h['epoch']}{' (best)' if h['epoch'] == best else ''}"]
+        + [shown(h.get(m, "")) for m in metrics]
+        for h in history
+    ]
+    return table(["epoch", *metrics], rows)

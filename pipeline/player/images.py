@@ -156,8 +156,8 @@ def resolve_image(engine: str, image: str, lock: Path | None) -> ImageRef:
     digest = listed[0].rpartition("@")[2] if listed else None
     # The record docker/Dockerfile writes into the image, read in a container of it (a read of
     # the image's files that docker and podman both give, without mounting it here).
-    read = call(engine, "run", "--rm", "--network", "none", "--entrypoint", "cat", found,
-                names.IMAGE_RECORD_FILE)  # fmt: skip
+    reading = ["run", "--rm", "--network", "none", "--entrypoint", "cat", found]
+    read = call(engine, *reading, names.IMAGE_RECORD_FILE)
     try:
         held = json.loads(read.stdout)["lock_sha256"] if read.returncode == 0 else None
     except (ValueError, KeyError, TypeError):
