@@ -482,7 +482,7 @@ def bench_fixed_cost(tokenizer, data, steps: int, repeat: int, work: Path) -> di
     including its validation and the export [inference] MODEL_FORMAT needs), started cold (a
     fresh interpreter, as in a container) and warm (forked by the local backend's fork server,
     which imported the libraries before), against a Trainer script that trains the same
-    steps and saves the model (the issue's yardstick), and one that also does our job's work:
+    steps and saves the model (the bare yardstick), and one that also does our job's work:
     validates, checkpoints, keeps the best model by F1, writes TorchScript (the program
     [inference] MODEL_FORMAT needs by default, all ours writes then).
     The loop is the training steps alone on every side (ours: train_loop_seconds; the

@@ -15,7 +15,7 @@ Outputs: predictions  a part of the same name per part: `row`, `id`, `predicted`
                       prediction: empty text, a text that is not a string, encode refused it)
 
 Parts are read, encoded, predicted and written one at a time, and long texts are cut before
-the user's encode exactly as prepare cuts them (steps/prepare.py `clip_limits`, `encode_cut`):
+the user's encode at the very length prepare would (steps/prepare.py `clip_limits`, `encode_cut`):
 memory grows neither with the input nor with one text. A progress line per part is the job's
 log.
 """
@@ -68,7 +68,7 @@ def model_folder() -> Path:
 @dataclass
 class Encoder:
     """The user's encode of one model, as prepare called it for the run's data: texts cut
-    before encode as prepare cuts them, so that memory does not grow with a text."""
+    before encode at the very length prepare would, so that memory does not grow with a text."""
 
     functions: UserFunctions
     tokenizer: object

@@ -7,7 +7,7 @@ its length from it, and the driver compares it with the settings before reusing 
 
 A length belongs to the data it shaped (nanoGPT keeps block_size in its checkpoint): rows are
 cut once, by prepare, at `max_length` tokens ([data] MAX_SEQUENCE_LENGTH), and nothing after
-cuts them again. Light on imports: the driver reads it too.
+truncates them again. Light on imports: the driver reads it too.
 """
 
 from __future__ import annotations

@@ -421,9 +421,9 @@ def test_a_text_encode_refuses_costs_its_row_only():
         encode_rows(Refusing(everything=True), rows, ["text"])
 
 
-# -- hostile use (issue 29): every file predict writes checked before the job, a failure after
+# -- hostile use: every file predict writes checked before the job, a failure after
 # it one line that leaves OUTPUT and its record as they were, nothing left behind but a log
-# and a record saying so, long texts cut before encode as prepare cuts them ------------------
+# and a record saying so, long texts cut before encode as prepare would cut them ------------
 
 
 def store_for(trained, backend: str, request):
@@ -685,7 +685,7 @@ def test_a_failed_or_interrupted_predict_leaves_only_its_log_and_a_record(
     assert store.get_bytes(key_of(store, record["job_log"]))  # the log is where it says
 
 
-def test_predict_cuts_long_texts_before_encode_as_prepare_does():
+def test_predict_truncates_long_texts_before_encode_as_prepare_does():
     """One text of 300,000 characters with MAX_SEQUENCE_LENGTH 32: the user's encode is never
     given more than twice prepare's budget (clip_limits' two probes; 4,096 characters at 32
     tokens), so memory does not grow with a text, and it returns what the whole text gives."""

@@ -550,7 +550,8 @@ class Emulator:
                 upload_folder(self.store, local, uris[output])
         # "If multiple containers exit with an ExitMessage, the content of the ExitMessage from
         # each processing container is concatenated, then truncated to 1 KB" (byoc-metadata.html;
-        # `_end` cuts it). The hosts in resourceconfig.json's order; no separator is documented.
+        # `_end` truncates it). The hosts in resourceconfig.json's order; no separator is
+        # documented.
         said = "".join(e.reason for e in exits if e.reason)
         self._end(name, status, reason, exit_message=said)
         shutil.rmtree(root, ignore_errors=True)
