@@ -24,6 +24,7 @@ examples:
   smpipe plan settings.ini --show-requests       the jobs (and SageMaker requests), nothing run
   smpipe runs settings.ini                       the experiment's runs
   smpipe compare settings.ini 3 5                two runs side by side
+  smpipe report settings.ini                     every run on one page (experiment.html)
   smpipe report settings.ini 5                   rebuild run 5's report.html
   smpipe prune settings.ini --keep 3 --yes       remove old runs' bulky files; 3 completed stay
   smpipe predict settings.ini new.csv out.csv    label new texts with the newest run's winner
@@ -197,7 +198,9 @@ def parser() -> argparse.ArgumentParser:
     )
     approve.add_argument("version", type=version_number, metavar="VERSION")
     approve.add_argument("--reject", action="store_true", help="set it Rejected instead")
-    report = command("report", "rebuild a run's report.html (the newest run by default)")
+    report = command(
+        "report", "rebuild experiment.html (every run), or with RUN_NUM that run's report.html"
+    )
     report.add_argument("run_num", type=run_number, nargs="?", metavar="RUN_NUM")
     prune_options(command("prune", PRUNE))
     command("iam", IAM)  # pipeline/iam.py
@@ -582,22 +585,29 @@ def compare_command(args) -> int:
 
 
 def report_command(args) -> int:
+    """experiment.html, every run, or with a run number that run's report.html: written again
+    from the store and said where a browser opens it."""
     from pipeline.paths import ExperimentTree
-    from pipeline.report import where_to_open, write_report
+    from pipeline.report import where_to_open, write_experiment_page, write_report
     from pipeline.runs import existing_run_nums
 
     settings, store = open_experiment(args.settings)
     tree = ExperimentTree(settings.experiment.name)
     runs = existing_run_nums(store, tree)
-    run_num = args.run_num or (runs or [None])[-1]
-    if run_num not in runs:
+    if args.run_num is None:
+        key = write_experiment_page(store, tree)
+        reports = [tree.run(n).report_html for n in runs if store.exists(tree.run(n).report_html)]
+        print(f"every run of {settings.experiment.name!r}: {where_to_open(store, key, reports)}")
+        return 0
+    if args.run_num not in runs:
         from pipeline.history import HistoryError
 
         there = f"runs {runs[0]}-{runs[-1]}" if runs else "no runs"
-        what = f"no run {run_num:04d}" if run_num else "no runs"
-        raise HistoryError(f"{what} of {settings.experiment.name!r} in {store.uri} ({there})")
-    key = write_report(store, tree, run_num)
-    print(f"report of run {run_num:04d}: {where_to_open(store, key)}")
+        raise HistoryError(
+            f"no run {args.run_num:04d} of {settings.experiment.name!r} in {store.uri} ({there})"
+        )
+    key = write_report(store, tree, args.run_num)
+    print(f"report of run {args.run_num:04d}: {where_to_open(store, key)}")
     return 0
 
 

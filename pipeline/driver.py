@@ -256,7 +256,7 @@ def execute(
     if store.folder_of(run.prefix):  # the emulated bucket of a local STORE
         where += f" (on this machine: {store.folder_of(run.prefix)})"
     log_summary(record, where)
-    write_run_report(store, run)
+    write_run_report(store, run, settings.source)
     kept_small(settings, store, run)
     return record
 
@@ -336,7 +336,7 @@ def ended(ctx: RunContext, started: float, status: str, reason: str | None) -> d
         record = md.merge(ctx.store, ctx.run, base).model_dump()
         ctx.backend.close(succeeded=status == "completed")
     if status == "failed":
-        write_run_report(ctx.store, ctx.run)
+        write_run_report(ctx.store, ctx.run, ctx.settings.source)
     return record
 
 
@@ -377,14 +377,19 @@ def ended_if_possible(ctx: RunContext, started: float, error: StoreError) -> str
     return f"It is marked failed at {ctx.store.uri_of(ctx.run.metadata)}; {resume}."
 
 
-def write_run_report(store: Store, run: RunTree) -> None:
-    """report.html of a run that ended. A view of what is recorded: a failure to draw it is
-    said, and changes nothing of the run."""
-    from pipeline.report import where_to_open, write_report
+def write_run_report(store: Store, run: RunTree, settings_file: str) -> None:
+    """report.html of a run that ended, and experiment.html with it. Views of what is recorded:
+    a failure to draw one is said, and changes nothing of the run."""
+    from pipeline.report import where_to_open, write_experiment_page, write_report
 
+    tree = ExperimentTree(run.experiment)
     try:
-        key = write_report(store, ExperimentTree(run.experiment), run.run_num)
+        key = write_report(store, tree, run.run_num)
+        log.info(f"report: {where_to_open(store, key)}")
+        page = write_experiment_page(store, tree)
     except Exception as e:  # noqa: BLE001 -- the run's outcome stands either way
-        log.warning(f"report.html of run {run.label} could not be written: {type(e).__name__}: {e}")
+        log.warning(f"the pages of run {run.label} could not be written: {type(e).__name__}: {e}")
         return
-    log.info(f"report: {where_to_open(store, key)}")
+    # A page in S3 is copied here by `smpipe report`, with the run reports it links to.
+    here = store.folder_of(page)
+    log.info(f"every run: {here or f'`smpipe report {settings_file}` copies it here'}")

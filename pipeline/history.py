@@ -17,6 +17,7 @@ from pipeline.store import NotFound, Store
 from steps.runtime.names import PER_LABEL_FILE
 
 METRICS = ("accuracy", "macro_f1", "weighted_f1")
+UNSET = "(unset)"
 
 
 class HistoryError(RuntimeError):
@@ -34,48 +35,57 @@ def read_record(store: Store, tree: ExperimentTree, run_num: int) -> dict:
 
 
 def run_rows(store: Store, tree: ExperimentTree) -> list[dict]:
-    """One row per run, oldest first: status, models, each model's test macro-F1, the data
-    it was tested on, how long it took, when it started and its size on the store."""
-    rows = []
+    """One row per run, oldest first: status, models, each model's test metrics and validation
+    history, the data it was tested on, the settings that tell it from the other runs, how long
+    it took, when it started and its size on the store."""
+    rows, texts = [], []
     for run_num in existing_run_nums(store, tree):
         size = sum(store.list_sizes(tree.run(run_num).prefix).values())
         try:
             record = read_record(store, tree, run_num)
         except HistoryError:  # claimed, Metadata not written yet (or lost)
-            rows.append(
-                {
-                    "run": run_label(run_num),
-                    "status": "claimed",
-                    "models": [],
-                    "macro_f1": {},
-                    "data_version": None,
-                    "snapshot": None,
-                    "seconds": None,
-                    "started": None,
-                    "bytes": size,
-                }
-            )
-            continue
-        performance = record.get("holdout_performance") or {}
-        models = list(record.get("model_artifacts") or {}) or sorted(performance)
-        status = record.get("status")
-        if status == "running" and silent_driver(store, tree.run(run_num).heartbeat):
-            status = "abandoned"  # the rule the next run applies (pipeline/runs.py)
-        rows.append(
-            {
-                "run": run_label(run_num),
-                "status": status,
-                "models": models,
-                "macro_f1": {m: p["macro_f1"] for m, p in performance.items()},
-                "data_version": record.get("data_version"),
-                "snapshot": record.get("data_snapshot_hash"),
-                "seconds": record.get("time_taken"),
-                "started": record.get("start_time"),
-                "bytes": size,
-                "cost": record.get("cost"),  # pipeline/cost.py run_cost
-            }
-        )
+            record = None
+        rows.append(_row(store, tree, run_num, record) | {"bytes": size})
+        texts.append(_settings(store, tree, run_num, record) if record else "")
+    values = [_readable(text) for text in texts]
+    differing = iter(differing_settings([v for v in values if v is not None]))
+    for row, read in zip(rows, values, strict=True):
+        row["settings"] = next(differing) if read is not None else {}
     return rows
+
+
+def _readable(text: str) -> dict[tuple[str, str], str] | None:
+    """A run's settings, or None where it has none to read (claimed, or a file not in INI)."""
+    import configparser
+
+    try:
+        return settings_values(text) if text else None
+    except configparser.Error:
+        return None
+
+
+def _row(store: Store, tree: ExperimentTree, run_num: int, record: dict | None) -> dict:
+    record = record or {"status": "claimed"}
+    performance = record.get("holdout_performance") or {}
+    status = record.get("status")
+    if status == "running" and silent_driver(store, tree.run(run_num).heartbeat):
+        status = "abandoned"  # the rule the next run applies (pipeline/runs.py)
+    steps = record.get("steps") or {}
+    trained = ((steps.get("train") or steps.get("tune") or {}).get("details") or {}).get("models")
+    return {
+        "run": run_label(run_num),
+        "run_num": run_num,
+        "status": status,
+        "models": list(record.get("model_artifacts") or {}) or sorted(performance),
+        "macro_f1": {m: p["macro_f1"] for m, p in performance.items()},
+        "accuracy": {m: p["accuracy"] for m, p in performance.items()},
+        "validation": {m: d.get("history") or [] for m, d in (trained or {}).items()},
+        "data_version": record.get("data_version"),
+        "snapshot": record.get("data_snapshot_hash"),
+        "seconds": record.get("time_taken"),
+        "started": record.get("start_time"),
+        "cost": record.get("cost"),  # pipeline/cost.py run_cost
+    }
 
 
 def per_label(store: Store, tree: ExperimentTree, run_num: int, model: str) -> dict[str, float]:
@@ -87,21 +97,35 @@ def per_label(store: Store, tree: ExperimentTree, run_num: int, model: str) -> d
     return {row["label"]: float(row["f1"]) for row in csv.DictReader(io.StringIO(text))}
 
 
-def settings_changes(before: str, now: str) -> list[str]:
-    """`[section] KEY: old -> new` for every key that differs between two settings files."""
+def settings_values(text: str) -> dict[tuple[str, str], str]:
+    """(section, key) -> value of a run's settings.ini, keys lower-cased as configparser reads."""
     import configparser
 
-    def read(text: str) -> dict[tuple[str, str], str]:
-        parser = configparser.ConfigParser(interpolation=None, delimiters=("=",))
-        parser.read_string(text)
-        return {(s, k): v for s in parser.sections() for k, v in parser.items(s)}
+    parser = configparser.ConfigParser(interpolation=None, delimiters=("=",))
+    parser.read_string(text)
+    return {(s, k): v for s in parser.sections() for k, v in parser.items(s)}
 
-    old, new = read(before), read(now)
+
+def settings_changes(before: str, now: str) -> list[str]:
+    """`[section] KEY: old -> new` for every key that differs between two settings files."""
+    old, new = settings_values(before), settings_values(now)
     return [
-        f"[{s}] {k.upper()}: {old.get((s, k), '(unset)')} -> {new.get((s, k), '(unset)')}"
+        f"[{s}] {k.upper()}: {old.get((s, k), UNSET)} -> {new.get((s, k), UNSET)}"
         for s, k in sorted(set(old) | set(new))
         if old.get((s, k)) != new.get((s, k))
     ]
+
+
+def differing_settings(values: list[dict[tuple[str, str], str]]) -> list[dict[str, str]]:
+    """For each run's settings (settings_values), those whose value is not the same in all runs,
+    named `KEY` (or `[section] KEY` where two sections hold the same key): what tells the runs
+    apart."""
+    keys = sorted({key for v in values for key in v})
+    differ = [key for key in keys if len({v.get(key, UNSET) for v in values}) > 1]
+    names = {k for _, k in differ}
+    clash = {k for k in names if sum(k == other for _, other in differ) > 1}
+    label = {(s, k): f"[{s}] {k.upper()}" if k in clash else k.upper() for s, k in differ}
+    return [{label[key]: v.get(key, UNSET) for key in differ} for v in values]
 
 
 def compare_runs(store: Store, tree: ExperimentTree, a: int, b: int) -> dict:

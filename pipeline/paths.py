@@ -108,6 +108,11 @@ class ExperimentTree:
         return f"{self.experiment}/data/"
 
     @property
+    def experiment_html(self) -> str:
+        """experiment.html: every run on one page, linked to their reports (pipeline/report.py)."""
+        return f"{self.experiment}/experiment.html"
+
+    @property
     def runs_root(self) -> str:
         return f"{self.experiment}/runs/"
 

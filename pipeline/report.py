@@ -1,9 +1,8 @@
-"""report.html: one run on one self-contained page, readable offline.
+"""report.html, one run on one page, and experiment.html, every run on one page.
 
-Everything comes from the run tree (Metadata, settings.ini, the data snapshot's record, each
-model's history and curves, the inference results, the tuning trials); images are inlined as
-data: URIs and the page loads nothing (no script, no font, no CDN). The driver writes it when a
-run ends; `smpipe report settings.ini [run_num]` writes it again.
+Both are read from the store alone, inline their images as data: URIs and load nothing (no
+script, font or CDN), so they open offline. The driver writes both when a run ends; `smpipe
+report settings.ini [run_num]` writes them again.
 """
 
 from __future__ import annotations
@@ -12,16 +11,18 @@ import base64
 import csv
 import io
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline import cost
-from pipeline.history import age
+from pipeline.history import age, run_rows
 from pipeline.paths import ExperimentTree, RunTree, run_label
 from pipeline.store import NotFound, Store, artifact_key
 from steps.model_files import CURVES, HISTORY
 from steps.runtime.names import PER_LABEL_FILE, STEP_METADATA_FILE
 
-TEMPLATE = Path(__file__).with_name("report.html.j2")
+# Templates beside this module (package data: pyproject.toml).
+TEMPLATE, EXPERIMENT_TEMPLATE = "report.html.j2", "experiment.html.j2"
 # The page's sections, in order: (id, title). The browser test checks each one rendered.
 SECTIONS = (
     ("summary", "Summary"),
@@ -201,18 +202,73 @@ def _tuning(store: Store, run, model: str, tuned: bool) -> dict | None:
     }
 
 
-def render(values: dict) -> str:
+def experiment_context(store: Store, tree: ExperimentTree) -> dict:
+    """What experiment.html shows: a row per run (the settings that differ between runs, each
+    model's test metrics, the data) linked to its report, and each model's validation curves
+    of every run overlaid."""
+    rows = run_rows(store, tree)
+    for row in rows:
+        report = tree.run(row["run_num"]).report_html
+        row["report"] = report.removeprefix(tree.root) if store.exists(report) else None
+        row["started"] = age(row["started"])
+    models = sorted({m for r in rows for m in [*r["macro_f1"], *r["validation"]]})
+    return {
+        "title": f"{tree.experiment}: every run",
+        "uri": store.uri_of(tree.root),
+        "rows": rows,
+        "keys": list(dict.fromkeys(key for r in rows for key in r["settings"])),
+        "models": models,
+        "snapshots": len({r["snapshot"] for r in rows if r["macro_f1"]}),
+        "charts": {m: chart for m in models if (chart := overlaid_curves(m, rows))},
+    }
+
+
+def overlaid_curves(model: str, rows: list[dict]) -> str | None:
+    """`model`'s validation macro-F1 and loss by epoch, a line per run that trained it, as a
+    PNG data: URI (None when no run did)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    runs = [(r["run"], r["validation"][model]) for r in rows if r["validation"].get(model)]
+    if not runs:
+        return None
+    figure, (f1, loss) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=90)
+    for label, history in runs:
+        epochs = [h["epoch"] for h in history]
+        f1.plot(epochs, [h.get("f1") for h in history], marker="o", label=f"run {label}")
+        loss.plot(epochs, [h.get("val_loss") for h in history], marker="o", label=f"run {label}")
+    for axes, name in ((f1, "validation macro-F1"), (loss, "validation loss")):
+        axes.set_xlabel("epoch")
+        axes.set_title(name)
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axes.grid(alpha=0.3)
+    f1.legend(fontsize=8)
+    figure.tight_layout()
+    png = io.BytesIO()
+    figure.savefig(png, format="png")
+    plt.close(figure)
+    return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+
+
+def render(values: dict, template: str = TEMPLATE) -> str:
     import jinja2
 
     # Records of older runs lack newer fields: a missing one renders empty.
     env = jinja2.Environment(
-        autoescape=True, undefined=jinja2.ChainableUndefined, trim_blocks=True, lstrip_blocks=True
+        loader=jinja2.FileSystemLoader(Path(__file__).parent),
+        autoescape=True,
+        undefined=jinja2.ChainableUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
     )
     env.filters["cost"] = lambda recorded: cost.said(recorded or None)  # pipeline/cost.py
     env.filters["num"] = lambda x, digits=4: (
         "" if x is None or isinstance(x, jinja2.Undefined) else f"{float(x):.{digits}f}"
     )
-    return env.from_string(TEMPLATE.read_text()).render(**values)
+    return env.get_template(template).render(**values)
 
 
 def write_report(store: Store, tree: ExperimentTree, run_num: int) -> str:
@@ -222,17 +278,25 @@ def write_report(store: Store, tree: ExperimentTree, run_num: int) -> str:
     return key
 
 
-def where_to_open(store: Store, key: str) -> str:
-    """What a browser opens of the report at `key`: its file where the store is this machine's
+def write_experiment_page(store: Store, tree: ExperimentTree) -> str:
+    """Render experiment.html beside the runs; returns its key."""
+    key = tree.experiment_html
+    store.put_bytes(key, render(experiment_context(store, tree), EXPERIMENT_TEMPLATE).encode())
+    return key
+
+
+def where_to_open(store: Store, key: str, beside: Sequence[str] = ()) -> str:
+    """What a browser opens of the page at `key`: its file where the store is this machine's
     (a folder, or the emulated bucket over one); else a copy here of the one in S3, which no
     browser opens by its s3:// URI (the emulated backend's embedded S3 is gone once the
-    driver ends), said with the original."""
+    driver ends), said with the original. The pages at `beside` (those it links to) are
+    copied with it, at the same places relative to it."""
     import tempfile
-    from pathlib import Path
 
     here = store.folder_of(key) or store.uri_of(key)
     if "://" not in here:
         return here
-    copy = Path(tempfile.gettempdir(), "smpipe-reports", key.replace("/", "-"))
-    store.download_file(key, copy)
-    return f"{copy} (a copy of {here})"
+    copies = Path(tempfile.gettempdir(), "smpipe-reports")
+    for each in (key, *beside):
+        store.download_file(each, copies / each)
+    return f"{copies / key} (a copy of {here})"

@@ -20,15 +20,14 @@ def console() -> Console:
 
 
 def runs_table(title: str, rows: list[dict]) -> Table:
-    """One row per run (history.run_rows), newest last."""
+    """One row per run (history.run_rows), newest last: the settings column holds only those
+    that differ between the runs."""
     table = Table(title=title)
-    columns = ("run", "status", "models", "test macro-F1", "data", "took", "cost", "started")
-    for column in (*columns, "size"):
+    columns = ("run", "status", "settings", "test macro-F1", "test accuracy", "data", "took")
+    for column in (*columns, "cost", "started", "size"):
         table.add_column(column, justify="right" if column in ("took", "cost", "size") else "left")
     for row in rows:
-        f1 = ", ".join(
-            f"{m} {v:.4f}" for m, v in sorted(row["macro_f1"].items(), key=lambda kv: -kv[1])
-        )
+        ranked = sorted(row["macro_f1"], key=lambda m: -row["macro_f1"][m])
         data = (
             f"{row['data_version']:04d} {row['snapshot'][:8]}"
             if row["snapshot"] and row["data_version"]
@@ -38,8 +37,9 @@ def runs_table(title: str, rows: list[dict]) -> Table:
         table.add_row(
             row["run"],
             row["status"] or "",
-            ", ".join(row["models"]),
-            f1,
+            "\n".join(f"{key} {value}" for key, value in row["settings"].items()),
+            "\n".join(f"{m} {row['macro_f1'][m]:.4f}" for m in ranked) or ", ".join(row["models"]),
+            "\n".join(f"{m} {row['accuracy'][m]:.4f}" for m in ranked),
             data,
             took,
             cost.short(row.get("cost")),  # USD from SageMaker's billing; locally CPU-seconds

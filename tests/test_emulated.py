@@ -275,9 +275,12 @@ def test_fsdp_with_lora_on_two_spot_hosts_resumes_from_shards_synced_through_s3(
     )  # fmt: skip
     # Step lines reach the driver through CloudWatch polling, seconds late: 72 steps in all.
     echo = ReclaimAt(step=3)
-    record = run_pipeline(
-        settings, staged, parse_steps(None), echo=echo, make_backend=echo.make_backend
-    )
+    try:
+        record = run_pipeline(
+            settings, staged, parse_steps(None), echo=echo, make_backend=echo.make_backend
+        )
+    except PipelineError as e:  # the jobs' own lines, which moto's logs lose at teardown
+        raise AssertionError(echo.getvalue()[-8000:]) from e
     log = echo.getvalue()
     assert echo.reclaimed and record["status"] == "completed", log[-3000:]
     assert "spot capacity interrupted the job; restart 1" in log and "resumed from" in log

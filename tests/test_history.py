@@ -1,5 +1,5 @@
 """What users keep: `smpipe runs` and `smpipe compare` on a store with three runs (the third on
-other data), and each run's report.html opened in a real browser."""
+other data), and each run's report.html and the experiment's page opened in a real browser."""
 
 from __future__ import annotations
 
@@ -61,6 +61,11 @@ def test_runs_lists_every_run(three_runs, capsys):
         for model, performance in record["holdout_performance"].items():
             assert f"{model} {performance['macro_f1']:.4f}" in out
     assert out.count("completed") == 3
+    # Only the settings that tell the runs apart, and each model's test accuracy beside its F1.
+    assert "EPOCHS 2" in out and "EPOCHS 3" in out and "MODEL_NAMES tiny, small" in out
+    assert "LEARNING_RATE" not in out
+    accuracy = records[0]["holdout_performance"]["small"]["accuracy"]
+    assert f"small {accuracy:.4f}" in out
 
 
 def test_compare_on_the_same_data_and_refused_on_other_data(three_runs, capsys):
@@ -124,3 +129,61 @@ def test_the_report_renders_every_section_offline_in_chromium(three_runs):
         browser.close()
     # Nothing but the file itself was requested: no script, font, stylesheet or CDN.
     assert requests == [page_path.as_uri()]
+
+
+def launch(p):
+    """Debian's chromium, offline: nothing it would fetch by itself."""
+    if CHROMIUM is None:
+        pytest.fail("Debian's chromium is not installed: `make browser` installs it, "
+                    "or leave this test out with `pytest -m 'not browser'`")  # fmt: skip
+    flags = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync"]  # fmt: skip
+    return p.chromium.launch(executable_path=CHROMIUM, args=flags)
+
+
+@pytest.mark.browser
+def test_the_experiment_page_shows_every_run_with_what_differs_in_chromium(three_runs, capsys):
+    """experiment.html, written when each run ended, holds every run: the settings that differ,
+    each model's test metrics, a link to the run's report, and each model's validation curves
+    of every run in one chart."""
+    from playwright.sync_api import sync_playwright
+
+    tmp, records = three_runs
+    page_path = LocalStore(tmp / "store").root / TREE.experiment_html
+    written = page_path.read_bytes()  # by the driver, at the end of run 3
+    assert cli.main(["report", str(tmp / "settings.ini")]) == 0
+    assert capsys.readouterr().out.strip().endswith(str(page_path))
+    assert page_path.read_bytes() == written
+
+    with sync_playwright() as p:
+        browser = launch(p)
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        requests: list[str] = []
+        page.on("request", lambda request: requests.append(request.url))
+        page.goto(page_path.as_uri())
+        rows = page.locator("section#runs tr.run")
+        assert rows.count() == len(records) == 3
+        header = page.locator("section#runs tr").first.inner_text().split("\t")
+        assert "EPOCHS" in header and "MODEL_NAMES" in header and "LEARNING_RATE" not in header
+        for i, record in enumerate(records):
+            row = page.locator(f"tr#run-{record['model_version']:04d}")
+            cells = dict(zip(header, row.locator("td").all_inner_texts(), strict=True))
+            assert cells["EPOCHS"] == ("2", "3", "3")[i] and cells["status"] == "completed"
+            for model, performance in record["holdout_performance"].items():
+                assert cells[f"{model} macro-F1"] == f"{performance['macro_f1']:.4f}"
+                assert cells[f"{model} accuracy"] == f"{performance['accuracy']:.4f}"
+            assert record["data_snapshot_hash"][:8] in cells["data"]
+        assert "2 different data snapshots" in page.locator("section#runs").inner_text()
+        # A chart per model trained, each drawn from the page itself.
+        sizes = page.eval_on_selector_all("img", "imgs => imgs.map(i => i.naturalWidth)")
+        assert len(sizes) == 2 and all(w > 300 for w in sizes)
+        # Each run's link opens that run's report.
+        page.locator("tr#run-0002 a").click()
+        page.wait_for_load_state()
+        assert (
+            page.url
+            == (page_path.parent / TREE.run(2).report_html.removeprefix(TREE.root)).as_uri()
+        )
+        assert "run 0002" in page.locator("header h1").inner_text()
+        browser.close()
+    assert requests[0] == page_path.as_uri() and all(r.startswith("file://") for r in requests)
