@@ -97,7 +97,7 @@ RUN = "*"  # the run number and data version of every run: the policies hold for
 def planned_requests(settings: Settings) -> list[tuple[str, dict]]:
     """(kind, request) of every job of a whole run and of `smpipe predict`, as pipeline/driver.py
     builds them for `smpipe plan`, with `*` for the run and its data version."""
-    from pipeline.backends.choose import identity
+    from pipeline.backend import identity
     from pipeline.jobs import request_for
     from pipeline.paths import ExperimentTree
     from pipeline.predict import Chosen, predict_job
@@ -275,7 +275,7 @@ def driver_policy(
     ]
     listing = ["sagemaker:ListTrainingJobsForHyperParameterTuningJob"] if "tuning" in kinds else []
     group = settings.registry.model_package_group
-    if group:  # pipeline/registry.py: the run's winner registered, `registry`, `approve`
+    if group:  # pipeline/registry/: the run's winner registered, `registry`, `approve`
         listing.append("sagemaker:ListModelPackages")
         # Written as the settings name it, and in lower case too: how SageMaker cases a group
         # in its ARNs is not stated in botocore's model, and a policy's ARN is matched as written.

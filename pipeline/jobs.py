@@ -13,9 +13,10 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Literal
 
 from pipeline.config import Data, Training
+from pipeline.player.exits import Status
 from pipeline.search_space import Tunable, most_epochs, parameter_ranges
 from steps.runtime.names import (
     CHECKPOINT_DIR,
@@ -393,15 +394,6 @@ def request_for(job, image: str, role: str, uri_of: UriOf) -> dict:
 
 
 # -- what a job reports back ------------------------------------------------------------------
-
-# How a job ends, in SageMaker's words and only those: the end states of the TrainingJobStatus,
-# ProcessingJobStatus and HyperParameterTuningJobStatus enums of botocore's sagemaker
-# service-2.json (InProgress | Completed | Failed | Stopping | Stopped, and Deleting ...).
-# "Interrupted" is not one of them: it is a SecondaryStatus of a job still InProgress, a spot
-# job about to restart (DescribeTrainingJob's SecondaryStatus); tests/test_backends.py reads
-# the enums.
-Status = Literal["Completed", "Failed", "Stopped"]
-ENDED: tuple[Status, ...] = get_args(Status)
 
 
 @dataclass

@@ -18,7 +18,7 @@
         cache/<step>/<key>.json               reconcile/prepare: the data version computed from
                                               exactly these inputs (pipeline/cache.py)
         registry/<group>/<version>.json       the local model registry: one record per version
-                                              (pipeline/registry.py); <version>/<change>.json:
+                                              (pipeline/registry/); <version>/<change>.json:
                                               each approval change since, created once
         runs/<run_num>/                       everything one run produces
             CLAIM                             written first, atomically: the run_num is taken

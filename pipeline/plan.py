@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from pipeline import cost, registry, service_model
-from pipeline.backends.choose import identity
+from pipeline.backend import identity
 from pipeline.config import ConfigError, Settings
 from pipeline.errors import log
 from pipeline.jobs import KINDS, request_for

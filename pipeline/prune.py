@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pipeline.errors import log
 from pipeline.history import human_bytes, run_rows
 from pipeline.paths import ExperimentTree, RawVersion, RunTree, raw_version_digest
-from pipeline.registry import registered_models
+from pipeline.registry.records import registered_models
 from pipeline.runs import RunBusy, existing_run_nums, held, holder_gone, lease, silent_driver
 from pipeline.store import MANIFEST, NotFound, Store, StoreError, artifact_key
 from steps.model_files import EXPORTS
@@ -132,7 +132,8 @@ def prune_plan(
 ) -> list[Removal]:
     """What pruning all but the newest `keep` completed runs removes, run by run, and what it
     keeps because something reads it (runs with nothing left to remove or keep are left out).
-    `packages`: what SageMaker's registered versions point at (registry.package_models)."""
+    `packages`: what SageMaker's registered versions point at (registry/packages.py
+    `package_models`)."""
     if keep < 1:
         raise PruneError(
             f"--keep {keep}: keep at least 1 completed run (the newest N completed runs and "
@@ -392,7 +393,7 @@ def prune_experiment(settings, store: Store, keep: int, remove: bool) -> list[st
     reads (`remove`), or say what that would remove: a line a run and a version, what is kept
     because something still reads it and why, and the bytes freed."""
     from pipeline.errors import PipelineError
-    from pipeline.registry import package_models
+    from pipeline.registry.packages import package_models
 
     tree = ExperimentTree(settings.experiment.name)
     try:  # before anything is removed: what SageMaker's registered versions point at

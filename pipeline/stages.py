@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from pipeline import cache, registry
 from pipeline import metadata as md
+from pipeline.backend import identity
 from pipeline.config import Settings
 from pipeline.errors import log
 from pipeline.jobs import (
@@ -44,7 +45,7 @@ from steps.runtime.names import (
 )
 
 if TYPE_CHECKING:
-    from pipeline.backends import Backend
+    from pipeline.backend import Backend
 
 Job = ProcessingJob | TrainingJob | TuningJob
 
@@ -301,7 +302,7 @@ class Inference:
 
 class Register:
     """After inference, when [registry] names a model package group: the run's winner
-    registered once (pipeline/registry.py). No job: the driver's own requests, or a record."""
+    registered once (pipeline/registry/). No job: the driver's own requests, or a record."""
 
     name = registry.STEP
 
@@ -312,9 +313,10 @@ class Register:
         started = time.time()
         record = md.merge(ctx.store, ctx.run, ctx.base).model_dump()
         client = ctx.backend.client  # SageMaker's (moto's when emulated), None locally
+        image = identity(ctx.settings)[0]  # the image the run's jobs ran: the version serves it
         said = {"step": self.name, "start_time": md.iso(started)}
         try:
-            registered = registry.register(ctx.settings, ctx.store, ctx.run, record, client)
+            registered = registry.register(ctx.settings, ctx.store, ctx.run, record, client, image)
         except Exception as e:
             reason = str(e)
             failed = md.StepSection(**said, status="failed", failure_reason=reason)

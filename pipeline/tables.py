@@ -1,5 +1,5 @@
 """The tables `smpipe runs`, `smpipe compare` and `smpipe registry` print (rich): what the
-history (pipeline/history.py) and the registry (pipeline/registry.py) read, laid out.
+history (pipeline/history.py) and the registry (pipeline/registry/) read, laid out.
 """
 
 from __future__ import annotations

@@ -9,11 +9,11 @@ import boto3
 import pytest
 from botocore import xform_name
 
-from pipeline.backends import Backend
+from pipeline.backend import Backend
 from pipeline.backends.local import LocalBackend
 from pipeline.backends.sagemaker import SageMakerBackend
-from pipeline.jobs import ENDED, KINDS
-from pipeline.player.exits import ContainerExit, status_after
+from pipeline.jobs import KINDS
+from pipeline.player.exits import ENDED, ContainerExit, status_after
 from pipeline.service_model import service_model
 from steps.runtime.names import EXIT_INTERRUPTED
 

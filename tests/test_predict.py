@@ -315,7 +315,7 @@ def read_job_log(store, record) -> str:
 def test_the_texts_are_sharded_across_instances_by_s3_key(tmp_path):
     """Each instance gets about 1/n of the parts (ShardedByS3Key); the model and the labels
     go whole to every one; SageMaker's limit of 100 instances is checked before anything."""
-    from pipeline.backends.local import LOCAL_IMAGE, LOCAL_ROLE
+    from pipeline.backend import LOCAL_IMAGE, LOCAL_ROLE
     from pipeline.jobs import processing_request
     from pipeline.plan import check_requests
 

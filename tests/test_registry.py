@@ -19,6 +19,7 @@ from pipeline.backends.choose import make_backend
 from pipeline.config import ConfigError, Registry, load_settings
 from pipeline.driver import parse_steps, run_pipeline
 from pipeline.paths import ExperimentTree
+from pipeline.registry.records import local_versions, register_locally
 from pipeline.service_model import shape
 from pipeline.store import LocalStore, S3Store
 from tests.conftest import write_settings
@@ -188,7 +189,7 @@ def test_the_local_registry_lists_and_approves(tmp_path, capsys):
     assert cli.main(["approve", str(path), "1"]) == 0
     assert "is Approved" in capsys.readouterr().out
     assert cli.main(["approve", str(path), "1", "--reject"]) == 0
-    [kept] = registry.local_versions(store, tree, group)
+    [kept] = local_versions(store, tree, group)
     assert kept["approval_status"] == "Rejected"
     assert [h["approval_status"] for h in kept["history"]] == [
         "PendingManualApproval",
@@ -207,9 +208,10 @@ def test_the_local_registry_lists_and_approves(tmp_path, capsys):
         for k, v in registered.items()
         if k not in ("version", "approval_status", "registered_at", "history")
     }
-    assert registry.register_locally(store, tree, entry, settings)["version"] == 1
+    status = settings.registry.approval_status
+    assert register_locally(store, tree, entry, status)["version"] == 1
     racing = Racing(settings.store_uri(), tree.registry_version(group, 2))
-    other = registry.register_locally(racing, tree, {**entry, "token": "another run"}, settings)
+    other = register_locally(racing, tree, {**entry, "token": "another run"}, status)
     assert other["version"] == 3 and store.exists(tree.registry_version(group, 3))
     assert not store.exists(tree.registry_version(group, 4))
     assert json.loads(store.get_bytes(tree.registry_version(group, 2)))["token"] == "another driver"

@@ -1,7 +1,6 @@
-"""The backend [experiment] BACKEND names, built for one run, the image and role its
-requests name, and what its hosts cannot run (said before any job starts). The backends are
-imported where they are chosen: sagemaker's needs boto3's clients, emulated's moto (an optional
-dependency), and a run uses one."""
+"""The backend [experiment] BACKEND names, built for one run, and what its hosts cannot run
+(said before any job starts). The backends are imported where they are chosen: sagemaker's
+needs boto3's clients, emulated's moto (an optional dependency), and a run uses one."""
 
 from __future__ import annotations
 
@@ -9,29 +8,15 @@ import glob
 import os
 from typing import TYPE_CHECKING
 
+from pipeline.backend import identity
 from steps.runtime.names import CPU_BF16_CHOICES, CPU_BF16_VARIABLE, GPU_DEVICE_FILES
 
 if TYPE_CHECKING:
-    from pipeline.backends import Backend
+    from pipeline.backend import Backend
     from pipeline.config import Settings
     from pipeline.paths import RunTree
     from pipeline.stages import Job
     from pipeline.store import Store
-
-
-def identity(settings: Settings) -> tuple[str, str]:
-    """The image and role a backend's requests name: the settings' on sagemaker, stand-ins
-    where nothing is sent to AWS (a local backend's requests are played here; emulated ones go
-    to moto)."""
-    from pipeline.backends.emulated import EMULATED_IMAGE, EMULATED_ROLE
-    from pipeline.backends.local import LOCAL_IMAGE, LOCAL_ROLE
-
-    e = settings.experiment
-    if e.backend == "local":
-        return LOCAL_IMAGE, LOCAL_ROLE
-    if e.backend == "emulated":
-        return e.image_uri or EMULATED_IMAGE, e.role_arn or EMULATED_ROLE
-    return e.image_uri, e.role_arn
 
 
 def host_gpus(settings: Settings) -> tuple[int, str] | None:

@@ -43,6 +43,7 @@ from contextlib import nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
 
+from pipeline.backend import EMULATED_IMAGE, EMULATED_ROLE
 from pipeline.backends import moto_server
 from pipeline.backends.emulated_search import candidates
 from pipeline.backends.following import LOG_GROUPS
@@ -68,8 +69,6 @@ from pipeline.service_model import TUNING_OBJECTIVE, shape
 from pipeline.store import Store, aws_config
 from steps.runtime.names import MODEL_DIR, OUTPUT_DATA_DIR
 
-EMULATED_IMAGE = "smpipe:emulated"
-EMULATED_ROLE = "arn:aws:iam::123456789012:role/smpipe-emulated"
 EMULATED_BUCKET = "smpipe-emulated"
 KIND_CREATED_BY = {api.create: kind for kind, api in KINDS.items()}  # CreateTrainingJob: training
 # What a tuning job's TrainingJobDefinition holds that a CreateTrainingJob request has no place

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pipeline.jobs import ENDED, KINDS
+from pipeline.jobs import KINDS
+from pipeline.player.exits import ENDED
 
 TERMINAL = ENDED  # a job's status that no longer changes
 # Where SageMaker sends a job's log (logging-cloudwatch.html); a tuning job's trials are

@@ -25,7 +25,7 @@ import weakref
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from pipeline.backends import Watch
+from pipeline.backend import LOCAL_IMAGE, LOCAL_ROLE, Watch
 from pipeline.backends.local_tuning import run_local_tuning
 from pipeline.jobs import (
     KINDS,
@@ -49,10 +49,6 @@ from pipeline.player.processes import Containers
 from pipeline.service_model import as_if_on_s3, refused
 from pipeline.store import LocalStore, Store, StoreError, upload_dir
 from steps.runtime.names import MODEL_DIR, OUTPUT_DATA_DIR
-
-# What the requests name as image and role when nothing is sent anywhere.
-LOCAL_IMAGE = "local:docker/Dockerfile"
-LOCAL_ROLE = "arn:aws:iam::000000000000:role/local"
 
 
 def result_of(
@@ -160,7 +156,7 @@ class LocalBackend:
             self.store.upload_file(self._log_path(name), key)
         return key
 
-    # -- the Backend protocol (pipeline/backends/__init__.py) -----------------------------------
+    # -- the Backend protocol (pipeline/backend.py) ---------------------------------------------
 
     def _request(self, job) -> tuple[dict, JobResult | None]:
         """The request SageMaker would get for `job`, and a Failed result when SageMaker would

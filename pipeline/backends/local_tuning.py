@@ -43,7 +43,7 @@ import time
 import warnings
 from pathlib import Path
 
-from pipeline.backends import TrialRunner, Watch
+from pipeline.backend import TrialRunner, Watch
 from pipeline.jobs import JobResult, TrainingJob, TuningJob, job_name
 from pipeline.paths import RunTree
 from pipeline.search_space import distributions, drawn_value, value_of

@@ -216,7 +216,7 @@ class SageMakerBackend:
 
         return getattr(self.client, xform_name(operation))(**request)
 
-    # -- the Backend protocol (pipeline/backends/__init__.py) -----------------------------------
+    # -- the Backend protocol (pipeline/backend.py) ---------------------------------------------
 
     def run_processing(self, job: ProcessingJob) -> JobResult:
         request = self.request(job)

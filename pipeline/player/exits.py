@@ -1,16 +1,23 @@
 """How a job's containers ended, and the status SageMaker reports for a job whose containers
-ended so: what every runner of containers returns (`ContainerExit`) and every backend that
-plays jobs reports through (`status_after`).
+ended so: SageMaker's words for how a job ends (`Status`, which every backend reports), what
+every runner of containers returns (`ContainerExit`) and every backend that plays jobs reports
+through (`status_after`).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Literal, get_args
 
-if TYPE_CHECKING:
-    from pipeline.jobs import Status  # SageMaker's words for how a job ended
+# How a job ends, in SageMaker's words and only those: the end states of the TrainingJobStatus,
+# ProcessingJobStatus and HyperParameterTuningJobStatus enums of botocore's sagemaker
+# service-2.json (InProgress | Completed | Failed | Stopping | Stopped, and Deleting ...).
+# "Interrupted" is not one of them: it is a SecondaryStatus of a job still InProgress, a spot
+# job about to restart (DescribeTrainingJob's SecondaryStatus); tests/test_backends.py reads
+# the enums.
+Status = Literal["Completed", "Failed", "Stopped"]
+ENDED: tuple[Status, ...] = get_args(Status)
 
 
 @dataclass

@@ -26,6 +26,7 @@ from pipeline import metadata as md
 from pipeline.config import load_settings
 from pipeline.paths import RunTree
 from pipeline.predict import choose_run
+from pipeline.registry.records import local_versions, register_locally
 from pipeline.sources import newest_models
 from pipeline.stages import Register, RunContext
 from pipeline.store import LocalStore, S3Store, is_complete
@@ -121,7 +122,7 @@ def register_version(store, settings, run: RunTree) -> dict:
         "model_artifact": run.final_model("bow"),
         "token": f"run {run.label}",
     }
-    return registry.register_locally(store, TREE, entry, settings)
+    return register_locally(store, TREE, entry, settings.registry.approval_status)
 
 
 def test_prune_keeps_a_registered_model_and_approve_refuses_one_gone(store_at, tmp_path, capsys):
@@ -229,7 +230,7 @@ def test_approvals_made_at_once_are_all_kept(store_at, tmp_path):
     gate.touch()  # 8 processes, 3 calls each, all at once
     ended = [p.communicate(timeout=300) for p in processes]
     assert [p.returncode for p in processes] == [0] * 8, [err for _, err in ended]
-    [version] = registry.local_versions(store, TREE, GROUP)
+    [version] = local_versions(store, TREE, GROUP)
     history = [h["approval_status"] for h in version["history"]]
     assert len(history) == 25 and history[0] == registry.PENDING
     assert history.count(registry.APPROVED) == 12 and history.count(registry.REJECTED) == 12
@@ -254,7 +255,7 @@ def test_stray_and_broken_registry_files_are_named_and_skipped(tmp_path, capsys,
     assert cli.main(["approve", str(path), "1"]) == 0
     store.put_bytes(TREE.registry_change(GROUP, 1, 5), b'["Approved"]')  # a change, broken
     assert cli.main(["approve", str(path), "1", "--reject"]) == 0
-    [version] = registry.local_versions(store, TREE, GROUP)
+    [version] = local_versions(store, TREE, GROUP)
     assert version["approval_status"] == registry.REJECTED and len(version["history"]) == 3
     change = store.uri_of(TREE.registry_change(GROUP, 1, 5))
     assert f"registry: skipped {change}: not an approval change" in caplog.text
