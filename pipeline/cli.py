@@ -28,6 +28,7 @@ examples:
   smpipe report settings.ini 5                   rebuild run 5's report.html
   smpipe prune settings.ini --keep 3 --yes       remove old runs' bulky files; 3 completed stay
   smpipe predict settings.ini new.csv out.csv    label new texts with the newest run's winner
+  smpipe predict settings.ini new/ out.csv --raw   new raw data, through the run's reconcile
   smpipe registry settings.ini                   the registered versions of [registry]'s group
   smpipe approve settings.ini 4 [--reject]       approve (or reject) version 4
   smpipe iam settings.ini                        the IAM policies a SageMaker run needs
@@ -256,6 +257,12 @@ def predict_options(predict: argparse.ArgumentParser) -> None:
         "id, predicted, probability_<label> per label, error; OUTPUT.json says what they came "
         "from. Never a file of yours: an existing OUTPUT is replaced only with the OUTPUT.json "
         "beside it that an earlier predict wrote of it, unchanged since",
+    )
+    predict.add_argument(
+        "--raw",
+        action="store_true",
+        help="INPUT is a folder of new data as [data] RAW_DATA holds it, labels or none: the "
+        "run's own reconcile makes its rows (here, in a process of its own)",
     )
     predict.add_argument("--run", type=run_number, metavar="RUN_NUM", help="a completed run")
     predict.add_argument("--model", metavar="NAME", help="a model trained in that run")
@@ -637,6 +644,7 @@ def predict_command(args) -> int:
             model=args.model,
             instance_count=args.instance_count,
             echo=echo,
+            raw=args.raw,
         )
     if args.quiet:
         print(f"{record['predicted']:,} of {record['rows']:,} rows predicted: {record['output']}")

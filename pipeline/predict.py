@@ -58,6 +58,8 @@ from pipeline.predict_files import (
     unreadable,
     write_parts,
 )
+from pipeline.predict_raw import RAW, raw_problems, reconciled
+from pipeline.raw_data import folder_digest
 from pipeline.runs import existing_run_nums
 from pipeline.stages import job_label, launched, processing_job
 from pipeline.store import (
@@ -206,15 +208,18 @@ def choose(
 
 
 def check_files(
-    source: Path, output: Path, columns: list[str] | None
+    source: Path, output: Path, columns: list[str] | None, raw: bool = False
 ) -> tuple[str | None, str | None, list[str], bytes | None]:
     """INPUT's and OUTPUT's formats, every problem with either (INPUT's columns checked
-    against `columns`, the text columns of the run's data, when they are known) and with the
-    files predict writes (predict_files.check_targets), and the record of an earlier predict
-    into OUTPUT that this one replaces."""
+    against `columns`, the text columns of the run's data, when they are known; raw data's
+    once reconcile has made its rows) and with the files predict writes
+    (predict_files.check_targets), and the record of an earlier predict into OUTPUT that this
+    one replaces."""
     problems = []
-    kind = format_of(source) if source.exists() else None
-    if not source.exists():
+    kind = RAW if raw else format_of(source) if source.exists() else None
+    if raw:
+        problems += raw_problems(source)
+    elif not source.exists():
         problems.append(f"INPUT {source} does not exist")
     elif kind is None:
         problems.append(f"INPUT {source}: predict reads {SAID} or a folder of .txt files")
@@ -245,11 +250,19 @@ def check_columns(source: Path, kind: str, columns: list[str]) -> list[str]:
     if kind == "parquet" and parquet_rows(source) == 0:
         return [f"INPUT {source} is empty: it holds no rows"]
     if kind == FOLDER and not found:
-        return [f"INPUT {source} is a folder without .txt files (each file is one text)"]
+        return [
+            f"INPUT {source} is a folder without .txt files (each file is one text); with --raw, "
+            "a folder of new data as RAW_DATA holds it, which the run's reconcile reads"
+        ]
     if kind == FOLDER and columns != [TEXT]:
         return [f"INPUT {source} is a folder, whose files give one column, {TEXT}: {rule}"]
     missing = [c for c in columns if c not in found]
-    problems = [f"INPUT {source} has no column {c!r} (it has {found}): {rule}" for c in missing]
+    raw = (
+        "; new data in RAW_DATA's shape goes in a folder, with --raw: the run's reconcile reads it"
+    )
+    problems = [
+        f"INPUT {source} has no column {c!r} (it has {found}): {rule}{raw}" for c in missing
+    ]
     problems += [
         f"INPUT {source}: column {c!r} holds {not_text[c]}, not text"
         for c in columns
@@ -292,15 +305,20 @@ def predict_job(
     )
 
 
+def assemble_code(store: Store, chosen: Chosen, folder: Path) -> None:
+    """Predict's code in `folder`: this project's steps/ (the predict step is newer than most
+    runs) with the user functions the run shipped, which reconciled and encoded its data."""
+    download_dir(store, chosen.run.code, folder)
+    Path(folder, MANIFEST).unlink(missing_ok=True)
+    shutil.rmtree(Path(folder, "steps"), ignore_errors=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(PROJECT_ROOT / "steps", Path(folder, "steps"), ignore=ignore)
+
+
 def ship_code(store: Store, chosen: Chosen, prediction: PredictionTree) -> None:
-    """The job's code: this project's steps/ (the predict step is newer than most runs) with
-    the user functions the run shipped, which encoded its data."""
+    """The job's code (assemble_code), in the store where the job reads it."""
     with tempfile.TemporaryDirectory(prefix="smpipe-predict-code-") as tmp:
-        download_dir(store, chosen.run.code, tmp)
-        Path(tmp, MANIFEST).unlink(missing_ok=True)
-        shutil.rmtree(Path(tmp, "steps"), ignore_errors=True)
-        ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-        shutil.copytree(PROJECT_ROOT / "steps", Path(tmp, "steps"), ignore=ignore)
+        assemble_code(store, chosen, Path(tmp))
         upload_dir(store, tmp, prediction.code)
 
 
@@ -431,13 +449,14 @@ def predict(
     instance_count: int = 1,
     echo=None,
     make_backend=default_backend,
+    raw: bool = False,
 ) -> dict:
     """Predict INPUT's rows with a run's model into OUTPUT; the record of what was done
     (also OUTPUT.json and the run's predictions/<label>/record.json). A predict that fails or
     is interrupted leaves OUTPUT and OUTPUT.json as they were, and in the run's tree only the
     job's log with a record saying so (`left_behind`)."""
     started = time.time()
-    chosen, kind, out_kind, previous = checked(settings, store, source, output, run_num, model)
+    chosen, kind, out_kind, previous = checked(settings, store, source, output, run_num, model, raw)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(started))
     prediction = chosen.run.prediction(f"{chosen.model}-{stamp}-{secrets.token_hex(3)}")
     job = predict_job(settings, chosen, prediction, instance_count)
@@ -462,14 +481,14 @@ def predict(
         "data_snapshot_hash": chosen.snapshot,
         "input": str(source.resolve()),
         "input_format": kind,
-        "input_sha256": input_sha256(source),
+        "input_sha256": folder_digest(source) if raw else input_sha256(source),
         "output": str(output.resolve()),
         "output_format": out_kind,
     }
     written = None
     try:
         sizes, result = upload_and_run(
-            settings, store, chosen, job, prediction, source, kind, echo, make_backend
+            settings, store, chosen, job, prediction, source, kind, echo, make_backend, record
         )
         completed_or_said(store, result, output)
         facts, written = write_output(store, prediction, sizes, output, out_kind)
@@ -599,18 +618,44 @@ def upload_and_run(
     kind: str,
     echo,
     make_backend,
+    record: dict,
 ):
     """INPUT's parts and the job's code uploaded, the job run; the parts removed however it
-    ended (even before the job started). The rows of each part, and the job's result."""
+    ended (even before the job started). The rows of each part, and the job's result; raw
+    data's reconcile said in `record`."""
     try:
-        sizes = upload_texts(store, source, kind, chosen.text_columns, prediction)
+        with tempfile.TemporaryDirectory(prefix="smpipe-predict-raw-") as tmp:
+            rows, read_as = source, kind
+            if kind == RAW:
+                rows, record["reconcile"] = raw_rows(store, chosen, source, Path(tmp))
+                read_as = "parquet"
+            sizes = upload_texts(store, rows, read_as, chosen.text_columns, prediction)
         if not sizes:
             raise PredictError([f"INPUT {source} holds no rows"], "smpipe predict")
-        log.info(f"{sum(sizes):,} rows of {source} in {len(sizes)} part(s)")
+        log.info(f"{sum(sizes):,} rows in {len(sizes)} part(s)")
         ship_code(store, chosen, prediction)
         return sizes, run_job(settings, store, job, chosen.run, echo, make_backend)
     finally:
         remove_input(store, prediction)
+
+
+def raw_rows(store: Store, chosen: Chosen, source: Path, tmp: Path) -> tuple[Path, dict]:
+    """Raw data's rows as the run's reconcile returns them (pipeline/predict_raw.py), checked
+    as INPUT's columns are; and what reconcile dropped."""
+    assemble_code(store, chosen, tmp / "code")
+    log.info(f"reconciling {source} with the run's {chosen.user_functions}.reconcile")
+    rows, said = reconciled(tmp / "code", chosen.user_functions, source, tmp)
+    whose = f"the rows {chosen.user_functions}.reconcile returned for {source}"
+    problems = [
+        p.replace(f"INPUT {rows}", whose)
+        for p in check_columns(rows, "parquet", chosen.text_columns)
+    ]
+    if problems:
+        raise PredictError(problems, "smpipe predict --raw")
+    for reason, count in said["dropped"].items():
+        shown = ", ".join(said["dropped_ids"][reason][:10])
+        log.warning(f"reconcile dropped {count:,} rows of {source} ({reason}): {shown}")
+    return rows, said
 
 
 def checked(
@@ -620,12 +665,13 @@ def checked(
     output: Path,
     run_num: int | None,
     model: str | None,
+    raw: bool,
 ) -> tuple[Chosen, str, str, bytes | None]:
     """What predicts, INPUT's format and OUTPUT's, and the earlier record OUTPUT.json holds
     (see check_files); PredictError with every problem."""
     chosen, problems = choose(settings, store, run_num, model)
     columns = chosen.text_columns if chosen else None
-    kind, out_kind, file_problems, previous = check_files(source, output, columns)
+    kind, out_kind, file_problems, previous = check_files(source, output, columns, raw)
     if problems or file_problems:
         raise PredictError(problems + file_problems, "smpipe predict")
     return chosen, kind, out_kind, previous

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+from pathlib import Path
 
 import datasets
 
@@ -66,15 +67,16 @@ def named_labels(dataset: datasets.Dataset) -> datasets.Dataset:
     return dataset.remove_columns("label").add_column("label", names)
 
 
-def check_result(result, module: str) -> tuple[datasets.Dataset, dict]:
-    """reconcile's return value as the contract has it, or an error naming the function."""
+def check_result(result, module: str, labelled: bool = True) -> tuple[datasets.Dataset, dict]:
+    """reconcile's return value as the contract has it, or an error naming the function. Rows
+    to predict (`labelled` False) need no label."""
     dataset, dropped = result if isinstance(result, tuple) and len(result) == 2 else (result, {})
     where = f"{module}.reconcile"
     if not isinstance(dataset, datasets.Dataset):
         raise TypeError(f"{where} must return a datasets.Dataset, got {type(dataset).__name__}")
-    if "label" not in dataset.column_names:
+    if labelled and "label" not in dataset.column_names:
         raise ValueError(f"{where} returned no 'label' column (columns: {dataset.column_names})")
-    label_type = dataset.features["label"]
+    label_type = dataset.features.get("label", datasets.Value("string"))
     if not isinstance(label_type, datasets.Value | datasets.ClassLabel):
         raise TypeError(
             f"{where} returned labels of type {label_type}: a label is one string (or number) "
@@ -149,6 +151,20 @@ def main() -> None:
             "raw_format": ",".join(f"{ext}:{n}" for ext, n in sorted(formats.items())),
         },
     )
+
+
+def reconcile_new(raw_dir: str, module: str, out: str) -> None:
+    """New data as RAW_DATA holds it, for `smpipe predict --raw`: the user's reconcile over it,
+    labels or none, in a process of its own; its rows to `out` (parquet), and what it dropped
+    to `out`.json. A label it returns is ignored: the model predicts one."""
+    functions = load_user_functions(module)
+    dataset, dropped = check_result(
+        call(functions, "reconcile", Path(raw_dir)), functions.module, labelled=False
+    )
+    dataset.remove_columns([c for c in ("label",) if c in dataset.column_names]).to_parquet(out)
+    counts = {reason: len(ids) for reason, ids in dropped.items() if ids}
+    listed = {reason: sorted(map(str, ids))[:100] for reason, ids in dropped.items() if ids}
+    Path(f"{out}.json").write_text(json.dumps({"dropped": counts, "dropped_ids": listed}))
 
 
 if __name__ == "__main__":

@@ -77,6 +77,20 @@ def test_a_new_project_runs_its_sample_locally(tmp_path):
     )
     record = run_sample(project)
     assert record["backend"] == "local"
+    # New items as data/ holds them, without their category: the project's reconcile reads
+    # them (`predict --raw`), and the run's winner labels each.
+    new = project / "new"
+    new.mkdir()
+    sample = (project / "data" / "news.csv").read_text().splitlines()
+    header = sample[0].split(",")
+    assert header[-1] == "category"
+    rows = [line.rsplit(",", 1)[0] for line in sample[1:6]]  # its last column is the category
+    (new / "news.csv").write_text("\n".join([",".join(header[:-1]), *rows]) + "\n")
+    done = smpipe("predict", "settings.ini", "new", "labelled.csv", "--raw", cwd=project)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    predicted = list(csv.DictReader((project / "labelled.csv").open()))
+    topics = {"business", "entertainment", "politics", "sports", "tech"}
+    assert len(predicted) == 5 and {row["predicted"] for row in predicted} <= topics
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -150,6 +151,46 @@ def test_csv_on_local_labels_the_test_split_as_inference_did(trained, tmp_path):
     prediction = key_of(store, record["predictions"]).rstrip("/") + "/"
     assert json.loads(store.get_bytes(prediction + "record.json")) == record
     assert not store.list_keys(prediction + "input/") and store.list_keys(prediction + "output/")
+
+
+def test_raw_data_without_labels_goes_through_the_runs_reconcile(trained, tmp_path):
+    """New articles as RAW_DATA holds them, without labels.csv: the run's own reconcile makes
+    their rows (the text joined as for training), and each gets inference's prediction."""
+    store, texts = trained["store"], trained["texts"]
+    new = tmp_path / "new"
+    (new / "articles").mkdir(parents=True)
+    for article_id in texts["id"]:
+        shutil.copy(trained["root"] / "raw" / "articles" / f"{article_id}.txt", new / "articles")
+    (new / "articles" / "blank.txt").write_text("  \n")  # reconcile drops it, and says so
+    settings = load_settings(trained["settings"], env={})
+    output = tmp_path / "out.csv"
+    record = predict(settings, store, new, output, echo=io.StringIO(), raw=True)
+    assert (record["input_format"], record["rows"], record["predicted"]) == (
+        "raw",
+        len(texts),
+        len(texts),
+    )
+    assert record["reconcile"] == {
+        "dropped": {"empty_article": 1},
+        "dropped_ids": {"empty_article": ["blank"]},
+    }
+    out = pd.read_csv(output, dtype={"id": str}).sort_values("id").reset_index(drop=True)
+    expected = inference_of(store, 2, "bow").sort_values("id").reset_index(drop=True)
+    assert_same_as_inference(out, expected)
+
+    # A file is not raw data; raw data reconcile makes nothing of is said with the rule.
+    with pytest.raises(
+        PredictError, match=r"--raw reads a folder, as reconcile\(raw_dir\) is given one"
+    ):
+        predict(settings, store, few_texts(trained, tmp_path / "texts.csv"), output, raw=True)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.md").write_text("no articles here")
+    with pytest.raises(
+        PipelineError, match=r"reconcile failed on INPUT .*other: .*returned no rows\. --raw runs"
+    ):
+        predict(settings, store, tmp_path / "other", output, raw=True)
+    # Nothing was written over: OUTPUT is still the first predict's.
+    assert json.loads(Path(f"{output}.json").read_text()) == record
 
 
 @pytest.mark.slow

@@ -21,23 +21,27 @@ def minilm_path() -> str:
 
 
 def reconcile(raw_dir):
-    """Match article files with labels.csv; drop what cannot be matched and say so."""
+    """Match article files with labels.csv; drop what cannot be matched and say so. New
+    articles without labels.csv (`smpipe predict --raw`) are every article, label None."""
     raw_dir = Path(raw_dir)
-    labels: dict[str, str] = {}
+    articles = {p.stem: p for p in sorted((raw_dir / "articles").glob("*.txt"))}
+    labels: dict[str, str | None] = {}
     dropped: dict[str, list[str]] = {
         "label_without_article": [],
         "article_without_label": [],
         "duplicate_label": [],
         "empty_article": [],
     }
-    with open(raw_dir / "labels.csv", newline="", encoding="utf-8") as f:
-        for row in csv.DictReader(f):
-            article_id, label = row["id"].strip(), row["label"].strip()
-            if article_id in labels:
-                dropped["duplicate_label"].append(article_id)
-                continue
-            labels[article_id] = label
-    articles = {p.stem: p for p in sorted((raw_dir / "articles").glob("*.txt"))}
+    if not (raw_dir / "labels.csv").exists():
+        labels = dict.fromkeys(articles)
+    else:
+        with open(raw_dir / "labels.csv", newline="", encoding="utf-8") as f:
+            for row in csv.DictReader(f):
+                article_id, label = row["id"].strip(), row["label"].strip()
+                if article_id in labels:
+                    dropped["duplicate_label"].append(article_id)
+                    continue
+                labels[article_id] = label
     ids, texts, targets = [], [], []
     for article_id, label in labels.items():
         path = articles.get(article_id)

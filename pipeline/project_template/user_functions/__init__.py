@@ -38,14 +38,15 @@ def reconcile(raw_dir):
         "csv", data_files=str(Path(raw_dir) / "news.csv"), split="train"
     )
     # TODO: your columns. smpipe needs a "label" column (strings, or a ClassLabel) and
-    # whatever encode() reads; an "id" column lets it name the rows you drop.
+    # whatever encode() reads; an "id" column lets it name the rows you drop. New data that
+    # `smpipe predict --raw` reads has no labels: None then.
     dataset = dataset.map(
         lambda row: {
             "text": " ".join(f"{row['title'] or ''}. {row['description'] or ''}".split()),
             # TODO: your label names: rename or merge them here, e.g. {"sports": "sport"}.
-            "label": row["category"],
+            "label": row.get("category"),
         },
-        remove_columns=["title", "description", "category"],
+        remove_columns=[c for c in dataset.column_names if c != "id"],
     )
     # TODO: your cleaning. Rows the model should not see are dropped, and said by id:
     # smpipe prints how many and records which in the run's snapshot.json.
