@@ -4,7 +4,9 @@ Reads top to bottom, like Accelerate's examples: `main()` reads the container co
 casts the hyperparameters once; `training_function()` runs the stages, each a short function:
 set up, resume, one epoch at a time (validate, keep the best, checkpoint), finish. The job
 resumes from the newest good checkpoint in SM_CHECKPOINT_DIR, and on SIGTERM (a spot reclaim)
-it finishes the current step, writes a checkpoint and exits with EXIT_INTERRUPTED.
+it finishes the current step, writes a checkpoint and exits with EXIT_INTERRUPTED: after the
+step it arrives in with one process, with several at most about 10 s of steps later
+(training_blocks.StopCheck). Between logging steps the loop never waits for the device.
 
 Channels: train, validation (datasets save_to_disk, every model's columns prefixed with its
 name, `<model>__length` per row), labels (id2label.json, inputs.json, encoding.json). Rows
@@ -55,12 +57,13 @@ from steps.runtime.environment import TrainingEnv, training_env
 from steps.runtime.step import run_step, write_step_metadata
 from steps.training_blocks import (
     Diverged,
+    EpochLoss,
     Interrupt,
+    StopCheck,
     accelerator_for,
     batch_split,
     check_output_width,
     evaluate,
-    interrupted,
     loader_for,
     optimizer_for,
     save_final_model,
@@ -122,6 +125,7 @@ class Job:
     epoch_started: float = 0.0
     loop_seconds: float = 0.0  # in train_epoch: the optimizer steps, nothing around them
     last_finite: tuple[int, float] | None = None  # (optimizer step, its mean loss)
+    stop_check: StopCheck = field(default_factory=StopCheck)  # when the processes ask (SIGTERM)
     tracking: concurrent.futures.Future | None = None  # wandb starting (start_tracking)
     # FSDP: the model on the meta device, on the main process, for the gathered final weights
     frame: torch.nn.Module | None = None
@@ -376,92 +380,143 @@ def peak_memory(accelerator: Accelerator) -> tuple[str, int]:
     return "host_max_rss_bytes", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def check_finite(job: Job, before: list[float]) -> None:
+def check_finite(job: Job, steps: list[tuple[int, float, float]]) -> None:
     """Stop at the first optimizer step whose loss is inf or nan (diverged, or non-finite
     gradients from the step before): a model past it is never checkpointed or promoted.
-    The epoch's loss sum is read once a step anyway, so this costs no extra sync."""
-    total, count = job.state.epoch_loss
-    loss = (total - before[0]) / max(1.0, count - before[1])
-    if math.isfinite(total):
-        job.last_finite = (job.state.step, loss)
-        return
-    hp, last = job.hp, job.last_finite
-    raise Diverged(
-        f"the training loss is {loss} at optimizer step {job.state.step} "
-        f"(epoch {job.state.epoch + 1}); "
-        + (
-            f"the last finite loss was {last[1]:.4f} at step {last[0]}. "
-            if last
-            else "no step had a finite loss. "
+    `steps`: (step, the epoch's loss sum after it, its mean loss), as `EpochLoss.read` gives
+    them after a logging step, before a checkpoint and at the epoch's end, so the step is
+    found there (said when later than the step it names), at no cost of its own."""
+    for step, total, loss in steps:
+        if math.isfinite(total):
+            job.last_finite = (step, loss)
+            continue
+        hp, last, now = job.hp, job.last_finite, job.state.step
+        found = f", found after step {now}" if now != step else ""
+        raise Diverged(
+            f"the training loss is {loss} at optimizer step {step} "
+            f"(epoch {job.state.epoch + 1}{found}); "
+            + (
+                f"the last finite loss was {last[1]:.4f} at step {last[0]}. "
+                if last
+                else "no step had a finite loss. "
+            )
+            + f"Lower LEARNING_RATE ({hp['learning_rate']:g}) or "
+            f"WEIGHT_DECAY ({hp['weight_decay']:g}), "
+            "or check the data and load_model; no model of this job is kept"
         )
-        + f"Lower LEARNING_RATE ({hp['learning_rate']:g}) or "
-        f"WEIGHT_DECAY ({hp['weight_decay']:g}), "
-        "or check the data and load_model; no model of this job is kept"
-    )
+
+
+def read_loss(job: Job, losses: EpochLoss) -> float | None:
+    """The epoch's loss sums read to the host (`state.epoch_loss`, what a checkpoint and the
+    epoch's record hold), every step since the last read checked to be finite; the last of
+    those steps' mean loss (None if none)."""
+    job.state.epoch_loss, steps = losses.read()
+    check_finite(job, steps)
+    return steps[-1][2] if steps else None
+
+
+class Progress:
+    """About ten progress lines an epoch, after each step whose number is a multiple of
+    `every` (the same on every process), with the examples a second since the line before."""
+
+    def __init__(self, job: Job) -> None:
+        self.every = max(1, job.sampler.steps_per_epoch // 10)
+        self.rows = job.sampler.per_device * job.accumulation * job.accelerator.num_processes
+        self.since = (time.time(), job.state.step)
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def say(self, job: Job, loss: float) -> None:
+        """The line: `loss` is the step's mean over the main process's micro-batches."""
+        now, (then, at) = time.time(), self.since
+        rate = (job.state.step - at) * self.rows / max(now - then, 1e-9)
+        self.since = (now, job.state.step)
+        job.accelerator.print(
+            f"step={job.state.step}/{job.total_steps} epoch={job.state.epoch + 1} "
+            f"loss={loss:.4f} examples/s={rate:.1f}"
+        )
 
 
 def train_epoch(job: Job) -> None:
-    """Optimizer steps until the epoch ends (or MAX_STEPS); exits the job on SIGTERM."""
-    accelerator, state, model, keys = job.accelerator, job.state, job.model, job.keys
+    """Optimizer steps until the epoch ends (or MAX_STEPS); exits the job on SIGTERM. A step
+    queues its work on the device and goes on: only a logging step, a checkpoint, the
+    processes' SIGTERM check (`StopCheck`) and the epoch's end wait for the device, to read
+    the loss (`EpochLoss`) or the processes' flags."""
+    accelerator, state = job.accelerator, job.state
     loop_started = time.time()
     job.sampler.set_epoch(state.epoch, state.batch_in_epoch)
     accelerator.step = state.batch_in_epoch % job.accumulation
-    # The epoch's loss sum and batch count stay on the device: no host sync per micro-batch.
-    running = torch.tensor(state.epoch_loss, dtype=torch.float64, device=accelerator.device)
-    log_every = max(1, job.sampler.steps_per_epoch // 10)  # about ten progress lines an epoch
-    per_step = job.sampler.per_device * job.accumulation * accelerator.num_processes
-    last_line = (time.time(), state.step)  # examples/s since the last progress line
+    losses, progress = EpochLoss(state.epoch_loss, accelerator.device), Progress(job)
+    job.stop_check.restart(state.step)
     # Accelerate's prepare makes a DDP model's forward autocast; a sharded model is not
     # prepared (set_up). Its gradients are reduce-scattered at every micro-batch: kept whole
     # until the last (set_requires_gradient_sync(False)), they would take a whole model's room.
     autocast = accelerator.autocast if state.sharded else contextlib.nullcontext
-    model.train()
+    job.model.train()
     for batch in job.train_loader:
         if state.step >= job.total_steps:
             break
-        batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
-        with accelerator.accumulate(model):
-            with autocast():
-                logits = logits_of(model(**{k: batch[k] for k in keys}))
-            loss = torch.nn.functional.cross_entropy(logits.float(), batch["label_id"])
-            accelerator.backward(loss)
-            job.optimizer.step()
-            if accelerator.sync_gradients:
-                job.scheduler.step()
-            job.optimizer.zero_grad()
-        running[0] += loss.detach()
-        running[1] += 1
+        losses.add(micro_batch(job, batch, autocast))
         state.batch_in_epoch += 1
         job.sampler.start = state.batch_in_epoch
-        if not accelerator.sync_gradients:
-            continue
-        state.step += 1
-        before, state.epoch_loss = state.epoch_loss, running.tolist()
-        check_finite(job, before)
-        if state.step % log_every == 0:
-            now = time.time()
-            rate = (state.step - last_line[1]) * per_step / max(now - last_line[0], 1e-9)
-            last_line = (now, state.step)
-            accelerator.print(
-                f"step={state.step}/{job.total_steps} epoch={state.epoch + 1} "
-                f"loss={loss.item():.4f} "
-                f"examples/s={rate:.1f}"
-            )
-        if interrupted(accelerator):
-            checkpoint(job)
-            accelerator.print(
-                f"SIGTERM: checkpoint written at step {state.step}; exiting to be resumed"
-            )
-            if accelerator.is_main_process:
-                job.env.failure_file.parent.joinpath(names.INTERRUPTED).write_text(str(state.step))
-            leave(job)
-            sys.exit(names.EXIT_INTERRUPTED)
-        if state.batch_in_epoch == job.sampler.batches_per_epoch or state.step >= job.total_steps:
+        if accelerator.sync_gradients and after_step(job, losses, progress):
             break  # the epoch-end checkpoint follows validation
-        if job.hp["checkpoint_every_steps"] and state.step % job.hp["checkpoint_every_steps"] == 0:
-            checkpoint(job)
-    state.epoch_loss = running.tolist()
+    read_loss(job, losses)
     job.loop_seconds += time.time() - loop_started
+
+
+def micro_batch(job: Job, batch: dict, autocast) -> torch.Tensor:
+    """One forward and backward pass; the optimizer steps after the last of an accumulation
+    group (Accelerate's `accumulate`). Its loss, on the device."""
+    accelerator, model = job.accelerator, job.model
+    batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
+    with accelerator.accumulate(model):
+        with autocast():
+            logits = logits_of(model(**{k: batch[k] for k in job.keys}))
+        loss = torch.nn.functional.cross_entropy(logits.float(), batch["label_id"])
+        accelerator.backward(loss)
+        job.optimizer.step()
+        if accelerator.sync_gradients:
+            job.scheduler.step()
+        job.optimizer.zero_grad()
+    return loss
+
+
+def after_step(job: Job, losses: EpochLoss, progress: Progress) -> bool:
+    """An optimizer step's bookkeeping: the progress line, SIGTERM, CHECKPOINT_EVERY_STEPS,
+    each decided on step numbers, Python ints every process has alike. Whether the epoch ends
+    here."""
+    state, every = job.state, job.hp["checkpoint_every_steps"]
+    state.step += 1
+    losses.step_taken(state.step)
+    last = state.batch_in_epoch == job.sampler.batches_per_epoch or state.step >= job.total_steps
+    logging = progress.due(state.step)
+    if logging:
+        progress.say(job, read_loss(job, losses))
+    if job.stop_check.stop(job.accelerator, state.step, logging or last):
+        stop(job, losses)
+    if last:
+        return True
+    if every and state.step % every == 0:
+        read_loss(job, losses)  # what the checkpoint holds; never one past a non-finite loss
+        checkpoint(job)
+    return False
+
+
+def stop(job: Job, losses: EpochLoss) -> None:
+    """SIGTERM: a checkpoint after this step, the interrupted marker, and every process leaves
+    with EXIT_INTERRUPTED."""
+    read_loss(job, losses)
+    checkpoint(job)
+    job.accelerator.print(
+        f"SIGTERM: checkpoint written at step {job.state.step}; exiting to be resumed"
+    )
+    if job.accelerator.is_main_process:
+        marker = job.env.failure_file.parent.joinpath(names.INTERRUPTED)
+        marker.write_text(str(job.state.step))
+    leave(job)
+    sys.exit(names.EXIT_INTERRUPTED)
 
 
 def end_epoch(job: Job) -> None:

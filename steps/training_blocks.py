@@ -1,7 +1,8 @@
 """The building blocks steps/train.py builds a training job from, with Hugging Face Accelerate:
 the optimizer and its schedule, the Accelerator, how the batch splits across devices, the
-resumable loader, validation, the SIGTERM flag, and the saved model. Each is a plain function
-of what it needs; steps/train.py reads top to bottom and calls them in order.
+resumable loader, the epoch's loss on the device, validation, the SIGTERM flag and when the
+processes ask each other about it, and the saved model. Each is a plain function (or a small
+object) of what it needs; steps/train.py reads top to bottom and calls them in order.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import functools
 import math
 import os
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,13 +33,95 @@ class Diverged(RuntimeError):
 
 
 class Interrupt:
-    """Set by SIGTERM; acted on at the next optimizer-step boundary, never mid-step."""
+    """Set by SIGTERM; acted on at an optimizer-step boundary, never mid-step (`StopCheck`)."""
 
     requested = False
 
     @classmethod
     def install(cls) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(cls, "requested", True))
+
+
+# SageMaker sends SIGKILL 120 s after SIGTERM ("SageMaker sends the algorithm the SIGTERM
+# signal, which delays job termination for 120 seconds": API_StopTrainingJob). Processes that
+# ask each other about SIGTERM this often leave the rest of that time to the checkpoint.
+STOP_CHECK_SECONDS = 10.0
+
+
+class StopCheck:
+    """Whether any process got SIGTERM, asked after an optimizer step every process agrees on.
+
+    One process reads its own flag after every step: a Python bool, nothing waits. Several
+    all-reduce their flags, and reading the result waits for the device to finish every step
+    queued before it; so they ask after a logging step, after the epoch's last step, and
+    otherwise once about STOP_CHECK_SECONDS of steps have passed since they last asked. That
+    pace is the slowest process's seconds a step, all-reduced with the flags, so every process
+    computes the same next step to ask at. They first ask after the job's first step, to
+    measure it. So SIGTERM is acted on after the step it arrives in with one process, and with
+    several at most max(1 step, about STOP_CHECK_SECONDS of steps) later."""
+
+    def __init__(self) -> None:
+        self.next = 1  # no pace yet: after the first step, whatever step the job resumed at
+        self.since = (time.monotonic(), 0)
+
+    def restart(self, step: int) -> None:
+        """An epoch begins after `step`: the time since the last ask held validation."""
+        self.since = (time.monotonic(), step)
+
+    def stop(self, accelerator: Accelerator, step: int, agreed: bool) -> bool:
+        """Whether to checkpoint and exit after `step`; `agreed`: a step after which every
+        process asks anyway (a logging step, the epoch's last)."""
+        if accelerator.num_processes == 1:
+            return Interrupt.requested
+        if not (agreed or step >= self.next):
+            return False
+        then, at = self.since
+        pace = (time.monotonic() - then) / max(1, step - at)
+        asked = torch.tensor(
+            [float(Interrupt.requested), pace], dtype=torch.float64, device=accelerator.device
+        )
+        torch.distributed.all_reduce(asked, op=torch.distributed.ReduceOp.MAX)
+        requested, pace = asked.tolist()
+        self.since = (time.monotonic(), step)
+        self.next = step + max(1, int(STOP_CHECK_SECONDS / max(pace, 1e-6)))
+        return requested > 0
+
+
+class EpochLoss:
+    """This process's loss sum and micro-batch count for the epoch, on the device, and the sums
+    as each optimizer step left them. Adding to them never waits for the device; reading them
+    (`read`) does, so the loop reads them only after a logging step, before a checkpoint and at
+    the epoch's end."""
+
+    def __init__(self, epoch_loss: list[float], device: torch.device) -> None:
+        self.sums = torch.tensor(epoch_loss, dtype=torch.float64, device=device)
+        self.last_read = list(epoch_loss)
+        self.steps: list[tuple[int, torch.Tensor]] = []  # (optimizer step, the sums after it)
+        self.added = False  # micro-batches since the last read
+
+    def add(self, loss: torch.Tensor) -> None:
+        """A micro-batch's loss."""
+        self.sums[0] += loss.detach()
+        self.sums[1] += 1
+        self.added = True
+
+    def step_taken(self, step: int) -> None:
+        self.steps.append((step, self.sums.clone()))
+
+    def read(self) -> tuple[list[float], list[tuple[int, float, float]]]:
+        """The epoch's sums, and for each optimizer step since the last read: its number, the
+        epoch's loss sum after it and the step's mean loss over this process's micro-batches.
+        One copy to the host, none if nothing was added since."""
+        if not self.added:
+            return list(self.last_read), []
+        values = torch.cat([self.sums, *(sums for _, sums in self.steps)]).tolist()
+        steps, (total, count) = [], self.last_read
+        for i, (step, _) in enumerate(self.steps, start=1):
+            after, batches = values[2 * i : 2 * i + 2]
+            steps.append((step, after, (after - total) / max(1.0, batches - count)))
+            total, count = after, batches
+        self.last_read, self.steps, self.added = values[:2], [], False
+        return list(self.last_read), steps
 
 
 def adamw(groups: list[dict], lr: float) -> tuple[torch.optim.Optimizer, str]:
@@ -189,14 +273,6 @@ def check_output_width(accelerator, model, batches, keys, labels: int, module: s
             f"{module}.load_model returned a model with {width} outputs for {labels} labels: "
             "give it one output per label (num_labels=len(id2label))"
         )
-
-
-def interrupted(accelerator: Accelerator) -> bool:
-    """Whether any process got SIGTERM: all of them stop at the same step."""
-    if accelerator.num_processes == 1:
-        return Interrupt.requested
-    flag = torch.tensor([1 if Interrupt.requested else 0], device=accelerator.device)
-    return bool(accelerator.reduce(flag, reduction="sum").item())
 
 
 def evaluate(

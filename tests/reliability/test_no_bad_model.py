@@ -12,10 +12,15 @@ from pipeline.config import ConfigError, load_settings
 from tests.conftest import write_settings
 from tests.test_resume import HPS, job_root, start
 
-
 # Within the table's bounds (a job refuses 1e30 by name before it trains): a step of 10 with a
-# decoupled weight decay of 10 multiplies every weight by -99 a step, until it overflows.
-@pytest.mark.parametrize("hps", [{"learning_rate": "10", "weight_decay": "10"}])
+# decoupled weight decay of 10 multiplies every weight by -99 a step, until it overflows. The
+# loss is read after every step of an 8-step epoch, and every 3 steps of a 32-step one.
+DIVERGING = {"learning_rate": "10", "weight_decay": "10"}
+
+
+@pytest.mark.parametrize(
+    "hps", [DIVERGING, {**DIVERGING, "batch_size": "2", "max_per_device_batch_size": "1"}]
+)
 def test_a_diverging_job_fails_naming_the_step_and_keeps_no_model(tmp_path, channels, hps):
     root, env = job_root(tmp_path, channels, {**HPS, **hps})
     proc = start(env, 1)
