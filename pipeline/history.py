@@ -78,7 +78,7 @@ def _row(store: Store, tree: ExperimentTree, run_num: int, record: dict | None) 
         "status": status,
         "models": list(record.get("model_artifacts") or {}) or sorted(performance),
         "macro_f1": {m: p["macro_f1"] for m, p in performance.items()},
-        "accuracy": {m: p["accuracy"] for m, p in performance.items()},
+        "accuracy": {m: p.get("accuracy") for m, p in performance.items()},
         "validation": {m: d.get("history") or [] for m, d in (trained or {}).items()},
         "data_version": record.get("data_version"),
         "snapshot": record.get("data_snapshot_hash"),

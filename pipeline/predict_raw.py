@@ -9,6 +9,7 @@ code/) and this project's steps/, as the predict job gets them (pipeline/predict
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from pipeline.raw_data import folder_problems
 
 RAW = "raw"  # INPUT's format in predict's record: raw data, read by the run's reconcile
 # What the process runs: steps/reconcile.py's reconcile_new with RAW, the module and OUT.
-CALL = "import sys; from steps.reconcile import reconcile_new; reconcile_new(*sys.argv[1:])"
+CALL = "import sys; from steps.reconcile import reconcile_new_process as p; p(sys.argv[1:])"
 RULE = (
     "--raw runs the run's reconcile over INPUT as over RAW_DATA, without labels: a reconcile "
     "that reads a label returns None for it (or no label column) when the data has none"
@@ -38,9 +39,12 @@ def reconciled(code: Path, module: str, source: Path, into: Path) -> tuple[Path,
     """INPUT's rows as `module`.reconcile returns them, in a parquet file under `into`, and
     what it dropped ({"dropped": {reason: count}, "dropped_ids": {reason: [first ids]}})."""
     out = into / "reconciled.parquet"
+    # datasets' cache of what load_dataset read goes with the rest, not into ~/.cache.
+    env = {**os.environ, "HF_DATASETS_CACHE": str(into / "datasets-cache")}
     done = subprocess.run(
         [sys.executable, "-c", CALL, str(source.resolve()), module, str(out)],
         cwd=code,
+        env=env,
         capture_output=True,
         text=True,
     )

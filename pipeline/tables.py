@@ -39,7 +39,11 @@ def runs_table(title: str, rows: list[dict]) -> Table:
             row["status"] or "",
             "\n".join(f"{key} {value}" for key, value in row["settings"].items()),
             "\n".join(f"{m} {row['macro_f1'][m]:.4f}" for m in ranked) or ", ".join(row["models"]),
-            "\n".join(f"{m} {row['accuracy'][m]:.4f}" for m in ranked),
+            "\n".join(
+                f"{m} {row['accuracy'][m]:.4f}"
+                for m in ranked
+                if row["accuracy"].get(m) is not None
+            ),
             data,
             took,
             cost.short(row.get("cost")),  # USD from SageMaker's billing; locally CPU-seconds

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import traceback
 from pathlib import Path
 
 import datasets
@@ -20,7 +21,7 @@ import datasets
 from steps.arguments import RECONCILE, parse
 from steps.runtime import names
 from steps.runtime.environment import processing_input, processing_output
-from steps.runtime.step import run_step, write_step_metadata
+from steps.runtime.step import end_process, run_step, write_step_metadata
 from steps.user_code import call, load_user_functions
 
 
@@ -165,6 +166,17 @@ def reconcile_new(raw_dir: str, module: str, out: str) -> None:
     counts = {reason: len(ids) for reason, ids in dropped.items() if ids}
     listed = {reason: sorted(map(str, ids))[:100] for reason, ids in dropped.items() if ids}
     Path(f"{out}.json").write_text(json.dumps({"dropped": counts, "dropped_ids": listed}))
+
+
+def reconcile_new_process(argv: list[str]) -> None:
+    """`smpipe predict --raw`'s process (pipeline/predict_raw.py): reconcile_new, then the
+    process ends as a step's does, never waiting for a thread the user's module left."""
+    try:
+        reconcile_new(*argv)
+    except BaseException:
+        traceback.print_exc()
+        end_process(1)
+    end_process(0)
 
 
 if __name__ == "__main__":

@@ -193,6 +193,45 @@ def test_raw_data_without_labels_goes_through_the_runs_reconcile(trained, tmp_pa
     assert json.loads(Path(f"{output}.json").read_text()) == record
 
 
+LEAVES_A_THREAD = """
+import threading, time
+import datasets
+
+def reconcile(raw_dir):
+    threading.Thread(target=time.sleep, args=(3600,)).start()  # not a daemon: never joined
+    return datasets.Dataset.from_dict({"id": ["a"], "text": [(raw_dir / "a.txt").read_text()]})
+
+# The rest of the contract, which predict --raw does not call.
+from user_functions import encode, load_model, load_tokenizer, ordered_input_keys  # noqa: E402
+"""
+
+
+def test_a_raw_reconcile_that_leaves_a_thread_still_ends(tmp_path):
+    """reconcile runs in a process of its own, which ends once its rows are written, as a job
+    does, whatever threads the user's module left running."""
+    from pipeline.predict_raw import reconciled
+
+    code, raw = tmp_path / "code", tmp_path / "raw"
+    shutil.copytree(ROOT / "steps", code / "steps")
+    shutil.copytree(ROOT / "user_functions", code / "user_functions")
+    code.joinpath("threaded.py").write_text(LEAVES_A_THREAD)
+    raw.mkdir()
+    raw.joinpath("a.txt").write_text("a new text")
+
+    def hung(*_):
+        raise TimeoutError("the reconcile process waited for its thread")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        rows, said = reconciled(code, "threaded", raw, tmp_path)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert pq.read_table(rows).to_pylist() == [{"id": "a", "text": "a new text"}]
+    assert said == {"dropped": {}, "dropped_ids": {}}
+
+
 @pytest.mark.slow
 def test_emulated_parquet_input_is_run_1s_winner_by_default(trained, tmp_path):
     """`smpipe predict` as a user types it, on the emulated backend: the SageMaker request
