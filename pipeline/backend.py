@@ -8,8 +8,13 @@ so no lower module asks the chooser above it (pipeline/backends/choose.py) for a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
+
+from pipeline.errors import log
 
 if TYPE_CHECKING:
     from pipeline.config import Settings
@@ -94,3 +99,41 @@ class TrialRunner(Protocol):
     def say(self, job_name: str, text: str) -> None:
         """One line about a job to the user's terminal."""
         ...
+
+
+@contextmanager
+def running_backend(backend: Backend) -> Iterator[Backend]:
+    """A backend while its jobs run, a run's or a predict's: when what runs them raises (a job
+    that failed, the store, Ctrl-C) its jobs are stopped, then it is closed as failed, and the
+    exception goes on to say how it ended; closed as succeeded when nothing was raised."""
+    try:
+        yield backend
+    except BaseException:
+        with undisturbed():
+            backend.stop()
+            backend.close(succeeded=False)
+        raise
+    backend.close(succeeded=True)
+
+
+@contextmanager
+def undisturbed():
+    """While jobs are stopped and their ending recorded (bounded by the jobs' 120 s grace), a
+    further Ctrl-C or SIGTERM is said, not obeyed: obeyed, it cut the tidying short and left
+    the jobs' networks and work folders until the next run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def said(signum, _frame) -> None:
+        log.warning(
+            "still stopping: each job has up to 120 s to save, then it is killed; its "
+            "network and work folder are removed"
+        )
+
+    before = {s: signal.signal(s, said) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():  # None: a handler set outside Python
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)

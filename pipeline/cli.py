@@ -243,7 +243,7 @@ PREDICT = (
 
 
 def predict_options(predict: argparse.ArgumentParser) -> None:
-    """`smpipe predict settings.ini INPUT OUTPUT`: pipeline/predict.py."""
+    """`smpipe predict settings.ini INPUT OUTPUT`: pipeline/predict/."""
     predict.add_argument(
         "input",
         type=Path,

@@ -13,14 +13,13 @@ hands the same objects to the backend (pipeline/backends/).
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import threading
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 from pipeline import cache, registry
 from pipeline import metadata as md
+from pipeline.backend import running_backend, undisturbed
 from pipeline.backends.choose import hosts_refuse, make_backend
 from pipeline.code_bundle import PROJECT_ROOT, ship_code
 from pipeline.config import ConfigError, Settings
@@ -215,11 +214,12 @@ def execute(
     failed or interrupted with its jobs stopped and the reason recorded."""
     started = time.time()
     ctx, planned = set_up(settings, store, run, base, steps, sources)
-    ctx.backend = backend = make_backend(settings, store, run, echo)
-    base.image = getattr(backend, "image_record", None)  # a test's stand-in may hold none
+    ctx.backend = make_backend(settings, store, run, echo)
+    base.image = getattr(ctx.backend, "image_record", None)  # a test's stand-in may hold none
     try:
-        for stage, stage_jobs in planned:
-            stage.run(ctx, stage_jobs)
+        with running_backend(ctx.backend):  # its jobs stopped before any ending is recorded
+            for stage, stage_jobs in planned:
+                stage.run(ctx, stage_jobs)
     except JobFailed as e:
         ended(ctx, started, "failed", str(e))
         where = store.uri_of(e.result.log_key) if e.result.log_key else "the backend"
@@ -236,7 +236,6 @@ def execute(
         ) from None
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (pipeline/cli.py turns it into this)
         with undisturbed():
-            backend.stop()
             ended(ctx, started, "interrupted", "stopped by the user (SIGINT/SIGTERM)")
         log.info(
             f"run {run.label} interrupted: its jobs were stopped and their logs kept; "
@@ -244,11 +243,9 @@ def execute(
         )
         raise
     except StoreError as e:  # the store refused a write (full, gone, denied): one paragraph
-        backend.stop()
         said = ended_if_possible(ctx, started, e)
         raise PipelineError(f"run {run.label} failed: {e}. {said}") from None
     except BaseException as e:
-        backend.stop()
         ended(ctx, started, "failed", f"{type(e).__name__}: {e}")
         raise
     record = ended(ctx, started, "completed", None)
@@ -321,9 +318,8 @@ def set_up(
 
 
 def ended(ctx: RunContext, started: float, status: str, reason: str | None) -> dict:
-    """The run's final Metadata written; the backend closed (its leftovers tidied when the run
-    completed); a completed run's checkpoints removed (it will not be resumed), a failed run's
-    report drawn."""
+    """The run's final Metadata written once its backend is closed (`running_backend`); a
+    completed run's checkpoints removed (it will not be resumed), a failed run's report drawn."""
     base = ctx.base
     with undisturbed():
         if status == "completed" and not ctx.settings.training.keep_checkpoints_after_run:
@@ -334,33 +330,9 @@ def ended(ctx: RunContext, started: float, status: str, reason: str | None) -> d
         base.status, base.failure_reason = status, reason
         base.end_time, base.time_taken = md.iso(now), round(now - started, 3)
         record = md.merge(ctx.store, ctx.run, base).model_dump()
-        ctx.backend.close(succeeded=status == "completed")
     if status == "failed":
         write_run_report(ctx.store, ctx.run, ctx.settings.source)
     return record
-
-
-@contextmanager
-def undisturbed():
-    """While a run that ends stops its jobs, records how it ended and tidies up (bounded by
-    the jobs' 120 s grace), a further Ctrl-C or SIGTERM is said, not obeyed: obeyed, it cut the
-    tidying short and left the jobs' networks and work folders until the next run."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def said(signum, _frame) -> None:
-        log.warning(
-            "still stopping: each job has up to 120 s to save, then it is killed; its "
-            "network and work folder are removed"
-        )
-
-    before = {s: signal.signal(s, said) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for signum, handler in before.items():  # None: a handler set outside Python
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 def ended_if_possible(ctx: RunContext, started: float, error: StoreError) -> str:
@@ -369,7 +341,6 @@ def ended_if_possible(ctx: RunContext, started: float, error: StoreError) -> str
     try:
         ended(ctx, started, "failed", str(error))
     except StoreError as e:
-        ctx.backend.close(succeeded=False)
         return (
             f"It could not be marked failed either ({e}); the next run marks it abandoned once "
             f"its heartbeat stops, and {resume}."

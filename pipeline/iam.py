@@ -100,7 +100,8 @@ def planned_requests(settings: Settings) -> list[tuple[str, dict]]:
     from pipeline.backend import identity
     from pipeline.jobs import request_for
     from pipeline.paths import ExperimentTree
-    from pipeline.predict import Chosen, predict_job
+    from pipeline.predict.checks import Chosen
+    from pipeline.predict.job import predict_job
     from pipeline.sources import Sources, raw_read_by_jobs
     from pipeline.stages import STEPS, build_jobs
 

@@ -345,7 +345,7 @@ class RunTree:
         return f"{self.prefix}predictions/"
 
     def prediction(self, label: str) -> PredictionTree:
-        """One `smpipe predict` with a model of this run (pipeline/predict.py)."""
+        """One `smpipe predict` with a model of this run (pipeline/predict/)."""
         return PredictionTree(f"{self.predictions}{label}/")
 
     def report(self, step: str) -> str:

@@ -9,7 +9,7 @@ whose names start with a dot) are ignored, unless they are explicitly requested"
 5.2.0, src/datasets/data_files.py: `resolve_pattern`'s docstring, and
 `_is_unrequested_hidden_file_or_is_inside_unrequested_hidden_dir`, which it applies to every
 match), so a `reconcile` that calls `load_dataset(..., data_dir=raw_dir)` never reads them
-either; `smpipe predict` leaves them out of a folder too (pipeline/predict_files.py). The rule
+either; `smpipe predict` leaves them out of a folder too (pipeline/predict/files.py). The rule
 holds on every side of every comparison: the folder, the store's raw/, a raw version, the
 local job's copy of a folder (pipeline/player/transfers.py `fetch_input`) and the cache key
 (pipeline/cache.py `raw_digest`). Refused by name, before anything is written: a file named

@@ -70,7 +70,7 @@ EXPORT = (
     Argument("--exports", help="comma separated: torchscript, exported"),
 )
 
-# `smpipe predict` with one model of a run (pipeline/predict.py).
+# `smpipe predict` with one model of a run (pipeline/predict/).
 PREDICT = (
     Argument("--model-name"),
     Argument("--batch-size", int, "inference.batch_size"),

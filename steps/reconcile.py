@@ -169,7 +169,7 @@ def reconcile_new(raw_dir: str, module: str, out: str) -> None:
 
 
 def reconcile_new_process(argv: list[str]) -> None:
-    """`smpipe predict --raw`'s process (pipeline/predict_raw.py): reconcile_new, then the
+    """`smpipe predict --raw`'s process (pipeline/predict/raw.py): reconcile_new, then the
     process ends as a step's does, never waiting for a thread the user's module left."""
     try:
         reconcile_new(*argv)

@@ -30,8 +30,10 @@ from pipeline.config import ConfigError, load_settings
 from pipeline.driver import parse_steps, run_pipeline
 from pipeline.errors import PipelineError
 from pipeline.paths import ExperimentTree
-from pipeline.predict import Chosen, PredictError, choose, predict, predict_job
-from pipeline.predict_files import read_rows, write_parts
+from pipeline.predict import predict
+from pipeline.predict.checks import Chosen, PredictError, choose
+from pipeline.predict.files import read_rows, write_parts
+from pipeline.predict.job import predict_job
 from pipeline.service_model import as_if_on_s3, refused
 from pipeline.store import LocalStore, key_of
 from steps.batching import read_split
@@ -209,7 +211,7 @@ from user_functions import encode, load_model, load_tokenizer, ordered_input_key
 def test_a_raw_reconcile_that_leaves_a_thread_still_ends(tmp_path):
     """reconcile runs in a process of its own, which ends once its rows are written, as a job
     does, whatever threads the user's module left running."""
-    from pipeline.predict_raw import reconciled
+    from pipeline.predict.raw import reconciled
 
     code, raw = tmp_path / "code", tmp_path / "raw"
     shutil.copytree(ROOT / "steps", code / "steps")
@@ -348,7 +350,7 @@ def test_a_run_that_did_not_complete_is_refused(tmp_path):
 def test_two_instances_each_predict_their_share(trained, tmp_path, monkeypatch, backend, request):
     """INSTANCE_COUNT 2: the parts are dealt out by S3 key, each instance predicts its own
     (both say so in the job's log), and OUTPUT is whole and the inference step's, in order."""
-    from pipeline import predict_files
+    from pipeline.predict import files as predict_files
 
     store = trained["store"]
     if backend == "emulated":  # the requests go to moto; the store stays the local folder
@@ -799,7 +801,7 @@ def test_predict_truncates_long_texts_before_encode_as_prepare_does():
 def test_long_texts_make_smaller_parts(tmp_path, monkeypatch):
     """Parts end at PART_CHARS characters of text as well as at PART_ROWS rows: the driver and
     the job hold a part at a time, so a thousand long texts never share one."""
-    from pipeline import predict_files
+    from pipeline.predict import files as predict_files
 
     monkeypatch.setattr(predict_files, "PART_CHARS", 2500)
     rows = [{"id": None, "error": None, "text": "x" * 1000} for _ in range(5)]
@@ -813,7 +815,7 @@ def test_input_that_cannot_be_read_at_all_is_one_line(tmp_path):
     """An empty file, one of blank lines, UTF-16, NUL bytes, a first line that is not UTF-8,
     an empty Parquet file: each one clear line before anything runs. A later row that is not
     UTF-8 costs its row only (test_inputs_are_read_as_datasets_reads_them)."""
-    from pipeline.predict import check_files
+    from pipeline.predict.checks import check_files
 
     files = {
         "empty.csv": b"",

@@ -25,7 +25,7 @@ from pipeline import cli, registry
 from pipeline import metadata as md
 from pipeline.config import load_settings
 from pipeline.paths import RunTree
-from pipeline.predict import choose_run
+from pipeline.predict.checks import choose_run
 from pipeline.registry.records import local_versions, register_locally
 from pipeline.sources import newest_models
 from pipeline.stages import Register, RunContext

@@ -311,10 +311,10 @@ def write_parts(rows: Iterator[dict], folder: Path, columns: list[str], every=No
 
 # -- writing OUTPUT -------------------------------------------------------------------------
 
-# Keys every record of `smpipe predict` has (pipeline/predict.py): how an OUTPUT.json that
+# Keys every record of `smpipe predict` has (pipeline/predict/): how an OUTPUT.json that
 # predict wrote is told from a file of the user's of the same name.
 RECORD_KEYS = frozenset({"model", "input_sha256", "output", "predictions"})
-# A record lists at most 100 malformed rows (pipeline/predict.py LISTED): far below this.
+# A record lists at most 100 malformed rows (pipeline/predict/job.py LISTED): far below this.
 RECORD_BYTES = 16 << 20
 REFUSED = "predict never replaces a file it did not make: move it, or choose another OUTPUT"
 

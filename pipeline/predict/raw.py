@@ -2,8 +2,8 @@
 run's own reconcile before predict reads them, so that new data is never joined by hand.
 
 reconcile runs here, in a process of its own, with the user functions the run shipped (its
-code/) and this project's steps/, as the predict job gets them (pipeline/predict.py
-`assemble_code`); labels are not needed (steps/reconcile.py `reconcile_new`).
+code/) and this project's steps/, as the predict job gets them (pipeline/code_bundle.py
+`assemble`); labels are not needed (steps/reconcile.py `reconcile_new`).
 """
 
 from __future__ import annotations
