@@ -419,8 +419,9 @@ def open_experiment(
     """The settings (environment overrides applied) and the store they name, checked.
     `planning`: a store that cannot be reached is said in a note, and the plan goes on as for
     an experiment with nothing in it yet (`smpipe plan` needs no AWS)."""
+    from pipeline.backends.choose import open_backend_store
     from pipeline.config import ConfigError, load_settings
-    from pipeline.store import S3Store, Unreached, open_store
+    from pipeline.store import S3Store, Unreached
 
     if image is not None and not image.strip():  # `--image "$TAG"` with TAG unset, say
         raise ConfigError(
@@ -445,20 +446,7 @@ def open_experiment(
             ],
             settings.source,
         )
-    if settings.experiment.backend == "emulated":  # never a real AWS endpoint
-        from pipeline.backends.emulated import open_emulated_store
-        from pipeline.code_bundle import PROJECT_ROOT
-        from pipeline.player.images import ImageUnavailable, find_engine, resolve_image
-
-        if settings.emulated.image:  # before a run is claimed: the engine, the image, its lock
-            try:
-                engine = find_engine(settings.emulated.engine)
-                resolve_image(engine, settings.emulated.image, PROJECT_ROOT / "requirements.lock")
-            except ImageUnavailable as e:
-                raise ConfigError([str(e)], settings.source) from None
-        store = open_emulated_store(settings)
-    else:
-        store = open_store(settings.store_uri(), settings.experiment.region)
+    store = open_backend_store(settings)
     if planning and isinstance(store, S3Store):
         unreached = store.problems(quick=True)
         if unreached:

@@ -1,6 +1,7 @@
-"""The backend [experiment] BACKEND names, built for one run, and what its hosts cannot run
-(said before any job starts). The backends are imported where they are chosen: sagemaker's
-needs boto3's clients, emulated's moto (an optional dependency), and a run uses one."""
+"""The backend [experiment] BACKEND names, built for one run, the store as it sees it, and
+what its hosts cannot run (said before any job starts). The backends are imported where they
+are chosen: sagemaker's needs boto3's clients, emulated's moto (an optional dependency), and a
+run uses one."""
 
 from __future__ import annotations
 
@@ -66,6 +67,28 @@ def hosts_refuse(settings: Settings, jobs: list[Job]) -> list[str]:
                 f"GPU, and {hosts[1]}, which has none (auto, bf16 and no compute on a CPU)"
             )
     return problems
+
+
+def open_backend_store(settings: Settings) -> Store:
+    """The store as the backend sees it: STORE itself, or on the emulated backend the embedded
+    S3 over it (never a real AWS endpoint), its image, engine and lock checked before a run is
+    claimed."""
+    if settings.experiment.backend != "emulated":
+        from pipeline.store import open_store
+
+        return open_store(settings.store_uri(), settings.experiment.region)
+    from pipeline.backends.emulated import open_emulated_store
+    from pipeline.code_bundle import PROJECT_ROOT
+    from pipeline.config import ConfigError
+    from pipeline.player.images import ImageUnavailable, find_engine, resolve_image
+
+    if settings.emulated.image:
+        try:
+            engine = find_engine(settings.emulated.engine)
+            resolve_image(engine, settings.emulated.image, PROJECT_ROOT / "requirements.lock")
+        except ImageUnavailable as e:
+            raise ConfigError([str(e)], settings.source) from None
+    return open_emulated_store(settings)
 
 
 def make_backend(settings: Settings, store: Store, run: RunTree, echo) -> Backend:
