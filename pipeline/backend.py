@@ -65,8 +65,9 @@ class Backend(Protocol):
         ...
 
     def run_tuning(self, job: TuningJob) -> JobResult:
-        """Run a tuning job; the best trial's model lands where job.trial's would, and what the
-        trials did is in the result's `details` and the run's tuning record."""
+        """Run a tuning job; the best trial's model lands where job.trial's would, and the
+        result's `details` are its tuning record (pipeline/tuning_record.py: one shape on
+        every backend), which the tune stage saves."""
         ...
 
     def stop(self) -> None:

@@ -38,8 +38,10 @@
                                               or by prune
             checkpoints/<model>/              synced training State (spot, restarts, --resume);
                                               removed when the run completes (pipeline/prune.py)
-            tuning/<model>/                   trials.json/.csv/.png, tuning.json; trial-NNN/output/
-                                              (each trial's report; its model deleted)
+            tuning/<model>/                   tuning.json (the tuning record, every backend)
+                                              and trials.csv/.png drawn from it; locally, the
+                                              study's trials.json and trial-NNN/output/ (each
+                                              trial's report; its model deleted)
             inference/                        per-model and comparison statistics
             predictions/<label>/              `smpipe predict` with one of the run's models:
                                               code/, input/ and output/ (parquet parts, input/
@@ -317,6 +319,7 @@ class RunTree:
         return f"{self.prefix}tuning/{model_name}/"
 
     def tuning_record(self, model_name: str) -> str:
+        """What a tuning job did, in one shape on every backend (pipeline/tuning_record.py)."""
         return f"{self.prefix}tuning/{model_name}/tuning.json"
 
     def trial(self, model_name: str, trial: int) -> str:
@@ -333,7 +336,8 @@ class RunTree:
         return self.checkpoints(f"{model_name}-trial-{trial:03d}")
 
     def trials(self, model_name: str, suffix: str) -> str:
-        """A local study's trials, trials.json and trials.csv, and their chart, trials.png."""
+        """trials.csv and trials.png, the tuning record's table and chart (every backend);
+        trials.json, a local study's own journal of its trials (for --resume)."""
         return f"{self.prefix}tuning/{model_name}/trials.{suffix}"
 
     @property

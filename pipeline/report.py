@@ -14,7 +14,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeline import cost
+from pipeline import cost, tuning_record
 from pipeline.history import age, run_rows
 from pipeline.paths import ExperimentTree, RunTree, run_label
 from pipeline.store import NotFound, Store, artifact_key
@@ -192,13 +192,16 @@ def _reconciled_version(record: dict) -> list[int]:
 
 
 def _tuning(store: Store, run, model: str, tuned: bool) -> dict | None:
+    """A tuned model's study, from its tuning record alone (one shape on every backend):
+    the record, its trials, and its chart drawn from it."""
     if not tuned:
         return None
     record = _json(store, run.tuning_record(model)) or {}
+    png = tuning_record.chart(record, f"tuning {model}")
     return {
         "record": record,
         "trials": record.get("trials") or [],
-        "chart": _image(store, run.trials(model, "png")),
+        "chart": "data:image/png;base64," + base64.b64encode(png).decode() if png else None,
     }
 
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from pipeline import cache, registry
+from pipeline import cache, registry, tuning_record
 from pipeline import metadata as md
 from pipeline.backend import identity
 from pipeline.config import Settings
@@ -224,6 +224,8 @@ class Train:
             }[job.kind]
             result = launched(job, runs)
             results.append(result)
+            if job.kind == "tuning" and result.details:  # one record, whoever ran the study
+                tuning_record.save(store, run, model, result.details)
             if result.status != "Completed":
                 md.write_section(store, run, section(step, results, details))
                 raise JobFailed(result, step)

@@ -19,6 +19,7 @@ from pipeline.driver import PipelineError, parse_steps, run_pipeline
 from pipeline.paths import ExperimentTree
 from pipeline.store import S3Store, download_dir
 from tests.conftest import ROOT, SigtermAt, raw_data_bucket, write_settings
+from tests.test_tuning_record import assert_the_report_reads_the_record
 
 SECRET = "wandb-emulated-secret-0123456789"
 pytestmark = pytest.mark.slow
@@ -167,8 +168,8 @@ def test_tune_emulated(staged, bucket, tmp_path):
     for model in ("bow",):
         details = tune["details"]["models"][model]
         best = details["best"]
-        assert best["TrainingJobName"].startswith(details["tuning_job"] + "-")
-        assert best["FinalHyperParameterTuningJobObjectiveMetric"]["MetricName"] == "validation:f1"
+        assert best["job_name"].startswith(details["tuning_job"] + "-")
+        assert details["objective_metric"] == "validation:f1" and best["objective"] is not None
         assert details["counters"]["Completed"] == 2
         # The best trial's model is where a training job leaves one, and inference used it.
         assert record["model_artifacts"][model].endswith(f"{run1.model(model)}model/")
@@ -194,6 +195,10 @@ def test_tune_emulated(staged, bucket, tmp_path):
     kept = json.loads(staged.get_bytes(run1.final_model("bow") + "smpipe.json"))
     assert kept["exports"]["torchscript"]["passed"] and best["exports"] == kept["exports"]
     assert "could not" not in echo.getvalue()  # no error said while following the job
+    # The report reads the tuning record in the one shape a local study's and SageMaker's have.
+    tree = ExperimentTree("test-exp")
+    saved = assert_the_report_reads_the_record(staged, tree, record["model_version"], "bow")
+    assert all(t["seconds"] is not None for t in saved["trials"])
 
 
 def entrypoint_of_a_training_job(command: list[str]) -> bool:

@@ -336,7 +336,7 @@ def test_trials_get_the_objective_and_leave_only_the_best(store, emulator, input
     assert result.status == "Completed", result.failure_reason
     trials = result.details["trials"]
     assert len(trials) == 2 and {t["status"] for t in trials} == {"Completed"}
-    best = result.details["best"]["TrainingJobName"]
+    best = result.details["best"]["job_name"]
     seen = json.loads(store.get_bytes(job.trial.model_prefix + "seen-rank0.json"))
     # As AWS sends it: the objective's name, as is.
     assert seen["hyperparameters"]["_tuning_objective_metric"] == "validation:f1"

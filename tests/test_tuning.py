@@ -86,6 +86,12 @@ def trial_models(store) -> set[str]:
     }
 
 
+def journal_entry(store, number: int) -> dict:
+    """Trial `number` as the study's journal keeps it: with where its model and output went."""
+    journal = json.loads((store.root / "reviews/runs/0001/tuning/tiny/trials.json").read_text())
+    return {t["number"]: t for t in journal["trials"]}[number]
+
+
 def test_bayesian_search_of_six_trials_two_at_once_promotes_the_best(tmp_path):
     record, store = tune(
         tmp_path, steps=None, STRATEGY="Bayesian", MAX_JOBS="6", MAX_PARALLEL_JOBS="2"
@@ -95,7 +101,7 @@ def test_bayesian_search_of_six_trials_two_at_once_promotes_the_best(tmp_path):
     # One tuning job per model, as on SageMaker, its trials in its details; then the export.
     assert "train" not in record["steps"] and len(tune_section["job_names"]) == 2
     details = tune_section["details"]["models"]["tiny"]
-    assert (details["ran_as"], details["sampler"]) == ("Bayesian", "TPESampler")
+    assert (details["strategy"], details["sampler"]) == ("Bayesian", "TPESampler")
     trials = details["trials"]
     with open(store.root / "reviews/runs/0001/tuning/tiny/trials.csv") as f:
         rows = list(csv.DictReader(f))
@@ -117,13 +123,14 @@ def test_bayesian_search_of_six_trials_two_at_once_promotes_the_best(tmp_path):
     files = {p.name for p in (store.root / promoted).iterdir()}
     assert {"model.safetensors", "model.torchscript.pt", "curves.png"} <= files
     assert "model.pt2" not in files  # [inference] MODEL_FORMAT needs TorchScript only
-    assert trial_models(store) == set() and best["model"].endswith("/models/tiny/best-trial/")
-    assert not store.list_keys(best["model"])  # exported into model/: no second copy
+    kept_as = journal_entry(store, best["number"])
+    assert trial_models(store) == set() and kept_as["model"].endswith("/models/tiny/best-trial/")
+    assert not store.list_keys(kept_as["model"])  # exported into model/: no second copy
     assert not store.list_keys("reviews/runs/0001/checkpoints/")
     assert [j.split("-")[2] for j in tune_section["job_names"]] == ["tune", "export"]
     assert (store.root / "reviews/runs/0001/tuning/tiny/trials.png").stat().st_size > 10_000
     # The objective read off the log is the best epoch's F1 the trial itself recorded.
-    report = json.loads((store.root / best["output"] / "step_metadata.json").read_text())
+    report = json.loads((store.root / kept_as["output"] / "step_metadata.json").read_text())
     assert abs(report["best_validation_f1"] - best["objective"]) < 1e-6
     # Two trials at once share this machine's cores, a thread pool each of half of them
     # (unless this machine's environment sizes the pools itself).
@@ -175,7 +182,7 @@ def test_early_stopping_stops_a_trial_that_falls_behind(tmp_path):
     assert details["pruner"] == "MedianPruner"
     assert details["trials"][0]["hyperparameters"]["learning_rate"] == "0.05", "seeded order"
     stopped = [t for t in details["trials"] if t["status"] == "Stopped"]
-    assert stopped and details["stopped_early"] == len(stopped)
+    assert stopped and details["counters"]["Stopped"] == len(stopped)
     for t in stopped:
         assert len(t["epochs"]) < 3 and t["stop_reason"].startswith(
             "early stopping: validation:f1="
@@ -193,7 +200,8 @@ def test_a_failing_trial_is_recorded_and_only_all_failing_fails_the_step(tmp_pat
     details = record["steps"]["tune"]["details"]["models"]["tiny"]
     failed = [t for t in details["trials"] if t["status"] == "Failed"]
     assert len(failed) == 1 and "runs out of memory, on purpose" in failed[0]["stop_reason"]
-    assert details["best"]["hyperparameters"]["warmup_ratio"] == "0.1" and details["failed"] == 1
+    assert details["best"]["hyperparameters"]["warmup_ratio"] == "0.1"
+    assert details["counters"]["Failed"] == 1
     assert record["model_artifacts"]["tiny"] == "reviews/runs/0001/models/tiny/model/"
 
     # Every trial failing (the same prepared data, reused): one paragraph, nothing promoted.
@@ -274,12 +282,12 @@ def test_a_run_stopped_between_a_study_and_its_record_resumes_with_the_export(
     """The study is done and its best model in place, and the run stops before the step's
     section says so (here: its chart cannot be drawn). The resumed run does not tune again,
     records the study from what it left, and exports its model."""
-    import pipeline.backends.local_tuning as local_tuning
+    from pipeline import tuning_record
 
     def no_chart(*_):
         raise OSError("the chart could not be written, on purpose")
 
-    monkeypatch.setattr(local_tuning, "draw", no_chart)
+    monkeypatch.setattr(tuning_record, "chart", no_chart)
     settings, store = study_of_two(tmp_path)
     with pytest.raises(Exception, match="the chart could not be written, on purpose"):
         run_pipeline(settings, store, parse_steps(None), echo=sys.stdout)
@@ -442,7 +450,7 @@ def test_a_study_searches_lora_r_and_its_best_model_keeps_its_adapter(tmp_path):
     trials = record["steps"]["tune"]["details"]["models"]["tiny"]["trials"]
     with open(store.root / "reviews/runs/0001/tuning/tiny/trials.csv") as f:
         assert sorted(row["lora_r"] for row in csv.DictReader(f)) == ["16", "2"]
-    best = max(trials, key=lambda t: t["objective"])
+    best = journal_entry(store, max(trials, key=lambda t: t["objective"])["number"])
     report = json.loads((store.root / best["output"] / "step_metadata.json").read_text())
     assert report["finetuning"] == "lora" and report["lora"]["target_modules"] == ["mid"]
     promoted = store.root / record["model_artifacts"]["tiny"]

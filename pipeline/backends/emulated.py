@@ -46,7 +46,7 @@ from pathlib import Path
 from pipeline.backend import EMULATED_IMAGE, EMULATED_ROLE
 from pipeline.backends import moto_server
 from pipeline.backends.emulated_search import candidates
-from pipeline.backends.following import LOG_GROUPS
+from pipeline.backends.following import LOG_GROUPS, TERMINAL
 from pipeline.backends.sagemaker import SageMakerBackend
 from pipeline.code_bundle import PROJECT_ROOT
 from pipeline.jobs import KINDS, JobResult, ProcessingJob, TrainingJob, TuningJob
@@ -374,7 +374,10 @@ class Emulator:
                 "TunedHyperParameters": {
                     k: v for k, v in tuned.items() if k in self._searched(name)
                 },
+                "TrainingStartTime": job.training_start_time,
             }
+            if job.training_job_status in TERMINAL:
+                summary["TrainingEndTime"] = job.training_end_time
             if getattr(job, "failure_reason", None):
                 summary["FailureReason"] = job.failure_reason
             value = self.metrics.get(trial, {}).get(objective["MetricName"])

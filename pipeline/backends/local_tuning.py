@@ -21,18 +21,17 @@ recorded with its reason and the search goes on. A trial writes no exports and d
 curves; its checkpoints are removed when it ends, however it ends, unless the driver's stop
 interrupted it. The best trial's model and output move to the tuning job's places (the
 model to models/<model>/best-trial/, which the export job turns into models/<model>/model/);
-the other trials' model files are deleted, their records kept in tuning/<model>/trials.json
-and trials.csv, with a chart (objective by trial, each trial's validation curve). The trials are
-recorded as they start and end, so a resumed run (`--resume`) continues the study: finished
-trials are told to the sampler again, a trial the driver's stop interrupted goes on from its
-checkpoint with its own values.
+the other trials' model files are deleted, their records kept. The study keeps its trials in
+tuning/<model>/trials.json (and trials.csv) as they start and end, so a resumed run
+(`--resume`) continues the study: finished trials are told to the sampler again, a trial the
+driver's stop interrupted goes on from its checkpoint with its own values. When it ends, its
+result's details are the tuning record (pipeline/tuning_record.py), which the tune stage
+saves as it saves every backend's.
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import io
 import itertools
 import json
 import os
@@ -43,6 +42,7 @@ import time
 import warnings
 from pathlib import Path
 
+from pipeline import tuning_record
 from pipeline.backend import TrialRunner, Watch
 from pipeline.jobs import JobResult, TrainingJob, TuningJob, job_name
 from pipeline.paths import RunTree
@@ -406,51 +406,26 @@ def earlier_trials(store: Store, run: RunTree, model_name: str) -> list[dict]:
 
 
 def save_trials(store: Store, run: RunTree, model_name: str, records: dict[int, dict]) -> None:
+    """The study's journal, trials.json (each trial with its model and output, for `finish`
+    and --resume), and trials.csv, the record's table of the trials so far."""
     trials = [records[n] for n in sorted(records)]
     store.put_bytes(
         run.trials(model_name, "json"), json.dumps({"trials": trials}, indent=2).encode()
     )
-    names = sorted({k for t in trials for k in t["hyperparameters"]})
-    out = io.StringIO()
-    writer = csv.writer(out)
-    writer.writerow(
-        ["trial", "job_name", "status", "objective", *names, "epochs_run", "seconds", "stop_reason"]
-    )
-    for t in trials:
-        searched = [t["hyperparameters"].get(n) for n in names]
-        writer.writerow(
-            [t["number"], t["job_name"], t["status"], t["objective"], *searched]
-            + [len(t["epochs"]), t["seconds"], t["stop_reason"] or ""]
-        )
-    store.put_bytes(run.trials(model_name, "csv"), out.getvalue().encode())
+    shown = [{name: t.get(name) for name in tuning_record.TRIAL_FIELDS} for t in trials]
+    tuning_record.write_table(store, run, model_name, shown)
 
 
 def finish(store, run, job, model_name, records, started, sampler, pruner) -> JobResult:
-    """The best trial promoted, the others' model files deleted, the chart drawn."""
-    trials = [records[n] for n in sorted(records)]
-    sign = 1 if job.objective_type == "Maximize" else -1
-    scored = [t for t in trials if t["status"] == "Completed" and t["objective"] is not None]
-    best = max(scored, key=lambda t: sign * t["objective"]) if scored else None
-    details = {
-        "tuning_job": job.name,
-        "strategy": job.strategy,
-        "ran_as": job.strategy,
-        "sampler": type(sampler).__name__,
-        "pruner": type(pruner).__name__,
-        "early_stopping": job.early_stopping,
-        "objective_metric": job.objective_metric,
-        "objective_type": job.objective_type,
-        "trials": trials,
-        "best": best,
-        "stopped_early": sum(t["status"] == "Stopped" for t in trials),
-        "failed": sum(t["status"] == "Failed" for t in trials),
-    }
-    store.put_bytes(run.tuning_record(model_name), json.dumps(details, indent=2).encode())
-    if best is None:
+    """The best trial promoted, the others' model files deleted; the study's tuning record
+    the result's details."""
+    journal = [records[n] for n in sorted(records)]
+    details = tuning_record.from_study(job, journal, type(sampler).__name__, type(pruner).__name__)
+    if details["best"] is None:
         reasons = "; ".join(
-            f"trial {t['number']} {t['status'].lower()}: {t['stop_reason']}" for t in trials
+            f"trial {t['number']} {t['status'].lower()}: {t['stop_reason']}" for t in journal
         )
-        why = f"no trial of {len(trials)} completed with {job.objective_metric}: {reasons}"
+        why = f"no trial of {len(journal)} completed with {job.objective_metric}: {reasons}"
         return JobResult(
             name=job.name,
             status="Failed",
@@ -459,6 +434,7 @@ def finish(store, run, job, model_name, records, started, sampler, pruner) -> Jo
             end_time=time.time(),
             details=details,
         )
+    best = records[details["best"]["number"]]
     # Run again when a resumed run finds the study done but not recorded: what was copied
     # stays, and nothing is copied onto itself.
     for source, destination in (
@@ -467,14 +443,12 @@ def finish(store, run, job, model_name, records, started, sampler, pruner) -> Jo
     ):
         if not is_complete(store, destination):
             copy_dir(store, source, destination, best["job_name"])
-    for t in trials:  # the best trial's model is kept once, at the tuning job's model
+    for t in journal:  # the best trial's model is kept once, at the tuning job's model
         if t["model"] and t["model"] != job.trial.model_prefix:  # place; every record stays
             for key in store.list_keys(t["model"]):
                 store.delete(key)
         t["model"] = job.trial.model_prefix if t is best else None
     save_trials(store, run, model_name, records)
-    store.put_bytes(run.tuning_record(model_name), json.dumps(details, indent=2).encode())
-    draw(store, run, model_name, trials, job.objective_metric, sign)
     return JobResult(
         name=job.name,
         status="Completed",
@@ -489,53 +463,3 @@ def copy_dir(store: Store, source: str, destination: str, job: str) -> None:
     with tempfile.TemporaryDirectory(prefix="smpipe-copy-") as tmp:
         download_dir(store, source, Path(tmp))
         upload_dir(store, tmp, destination, {"job_name": job})
-
-
-def draw(
-    store: Store, run: RunTree, model_name: str, trials: list[dict], metric: str, sign: int
-) -> None:
-    """tuning/<model>/trials.png: the objective by trial with the best so far, and each
-    trial's objective by epoch (stopped trials end early)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    scored = [t for t in trials if t["objective"] is not None]
-    for status, marker, color in (("Completed", "o", "C0"), ("Stopped", "x", "C3")):
-        shown = [t for t in scored if t["status"] == status]
-        if shown:
-            x, y = [t["number"] for t in shown], [t["objective"] for t in shown]
-            left.scatter(x, y, marker=marker, color=color, label=f"trial ({status.lower()})")
-    # The best so far among the completed trials, the ones that can be promoted (`finish`).
-    done = [t for t in scored if t["status"] == "Completed"]
-    best, line = None, []
-    for t in done:
-        best = t["objective"] if best is None or sign * t["objective"] > sign * best else best
-        line.append(best)
-    left.step([t["number"] for t in done], line, where="post", color="C1", label="best so far")
-    left.set(xlabel="trial", ylabel=metric, title="objective by trial")
-    left.legend()
-    for t in trials:
-        epochs = sorted((int(k), v) for k, v in t["epochs"].items())
-        if epochs:
-            style = "--" if t["status"] == "Stopped" else "-"
-            label = f"{t['number']} ({t['status'].lower()})"
-            right.plot(
-                [e for e, _ in epochs], [v for _, v in epochs], style, marker="o", label=label
-            )
-    right.set(xlabel="epoch", ylabel=metric, title="each trial, by epoch")
-    right.legend(fontsize=7)
-    from matplotlib.ticker import MaxNLocator
-
-    for ax in (left, right):
-        ax.grid(alpha=0.3)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.suptitle(f"tuning {model_name}")
-    fig.tight_layout()
-    with tempfile.TemporaryDirectory() as tmp:
-        chart = Path(tmp, Path(run.trials(model_name, "png")).name)
-        fig.savefig(chart, dpi=100)
-        store.upload_file(chart, run.trials(model_name, "png"))
-    plt.close(fig)

@@ -20,7 +20,6 @@ local backend writes them), its model.tar.gz unpacked into the run tree.
 
 from __future__ import annotations
 
-import json
 import sys
 import tarfile
 import tempfile
@@ -28,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from pipeline import tuning_record
 from pipeline.backends.following import (
     PATIENCE_SECONDS,
     TAIL_LINES,
@@ -50,19 +50,6 @@ from pipeline.jobs import (
 from pipeline.paths import RunTree
 from pipeline.service_model import refused
 from pipeline.store import Store, key_of, seal_prefix, upload_dir
-
-
-def trial_record(summary: dict) -> dict:
-    """What the run keeps of one trial (a TrainingJobSummary of
-    ListTrainingJobsForHyperParameterTuningJob)."""
-    objective = summary.get("FinalHyperParameterTuningJobObjectiveMetric") or {}
-    return {
-        "job_name": summary["TrainingJobName"],
-        "status": summary["TrainingJobStatus"],
-        "hyperparameters": summary.get("TunedHyperParameters", {}),
-        "objective": objective.get("Value"),
-        "failure_reason": summary.get("FailureReason"),
-    }
 
 
 def billed(kind: str, described: dict) -> list[dict]:
@@ -129,7 +116,7 @@ class Trials:
             found += page.get("TrainingJobSummaries", [])
             token = page.get("NextToken")
             if not token:
-                return found
+                return tuning_record.in_creation_order(found)
 
     def tidy(self, _described: dict) -> list[dict]:
         """Remove the checkpoints of every trial that has ended; return every trial."""
@@ -265,7 +252,8 @@ class SageMakerBackend:
         """SageMaker runs the trials and picks the best; the best training job's model lands
         at job.trial.model_prefix (where the export job reads it). While it runs, each ended
         trial's checkpoints are removed; when it ends, every trial's model archive too (the
-        best one's once it is unpacked)."""
+        best one's once it is unpacked). The result's details are the tuning record
+        (pipeline/tuning_record.py), from what SageMaker says of the job and its trials."""
         request = self.request(job)
         if keep_alive_refused(job):
             self.say(job.name, keep_alive_refused(job))
@@ -276,22 +264,7 @@ class SageMakerBackend:
         result = self._result("tuning", job.name, followed)
         result.billing = self._trials_billed(job.name, summaries or [])
         best = described.get("BestTrainingJob") or {}
-        config = request["HyperParameterTuningJobConfig"]
-        details = {
-            "tuning_job": job.name,
-            "strategy": config["Strategy"],
-            "ran_as": config["Strategy"],
-            "objective_metric": job.objective_metric,
-            "objective_type": job.objective_type,
-            "best": best or None,
-            "counters": described.get("TrainingJobStatusCounters"),
-            "trials": [trial_record(t) for t in summaries or []],
-        }
-        result.details = json.loads(json.dumps(details, default=str))
-        self.store.put_bytes(
-            self.run.tuning_record(job.trial.hyperparameters["model_name"]),
-            json.dumps(result.details, indent=2).encode(),
-        )
+        result.details = tuning_record.from_tuning_job(job, described, summaries or [])
         if result.status == "Completed" and not best:
             result.status = "Failed"
             result.failure_reason = f"tuning job {job.name} completed with no best training job"
