@@ -239,7 +239,7 @@ def raw_read_by_jobs(settings: Settings, tree: ExperimentTree, digest: str) -> s
     """Where the reconcile job reads the raw data: [data] RAW_DATA's URI as it is; a local
     RAW_DATA folder as it is where the jobs run on this machine (the local backend), and its raw
     version of content `digest` in the store where they run elsewhere; the experiment's raw/
-    when RAW_DATA is empty. `smpipe iam` grants what this names (pipeline/iam.py)."""
+    when RAW_DATA is empty. `smpipe iam` grants what this names (pipeline/iam/)."""
     raw = settings.raw_data_uri()
     if raw and "://" not in raw and settings.experiment.backend != "local":
         return tree.raw_version(digest).files

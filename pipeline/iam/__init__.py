@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from pipeline.config import ConfigError, Settings
 from pipeline.errors import PipelineError
+from pipeline.iam.keys import ROLE, bucket_key
 from pipeline.jobs import KINDS
 
 VERSION = "2012-10-17"  # the IAM policy language's current version (IAM JSON policy reference)
@@ -70,7 +71,6 @@ ECR_IMAGE = re.compile(
     r"^(?P<account>\d{12})\.dkr\.ecr(?:-fips)?\.(?P<region>[a-z0-9-]+)\.amazonaws\.com(?:\.cn)?"
     r"/(?P<repository>[^:@]+)"
 )
-ROLE = re.compile(r"^arn:(?P<partition>aws[a-z-]*):iam::(?P<account>\d{12}):role/")
 
 
 @dataclass(frozen=True)
@@ -249,8 +249,20 @@ def policies(settings: Settings, store_key: str | None = None) -> tuple[dict, di
 def driver_policy(
     settings: Settings, where: Where, requests: list[tuple[str, dict]], key: str | None
 ) -> dict:
-    e = settings.experiment
     kinds = sorted({kind for kind, _ in requests})
+    statements = [
+        *_job_statements(settings, where, kinds),
+        *_listing_and_registry(settings, where, kinds),
+        *_store_statements(settings, where, key),
+    ]
+    if _asks_prices(settings, requests):
+        # pipeline/cost.py ask_price_list: the Price List API names no resource.
+        statements.append(statement("AskTheDaysPrices", ["pricing:GetProducts"], "*"))
+    return {"Version": VERSION, "Statement": statements}
+
+
+def _job_statements(settings: Settings, where: Where, kinds: list[str]) -> list[dict]:
+    """Passing the role, creating, following and stopping the run's jobs, reading their logs."""
     # Resource types as the service model writes each job's ARN (TrainingJobArn
     # "...:training-job/...", ProcessingJobArn "...:processing-job/...",
     # HyperParameterTuningJobArn "...:hyper-parameter-tuning-job/..."): every job name of
@@ -264,19 +276,30 @@ def driver_policy(
     if "tuning" in kinds:  # each trial's DescribeTrainingJob (billing, the best trial's model)
         actions.append("sagemaker:DescribeTrainingJob")
         jobs.append(where.arn("sagemaker", f"{_resource_type('training')}/*"))
-    statements = [
+    groups = sorted({LOG_GROUP_OF[k] for k in kinds})
+    return [
         # sagemaker-roles.html, "Passing Roles": iam:PassRole with iam:PassedToService.
         statement(
             "PassTheExecutionRoleToSageMaker",
             ["iam:PassRole"],
-            e.role_arn,
+            settings.experiment.role_arn,
             StringEquals={"iam:PassedToService": SAGEMAKER_PRINCIPAL},
         ),
         statement("RunAndFollowJobs", actions, jobs),
+        statement(
+            "ReadJobLogs",  # DescribeLogStreams, then GetLogEvents per stream (following.py)
+            ["logs:DescribeLogStreams", "logs:GetLogEvents"],
+            [where.arn("logs", f"log-group:{g}:*") for g in groups],
+        ),
     ]
+
+
+def _listing_and_registry(settings: Settings, where: Where, kinds: list[str]) -> list[dict]:
+    """A tuning job's trials listed; the run's winner registered, `registry`, `approve`."""
+    statements = []
     listing = ["sagemaker:ListTrainingJobsForHyperParameterTuningJob"] if "tuning" in kinds else []
     group = settings.registry.model_package_group
-    if group:  # pipeline/registry/: the run's winner registered, `registry`, `approve`
+    if group:  # pipeline/registry/
         listing.append("sagemaker:ListModelPackages")
         # Written as the settings name it, and in lower case too: how SageMaker cases a group
         # in its ARNs is not stated in botocore's model, and a policy's ARN is matched as written.
@@ -299,17 +322,17 @@ def driver_policy(
         # A List action is granted on "*": it names no single job or package, and a resource
         # type the action does not take would deny it.
         statements.append(statement("ListTrialsAndVersions", listing, "*"))
-    groups = sorted({LOG_GROUP_OF[k] for k in kinds})
-    statements.append(
-        statement(
-            "ReadJobLogs",  # DescribeLogStreams, then GetLogEvents per stream (following.py)
-            ["logs:DescribeLogStreams", "logs:GetLogEvents"],
-            [where.arn("logs", f"log-group:{g}:*") for g in groups],
-        )
-    )
+    return statements
+
+
+def _store_statements(settings: Settings, where: Where, key: str | None) -> list[dict]:
+    """The experiment's keys read, written and pruned; the store (and an s3:// RAW_DATA) listed;
+    the store's KMS key used."""
     bucket, prefix = _split(settings.store_uri())
-    experiment = f"{prefix.strip('/') + '/' if prefix.strip('/') else ''}{e.name}/*"
-    statements += [
+    experiment = (
+        f"{prefix.strip('/') + '/' if prefix.strip('/') else ''}{settings.experiment.name}/*"
+    )
+    statements = [
         # pipeline/store.py S3Store: get, head, put (also conditional, IfNoneMatch), upload
         # and download (multipart: "You must be allowed to perform the s3:PutObject action on
         # an object to create a multipart upload request", and s3:AbortMultipartUpload to abort
@@ -336,10 +359,7 @@ def driver_policy(
         statements.append(
             statement("UseTheStoreKey", ["kms:Decrypt", "kms:GenerateDataKey"], [key])
         )
-    if _asks_prices(settings, requests):
-        # pipeline/cost.py ask_price_list: the Price List API names no resource.
-        statements.append(statement("AskTheDaysPrices", ["pricing:GetProducts"], "*"))
-    return {"Version": VERSION, "Statement": statements}
+    return statements
 
 
 def _resource_type(kind: str) -> str:
@@ -377,42 +397,21 @@ def role_policy(
     and the secrets the jobs read (steps/runtime/secrets.py keys_from_secrets)."""
     from steps.runtime.secrets import SECRETS_FROM_MANAGER
 
-    reads, writes, checkpoints = set(), set(), set()
     secrets: set[str] = set()
     for kind, request in requests:
-        read, written, kept = _locations(kind, request)
-        reads |= read
-        writes |= written
-        checkpoints |= kept
         env = _environment(kind, request)
         secrets |= {env[v] for v in SECRETS_FROM_MANAGER if env.get(v)}
-    buckets = sorted({_split(u)[0] for u in reads | writes | checkpoints})
     # The image's own registry: its account and region, which may differ from the run's.
     repository = (
         f"arn:{where.partition}:ecr:{image['region']}:{image['account']}:"
         f"repository/{image['repository']}"
     )
+    pulls = ["ecr:BatchCheckLayerAvailability", "ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer"]
     statements = [
-        statement("ReadJobInputs", ["s3:GetObject"], _objects(where, reads)),
-        statement("WriteJobOutputs", ["s3:PutObject"], _objects(where, writes)),
-    ]
-    if checkpoints:
-        statements.append(
-            statement(
-                "SyncCheckpoints",
-                ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
-                _objects(where, checkpoints),
-            )
-        )
-    statements += [
-        statement("ListJobBuckets", ["s3:ListBucket"], [where.s3(b) for b in buckets]),
+        *_job_data_statements(where, requests),
         # GetAuthorizationToken names no repository ("Resource": "*" on that page too).
         statement("PullTheImageToken", ["ecr:GetAuthorizationToken"], "*"),
-        statement(
-            "PullTheImage",
-            ["ecr:BatchCheckLayerAvailability", "ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer"],
-            [repository],
-        ),
+        statement("PullTheImage", pulls, [repository]),
         statement(
             "WriteJobLogs",
             [
@@ -445,6 +444,34 @@ def role_policy(
             )
         )
     return {"Version": VERSION, "Statement": statements}
+
+
+def _job_data_statements(where: Where, requests: list[tuple[str, dict]]) -> list[dict]:
+    """What the jobs read, write and sync of S3, object by object as their requests name it,
+    and the buckets those are in."""
+    reads, writes, checkpoints = set(), set(), set()
+    for kind, request in requests:
+        read, written, kept = _locations(kind, request)
+        reads |= read
+        writes |= written
+        checkpoints |= kept
+    buckets = sorted({_split(u)[0] for u in reads | writes | checkpoints})
+    statements = [
+        statement("ReadJobInputs", ["s3:GetObject"], _objects(where, reads)),
+        statement("WriteJobOutputs", ["s3:PutObject"], _objects(where, writes)),
+    ]
+    if checkpoints:
+        statements.append(
+            statement(
+                "SyncCheckpoints",
+                ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
+                _objects(where, checkpoints),
+            )
+        )
+    statements.append(
+        statement("ListJobBuckets", ["s3:ListBucket"], [where.s3(b) for b in buckets])
+    )
+    return statements
 
 
 def _secret_arn(where: Where, secret: str) -> str:
@@ -491,78 +518,6 @@ def _documentation(session, service: str, operation: str) -> str:
     op = session.get_service_model(service).operation_model(operation)
     members = op.input_shape.members.values() if op.input_shape else ()
     return " ".join([op.documentation or "", *(m.documentation or "" for m in members)])
-
-
-# -- the store bucket's own key --------------------------------------------------------------------
-
-KEY_ID = re.compile(r"^(?:mrk-)?[0-9a-f-]{32,36}$")  # a key id, single- or multi-Region
-
-
-def bucket_key(settings: Settings) -> tuple[str | None, list[str]]:
-    """The customer-managed KMS key the store bucket encrypts new objects with by default, read
-    with GetBucketEncryption where [experiment] KMS_KEY_ARN names no key and AWS answers: (its
-    ARN or None, comment lines saying what was read or why nothing was)."""
-    e = settings.experiment
-    if e.kms_key_arn or not settings.store_uri().startswith("s3://"):
-        return None, []
-    import boto3
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    from pipeline.store import aws_config
-
-    bucket = _split(settings.store_uri())[0]
-    set_it = (
-        "if it, or a secret the jobs read, is encrypted under a customer-managed KMS key, "
-        "set [experiment] KMS_KEY_ARN to that key's ARN"
-    )
-    session = boto3.Session(region_name=e.region)
-    if session.get_credentials() is None:
-        return None, [
-            f"# The default encryption of bucket {bucket} was not read (no AWS",
-            f"# credentials here): {set_it}.",
-        ]
-    client = session.client("s3", config=aws_config(attempts=2, connect_timeout=5, read_timeout=10))
-    try:
-        rules = client.get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"][
-            "Rules"
-        ]
-    except (ClientError, BotoCoreError) as error:
-        code = getattr(error, "response", {}).get("Error", {}).get("Code")
-        if code == "ServerSideEncryptionConfigurationNotFoundError":
-            return None, []
-        return None, [
-            f"# The default encryption of bucket {bucket} was not read",
-            f"# ({error}): {set_it}.",
-        ]
-    return customer_key(rules, settings, bucket)
-
-
-def customer_key(rules: list[dict], settings: Settings, bucket: str) -> tuple[str | None, list]:
-    """The customer-managed key a bucket's default encryption rules name, as an ARN a policy
-    grants on, and what to say of it."""
-    e = settings.experiment
-    for rule in rules:
-        default = rule.get("ApplyServerSideEncryptionByDefault") or {}
-        key = default.get("KMSMasterKeyID", "")
-        # SSE-S3 (AES256) and the AWS managed key aws/s3 need no grant: its key policy lets the
-        # account's principals use it through S3 (KMS developer guide, "AWS managed keys").
-        if not default.get("SSEAlgorithm", "").startswith("aws:kms") or not key:
-            continue
-        if key.endswith("alias/aws/s3"):
-            continue
-        role = ROLE.match(e.role_arn)
-        if KEY_ID.match(key) and role:  # a bare id is a key of the bucket's own account
-            key = f"arn:{role['partition']}:kms:{e.region}:{role['account']}:key/{key}"
-        if "alias/" in key or not key.startswith("arn:"):
-            return None, [
-                f"# Bucket {bucket} encrypts with KMS key {key!r} by default: an alias cannot",
-                "# be granted on; set [experiment] KMS_KEY_ARN to the ARN of the key it names.",
-            ]
-        return key, [
-            f"# Bucket {bucket} encrypts with KMS key {key} by default: its use is granted",
-            "# below ([experiment] KMS_KEY_ARN names a key of your choosing instead).",
-        ]
-    return None, []
 
 
 def said(settings: Settings) -> str:
