@@ -108,13 +108,7 @@ def run_pipeline(
             run, base, steps, sources = resumed_run(settings, store, tree, resume, asked)
         else:
             run = tree.run("<next run_num>")
-            steps = registry.with_registration(settings, steps_to_run(settings, store, tree, steps))
-            sources = resolve_sources(settings, store, tree, steps)
-            data_steps = consult_cache(settings, store, tree, steps, sources, reaches, use_cache)
-            skipped = {
-                s for s, entry in data_steps.items() if entry.status in ("reused", "skipped")
-            }
-            steps = [s for s in steps if s not in skipped]
+            steps, sources, data_steps = new_run(settings, store, tree, steps, reaches, use_cache)
         planned = build_jobs(settings, steps, run, sources)
         check_requests(planned, settings, store)
         if problems := hosts_refuse(settings, planned):
@@ -137,6 +131,23 @@ def run_pipeline(
             return execute(
                 settings, store, run, base, steps, sources, echo or sys.stdout, make_backend
             )
+
+
+def new_run(
+    settings: Settings,
+    store: Store,
+    tree: ExperimentTree,
+    steps: list[str],
+    reaches: dict[str, tuple[str, str | None]],
+    use_cache: bool,
+) -> tuple[list[str], Sources, dict[str, cache.CacheEntry]]:
+    """A new run's steps (the data steps the cache reuses left out), its sources, and the
+    cache's word on each data step."""
+    steps = registry.with_registration(settings, steps_to_run(settings, store, tree, steps))
+    sources = resolve_sources(settings, store, tree, steps)
+    data_steps = consult_cache(settings, store, tree, steps, sources, reaches, use_cache)
+    skipped = {s for s, entry in data_steps.items() if entry.status in ("reused", "skipped")}
+    return [s for s in steps if s not in skipped], sources, data_steps
 
 
 def consult_cache(
@@ -234,7 +245,7 @@ def execute(
             f"The job's log is at {where}; run {run.label} is marked failed at "
             f"{store.uri_of(run.metadata)} and nothing from it is promoted."
         ) from None
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (pipeline/cli.py turns it into this)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (pipeline/cli/commands.py turns it into this)
         with undisturbed():
             ended(ctx, started, "interrupted", "stopped by the user (SIGINT/SIGTERM)")
         log.info(
