@@ -1,6 +1,6 @@
 """The bottom floor every part of the pipeline stands on: the driver's logger and its error.
 
-`log` is what the driver tells the user; `smpipe` (pipeline/cli.py) sends it to the console.
+`log` is what the driver tells the user; `smpipe` (pipeline/cli/) sends it to the console.
 Job output streams separately, through the backend's `echo`.
 """
 

@@ -43,7 +43,7 @@ PROCESSING_MAX_RUNTIME = 24 * 3600
 
 
 def _setting(section, key: str):
-    """The default of a setting, read off its section (pipeline/config.py, the defaults
+    """The default of a setting, read off its section (pipeline/config_sections.py, the defaults
     settings.ini lists): a job built without that value is built as the settings would build
     it, with one default, in one place."""
     return section.model_fields[key].default

@@ -5,8 +5,8 @@ them with `parse(TABLE)`, and the driver builds every job's arguments from the s
 (pipeline/stages.py `step_arguments`), so a flag, its type and the words it takes are
 spelled here only. No argument has a default: each is sent with every job, its value read
 from the settings (`setting` names where, and the settings table holds its one default:
-steps/hyperparameters.py, pipeline/config.py) or given by the job itself (the model an
-export is for). A job's arguments are part of a data step's cache key (pipeline/cache.py).
+steps/hyperparameters.py, pipeline/config_sections.py) or given by the job itself (the model
+an export is for). A job's arguments are part of a data step's cache key (pipeline/cache.py).
 
 The driver imports this module: it imports nothing heavier than argparse.
 """

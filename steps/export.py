@@ -40,8 +40,8 @@ from steps.user_code import call, load_user_functions
 # size the program mishandles shows in a few rows, and each row checked costs a forward pass
 # of eager and of the program.
 EXPORT_CHECK_ROWS = 4
-# The store's manifest of the input folder (pipeline/store.py MANIFEST): it lists the input's
-# files, not the output's, which gets its own when it is uploaded.
+# The store's manifest of the input folder (pipeline/store/manifests.py MANIFEST): it lists the
+# input's files, not the output's, which gets its own when it is uploaded.
 STORE_MANIFEST = "_MANIFEST.json"
 
 

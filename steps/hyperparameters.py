@@ -3,10 +3,10 @@
 Each row names one hyperparameter once: its type, default, bounds, whether a tuning job may
 search it, whether `[training.<model>]` may set it, and what it means. From the table come
 the settings schema (the fields of `[training]`, and `[data] SEED`, `[tracking] WANDB_*`, in
-pipeline/config.py), the strings a training job receives (SageMaker hands hyperparameters to
-a container as strings, in hyperparameters.json: `wire`) and their parsing at the top of
-train.py (`parse_hyperparameters`). The driver imports this module; this module imports
-nothing of the driver.
+pipeline/config_sections.py), the strings a training job receives (SageMaker hands
+hyperparameters to a container as strings, in hyperparameters.json: `wire`) and their parsing
+at the top of train.py (`parse_hyperparameters`). The driver imports this module; this module
+imports nothing of the driver.
 """
 
 from __future__ import annotations

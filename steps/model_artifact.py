@@ -28,7 +28,8 @@ from steps.model_files import RECORD, read_record
 from steps.runtime import names
 from steps.runtime.environment import ml_root
 
-# The store's manifest of a folder (pipeline/store.py MANIFEST): the store's, not the model's.
+# The store's manifest of a folder (pipeline/store/manifests.py MANIFEST): the store's, not
+# the model's.
 STORE_MANIFEST = "_MANIFEST.json"
 
 

@@ -294,7 +294,8 @@ def test_every_aws_call_the_driver_makes_is_granted_to_it(tmp_path):
         p
         for p in (ROOT / "pipeline").rglob("*.py")
         # The emulator and the player play SageMaker's side (a job's log to CloudWatch, its
-        # archives to S3); what the player asks of a store, store.py spells, and it is read.
+        # archives to S3); what the player asks of a store, store/s3.py spells, and it is
+        # read.
         if "iam" not in p.parts and "player" not in p.parts and "emulated" not in p.parts
     ]
     called = aws_calls(sources)

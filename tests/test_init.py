@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from pydantic_core import PydanticUndefined
 
-from pipeline.cli import main, parser
+from pipeline.cli import main
+from pipeline.cli.parser import build_parser
 from pipeline.config import SECTIONS, load_settings
 from pipeline.project import TEMPLATE, derive_settings, template_files
 from tests.conftest import ROOT
@@ -218,7 +219,7 @@ def test_no_command_lists_every_command_and_exits_2(capsys):
     assert main([]) == 2
     out, err = capsys.readouterr()
     assert out == ""
-    commands = next(a for a in parser()._actions if a.dest == "command").choices
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
     for name in commands:
         assert re.search(rf"^    {name} ", err, re.MULTILINE), name
     assert "examples:\n  smpipe init my-project" in err

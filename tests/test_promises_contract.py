@@ -185,9 +185,9 @@ def test_the_hugging_face_token_is_read_from_secrets_manager_in_the_jobs_region(
 
 
 def test_every_aws_client_of_the_driver_retries_the_same_way():
-    """Every boto3 client pipeline/ makes is given pipeline/store.py's `aws_config` (botocore's
-    standard retry mode, 10 attempts): read off the source, so a client added without it fails
-    here."""
+    """Every boto3 client pipeline/ makes is given pipeline/store/s3.py's `aws_config`
+    (botocore's standard retry mode, 10 attempts): read off the source, so a client added
+    without it fails here."""
     from pipeline.store import aws_config
 
     assert aws_config().retries == {"max_attempts": 10, "mode": "standard"}

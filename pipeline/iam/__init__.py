@@ -333,7 +333,7 @@ def _store_statements(settings: Settings, where: Where, key: str | None) -> list
         f"{prefix.strip('/') + '/' if prefix.strip('/') else ''}{settings.experiment.name}/*"
     )
     statements = [
-        # pipeline/store.py S3Store: get, head, put (also conditional, IfNoneMatch), upload
+        # pipeline/store/s3.py S3Store: get, head, put (also conditional, IfNoneMatch), upload
         # and download (multipart: "You must be allowed to perform the s3:PutObject action on
         # an object to create a multipart upload request", and s3:AbortMultipartUpload to abort
         # one, https://docs.aws.amazon.com/AmazonS3/latest/userguide/mpuoverview.html
