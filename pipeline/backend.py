@@ -126,13 +126,13 @@ def undisturbed():
         yield
         return
 
-    def said(signum, _frame) -> None:
+    def warn(signum, _frame) -> None:
         log.warning(
             "still stopping: each job has up to 120 s to save, then it is killed; its "
             "network and work folder are removed"
         )
 
-    before = {s: signal.signal(s, said) for s in (signal.SIGINT, signal.SIGTERM)}
+    before = {s: signal.signal(s, warn) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:

@@ -283,7 +283,7 @@ def sagemaker_limits(
         checks.append((f"[tuning.metric_definitions] {name.upper()}", "MetricName", name))
         checks.append((f"[tuning.metric_definitions] {name.upper()}", "MetricRegex", regex))
     problems = [
-        f"{where}: {v.value!r} {_said(v.constraint, kind)}"
+        f"{where}: {v.value!r} {_as_sentence(v.constraint, kind)}"
         for where, kind, value in checks
         for v in check_value(kind, value, where)
     ]
@@ -305,7 +305,7 @@ def sagemaker_limits(
     return list(dict.fromkeys(problems))
 
 
-def _said(constraint: str, shape_name: str) -> str:
+def _as_sentence(constraint: str, shape_name: str) -> str:
     """SageMaker's "Member must ..." as a sentence about a setting."""
     if constraint.startswith("Member must satisfy enum value set"):
         # The close match and the botocore release whose list it was checked against.

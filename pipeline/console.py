@@ -271,7 +271,7 @@ def summary_lines(record: dict, run_uri: str) -> list[str]:
         for pair in (comparison or {}).get("pairs", []):
             lines.append("  " + verdict(pair))
     if record.get("cost"):  # dollars from SageMaker's billing; locally CPU-seconds
-        lines.append(cost.said(record["cost"]))
+        lines.append(cost.as_text(record["cost"]))
     if record.get("backend") == "emulated":
         lines.append(EMULATED_CHECKED)
     took = f"{record['time_taken']:.0f}s"

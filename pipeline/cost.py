@@ -351,7 +351,7 @@ def run_cost(billing: list[dict], basis: dict | None, backend: str) -> dict | No
     }
 
 
-def said(cost: dict | None) -> str:
+def as_text(cost: dict | None) -> str:
     """The run's cost in one line (the summary, the report)."""
     if not cost:
         return "cost: not recorded"

@@ -175,7 +175,7 @@ def named(names: list[str]) -> str:
     return ", ".join(names[:SHOWN]) + more
 
 
-def said(differ: dict[str, list[str]]) -> str:
+def differences_text(differ: dict[str, list[str]]) -> str:
     return "; ".join(f"{kind}: {named(names)}" for kind, names in differ.items())
 
 
@@ -284,14 +284,15 @@ def upload_raw(store: Store, tree: ExperimentTree, folder: Path) -> int:
                 return fill(store, tree, folder, files, found, before)
             raise PipelineError(
                 f"upload: {unfinished_upload(store, tree)}; {folder} is other content "
-                f"({said(differences(recorded(record), found))})"
+                f"({differences_text(differences(recorded(record), found))})"
             )
         sizes = stored_sizes(store, tree.raw)
         if sizes:
             differ = differences(stored_contents(store, tree, sizes, found, record), found)
             if differ:
                 raise PipelineError(
-                    f"upload: {where} holds other content than {folder} ({said(differ)}); "
+                    f"upload: {where} holds other content than {folder} "
+                    f"({differences_text(differ)}); "
                     "raw/ is never overwritten, since earlier runs read it: set [data] RAW_DATA "
                     f"= {folder.resolve()} to run on this folder (each run records the content "
                     "it read), or use another experiment NAME"

@@ -267,7 +267,7 @@ def render(values: dict, template: str = TEMPLATE) -> str:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters["cost"] = lambda recorded: cost.said(recorded or None)  # pipeline/cost.py
+    env.filters["cost"] = lambda recorded: cost.as_text(recorded or None)  # pipeline/cost.py
     env.filters["num"] = lambda x, digits=4: (
         "" if x is None or isinstance(x, jinja2.Undefined) else f"{float(x):.{digits}f}"
     )

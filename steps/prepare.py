@@ -291,7 +291,7 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
     )
     dataset = dataset.with_format(None)
     info = padding_info(dataset, tokenizer, keys, model_name)
-    said_and_checked(dataset, model_name, keys, max_length, where, dropped)
+    report_and_check(dataset, model_name, keys, max_length, where, dropped)
     return dataset, info, identity
 
 
@@ -316,7 +316,7 @@ def padding_info(dataset: datasets.Dataset, tokenizer, keys: list[str], model_na
     }
 
 
-def said_and_checked(
+def report_and_check(
     dataset: datasets.Dataset,
     model_name: str,
     keys: list[str],

@@ -274,7 +274,7 @@ def test_a_price_nobody_knows_is_named_never_guessed(tmp_path, caplog):
     )
     assert recorded["usd"] is None and recorded["priced_usd"] == pytest.approx(10 * 0.36 / 3600)
     assert recorded["unpriced"] == ["no price for ml.g5.xlarge (training, ap-southeast-2)"]
-    assert cost.said(recorded).startswith(
+    assert cost.as_text(recorded).startswith(
         "cost: unknown, no price for ml.g5.xlarge (training, ap-southeast-2) (set [cost] PRICES)"
     )
     # A price that is not one is refused by key, with what was meant.

@@ -331,7 +331,7 @@ class SageMakerBackend:
         if asked:
             status = (described.get("WarmPoolStatus") or {}).get("Status")
             record |= {"keep_alive_seconds": asked, "pool_status_at_end": status}
-            self.say(name, _pool_said(status, asked))
+            self.say(name, _pool_line(status, asked))
         return record
 
     def _pool_status(self, name: str) -> dict:
@@ -462,7 +462,7 @@ class SageMakerBackend:
             result.failure_reason = f"the job completed but its output could not be adopted: {e}"
 
 
-def _pool_said(status: str | None, asked: int) -> str:
+def _pool_line(status: str | None, asked: int) -> str:
     """A training job's warm pool as it ended (train-warm-pools.html: Available while kept;
     Terminated when none could be kept: "The default resource limit for warm pools is 0")."""
     if status == "Available":

@@ -267,9 +267,9 @@ def iam_command(args) -> int:
     """Both policies, each under a heading (pipeline/iam/); AWS is asked only for the store
     bucket's default encryption, and only where credentials are at hand."""
     from pipeline.config import load_settings
-    from pipeline.iam import said
+    from pipeline.iam import policies_text
 
-    print(said(load_settings(args.settings)))
+    print(policies_text(load_settings(args.settings)))
     return 0
 
 

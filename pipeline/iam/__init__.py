@@ -520,7 +520,7 @@ def _documentation(session, service: str, operation: str) -> str:
     return " ".join([op.documentation or "", *(m.documentation or "" for m in members)])
 
 
-def said(settings: Settings) -> str:
+def policies_text(settings: Settings) -> str:
     """What `smpipe iam` prints: each policy under a heading, after what was read of the store
     bucket's encryption."""
     key, read = bucket_key(settings)

@@ -310,7 +310,7 @@ def say_done(record: dict) -> None:
         f"run {record['run']} in {record['seconds']:.0f}s: {record['output']} (what they came "
         f"from: {record['output']}.json)"
     )
-    log.info(cost.said(record["cost"]))
+    log.info(cost.as_text(record["cost"]))
     if record["malformed"]:
         shown = "; ".join(f"{r['id']}: {r['error']}" for r in bad[:5])
         more = f"; {record['malformed'] - 5:,} more" if record["malformed"] > 5 else ""

@@ -66,13 +66,13 @@ def upload_texts(
 
     told = [0]  # parts end at PART_ROWS rows or PART_CHARS characters: a line per 100,000 rows
 
-    def said(rows: int) -> None:
+    def tell(rows: int) -> None:
         if rows // 100_000 > told[0]:
             told[0] = rows // 100_000
             log.info(f"read {rows:,} rows of {source}")
 
     with tempfile.TemporaryDirectory(prefix="smpipe-predict-input-") as tmp:
-        sizes = write_parts(read_rows(source, kind, columns), Path(tmp), columns, said)
+        sizes = write_parts(read_rows(source, kind, columns), Path(tmp), columns, tell)
         if sizes:
             upload_dir(store, tmp, prediction.input)
     return sizes

@@ -23,7 +23,7 @@ from pipeline import metadata as md
 from pipeline.config import Settings
 from pipeline.errors import PipelineError, log
 from pipeline.paths import RunTree, run_label
-from pipeline.registry.protocol import description, version_said
+from pipeline.registry.protocol import description, version_line
 from pipeline.store import Store, download_dir, key_of, read_manifest
 
 # The model folder a SageMaker version was registered from, in its CustomerMetadataProperties.
@@ -295,7 +295,7 @@ def package_models(settings: Settings, store: Store, client=None) -> list[tuple[
         described = call(
             client, "DescribeModelPackage", {"ModelPackageName": package["ModelPackageArn"]}
         )
-        why = version_said(
+        why = version_line(
             group,
             {
                 "version": described.get("ModelPackageVersion"),

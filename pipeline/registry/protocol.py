@@ -55,7 +55,7 @@ def description(entry: dict) -> str:
     )
 
 
-def version_said(group: str, record: dict) -> str:
+def version_line(group: str, record: dict) -> str:
     """Why `smpipe prune` keeps what a version points at."""
     status = record["approval_status"]
     return f"version {record['version']} of model package group {group!r} ({status}) points at it"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pipeline import metadata as md
 from pipeline.errors import PipelineError, log
 from pipeline.paths import REGISTRY_CHANGE, REGISTRY_RECORD, ExperimentTree, RunTree
-from pipeline.registry.protocol import STATUSES, description, version_said
+from pipeline.registry.protocol import STATUSES, description, version_line
 from pipeline.store import NotFound, Store, artifact_key, is_complete
 
 # What a record must hold to be listed, approved and kept from prune: what register writes.
@@ -183,5 +183,5 @@ def registered_models(store: Store, tree: ExperimentTree) -> list[tuple[str, str
         for record in local_versions(store, tree, group):
             key = artifact_key(store, record["model_artifact"])
             if key:
-                found.append((key, version_said(group, record)))
+                found.append((key, version_line(group, record)))
     return found
