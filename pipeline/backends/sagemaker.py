@@ -245,7 +245,7 @@ class SageMakerBackend:
                 }
             )
         if result.status == "Completed":
-            self._adopt_training_output(described, job, result)
+            adopt_training_output(self.store, described, job, result)
         return result
 
     def run_tuning(self, job: TuningJob) -> JobResult:
@@ -262,7 +262,7 @@ class SageMakerBackend:
         described = followed.described
         summaries = trials.tidy(described) if described else []  # none: no job was created
         result = self._result("tuning", job.name, followed)
-        result.billing = self._trials_billed(job.name, summaries or [])
+        result.billing = trials_billed(self, job.name, summaries or [])
         best = described.get("BestTrainingJob") or {}
         result.details = tuning_record.from_tuning_job(job, described, summaries or [])
         if result.status == "Completed" and not best:
@@ -284,28 +284,10 @@ class SageMakerBackend:
                 f"the best training job {best['TrainingJobName']} of {job.name} cannot be read: {e}"
             )
             return result
-        self._adopt_training_output(trained, job.trial, result)
+        adopt_training_output(self.store, trained, job.trial, result)
         if result.status == "Completed":  # unpacked into the run tree: kept once, there
             trials.remove_archives(keep=None)
         return result
-
-    def _trials_billed(self, tuning_job: str, summaries: list[dict]) -> list[dict]:
-        """A tuning job bills its training jobs: each trial's DescribeTrainingJob (the
-        summaries ListTrainingJobsForHyperParameterTuningJob gives carry no billable time)."""
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        records = []
-        for summary in summaries:
-            try:
-                described = self.client.describe_training_job(
-                    TrainingJobName=summary["TrainingJobName"]
-                )
-            except (ClientError, BotoCoreError) as e:
-                trial = summary["TrainingJobName"]
-                self.say(tuning_job, f"could not read what trial {trial} billed: {e}")
-                continue
-            records += [{**b, "tuning_job": tuning_job} for b in billed("training", described)]
-        return records
 
     def _warm_pool(self, name: str, request: dict, described: dict) -> dict:
         """What SageMaker's managed warm pools did for a training job, said and recorded:
@@ -316,7 +298,7 @@ class SageMakerBackend:
             return {}
         previous, self._last_training = self._last_training, name
         record: dict = {}
-        before = self._pool_status(previous) if previous else {}
+        before = pool_status(self.client, previous) if previous else {}
         # The previous job's pool, billed as training compute for the seconds it was kept
         # ("ResourceRetainedBillableTimeInSeconds * InstanceCount", API_WarmPoolStatus), once
         # it was reused or has ended; still Available, its time is not known yet.
@@ -333,15 +315,6 @@ class SageMakerBackend:
             record |= {"keep_alive_seconds": asked, "pool_status_at_end": status}
             self.say(name, _pool_line(status, asked))
         return record
-
-    def _pool_status(self, name: str) -> dict:
-        """A training job's WarmPoolStatus now, or {} (absent, or unreadable: it only informs)."""
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
-            return self.client.describe_training_job(TrainingJobName=name).get("WarmPoolStatus", {})
-        except (ClientError, BotoCoreError):
-            return {}
 
     def stop(self) -> None:
         """Stop every job this backend started that has not ended (Ctrl-C, SIGTERM)."""
@@ -429,37 +402,67 @@ class SageMakerBackend:
             billing=billed(kind, described),
         )
 
-    def _adopt_training_output(self, described: dict, job: TrainingJob, result: JobResult) -> None:
-        """model.tar.gz unpacked into job.model_prefix, output.tar.gz into job.output_prefix,
-        each with its manifest: the run tree looks the same whichever backend trained."""
-        artifacts = described.get("ModelArtifacts", {}).get("S3ModelArtifacts", "")
-        model_key = key_of(self.store, artifacts) if artifacts else None
-        if not model_key or not self.store.exists(model_key):
-            result.status = "Failed"
-            result.failure_reason = (
-                f"the job completed but left no model.tar.gz at {artifacts or '(none)'}"
-            )
-            return
-        # /opt/ml/output/data is uploaded compressed (model-train-storage-uncompressed.html) as
-        # output.tar.gz beside the model.tar.gz the job reported: read where SageMaker put it.
-        output_key = model_key.rsplit("/", 1)[0] + "/output.tar.gz"
-        from botocore.exceptions import BotoCoreError, ClientError
 
+def trials_billed(backend, tuning_job: str, summaries: list[dict]) -> list[dict]:
+    """A tuning job bills its training jobs: each trial's DescribeTrainingJob (the
+    summaries ListTrainingJobsForHyperParameterTuningJob gives carry no billable time)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    records = []
+    for summary in summaries:
         try:
-            for key, prefix in ((model_key, job.model_prefix), (output_key, job.output_prefix)):
-                with tempfile.TemporaryDirectory(prefix="smpipe-adopt-") as tmp:
-                    archive, folder = Path(tmp) / "archive.tar.gz", Path(tmp) / "files"
-                    folder.mkdir()
-                    if self.store.exists(key):
-                        self.store.download_file(key, archive)
-                        with tarfile.open(archive) as tar:
-                            tar.extractall(folder, filter=_regular_files)
-                    upload_dir(
-                        self.store, folder, prefix, {"job_name": described["TrainingJobName"]}
-                    )
-        except (tarfile.TarError, OSError, ClientError, BotoCoreError) as e:
-            result.status = "Failed"
-            result.failure_reason = f"the job completed but its output could not be adopted: {e}"
+            described = backend.client.describe_training_job(
+                TrainingJobName=summary["TrainingJobName"]
+            )
+        except (ClientError, BotoCoreError) as e:
+            trial = summary["TrainingJobName"]
+            backend.say(tuning_job, f"could not read what trial {trial} billed: {e}")
+            continue
+        records += [{**b, "tuning_job": tuning_job} for b in billed("training", described)]
+    return records
+
+
+def pool_status(client, name: str) -> dict:
+    """A training job's WarmPoolStatus now, or {} (absent, or unreadable: it only informs)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        return client.describe_training_job(TrainingJobName=name).get("WarmPoolStatus", {})
+    except (ClientError, BotoCoreError):
+        return {}
+
+
+def adopt_training_output(
+    store: Store, described: dict, job: TrainingJob, result: JobResult
+) -> None:
+    """model.tar.gz unpacked into job.model_prefix, output.tar.gz into job.output_prefix,
+    each with its manifest: the run tree looks the same whichever backend trained."""
+    artifacts = described.get("ModelArtifacts", {}).get("S3ModelArtifacts", "")
+    model_key = key_of(store, artifacts) if artifacts else None
+    if not model_key or not store.exists(model_key):
+        result.status = "Failed"
+        result.failure_reason = (
+            f"the job completed but left no model.tar.gz at {artifacts or '(none)'}"
+        )
+        return
+    # /opt/ml/output/data is uploaded compressed (model-train-storage-uncompressed.html) as
+    # output.tar.gz beside the model.tar.gz the job reported: read where SageMaker put it.
+    output_key = model_key.rsplit("/", 1)[0] + "/output.tar.gz"
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        for key, prefix in ((model_key, job.model_prefix), (output_key, job.output_prefix)):
+            with tempfile.TemporaryDirectory(prefix="smpipe-adopt-") as tmp:
+                archive, folder = Path(tmp) / "archive.tar.gz", Path(tmp) / "files"
+                folder.mkdir()
+                if store.exists(key):
+                    store.download_file(key, archive)
+                    with tarfile.open(archive) as tar:
+                        tar.extractall(folder, filter=_regular_files)
+                upload_dir(store, folder, prefix, {"job_name": described["TrainingJobName"]})
+    except (tarfile.TarError, OSError, ClientError, BotoCoreError) as e:
+        result.status = "Failed"
+        result.failure_reason = f"the job completed but its output could not be adopted: {e}"
 
 
 def _pool_line(status: str | None, asked: int) -> str:
