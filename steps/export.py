@@ -1,8 +1,8 @@
 """Export (processing job, CPU): the programs inference runs, written once, for the model that
 is kept, and each checked against the eager model before it is kept.
 
-A training job exports its own model at its end (steps/train.py `finish`, with these
-functions). A tuning trial exports nothing: trials train and validate, and most of their
+A training job exports its own model at its end (steps/best_model.py `keep_model`, with
+these functions). A tuning trial exports nothing: trials train and validate, and most of their
 models are deleted. After a study this step exports the best trial's model:
 
 Inputs:  model       the best trial's model folder (weights, smpipe.json, curves)

@@ -2,7 +2,7 @@
 
 Test metrics exist only once inference has run, a job after training; so the inference job
 logs each model when [tracking] WANDB_MODE is online or offline. It resumes the wandb run of
-the training job that made the model (its id is in the model's record, steps/train.py:
+the training job that made the model (its id is in the model's record, steps/tracking.py:
 `wandb.init(id=..., resume="allow")`, W&B's way to add to a run that has ended), logs one
 version of a `model` artifact named after the model (`wandb.Artifact(type="model")`,
 `run.log_artifact`), aliased `winner` for the run's best model, and puts the test metrics and

@@ -2,10 +2,15 @@
 
 Reads top to bottom, like Accelerate's examples: `main()` reads the container contract and
 casts the hyperparameters once; `training_function()` runs the stages, each a short function:
-set up, resume, one epoch at a time (validate, keep the best, checkpoint), finish. The job
-resumes from the newest good checkpoint in SM_CHECKPOINT_DIR, and on SIGTERM (a spot reclaim)
-it finishes the current step, writes a checkpoint and exits with EXIT_INTERRUPTED: after the
-step it arrives in with one process, with several at most about 10 s of steps later
+set up, resume, one epoch at a time (validate, keep the best, checkpoint), finish. They share
+one `Job` (steps/training_job.py) and are built of blocks kept beside this script: the
+optimizer, loader, loss and validation (steps/training_blocks.py), checkpoints
+(steps/checkpointing.py), the best model kept, merged and exported (steps/best_model.py), the
+job's report (steps/training_report.py) and wandb (steps/tracking.py).
+
+The job resumes from the newest good checkpoint in SM_CHECKPOINT_DIR, and on SIGTERM (a spot
+reclaim) it finishes the current step, writes a checkpoint and exits with EXIT_INTERRUPTED:
+after the step it arrives in with one process, with several at most about 10 s of steps later
 (training_blocks.StopCheck). Between logging steps the loop never waits for the device.
 
 Channels: train, validation (datasets save_to_disk, every model's columns prefixed with its
@@ -21,16 +26,12 @@ the job's time outside its optimizer steps goes (`seconds_outside_steps`), and t
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import contextlib
-import gc
 import json
 import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
 from accelerate import Accelerator
@@ -39,96 +40,37 @@ from torch.utils.data import DataLoader
 
 from steps import checkpointing as ckpt
 from steps.batching import Batches, read_inputs, read_split
-from steps.export import check_batches, check_exports, check_programs, logits_of, write_programs
-from steps.finetuning import (
-    Finetuning,
-    check_blocks,
-    final_model,
-    load_trained_state,
-    prepare,
-    skeleton,
-)
-from steps.hyperparameters import parse_hyperparameters, reserved_hyperparameters
-from steps.metrics import metric_line, plot_curves
-from steps.model_files import CURVES, HISTORY, read_record, write_card, write_record
+from steps.best_model import best_model, keep_model
+from steps.export import logits_of
+from steps.finetuning import Finetuning, check_blocks, prepare, skeleton
+from steps.hyperparameters import parse_hyperparameters
+from steps.metrics import metric_line
+from steps.precision import Precision
 from steps.prepared_files import read_encoding
 from steps.runtime import names
 from steps.runtime.environment import TrainingEnv, training_env
-from steps.runtime.step import run_step, write_step_metadata
+from steps.runtime.step import run_step
+from steps.tracking import start_tracking, tracked
 from steps.training_blocks import (
     Diverged,
     EpochLoss,
     Interrupt,
-    StopCheck,
     accelerator_for,
     batch_split,
     check_output_width,
     evaluate,
     loader_for,
     optimizer_for,
-    save_final_model,
+)
+from steps.training_job import Job
+from steps.training_report import (
+    OUTSIDE_STEPS,
+    peak_memory,
+    seconds_before_main,
+    timed,
+    write_report,
 )
 from steps.user_code import call, load_user_functions
-
-# Where the job's time outside its optimizer steps goes, by phase (the report's
-# `seconds_outside_steps`): what a job's fixed cost is made of, measured by every job.
-OUTSIDE_STEPS: dict[str, float] = collections.defaultdict(float)
-
-
-@contextlib.contextmanager
-def timed(phase: str):
-    started = time.time()
-    try:
-        yield
-    finally:
-        OUTSIDE_STEPS[phase] += time.time() - started
-
-
-def seconds_before_main() -> float:
-    """This process's age when main() starts: the interpreter and the imports (about 0 in a
-    job forked from a warm server, which imported them before)."""
-    import psutil
-
-    return time.time() - psutil.Process().create_time()
-
-
-@dataclass
-class Job:
-    """What the stages share: set up once, then read and advanced by each stage."""
-
-    hp: dict
-    env: TrainingEnv
-    accelerator: Accelerator
-    keys: list[str]
-    id2label: dict[int, str]
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    state: ckpt.State
-    sampler: ckpt.ResumableBatchSampler
-    train_loader: DataLoader
-    val_batches: Batches
-    inputs: dict  # this model's padding values and sequence inputs (labels/inputs.json)
-    max_length: int  # the tokens prepare cut rows to (labels/encoding.json)
-    per_device: int
-    accumulation: int
-    total_steps: int
-    wandb_on: bool
-    settings: dict  # what was applied: precision, optimizer, compile, grouping
-    finetuning: Finetuning  # what of the model trains (full or LoRA), gradient checkpointing
-    best_weights: dict | None = None
-    resumed_from: dict | None = None
-    checkpoint_seconds: list[float] = field(default_factory=list)
-    checkpoint_bytes: int | None = None  # the newest checkpoint's, as written (main process)
-    peak_memory: list[dict] = field(default_factory=list)  # per process (`end_epoch`)
-    started: float = field(default_factory=time.time)
-    epoch_started: float = 0.0
-    loop_seconds: float = 0.0  # in train_epoch: the optimizer steps, nothing around them
-    last_finite: tuple[int, float] | None = None  # (optimizer step, its mean loss)
-    stop_check: StopCheck = field(default_factory=StopCheck)  # when the processes ask (SIGTERM)
-    tracking: concurrent.futures.Future | None = None  # wandb starting (start_tracking)
-    # FSDP: the model on the meta device, on the main process, for the gathered final weights
-    frame: torch.nn.Module | None = None
 
 
 def announce(
@@ -160,16 +102,17 @@ def read_data(env: TrainingEnv, model_name: str, keys: list[str], multiple_of: i
     return id2label, inputs, max_length, train, val
 
 
-def user_model(functions, model_name: str, id2label: dict[int, str]) -> torch.nn.Module:
-    """The user's load_model, checked to be a torch module."""
-    label2id = {v: k for k, v in id2label.items()}
+def user_model(functions, hp: dict, id2label: dict[int, str]) -> tuple[torch.nn.Module, Finetuning]:
+    """The user's load_model, checked to be a torch module, made ready for what of it trains
+    (steps/finetuning.py)."""
+    model_name, label2id = hp["model_name"], {v: k for k, v in id2label.items()}
     model = call(functions, "load_model", model_name, id2label, label2id)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"{functions.module}.load_model({model_name!r}, ...) must return a "
             f"torch.nn.Module, got {type(model).__name__}"
         )
-    return model
+    return prepare(model, hp, len(id2label), functions.module)
 
 
 def training_state(accelerator, model, optimizer, scheduler, sampler, hp, env) -> ckpt.State:
@@ -189,13 +132,28 @@ def training_state(accelerator, model, optimizer, scheduler, sampler, hp, env) -
     )
 
 
-def loading(hp: dict, loader: DataLoader, multiple_of: int) -> dict:
-    """How batches reach the model, for the job's report."""
+def applied(
+    hp: dict,
+    precision: Precision,
+    optimizer_kind: str,
+    loader: DataLoader,
+    multiple_of: int,
+    finetuning: Finetuning,
+) -> dict:
+    """What the job applied, for its first line, its report and the model's card: precision,
+    optimizer, compile, how batches reach the model, what of it trains, how it is shared."""
     return {
+        "mixed_precision": precision.applied,
+        "precision_reason": precision.reason,
+        "optimizer": f"AdamW ({optimizer_kind})",
+        "compile": hp["compile"],
         "group_by_length": hp["group_by_length"],
         "pad_to_multiple_of": multiple_of,
         "dataloader_workers": loader.num_workers,
         "pin_memory": loader.pin_memory,
+        "finetuning": finetuning.method,
+        "gradient_checkpointing": finetuning.gradient_checkpointing,
+        "distributed_strategy": hp["distributed_strategy"],
     }
 
 
@@ -219,8 +177,7 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
         id2label, inputs, max_length, train, val = read_data(env, model_name, keys, multiple_of)
     # We build the model after seeding so that the seed also controls new weights' initialization.
     with timed("model"):
-        model = user_model(functions, model_name, id2label)
-        model, finetuning = prepare(model, hp, len(id2label), functions.module)
+        model, finetuning = user_model(functions, hp, id2label)
 
     sampler, train_loader = loader_for(train, hp, per_device, accumulation, accelerator, on_gpu)
     total_steps = sampler.steps_per_epoch * hp["epochs"]
@@ -230,20 +187,10 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
         model, accelerator, precision.applied, hp, total_steps, functions.module
     )
     check_output_width(accelerator, model, val, keys, len(id2label), functions.module)
-    compiled = False
     if hp["compile"]:
-        model, compiled = torch.compile(model, dynamic=True), True
+        model = torch.compile(model, dynamic=True)
     state = training_state(accelerator, model, optimizer, scheduler, sampler, hp, env)
-    settings = {
-        "mixed_precision": precision.applied,
-        "precision_reason": precision.reason,
-        "optimizer": f"AdamW ({optimizer_kind})",
-        "compile": compiled,
-        **loading(hp, train_loader, multiple_of),
-        "finetuning": finetuning.method,
-        "gradient_checkpointing": finetuning.gradient_checkpointing,
-        "distributed_strategy": hp["distributed_strategy"],
-    }
+    settings = applied(hp, precision, optimizer_kind, train_loader, multiple_of, finetuning)
     announce(accelerator, hp, per_device, accumulation, settings)
     return Job(
         hp=hp,
@@ -366,18 +313,6 @@ def checkpoint(job: Job, new_best: dict | None = None) -> None:
     )
     if job.accelerator.is_main_process:
         job.checkpoint_bytes = ckpt.size_of(ckpt.current_checkpoint(job.env.checkpoint_dir))
-
-
-def peak_memory(accelerator: Accelerator) -> tuple[str, int]:
-    """This process's peak memory so far, and what it is: the GPU's allocated bytes on a GPU
-    (what the model, its gradients, optimizer state and activations took), the host's
-    resident set on a CPU."""
-    if accelerator.device.type == "cuda":
-        return "gpu_max_allocated_bytes", torch.cuda.max_memory_allocated(accelerator.device)
-    import resource
-
-    # ru_maxrss is in kilobytes on Linux (getrusage(2)).
-    return "host_max_rss_bytes", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def check_finite(job: Job, steps: list[tuple[int, float, float]]) -> None:
@@ -568,37 +503,14 @@ def end_epoch(job: Job) -> None:
 
 
 def finish(job: Job) -> None:
-    """The main process keeps the model; then every process leaves together (`leave`)."""
+    """The main process keeps the best model (steps/best_model.py) and writes the job's report;
+    then every process leaves together (`leave`)."""
     job.accelerator.wait_for_everyone()
     final = best_model(job)
     if job.accelerator.is_main_process:
-        keep_model(job, final)
+        exports, merge = keep_model(job, final)
+        write_report(job, exports, merge)
     leave(job)
-
-
-def best_model(job: Job) -> torch.nn.Module | None:
-    """The best epoch's model, plain, on the main process (None on the others). Without
-    Accelerate's mixed-precision wrapper: a program traced through it would carry its casts,
-    computing in bf16 wherever it ran (inference chooses its own precision). With FSDP every
-    process takes part: each loads its shards of the best weights, and the whole model is
-    gathered to the main process, into the skeleton it kept (steps/fsdp.py)."""
-    accelerator, state = job.accelerator, job.state
-    # The optimizer's state (two values a trained weight) is not read past the last step: gone
-    # before the model is gathered or exported.
-    getattr(job.optimizer, "optimizer", job.optimizer).state.clear()
-    if state.sharded:
-        from steps import fsdp
-
-        if job.best_weights is not None:
-            state.load_trained(job.best_weights)
-            job.best_weights = None
-        return fsdp.gathered(job.model, job.frame)
-    if not accelerator.is_main_process:
-        return None
-    final = accelerator.unwrap_model(job.model, keep_fp32_wrapper=False, keep_torch_compile=False)
-    if job.best_weights is not None:
-        load_trained_state(final, job.best_weights, job.finetuning.method)
-    return final
 
 
 LET_GLOO_FINISH_SECONDS = 0.5
@@ -621,194 +533,6 @@ def leave(job: Job) -> None:
         # for the GIL; a two-process job hung at its end so, 2026-11-27): a pause that holds
         # no GIL lets the worker finish first.
         time.sleep(LET_GLOO_FINISH_SECONDS)
-
-
-def keep_model(job: Job, final: torch.nn.Module) -> None:
-    """The best model, its exports and curves, and the Metadata section."""
-    accelerator, state, hp, env = job.accelerator, job.state, job.hp, job.env
-    # A tuning trial exports and draws nothing (hp exports = none): most trials' models are
-    # deleted; the study's best is exported, and its curves drawn, once, after it
-    # (steps/export.py).
-    kept = hp["exports"] != "none"
-    final = final.float().eval().cpu()
-    final, merge = merged(final, job)
-    formats = hp["exports"].split(",") if kept else []
-    with timed("exports"):
-        failed, checks = write_programs(
-            final, job.keys, job.inputs, job.val_batches, env.model_dir, formats
-        )
-    with timed("save"):
-        save_model(job, final)
-    # The eager model's last use: each program is loaded back beside its logits only, so a
-    # large model's weights are never held twice (a 1B model's 4 GB, docs/performance.md).
-    # With several processes the model stays: its DDP wrapper holds the process group, which
-    # every process then lets go of at the same point, at the end, as before. (A two-process
-    # job hung at its end once in the suite, 2026-11-27, after its main process had let go
-    # early; whether that was the cause is not established.)
-    del final
-    if accelerator.num_processes == 1:
-        release_model(job)
-    with timed("exports"):
-        exports = check_programs(failed, checks, env.model_dir, formats)
-    record_exports(env.model_dir, exports)
-    for name, result in exports.items():
-        accelerator.print(f"{name} export: {result}")
-    # The last metric line is the best epoch's: a tuner reading the final value sees the model
-    # it gets.
-    best = next(h for h in state.history if h["epoch"] == state.best_epoch)
-    accelerator.print("best " + metric_line(best))
-    check_exports(exports)
-    (env.model_dir / HISTORY).write_text(json.dumps(state.history, indent=2))
-    write_card(env.model_dir, read_record(env.model_dir), state.history, {**hp, **job.settings})
-    if kept:
-        with timed("plots"):
-            title = f"{hp['model_name']} ({env.job_name})"
-            plot_curves(state.history, env.model_dir / CURVES, title)
-    write_report(job, exports, merge)
-
-
-# How far the merged model's logits may be from the adapters' (fp32, on the CPU), relative to
-# the largest logit (at least 1): merging adds B @ A * alpha / r to each weight once, so only
-# the order of float additions differs.
-MERGE_TOLERANCE = 1e-4
-
-
-def merged(final: torch.nn.Module, job: Job) -> tuple[torch.nn.Module, dict]:
-    """With LoRA: the adapter written in PEFT's format, then merged into the weights, and the
-    merged model checked against the adapters on the export check's rows (a merge that changed
-    what the model computes is never kept). Without LoRA: the model, unchanged."""
-    if job.finetuning.method != "lora":
-        return final, {}
-    rows = check_batches(job.val_batches)
-    with torch.no_grad(), timed("merge"):
-        before = [logits_of(final(**{k: b[k] for k in job.keys})) for b in rows]
-        final = final_model(final, job.env.model_dir)
-        after = [logits_of(final(**{k: b[k] for k in job.keys})) for b in rows]
-    difference = max(float((a - b).abs().max()) for a, b in zip(after, before, strict=True))
-    allowed = MERGE_TOLERANCE * max([1.0] + [float(b.abs().max()) for b in before])
-    if difference > allowed:
-        raise RuntimeError(
-            f"the merged model's logits differ from the adapters' by {difference:.3g} "
-            f"(at most {allowed:.3g}): no model of this job is kept"
-        )
-    return final, {"max_abs_difference": difference, "passed": True}
-
-
-def release_model(job: Job) -> None:
-    """Nothing of the job holds the model, its optimizer or its best weights any more (the
-    main process, once its model is saved)."""
-    job.accelerator.free_memory()
-    job.model = job.state.model = job.optimizer = job.state.optimizer = None
-    job.scheduler = job.state.scheduler = job.best_weights = None
-    gc.collect()
-
-
-def record_exports(model_dir, exports: dict) -> None:
-    """Which exports passed their check, in the model's record (steps/model_files.py)."""
-    write_record(model_dir, {**read_record(model_dir), "exports": exports})
-
-
-def save_model(job: Job, final: torch.nn.Module) -> None:
-    """The model as `from_pretrained` loads it, with the record of what it is (which exports
-    passed is added once they are checked: `record_exports`)."""
-    model_dir, state = job.env.model_dir, job.state
-    record = {
-        "model_name": job.hp["model_name"],
-        "id2label": job.id2label,
-        "ordered_input_keys": job.keys,
-        "best_epoch": state.best_epoch,
-        "best_validation_f1": state.best_metric,
-        "max_length": job.max_length,  # as prepare recorded it (encoding.json)
-        "exports": {},  # record_exports
-        "wandb_run": wandb_run_of(job),
-        **job.finetuning.record(),
-    }
-    save_final_model(final, model_dir, record)
-    labels = {str(k): v for k, v in job.id2label.items()}
-    (model_dir / "id2label.json").write_text(json.dumps(labels, indent=2))
-
-
-def wandb_run_of(job: Job) -> dict | None:
-    """This job's wandb run, kept in the model's record: inference logs the model, with its
-    test metrics, as a `model` artifact of this run (steps/model_artifact.py)."""
-    if not job.wandb_on:
-        return None
-    tracked(job)
-    run = job.accelerator.get_tracker("wandb", unwrap=True)
-    return {"id": run.id, "project": run.project}
-
-
-def write_report(job: Job, exports: dict, merge: dict) -> None:
-    """The job's section of the run's Metadata (step_metadata.json in output/data)."""
-    accelerator, state, env = job.accelerator, job.state, job.env
-    gpu = None
-    if torch.cuda.is_available():
-        gpu = {
-            "devices": torch.cuda.device_count(),
-            "max_memory_allocated_mb": torch.cuda.max_memory_allocated() / 2**20,
-        }
-    write_step_metadata(
-        env.output_data_dir,
-        {
-            "model_name": job.hp["model_name"],
-            "best_epoch": state.best_epoch,
-            "best_validation_f1": state.best_metric,
-            "history": state.history,
-            "exports": exports,
-            "resumed_from": job.resumed_from,
-            "steps": state.step,
-            "processes": accelerator.num_processes,
-            "cpu_threads": torch.get_num_threads(),  # OMP_NUM_THREADS: a local trial's share
-            "per_device_batch": job.per_device,
-            "accumulation": job.accumulation,
-            **job.settings,
-            **job.finetuning.record(),
-            "lora_merge": merge or None,
-            # Each process's peak at its last epoch's end (end_epoch); the main one's read again
-            # now, its saving and exports in.
-            "peak_memory": [
-                {"process": 0, **dict([peak_memory(accelerator)])},
-                *[p for p in job.peak_memory if p["process"] != 0],
-            ],
-            "training_peak_memory": job.peak_memory,  # every process's, at the last epoch's end
-            "checkpoint_bytes": job.checkpoint_bytes,
-            "checkpoints_written": len(job.checkpoint_seconds),
-            "checkpoint_seconds_total": round(sum(job.checkpoint_seconds), 3),
-            "seconds": round(time.time() - job.started, 3),
-            "train_loop_seconds": round(job.loop_seconds, 3),
-            "seconds_outside_steps": {
-                **{phase: round(t, 3) for phase, t in OUTSIDE_STEPS.items()},
-                "checkpoints": round(sum(job.checkpoint_seconds), 3),
-            },
-            "gpu_usage": gpu,
-            "sagemaker_hyperparameters": reserved_hyperparameters(env.hyperparameters),
-        },
-    )
-
-
-def start_tracking(accelerator: Accelerator, hp: dict, env: TrainingEnv):
-    """wandb's run, started beside the first epoch's steps: wandb.init starts its service
-    process and waits for it (docs/performance.md), which nothing before the
-    first metric line needs. `tracked` waits for it. Accelerate's init_trackers, which runs
-    on the main process only, is called as in the foreground; an error it raises is raised by
-    `tracked`. What wandb's console capture misses (the step lines printed before it is up)
-    is in the job's own log."""
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wandb-init")
-    started = pool.submit(
-        accelerator.init_trackers,
-        hp["wandb_project"],
-        config=hp,
-        init_kwargs={"wandb": {"name": env.job_name, "dir": str(env.output_data_dir)}},
-    )
-    pool.shutdown(wait=False)
-    return started
-
-
-def tracked(job: Job) -> None:
-    """The wandb run is up (its start's error raised here): before a log, and before the end."""
-    if job.tracking is not None:
-        with timed("tracking"):  # the part of wandb's start the steps did not hide
-            job.tracking.result()
 
 
 def training_function(hp: dict, env: TrainingEnv) -> None:

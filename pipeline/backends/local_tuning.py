@@ -249,26 +249,7 @@ def trial_objective(
             trial, record, objective_regex, job.objective_metric, verdict, last_epoch(trial_job)
         )
         result = backend.run_training(trial_job, watch=watch)
-        status = "Stopped" if verdict else result.status
-        if trials.stopping.is_set() and status != "Completed":
-            status = "Interrupted"  # continued from its checkpoint when the run is resumed
-        elif status not in ("Completed", "Stopped"):
-            status = "Failed"
-        objective = None
-        if status == "Completed":
-            objective = result.metrics.get(job.objective_metric)
-        elif status == "Stopped":
-            # As SageMaker reports a trial its tuning job stopped early: TrainingJobStatus
-            # Stopped, with FinalHyperParameterTuningJobObjectiveMetric "the latest objective
-            # metric emitted by a training job that was launched by a hyperparameter tuning
-            # job" (botocore's sagemaker service-2.json; API_HyperParameterTrainingJobSummary;
-            # API_FinalHyperParameterTuningJobObjectiveMetric.html); an ObjectiveStatus of
-            # Failed "typically occurs when the training job failed or did not emit an
-            # objective metric" (ObjectiveStatus, ibid.). It is still not the best trial: that
-            # is the one "that completed with the best current" objective
-            # (DescribeHyperParameterTuningJob's BestTrainingJob), and a stopped trial saved no
-            # model.
-            objective = last_reported(record)
+        status, objective = outcome(result, verdict, trials.stopping.is_set(), record, job)
         record.update(
             status=status,
             seconds=result.seconds,
@@ -293,6 +274,31 @@ def trial_objective(
         return record["objective"]
 
     return objective
+
+
+def outcome(result, verdict: dict, stopping: bool, record: dict, job: TuningJob):
+    """A trial's status and objective, as SageMaker reports a tuning job's trials."""
+    status = "Stopped" if verdict else result.status
+    if stopping and status != "Completed":
+        status = "Interrupted"  # continued from its checkpoint when the run is resumed
+    elif status not in ("Completed", "Stopped"):
+        status = "Failed"
+    objective = None
+    if status == "Completed":
+        objective = result.metrics.get(job.objective_metric)
+    elif status == "Stopped":
+        # As SageMaker reports a trial its tuning job stopped early: TrainingJobStatus
+        # Stopped, with FinalHyperParameterTuningJobObjectiveMetric "the latest objective
+        # metric emitted by a training job that was launched by a hyperparameter tuning
+        # job" (botocore's sagemaker service-2.json; API_HyperParameterTrainingJobSummary;
+        # API_FinalHyperParameterTuningJobObjectiveMetric.html); an ObjectiveStatus of
+        # Failed "typically occurs when the training job failed or did not emit an
+        # objective metric" (ObjectiveStatus, ibid.). It is still not the best trial: that
+        # is the one "that completed with the best current" objective
+        # (DescribeHyperParameterTuningJob's BestTrainingJob), and a stopped trial saved no
+        # model.
+        objective = last_reported(record)
+    return status, objective
 
 
 def started_record(number: int, trial_job: TrainingJob, values: dict) -> dict:
