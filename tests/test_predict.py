@@ -17,6 +17,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -232,6 +234,44 @@ def test_a_raw_reconcile_that_leaves_a_thread_still_ends(tmp_path):
         signal.signal(signal.SIGALRM, previous)
     assert pq.read_table(rows).to_pylist() == [{"id": "a", "text": "a new text"}]
     assert said == {"dropped": {}, "dropped_ids": {}}
+
+
+HANGS = """
+import os, time
+
+def reconcile(raw_dir):
+    (raw_dir / "pid").write_text(str(os.getpid()))
+    time.sleep(3600)
+
+from user_functions import encode, load_model, load_tokenizer, ordered_input_keys  # noqa: E402
+"""
+
+
+def test_ctrl_c_during_a_raw_reconcile_ends_its_process(tmp_path):
+    """Ctrl-C while the run's reconcile reads raw data: its process is gone with the command,
+    not left reading."""
+    from pipeline.predict.raw import reconciled
+
+    code, raw = tmp_path / "code", tmp_path / "raw"
+    shutil.copytree(ROOT / "steps", code / "steps")
+    shutil.copytree(ROOT / "user_functions", code / "user_functions")
+    code.joinpath("hangs.py").write_text(HANGS)
+    raw.mkdir()
+
+    def press_ctrl_c() -> None:  # once the reconcile has begun: SIGINT to this process
+        deadline = time.time() + 60
+        while not raw.joinpath("pid").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=press_ctrl_c, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        reconciled(code, "hangs", raw, tmp_path)
+    pid = int(raw.joinpath("pid").read_text())
+    time.sleep(0.2)
+    # Killed: gone, or a zombie until this process reaps it (subprocess reaps on its next call).
+    stat = Path(f"/proc/{pid}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 @pytest.mark.slow
