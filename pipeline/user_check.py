@@ -190,7 +190,7 @@ def model_settings(settings: Settings) -> dict[str, dict]:
 
 def check_env() -> dict[str, str]:
     """The checking process's environment: the driver's, with the image's ENV on top, as a local
-    job has it (processes.py `Containers.run`), less what names one job (its PYTHONPATH: the
+    job has it (processes.py `ProcessLauncher`), less what names one job (its PYTHONPATH: the
     check's sys.path is the driver's)."""
     from pipeline.player.environment import image_env
     from pipeline.player.fork_client import per_job_variables

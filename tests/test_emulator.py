@@ -315,7 +315,7 @@ def test_a_tuning_job_name_used_before_is_refused_in_aws_words(emulator):
     from botocore.exceptions import ClientError
 
     request = backend(emulator).request(tuning_job("tune-taken"))
-    jobs = emulator._moto.hyper_parameter_tuning_jobs
+    jobs = emulator.account.jobs.hyper_parameter_tuning_jobs
     jobs["Tune-Taken"] = SimpleNamespace(arn="arn:aws:sagemaker:us-east-1:123456789012:x")
     try:
         with pytest.raises(ClientError) as refused:
@@ -364,12 +364,12 @@ class Flaky:
         self.code, self.times = code, times
 
     def __call__(self, **_):
-        from pipeline.backends.emulated import _error_response
+        from pipeline.backends.emulated.control_plane import error_response
 
         if self.times <= 0:
             return None
         self.times -= 1
-        return _error_response(400, self.code, f"{self.code} (injected)")
+        return error_response(400, self.code, f"{self.code} (injected)")
 
 
 def test_following_a_job_goes_on_through_errors_reading_it(store, emulator, inputs):

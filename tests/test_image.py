@@ -509,7 +509,7 @@ def test_a_container_that_ignores_its_stop_is_killed_after_the_grace(image, buck
         thread.join(timeout=60)
         assert not thread.is_alive() and results[0].status != "Completed"
         running = subprocess.run(
-            [emulator.containers.engine, "ps", "--format", "{{.Names}}"],
+            [emulator.containers.launcher.engine, "ps", "--format", "{{.Names}}"],
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
         assert "hang-image" not in running  # the container itself, not only the engine's client

@@ -165,28 +165,19 @@ def test_tuning_job_names_of_experiments_that_differ_in_case_differ_without_case
 
 def test_the_emulator_refuses_a_tuning_name_taken_with_other_case():
     """The emulated SageMaker answers as SageMaker does: ResourceInUse."""
-    from pipeline.backends.emulated import Emulator
+    from pipeline.backends.emulated.control_plane import refuse_used_name
 
     moto = SimpleNamespace(
         processing_jobs={},
         training_jobs={},
         hyper_parameter_tuning_jobs={"news-0001-tune-bow-120000": SimpleNamespace(arn="arn:x")},
     )
-    fake = SimpleNamespace(_moto=moto)
-    body = b'{"HyperParameterTuningJobName": "News-0001-tune-bow-120000"}'
-    answer = Emulator._refuse_used_name(
-        fake, model=SimpleNamespace(name="CreateHyperParameterTuningJob"), params={"body": body}
-    )
+    create = "CreateHyperParameterTuningJob"
+    taken = {"HyperParameterTuningJobName": "News-0001-tune-bow-120000"}
+    answer = refuse_used_name(moto, create, taken)
     assert answer is not None and answer[1]["Error"]["Code"] == "ResourceInUse"
-    fresh = b'{"HyperParameterTuningJobName": "other-0001-tune-bow-120000"}'
-    assert (
-        Emulator._refuse_used_name(
-            fake,
-            model=SimpleNamespace(name="CreateHyperParameterTuningJob"),
-            params={"body": fresh},
-        )
-        is None
-    )
+    fresh = {"HyperParameterTuningJobName": "other-0001-tune-bow-120000"}
+    assert refuse_used_name(moto, create, fresh) is None
 
 
 # -- F: [cost] PRICES names each instance type once ------------------------------------------------

@@ -5,8 +5,9 @@
     local.py         every job played on this machine, against the store directly
     local_tuning.py  the local backend's tuning jobs: Optuna's study, its trials local jobs
     sagemaker.py     every job sent to SageMaker, followed and adopted into the run tree
-    emulated.py      the SageMaker backend talking to an embedded moto, which plays its jobs
-    emulated_search.py  the emulated SageMaker's search: a tuning request's trials drawn
+    emulated/        the SageMaker backend talking to an embedded moto, which plays its jobs
+                     as SageMaker would: the emulated account, SageMaker's control plane, its
+                     instances and its tuning service, a module each (emulated/__init__.py)
 
 What the local and emulated backends share, SageMaker's data plane played on this machine (job
 roots, processes, exits read as a status), is pipeline/player/.

@@ -45,7 +45,7 @@ from pipeline.player.job_root import (
     remove_orphaned_work_roots,
 )
 from pipeline.player.play import play_processing, play_training
-from pipeline.player.processes import Containers
+from pipeline.player.processes import Containers, ProcessLauncher
 from pipeline.service_model import as_if_on_s3, refused
 from pipeline.store import LocalStore, Store, StoreError, upload_dir
 from steps.runtime.names import MODEL_DIR, OUTPUT_DATA_DIR
@@ -133,7 +133,7 @@ class LocalBackend:
         # Tests and tools drop a backend without close(): its fork servers are left as close()
         # leaves them (warm_start.IDLE).
         self._finalizer = weakref.finalize(self, self.warm.close) if self.warm else None
-        self.containers = Containers(starter=self.warm)
+        self.containers = Containers(ProcessLauncher(starter=self.warm))
         # Every job's JobResult.billing so far: a tuning job bills its trials'.
         self.billed: list[dict] = []
 

@@ -1,7 +1,7 @@
 """The environment a job's container starts with, as SageMaker and Docker give it: a new
 container's (Docker's defaults and the base image's), the image's ENV (read from
 docker/Dockerfile, the job root in place of /opt/ml), and what SageMaker sets in a training
-container. The request's own Environment goes on top (processes.py `Containers.run`).
+container. The request's own Environment goes on top (processes.py `ProcessLauncher`).
 """
 
 from __future__ import annotations

@@ -309,7 +309,7 @@ atexit.register(IDLE.close)
 
 class WarmStart:
     """The starter of the local backend and of the emulated one's processes
-    (Containers(starter=...)): a fork server per distinct import-relevant environment.
+    (ProcessLauncher(starter=...)): a fork server per distinct import-relevant environment.
     `start` returns the job's process, or None where the job starts cold: the first job of an
     environment (below), or one a server refused or could not serve (the reason said to
     `echo`, once).

@@ -6,9 +6,10 @@ ContainerArguments, stopped with SIGTERM and killed 120 s later. The environment
 ENV (the engine gives it), the request's Environment and what SageMaker sets, and the plumbing
 that reaches the embedded control plane: nothing of this machine's.
 
-The process player (processes.py) starts the entrypoint as processes of this machine; this one
-is the same runner with the container engine in its place: following the output, the deadline,
-the failure file and the exit are the process player's.
+The process player (processes.py `ProcessLauncher`) starts the entrypoint as processes of this
+machine; this one (`ImageLauncher`) starts it with the container engine, through the same
+runner (processes.py `Containers`): following the output, the deadline, the failure file and
+the exit are the runner's.
 """
 
 from __future__ import annotations
@@ -18,17 +19,17 @@ import ipaddress
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pipeline.player.job_root import clear_output
-from pipeline.player.processes import Containers
+from pipeline.player.processes import Launch
 from steps.runtime import names
 from steps.runtime.names import CONTAINER_ROOT, host_path
 from steps.runtime.secrets import secret_values
@@ -305,8 +306,9 @@ def _subnet_and_gateway(inspected: dict) -> tuple[str, str]:
     raise RuntimeError(f"network {inspected.get('name') or inspected.get('Name')} has no subnet")
 
 
-class ImageContainers(Containers):
-    """The containers of the jobs a backend plays, run in `image` with `engine`.
+class ImageLauncher:
+    """The containers of the jobs a backend plays, run in `ref`'s image with `engine` (a
+    processes.Launcher: processes.Containers starts, follows and stops them through it).
 
     `plumbing(endpoint)`: what a job is given to reach the embedded control plane (the AWS
     endpoint, credentials as its role would give them), `endpoint` being the address the
@@ -318,38 +320,30 @@ class ImageContainers(Containers):
     noise = frozenset({"failed to connect to syslog: Initialization"})
 
     def __init__(self, engine: str, ref: ImageRef, plumbing, moto_port: int) -> None:
-        super().__init__()
         self.engine, self.ref, self.plumbing = engine, ref, plumbing
         self.image = ref.id  # every container: the image as resolved, not its tag
         sweep(engine)
         self.gateway = Gateway(moto_port)
         self.networks = Networks(engine, self.gateway)
+        self._lock = threading.Lock()
         self._names: dict[int, str] = {}  # pid of the engine's client -> its container
-        self._jobs: dict[int, str] = {}  # pid -> the job whose network it joined
 
     def hosts_env(self, env: dict[str, str]) -> dict[str, str]:
         """SageMaker's hosts resolve one another: torchrun's master is `algo-1` at its default
         port, as on SageMaker (steps/runtime/launch.py)."""
         return env
 
-    def _start(
-        self,
-        root: Path,
-        arguments: list[str],
-        env: dict[str, str],
-        failure: Path,
-        job: str,
-        entrypoint: list[str] | None = None,
-    ):
-        clear_output(failure)
-        host = current_host(root)
-        network, gateway = self.networks.join(job)
-        name = f"{network}-{host}"
-        full = {**self.plumbing(f"http://{gateway}:{self.gateway.port}"), **env}
-        command = self._command(name, host, network, root, list(full), arguments, entrypoint)
+    @contextmanager
+    def started(self, launch: Launch) -> Iterator[tuple[subprocess.Popen, list[str]]]:
+        """The host's container started by the engine's client, on the job's network (left,
+        and removed after its last container, when the block ends)."""
+        host = current_host(launch.root)
+        network, gateway = self.networks.join(launch.job)
+        name, pid = f"{network}-{host}", None
         try:
+            full = {**self.plumbing(f"http://{gateway}:{self.gateway.port}"), **launch.env}
             proc = subprocess.Popen(
-                command,
+                self._command(name, host, network, launch, list(full)),
                 # The engine's client runs with this machine's environment (its own settings:
                 # CONTAINERS_CONF, DOCKER_HOST); the container gets only the --env keys.
                 env={**os.environ, **full},
@@ -358,23 +352,17 @@ class ImageContainers(Containers):
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        except BaseException:
-            self.networks.leave(job)
-            raise
-        with self._lock:
-            self._names[proc.pid], self._jobs[proc.pid] = name, job
-        self._register(proc.pid, job)
-        return proc, secret_values(full)
+            pid = proc.pid
+            with self._lock:
+                self._names[pid] = name
+            yield proc, secret_values(full)
+        finally:
+            with self._lock:
+                self._names.pop(pid, None)
+            self.networks.leave(launch.job)
 
     def _command(
-        self,
-        name: str,
-        host: str,
-        network: str,
-        root: Path,
-        variables: list[str],
-        arguments: list[str],
-        entrypoint: list[str] | None,
+        self, name: str, host: str, network: str, launch: Launch, variables: list[str]
     ) -> list[str]:
         """`ENGINE run` for one host's container, as SageMaker starts it."""
         command = [
@@ -394,7 +382,7 @@ class ImageContainers(Containers):
             "--network-alias",
             host,
             "--volume",
-            f"{root}:{CONTAINER_ROOT}",
+            f"{launch.root}:{CONTAINER_ROOT}",
             "--label",
             f"{DRIVER_LABEL}={driver_tag()}",
             # podman adds TERM and `container` to every container, docker (SageMaker's) neither
@@ -407,6 +395,7 @@ class ImageContainers(Containers):
         # ContainerArguments follow (API_AppSpecification.html; build-your-own-processing-
         # container.html): the program as --entrypoint, the rest before the arguments
         # (docker's --entrypoint takes one program, not the exec form podman also reads).
+        entrypoint, arguments = launch.entrypoint, launch.arguments
         if entrypoint:
             return [
                 *command,
@@ -418,18 +407,12 @@ class ImageContainers(Containers):
             ]
         return [*command, self.image, *arguments]
 
-    def _ended(self, pid: int) -> None:
-        with self._lock:
-            self._names.pop(pid, None)
-            job = self._jobs.pop(pid, None)
-        if job is not None:
-            self.networks.leave(job)
-
-    def _send(self, pid: int, signum: int) -> None:
-        """`signum` to the container's PID 1, as `docker stop` / `docker kill` send it. A
-        container still being created when the signal comes gets it once it exists, however
-        long that takes on a loaded machine: the engine refuses a kill until then, and the
-        client that creates it is still running (a signal given up on left one training on)."""
+    def signal(self, pid: int, signum: int) -> None:
+        """`signum` to the container's PID 1, as `docker stop` / `docker kill` send it (SIGKILL:
+        every process in it ends). A container still being created when the signal comes gets
+        it once it exists, however long that takes on a loaded machine: the engine refuses a
+        kill until then, and the client that creates it is still running (a signal given up on
+        left one training on)."""
         with self._lock:
             name = self._names.get(pid)
         if name is None:
@@ -446,10 +429,6 @@ class ImageContainers(Containers):
                 time.sleep(0.5)
 
         threading.Thread(target=send, daemon=True).start()
-
-    def _kill(self, pid: int) -> None:
-        """SIGKILL to a container that outlived its grace (every process in it ends)."""
-        self._send(pid, signal.SIGKILL)
 
     def close(self) -> None:
         self.gateway.close()

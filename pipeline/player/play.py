@@ -29,10 +29,10 @@ from steps.runtime.names import host_path
 
 
 class ContainerRunner(Protocol):
-    """What playing a job asks of whatever runs its containers. `processes.Containers` runs the
-    image's entrypoint as processes of this machine; `images.ImageContainers` runs the image
-    itself, a container per host, with docker or podman. Both are played through the same
-    functions."""
+    """What playing a job asks of whatever runs its containers: `processes.Containers`, which
+    starts each through a launcher, the image's entrypoint as processes of this machine
+    (`processes.ProcessLauncher`) or the image itself, a container per host, with docker or
+    podman (`images.ImageLauncher`)."""
 
     stopping: bool  # the driver is stopping: nothing is restarted
 

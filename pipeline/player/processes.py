@@ -1,7 +1,10 @@
-"""A job's containers played as processes of this machine: the image's entrypoint
-(`python3 -m steps.entrypoint ...`) started in its job root with the container's environment,
-its output followed, stopped as `docker stop` stops a container, metered (metering.py), and
-its exit read back. Nothing in steps/ can tell which backend started it.
+"""A job's containers run on this machine (`Containers`): each started through a launcher, its
+output followed, stopped as `docker stop` stops a container, metered (metering.py) where its
+processes are this machine's, and its exit read back. The launcher says how a container
+starts: as processes of this machine (`ProcessLauncher`: the image's entrypoint,
+`python3 -m steps.entrypoint ...`, in its job root with the container's environment), or in the
+image itself with a container engine (images.ImageLauncher). Nothing in steps/ can tell which
+backend started it.
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from pipeline.player.environment import image_env
 from pipeline.player.exits import ContainerExit
@@ -44,6 +50,46 @@ def free_port() -> int:
 STOP_GRACE_SECONDS = 120
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One host's container to start: in its laid-out job `root`, the entrypoint's `arguments`
+    with `env` (the request's Environment and what SageMaker sets), for `job`; `entrypoint` is
+    a processing request's ContainerEntrypoint (None: the image's)."""
+
+    root: Path
+    arguments: list[str]
+    env: dict[str, str]
+    job: str
+    entrypoint: list[str] | None = None
+
+
+class Launcher(Protocol):
+    """How `Containers` starts a container, signals it and lets it go: `ProcessLauncher` as
+    processes of this machine, images.ImageLauncher with a container engine."""
+
+    metered: bool  # the container's processes are this machine's: metering.py reads them
+    noise: frozenset[str]  # lines of the launcher's own, not the job's
+
+    def started(self, launch: Launch) -> AbstractContextManager[tuple[Any, list[str]]]:
+        """The container started: a Popen-like process (pid leading its own session, stdout,
+        poll, wait) and the secret values its environment holds. What the container held is
+        let go when the block ends, its process waited for."""
+        ...
+
+    def signal(self, pid: int, signum: int) -> None:
+        """`signum` to the container whose process is `pid`, as `docker kill` sends it;
+        SIGKILL ends every process in it. ProcessLookupError: it is gone."""
+        ...
+
+    def hosts_env(self, env: dict[str, str]) -> dict[str, str]:
+        """A training job's `env`, and how its hosts find torchrun's master."""
+        ...
+
+    def close(self) -> None:
+        """Let go of what is held between jobs."""
+        ...
+
+
 class Starter(Protocol):
     """Starts an entrypoint some other way than a new interpreter (fork_client.WarmStart)."""
 
@@ -52,30 +98,94 @@ class Starter(Protocol):
         None: start this one the normal way."""
 
 
-class Containers:
-    """The entrypoint processes this machine runs for a backend; `stop` ends them all.
+class ProcessLauncher:
+    """Containers as processes of this machine: the image's entrypoint in its job root.
 
     `base_env`: what a container starts with before the image's ENV. None: this machine's
     environment (the local backend runs jobs as the user's own processes); the emulated
     backend gives a fresh container's (`fresh_container_env`).
     `starter`: how to start an entrypoint (warm start: fork_client.WarmStart); None, or a
-    starter that declines a job: a new interpreter.
-    images.ImageContainers is this runner with a container engine in place of the processes."""
+    starter that declines a job: a new interpreter."""
 
-    metered = True  # the container's processes are this machine's: metering.py reads them
-    noise: frozenset[str] = frozenset()  # lines of the runner's own, not the job's
+    metered = True
+    noise: frozenset[str] = frozenset()
 
     def __init__(
-        self,
-        base_env: dict[str, str] | None = None,
-        starter: Starter | None = None,
+        self, base_env: dict[str, str] | None = None, starter: Starter | None = None
     ) -> None:
-        self.starter = starter
+        self.base_env, self.starter = base_env, starter
+
+    @contextmanager
+    def started(self, launch: Launch) -> Iterator[tuple[Any, list[str]]]:
+        """The entrypoint started in its environment (`Containers.run`). `entrypoint`, a
+        processing request's ContainerEntrypoint, can only be the image's here."""
+        entrypoint, root = launch.entrypoint, launch.root
+        if entrypoint is not None and list(entrypoint) != list(ENTRYPOINT):
+            raise ValueError(
+                f"cannot play ContainerEntrypoint {entrypoint} as a process: the image's "
+                f"entrypoint is {ENTRYPOINT} (with an image, any entrypoint is played)"
+            )
+        base = os.environ if self.base_env is None else self.base_env
+        full = {**base, **image_env(root), **launch.env}
+        # The container ends with this process however it ends (SIGKILL included). A
+        # warm-started one is the fork server's child: the starter names the server, which
+        # follows this process.
+        full[DRIVER_PID_VARIABLE] = str(os.getpid())
+        argv = [sys.executable, *ENTRYPOINT[1:], *launch.arguments]
+        proc = None if self.starter is None else self.starter.start(argv, full, root)
+        if proc is None:
+            proc = subprocess.Popen(
+                argv,
+                cwd=str(root),
+                env=full,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: a signal reaches every process
+            )
+        yield proc, secret_values(full)
+
+    def signal(self, pid: int, signum: int) -> None:
+        """`signum` to the container's processes (its entrypoint leads a session of its own).
+        SIGKILL goes to the entrypoint and every process under it (the step runs in a session
+        of its own), as Docker kills a container."""
+        if signum != signal.SIGKILL:
+            os.killpg(pid, signum)
+            return
+        import psutil
+
+        try:
+            tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        for process in tree:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+    def hosts_env(self, env: dict[str, str]) -> dict[str, str]:
+        """SageMaker's hosts resolve one another's names; here every host is this machine,
+        torchrun's master at a free port."""
+        return {
+            **env,
+            MASTER_ADDR_VARIABLE: "127.0.0.1",
+            MASTER_PORT_VARIABLE: str(free_port()),
+        }
+
+    def close(self) -> None:
+        """Nothing is held between jobs."""
+
+
+class Containers:
+    """The containers a backend runs on this machine, each started through `launcher` (None:
+    as processes of this machine, `ProcessLauncher()`); `stop` ends them all."""
+
+    def __init__(self, launcher: Launcher | None = None) -> None:
+        self.launcher: Launcher = launcher if launcher is not None else ProcessLauncher()
         self._running: dict[int, str] = {}  # pid -> the job it belongs to
         self._lock = threading.Lock()
         self.stopping = False  # set by stop(): nothing is restarted after it
         self._stopped: set[str] = set()  # jobs stopped on request (a pruned trial)
-        self.base_env = base_env
         self.grace_seconds = STOP_GRACE_SECONDS
         self._timed_out: set[int] = set()  # containers stopped by their MaxRuntimeInSeconds
 
@@ -99,16 +209,12 @@ class Containers:
     def _signal(self, pid: int, signum: int) -> None:
         """`signum` to a container, and SIGKILL to it `grace_seconds` later if it still runs."""
         try:
-            self._send(pid, signum)
+            self.launcher.signal(pid, signum)
         except ProcessLookupError:
             return
         timer = threading.Timer(self.grace_seconds, self._kill, args=(pid,))
         timer.daemon = True
         timer.start()
-
-    def _send(self, pid: int, signum: int) -> None:
-        """`signum` to a container's processes (its entrypoint leads a session of its own)."""
-        os.killpg(pid, signum)
 
     def _time_out(self, pid: int) -> None:
         """MaxRuntimeInSeconds reached: the container is stopped as StopTrainingJob stops one
@@ -120,22 +226,14 @@ class Containers:
         self._signal(pid, signal.SIGTERM)
 
     def _kill(self, pid: int) -> None:
-        """SIGKILL to a container that outlived its grace: the entrypoint and every process
-        under it (the step runs in a session of its own), as Docker kills a container."""
-        import psutil
-
+        """SIGKILL to a container that outlived its grace: every process in it ends."""
         with self._lock:
             if pid not in self._running:
                 return
         try:
-            tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return
-        for process in tree:
-            try:
-                process.kill()
-            except psutil.NoSuchProcess:
-                pass
+            self.launcher.signal(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def _register(self, pid: int, job: str) -> None:
         with self._lock:
@@ -144,7 +242,10 @@ class Containers:
             # StopTrainingJob stops it): it stops too.
             late = self.stopping or any(job.startswith(p) for p in self._stopped if p)
         if late:
-            self._send(pid, signal.SIGTERM)
+            try:
+                self.launcher.signal(pid, signal.SIGTERM)
+            except ProcessLookupError:  # it has ended already: its exit is read as any other
+                pass
 
     def was_stopped(self, job: str) -> bool:
         with self._lock:
@@ -164,25 +265,47 @@ class Containers:
         deadline: float | None = None,
         entrypoint: list[str] | None = None,
     ) -> ContainerExit:
-        """Start `python3 -m steps.entrypoint <arguments>` in `root` and wait for it; at
-        `deadline` (the job's MaxRuntimeInSeconds from its start) it is stopped.
+        """Start the container in `root` (what an earlier attempt left in output/ cleared) and
+        wait for it; at `deadline` (the job's MaxRuntimeInSeconds from its start) it is stopped.
 
         `env` is the request's Environment and what SageMaker sets; the image's ENV comes
         under it and over the base environment, as a container's would. Every line goes to
         `log` (redacted) and to `on_line` (the job's stream), and is searched with the metric
         regexes."""
         failure = host_path(root, failure_file)
+        clear_output(failure)
         start = time.time()
-        proc, secrets = self._start(root, arguments, env, failure, job, entrypoint)
+        with self.launcher.started(Launch(root, arguments, env, job, entrypoint)) as started:
+            proc, secrets = started
+            try:
+                self._register(proc.pid, job)
+                followed = self._follow(proc, secrets, log, on_line, metric_regexes, deadline)
+            finally:
+                timed_out = self._forget(proc.pid)
+        interrupted, reason = left_in_output(failure, secrets)
+        return ContainerExit(
+            interrupted=interrupted,
+            reason=reason,
+            start=start,
+            end=time.time(),
+            timed_out=timed_out,
+            **followed,
+        )
+
+    def _follow(self, proc, secrets, log, on_line, metric_regexes, deadline) -> dict:
+        """A started container followed to its exit (`run`): its code, metrics and what it
+        used, as ContainerExit's fields."""
         clock = self._clock(deadline, proc.pid)
+        metered = self.launcher.metered
         peak = {"rss": 0.0, "cpu": 0.0}
         done = threading.Event()
         watcher = threading.Thread(target=watch_memory, args=(proc.pid, peak, done), daemon=True)
-        if self.metered:
+        if metered:
             watcher.start()
         try:
-            metrics = follow_output(proc, secrets, log, on_line, metric_regexes or {}, self.noise)
-            exact_cpu = exit_cpu_seconds(proc) if self.metered else None
+            noise = self.launcher.noise
+            metrics = follow_output(proc, secrets, log, on_line, metric_regexes or {}, noise)
+            exact_cpu = exit_cpu_seconds(proc) if metered else None
             code = proc.wait()
         except BaseException:
             # The driver is stopping (Ctrl-C, an error): the container is stopped as `docker
@@ -193,23 +316,16 @@ class Containers:
             raise
         finally:
             done.set()
-            if self.metered:
+            if metered:
                 watcher.join()
             if clock is not None:
                 clock.cancel()
-            timed_out = self._forget(proc.pid)
-        interrupted, reason = left_in_output(failure, secrets)
-        return ContainerExit(
-            code=code,
-            interrupted=interrupted,
-            reason=reason,
-            start=start,
-            end=time.time(),
-            peak_rss_mb=round(peak["rss"] / 2**20, 1) if peak["rss"] else None,
-            metrics=metrics,
-            timed_out=timed_out,
-            cpu_seconds=round(max(exact_cpu or 0.0, peak["cpu"]), 2) or None,
-        )
+        return {
+            "code": code,
+            "metrics": metrics,
+            "peak_rss_mb": round(peak["rss"] / 2**20, 1) if peak["rss"] else None,
+            "cpu_seconds": round(max(exact_cpu or 0.0, peak["cpu"]), 2) or None,
+        }
 
     def _clock(self, deadline: float | None, pid: int) -> threading.Timer | None:
         """The job's MaxRuntimeInSeconds, counted from its start: it is stopped then."""
@@ -227,49 +343,7 @@ class Containers:
             self._running.pop(pid, None)
             timed_out = pid in self._timed_out
             self._timed_out.discard(pid)
-        self._ended(pid)
         return timed_out
-
-    def _ended(self, pid: int) -> None:
-        """A container has ended and been waited for (the image player removes its network)."""
-
-    def _start(
-        self,
-        root: Path,
-        arguments: list[str],
-        env: dict[str, str],
-        failure: Path,
-        job: str,
-        entrypoint: list[str] | None = None,
-    ) -> tuple[subprocess.Popen, list[str]]:
-        """The entrypoint started in its environment (see `run`), with what an earlier attempt
-        left in output/ cleared; and the secret values that environment holds. `entrypoint`, a
-        processing request's ContainerEntrypoint, can only be the image's here."""
-        if entrypoint is not None and list(entrypoint) != list(ENTRYPOINT):
-            raise ValueError(
-                f"cannot play ContainerEntrypoint {entrypoint} as a process: the image's "
-                f"entrypoint is {ENTRYPOINT} (with an image, any entrypoint is played)"
-            )
-        base = os.environ if self.base_env is None else self.base_env
-        full = {**base, **image_env(root), **env}
-        # The container ends with this process however it ends (SIGKILL included). A
-        # warm-started one is the fork server's child: the starter names the server, which
-        # follows this process.
-        full[DRIVER_PID_VARIABLE] = str(os.getpid())
-        clear_output(failure)
-        argv = [sys.executable, *ENTRYPOINT[1:], *arguments]
-        proc = None if self.starter is None else self.starter.start(argv, full, root)
-        if proc is None:
-            proc = subprocess.Popen(
-                argv,
-                cwd=str(root),
-                env=full,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: stop() reaches every process
-            )
-        self._register(proc.pid, job)
-        return proc, secret_values(full)
 
     def run_hosts(
         self,
@@ -282,10 +356,11 @@ class Containers:
         **kwargs,
     ) -> dict[str, ContainerExit]:
         """One entrypoint per host of a job, at once, as SageMaker starts them: a training
-        job's (`train`; torchrun's master is this machine, at a free port) or a processing
-        job's (its `arguments`). `log` is one writer, or a function giving each host's."""
+        job's (`train`; the launcher says how its hosts find torchrun's master) or a
+        processing job's (its `arguments`). `log` is one writer, or a function giving each
+        host's."""
         if arguments is None:  # training
-            arguments, env = ["train"], self.hosts_env(env)
+            arguments, env = ["train"], self.launcher.hosts_env(env)
         exits: dict[str, ContainerExit] = {}
         errors: list[BaseException] = []
 
@@ -323,17 +398,9 @@ class Containers:
             raise errors[0]
         return exits
 
-    def hosts_env(self, env: dict[str, str]) -> dict[str, str]:
-        """A training job's hosts find torchrun's master: SageMaker's hosts resolve one
-        another's names; here every host is this machine, the master at a free port."""
-        return {
-            **env,
-            MASTER_ADDR_VARIABLE: "127.0.0.1",
-            MASTER_PORT_VARIABLE: str(free_port()),
-        }
-
     def close(self) -> None:
-        """Nothing is held between jobs (the image player holds its relay)."""
+        """Let go of what the launcher holds between jobs (the image player's relay)."""
+        self.launcher.close()
 
 
 # How long the output of a container that has exited is still read: a process it started
