@@ -185,3 +185,20 @@ def test_ruff_is_clean():
         [sys.executable, "-m", "ruff", "check", "."], cwd=ROOT, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stdout
+
+
+def test_every_package_is_among_those_a_wheel_holds():
+    """A package folder missing from [tool.setuptools] packages is left out of a built wheel:
+    an install from one fails at its first import, while an editable install works."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for top in ("pipeline", "steps", "user_functions")
+        for init in (ROOT / top).rglob("__init__.py")
+        if "project_template" not in init.parts
+    }
+    assert found - listed == set()
