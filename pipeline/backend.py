@@ -44,8 +44,10 @@ def identity(settings: Settings) -> tuple[str, str]:
 
 class Backend(Protocol):
     """What the driver asks of a backend. Each run_* call blocks until its job has ended and
-    returns how it ended; a job that fails is a result, not an exception. An exception (Ctrl-C
-    included) means the driver is stopping: it calls `stop()`, then `close(succeeded=False)`."""
+    returns how it ended: a jobs.JobResult whose status is SageMaker's word for it
+    (player/exits.py `Status`: Completed, Failed or Stopped). A job that fails is a result, not
+    an exception; an exception (Ctrl-C included) means the driver is stopping: it calls
+    `stop()`, then `close(succeeded=False)`."""
 
     # SageMaker's client, for the run's requests that are no job (registering its winner:
     # pipeline/registry/); moto's when emulated, None where nothing is sent to SageMaker.

@@ -1,26 +1,10 @@
 """Content-addressed data steps: reconcile and prepare run again only when what they read changed.
 
-Each data step's output is keyed by the hash of everything it reads:
-
-    reconcile  the raw data (every data file's path and content hash; hidden files are not
-               data: pipeline/raw_data.py), what the user's `reconcile` can reach in their
-               code, the step's own code, its arguments
-    prepare    the reconcile key it reads (or the snapshot's hash when that was reused by
-               --steps), what `load_tokenizer`, `encode`, `ordered_input_keys` can reach,
-               the step's own code, its arguments (models, MAX_SEQUENCE_LENGTH,
-               split fractions, seed)
-
-The output itself stays where the run that computed it wrote it (data/<run_num>/), manifested
-as every output is; `cache/<step>/<key>.json` points at it. A run whose key has a complete
-output reuses it and says so (terminal and Metadata); any change to an input computes it
-again; `--no-cache` always computes. Two drivers that compute the same key at once each write
-their own complete output, and the index is created conditionally, so it names exactly one of
-them: never a half-written output.
-
-"What they can reach": see `Closure` and `functions_digest`: exact where every reference
-can be followed (source, values by content, imports inside functions), every file of the
-user's shipped code where one cannot, with the reason in the plan. Library code is identified
-by name and the package versions in Metadata, not hashed.
+Each data step's output is keyed by the hash of everything it reads (`plan`): the raw data or
+the reconcile key, what the user functions it calls can reach (`Closure`), its own code and its
+arguments. The output stays where the run that computed it wrote it (data/<run_num>/), and
+`cache/<step>/<key>.json` points at it (`remember`, `lookup`). docs/outputs.md (Data steps that
+need not run again) says what a user sees.
 """
 
 from __future__ import annotations
@@ -372,7 +356,9 @@ def remember(
     store: Store, tree: ExperimentTree, step: str, key: str, inputs: dict, version: int
 ) -> int:
     """Index this run's complete output under its key; returns the version the index names
-    (another driver's, when it indexed the same key first)."""
+    (another driver's, when it indexed the same key first). Two drivers that compute the same
+    key at once each write their own complete output, and the index is created conditionally,
+    so it names exactly one of them: never a half-written output."""
     record = json.dumps(
         {
             "data_version": version,
@@ -400,8 +386,17 @@ def plan(
     reaches: dict[str, tuple[str, str | None]],
     use_cache: bool,
 ) -> dict[str, CacheEntry]:
-    """The verdict for each data step in `steps`. `raw`: where reconcile reads;
-    `snapshot_hash`: the snapshot prepare reads when reconcile is not in `steps`;
+    """The verdict for each data step in `steps`, keyed by:
+
+        reconcile  the raw data (every data file's path and content hash: `raw_digest`), what
+                   the user's `reconcile` can reach, the step's own code, its arguments
+        prepare    the reconcile key it reads (or the snapshot's hash when that was reused by
+                   --steps), what `load_tokenizer`, `encode`, `ordered_input_keys` can reach,
+                   the step's own code, its arguments (models, MAX_SEQUENCE_LENGTH, split
+                   fractions, seed)
+
+    `raw`: where reconcile reads; `snapshot_hash`: the snapshot prepare reads when reconcile is
+    not in `steps`;
     `arguments`: each step's job arguments; `reaches`: `step_reaches` of the user functions
     (computed where the driver checked them: pipeline/user_check.py)."""
     notes: dict[str, str] = {}

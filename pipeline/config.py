@@ -1,20 +1,10 @@
-"""settings.ini -> a typed, validated `Settings`, once, at the boundary.
+"""settings.ini -> a typed, validated `Settings`, once, at the boundary: `load_settings`.
 
-Everything after `load_settings` sees types, never raw strings. Every problem in a file
-is collected and raised together in one `ConfigError`, each line naming its section, key
-and what is allowed, so a user fixes the whole file in one go.
-
-Environment variables override keys: `SMPIPE__<SECTION>__<KEY>`, e.g.
-`SMPIPE__TRAINING__EPOCHS=1`, `SMPIPE__TRAINING_BOW__LEARNING_RATE=1e-2` or
-`SMPIPE__TUNING_HYPERPARAMETERS__LEARNING_RATE=1e-5->1e-3` (dots in a section name become
-underscores).
-
-Its parts, each a module of its own: the file as text (config_file.py: syntax, line numbers,
-environment overrides, the applied copy), each section as a typed model and `Settings`
-(config_sections.py), the search space a tuning job's sections write (search_space.py), and
-what no one section can check alone, SageMaker's limits included (config_checks.py). Here:
-the sections typed one by one, per-model sections and tuning ranges, and every problem
-gathered. Everything a user of the settings needs is imported from here.
+Every problem in a file is collected and raised together in one `ConfigError`, each line naming
+its section, key and what is allowed. Its parts: the file as text and its SMPIPE__<SECTION>__<KEY>
+overrides (config_file.py), each section's model (config_sections.py), a tuning job's search
+space (search_space.py), what no one section can check alone (config_checks.py). Here: the
+sections typed, per-model sections and tuning ranges. Import what the settings need from here.
 """
 
 from __future__ import annotations
@@ -119,7 +109,11 @@ def _out_of_bounds(where: str, key: str, value: Tunable | str) -> list[str]:
 
 
 def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) -> Settings:
-    """Read, override from the environment, validate; raise one ConfigError listing everything."""
+    """Read, override from the environment, validate; raise one ConfigError listing everything,
+    so a user fixes the whole file in one go. Everything after this sees types, never raw
+    strings. Overrides: `SMPIPE__TRAINING__EPOCHS=1`, `SMPIPE__TRAINING_BOW__LEARNING_RATE=1e-2`,
+    `SMPIPE__TUNING_HYPERPARAMETERS__LEARNING_RATE=1e-5->1e-3` (dots in a section name become
+    underscores)."""
     path = Path(path)
     raw, problems = read_ini(path)
     overrides: dict[tuple[str, str], str] = {}

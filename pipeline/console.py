@@ -1,18 +1,9 @@
 """What a run shows while it goes.
 
-On a terminal: one live display (rich) for the whole run: each job of the plan with its status,
-elapsed time and the rows it processed; for a running training job a bar with its epoch, loss,
-examples/s and ETA; the tuning trials as a table that fills in. The driver's own lines and each
-epoch's metrics print above it; every other job line is in the job's log (`--verbose` shows
-them all).
-Anywhere else (CI, a pipe, a log file): plain lines, as they come.
-
-Either way, warnings that dependencies print (deprecations, "this will change in version x")
-are kept out of the terminal and stay in the job logs.
-
-The driver tells the display what happens with logging records that carry an `event`:
-("plan", [job labels]), ("started", label), ("ended", label, status, seconds). Job output
-arrives as "[job name] line" through the backend's echo stream.
+On a terminal, one live display (rich) of the plan's jobs, a training job's progress bar and the
+tuning trials; anywhere else (CI, a pipe, a log file), plain lines as they come. Either way,
+warnings that dependencies print stay in the job logs. `Display` is both the backends' echo
+stream and the driver's log handler; `log_summary` prints the run's end.
 """
 
 from __future__ import annotations
@@ -42,7 +33,13 @@ NOISE = re.compile(r"^\s+\S")  # the quoted source line of the warning just befo
 
 
 class Display:
-    """The echo stream of the backends and the handler of the driver's log, in one."""
+    """The echo stream of the backends and the handler of the driver's log, in one.
+
+    Live: each job of the plan with its status, elapsed time and the rows it processed; for a
+    running training job a bar with its epoch, loss, examples/s and ETA; the tuning trials as a
+    table that fills in. The driver's own lines and each epoch's metrics print above it; every
+    other job line is in the job's log (`--verbose` shows them all). Warnings that dependencies
+    print (deprecations, "this will change in version x") are kept out of the terminal."""
 
     def __init__(self, stream=None, verbose: bool = False, live: bool | None = None) -> None:
         self.stream = stream or sys.stdout
@@ -86,6 +83,7 @@ class Display:
         return False
 
     def job_line(self, line: str) -> None:
+        """Job output, as "[job name] line" through the backend's echo stream."""
         match = JOB_LINE.match(line)
         job, text = (match["job"], match["text"]) if match else ("", line)
         if WARNING.search(text) or (self._after_warning and NOISE.match(text)):
@@ -124,6 +122,8 @@ class Display:
         return Handler()
 
     def event(self, kind: str, *args) -> None:
+        """What the driver tells the display, with logging records that carry an `event`:
+        ("plan", [job labels]), ("started", label), ("ended", label, status, seconds)."""
         now = time.time()
         if kind == "plan":
             for label in args[0]:

@@ -1,11 +1,8 @@
 """What a run cost, and the most a plan can cost: one home for prices and billing.
 
-The backends record what each job used, in their own terms (`JobResult.billing`): on
-SageMaker (and emulated) the instance type and count and the seconds DescribeTrainingJob
-bills, or a processing job's start and end; locally the CPU-seconds and peak memory of the
-job's processes. Here those facts meet prices: [cost] PRICES, else (on the sagemaker backend)
-what the AWS Price List API answers today, else the shipped, dated table below. A job whose
-price is unknown says so by name; no price is ever guessed.
+The backends record what each job used (`JobResult.billing`); here those facts meet prices
+(`price_basis`: [cost] PRICES, else the AWS Price List API, else the shipped, dated PRICE_TABLE).
+A job whose price is unknown says so by name; no price is ever guessed.
 
     plan:  each job's MaxRuntimeInSeconds x InstanceCount x price (`plan_lines`)
     run:   BillableTimeInSeconds x InstanceCount x price, per job, summed (`run_cost`)
@@ -313,8 +310,9 @@ def plan_lines(priced: list[tuple[str, dict]]) -> list[str]:
 
 def run_cost(billing: list[dict], basis: dict | None, backend: str) -> dict | None:
     """The run's cost from its jobs' billing records: priced line by line on SageMaker
-    (emulated too: its billing fields are played as AWS documents them); locally the
-    CPU-seconds and peak memory this machine measured, never dollars."""
+    (emulated too: its billing fields are played as AWS documents them), from the instance
+    type and count and the seconds DescribeTrainingJob bills, or a processing job's start and
+    end; locally the CPU-seconds and peak memory of the job's processes, never dollars."""
     if not billing:
         return None
     if backend == "local":

@@ -1,13 +1,11 @@
 """The driver: check everything, describe every job once, claim a run_num, run the stages on a
-backend, record Metadata.
+backend, record Metadata (`run_pipeline`).
 
     reconcile -> prepare (processing jobs) -> train | tune (training) -> inference (processing)
 
-Everything that can be checked is checked before a run_num is claimed or anything is written:
-the settings, the user functions, the raw data, the earlier outputs a partial run reuses
-(pipeline/sources.py) and every request as SageMaker would check it (pipeline/plan.py). The
-jobs are built once (pipeline/stages.py); `smpipe plan` prints those very objects, and the run
-hands the same objects to the backend (pipeline/backends/).
+Everything that can be checked is checked before a run_num is claimed or anything is written.
+The jobs are built once (pipeline/stages.py): `smpipe plan` prints the very objects the run
+hands to the backend.
 """
 
 from __future__ import annotations
@@ -92,8 +90,11 @@ def run_pipeline(
     `make_backend(settings, store, run, echo)` builds the backend once the run is claimed;
     only the outermost caller needs another one (a test's SageMaker client, say).
 
-    The user functions are checked in a process of their own (pipeline/user_check.py):
-    nothing their import does reaches this process, and so none of the jobs it starts."""
+    Checked before a run_num is claimed or anything is written: the settings, the user
+    functions, the raw data, the earlier outputs a partial run reuses (pipeline/sources.py)
+    and every request as SageMaker would check it (pipeline/plan.py). The user functions are
+    checked in a process of their own (pipeline/user_check.py): nothing their import does
+    reaches this process, and so none of the jobs it starts."""
     if settings.overrides:  # what the file does not say: the run's settings.ini records it
         log.info(f"settings from {settings.source}, overridden by {', '.join(settings.overrides)}")
     reaches = check_user_functions(settings)

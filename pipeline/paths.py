@@ -1,62 +1,8 @@
 """Every key of the run tree, named here and nowhere else.
 
-    <store>/<experiment>/
-        raw/                                  the user's raw data (`smpipe upload`; never
-                                              written over, never written by a run)
-        raw.json                              what `smpipe upload` put in raw/: each file's
-                                              size, sha256 and the store's fingerprint of it
-        raw-versions/<digest>/                a local RAW_DATA folder for jobs that run
-                                              elsewhere, named by its content: files/ (its
-                                              files as they are) and a manifest
-                                              (pipeline/raw_data.py); LEASE while a driver
-                                              uploads it or prune removes it
-        data/<data_version>/                  experiment-level data, shared by later runs
-            reconciled/                       snapshot + manifest (hash, rows, label counts, drops)
-            prepared/                         train/ validation/ test/ (save_to_disk), labels/
-                                              (id2label.json, encoding.json: length, tokenizers),
-                                              from.json (the snapshot it was prepared from)
-        cache/<step>/<key>.json               reconcile/prepare: the data version computed from
-                                              exactly these inputs (pipeline/cache.py)
-        registry/<group>/<version>.json       the local model registry: one record per version
-                                              (pipeline/registry/); <version>/<change>.json:
-                                              each approval change since, created once
-        runs/<run_num>/                       everything one run produces
-            CLAIM                             written first, atomically: the run_num is taken
-            LEASE                             while a --resume or a prune acts on the ended run,
-                                              created atomically: the other waits its turn
-            settings.ini                      the settings as applied, secrets redacted
-            metadata.json                     every step's section merged
-            metadata/<step>.json              one object per step: steps never overwrite each other
-            heartbeat.json                    the driver, alive: rewritten every 30 s while it runs
-            logs/<job_name>.log
-            models/<model>/                   model/ (safetensors, the programs EXPORTS names,
-                                              curves, README.md: the model card), output/;
-                                              best-trial/ while a tuned model waits for its
-                                              export
-            failed-jobs/<job_name>/           a failed local job's folder, kept for inspection
-                                              (a local store); removed when the run completes
-                                              or by prune
-            checkpoints/<model>/              synced training State (spot, restarts, --resume);
-                                              removed when the run completes (pipeline/prune.py)
-            tuning/<model>/                   tuning.json (the tuning record, every backend)
-                                              and trials.csv/.png drawn from it; locally, the
-                                              study's trials.json and trial-NNN/output/ (each
-                                              trial's report; its model deleted)
-            inference/                        per-model and comparison statistics
-            predictions/<label>/              `smpipe predict` with one of the run's models:
-                                              code/, input/ and output/ (parquet parts, input/
-                                              removed once predicted), record.json
-            jobs/<step>/                      what each processing job reported (step_metadata.json)
-            code/                             the code every job runs (steps/, user functions)
-            registry/<model>/                 the registered winner's test metrics as its
-                                              ModelMetrics read them, and its model.tar.gz when
-                                              no training job left one (a tuned model)
-            report.html                       the run on one page: settings, data, curves, results
-
-A data_version is the run_num of the run that produced it (`0003`), so data is versioned
-like runs and never overwritten; a run whose data steps' inputs are unchanged reuses the
-version computed from them (cache/), one that skips reconcile/prepare reuses the newest
-complete version, and either records which in its Metadata.
+`ExperimentTree` names an experiment's keys (raw data, raw versions, data versions, the cache,
+the local registry, runs); `DataTree`, `RunTree` and `PredictionTree` name the keys under one
+data version, one run and one `smpipe predict`. docs/run-tree.md draws the tree they name.
 """
 
 from __future__ import annotations
@@ -119,7 +65,9 @@ class ExperimentTree:
         return f"{self.experiment}/runs/"
 
     def data(self, data_version: int | str) -> DataTree:
-        """A str is a label used as is: the dry run's '<next run_num>'."""
+        """A data version: the run_num of the run that produced it (`0003`), so data is
+        versioned like runs and never overwritten. A str is a label used as is: the dry run's
+        '<next run_num>'."""
         label = data_version if isinstance(data_version, str) else run_label(data_version)
         return DataTree(f"{self.data_root}{label}/")
 

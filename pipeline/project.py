@@ -1,15 +1,9 @@
 """`smpipe init DIR`: a new project from the template, as `kedro new` or `cargo new` make one.
 
-The template (pipeline/project_template/, shipped as package data) is a project that runs as
-it is: settings.ini with every key commented, the five user functions written with
-transformers' Auto classes and `TODO` where a user's data differs, and a small sample to run
-them on. Nothing of the user's is ever overwritten: a folder that holds anything is refused,
-and each file is created exclusively.
-
-The template's settings.ini is derived from the demo's (`derive_settings`): the same keys with
-the same comments, each at its default except the few the sample sets otherwise, each marked
-`# sample:`. `python -m pipeline.project` writes it again after settings.ini changes; a test
-holds the two equal.
+The template (pipeline/project_template/, shipped as package data) is a project that runs as it
+is: settings.ini with every key commented, the five user functions, and a small sample. Nothing
+of the user's is ever overwritten (`init_project`). The template's settings.ini is derived from
+the demo's (`derive_settings`); `python -m pipeline.project` writes it again.
 """
 
 from __future__ import annotations
@@ -137,7 +131,10 @@ def entry_name(path: Path) -> str:
 
 def init_project(folder: Path) -> tuple[str, list[Path]]:
     """Create a project in `folder` (made if missing): the template's files, with the
-    experiment NAME taken from the folder's name. Returns (NAME, the files created)."""
+    experiment NAME taken from the folder's name. Returns (NAME, the files created). A folder
+    that holds anything is refused (`check_folder`), and each file is created exclusively. The
+    user functions are written with transformers' Auto classes and `TODO` where a user's data
+    differs."""
     check_folder(folder)
     name = project_name(folder)
     files = template_files()
@@ -196,8 +193,9 @@ def default_text(section: str, key: str) -> str:
 
 
 def derive_settings(demo: str) -> str:
-    """The template's settings.ini from the demo's: its header, per-model sections and
-    `# demo:` values left out, the sample's values put in with a `# sample:` line saying why."""
+    """The template's settings.ini from the demo's: the same keys with the same comments, each
+    at its default; its header, per-model sections and `# demo:` values left out, the sample's
+    values put in with a `# sample:` line saying why. A test holds the two equal."""
     for old, _ in REWORDED:
         if old not in demo:
             raise ValueError(f"settings.ini no longer says, as pipeline/project.py expects:\n{old}")

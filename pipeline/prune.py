@@ -1,23 +1,9 @@
 """What a run keeps once it has ended, and what `smpipe prune` removes from older runs.
 
-A completed run needs no resume state: when it completes, its checkpoints (every model's and
-every tuning trial's, under runs/<run_num>/checkpoints/) are removed, unless [training]
-KEEP_CHECKPOINTS_AFTER_RUN keeps them. A failed, interrupted or abandoned run keeps them, so
-`--resume` continues it.
-
-`smpipe prune --keep N` goes further for the runs older than the newest N completed ones: their
-bulky files go (checkpoints, the weights and exports of their models, tuning trial folders,
-SageMaker's model archives). What says what a run was and did stays: metadata.json and its
-step sections, settings.ini, logs, inference results, report.html, and each model's records
-(history, curves, smpipe.json). Data versions (data/) and the cache are never touched, and
-neither is a run that may still be running (its driver alive, or no Metadata yet).
-
-What is still referenced is found before anything is removed, and kept, with why: a model
-that a run prune leaves whole tested (its inference read an older run's models/, `--steps
-inference`), a model a registered version points at (the local registry's records, of every
-group; on sagemaker and emulated the model packages of [registry] MODEL_PACKAGE_GROUP: their
-archive and the folder they were registered from), and a model a predict record names
-(predictions/<label>/record.json; a prediction without one may be running).
+A completed run's checkpoints are removed (`remove_checkpoints`). `smpipe prune --keep N`
+removes the bulky files of the runs older than the newest N completed ones (`prune_plan`,
+`bulky_files`), and keeps what still reads them, saying why. What goes and what stays is
+docs/run-tree.md; data/, the cache and a run that may still be running are never touched.
 """
 
 from __future__ import annotations
@@ -50,8 +36,10 @@ class PruneError(ValueError):
 
 
 def remove_checkpoints(store: Store, run: RunTree) -> int | None:
-    """Remove every checkpoint of a run that completed: the bytes freed, or None when the store
-    refused (said in a warning: the run is completed all the same)."""
+    """Remove every checkpoint of a run that completed (every model's and every tuning trial's;
+    unless [training] KEEP_CHECKPOINTS_AFTER_RUN keeps them): the bytes freed, or None when the
+    store refused (said in a warning: the run is completed all the same). A failed,
+    interrupted or abandoned run keeps them, so `--resume` continues it."""
     removed = 0
     try:
         sizes = store.list_sizes(run.checkpoints_root)
@@ -132,6 +120,9 @@ def prune_plan(
 ) -> list[Removal]:
     """What pruning all but the newest `keep` completed runs removes, run by run, and what it
     keeps because something reads it (runs with nothing left to remove or keep are left out).
+    Kept, found before anything is removed: a model a run prune leaves whole tested (`read_by`),
+    a model a registered version points at (the local registry's records of every group, and
+    `packages`), a model a predict record names (`predicted`).
     `packages`: what SageMaker's registered versions point at (registry/packages.py
     `package_models`)."""
     if keep < 1:

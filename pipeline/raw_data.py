@@ -1,38 +1,9 @@
-"""Raw data by content: which files of a folder are data, what they hold, and how they reach
-the store. Nothing here decides by names alone.
+"""Raw data by content: which files of a folder are data, what they hold, and how they reach the
+store. Nothing here decides by names alone.
 
-Which files are data: every file under the folder (a link to a file read as that file), except
-hidden ones: a file, or a folder on its path, whose name starts with a dot (`.DS_Store`,
-`.git/`, an editor's swap file, the store's own temporaries `.<name>.<random>`). The Hugging
-Face `datasets` library resolves data files the same way: "Hidden files and directories (i.e.
-whose names start with a dot) are ignored, unless they are explicitly requested" (datasets
-5.2.0, src/datasets/data_files.py: `resolve_pattern`'s docstring, and
-`_is_unrequested_hidden_file_or_is_inside_unrequested_hidden_dir`, which it applies to every
-match), so a `reconcile` that calls `load_dataset(..., data_dir=raw_dir)` never reads them
-either; `smpipe predict` leaves them out of a folder too (pipeline/predict/files.py). The rule
-holds on every side of every comparison: the folder, the store's raw/, a raw version, the
-local job's copy of a folder (pipeline/player/transfers.py `fetch_input`) and the cache key
-(pipeline/cache.py `raw_digest`). Refused by name, before anything is written: a file named
-as the store names its own (`_MANIFEST.json`: a reader would take it for the manifest of the
-folder it is in), a link to a folder (no side follows one), anything that is not a readable
-file (a broken link).
-
-What a file holds: its size and sha256. Two places in the store hold raw data:
-
-- raw/ (`smpipe upload`, or copied there by hand) is the user's, and never written over, since
-  earlier runs read it: an upload into a raw/ that holds other content is refused, naming each
-  file that differs. raw.json beside it records what the upload put there, with the store's
-  own fingerprint of each object (on S3 its ETag and size): an object whose fingerprint is
-  unchanged is known without reading it back. The ETag itself is no hash to compare a local
-  file with: "If an object is created by either the Multipart Upload or Part Copy operation,
-  the ETag is not an MD5 digest, regardless of the method of encryption", nor is it for SSE-C
-  or SSE-KMS (https://docs.aws.amazon.com/AmazonS3/latest/API/API_Object.html, ETag). A file
-  of raw/ that no record vouches for and whose size matches is downloaded once and hashed.
-- raw-versions/<digest>/ is a local RAW_DATA folder for jobs that cannot read this machine
-  (SageMaker, emulated), named by the digest of its files' paths, sizes and sha256: an
-  unchanged folder is the version already there and nothing is uploaded; an edited one is a
-  new version, which the next run reads and names (Metadata raw_path); earlier versions stay
-  as the runs that read them left them.
+A file's content is its size and sha256. The store holds raw data in two places: raw/ (the
+user's, from `smpipe upload`, never written over; raw.json records it) and
+raw-versions/<digest>/ (a local RAW_DATA folder for jobs that cannot read this machine).
 """
 
 from __future__ import annotations
@@ -68,13 +39,28 @@ class Content:
 
 
 def is_hidden(rel: str) -> bool:
-    """A relative, '/'-separated path with a name on it that starts with a dot."""
+    """A relative, '/'-separated path with a name on it that starts with a dot: not data
+    (`.DS_Store`, `.git/`, an editor's swap file, the store's own temporaries `.<name>.<random>`).
+
+    Hugging Face `datasets` resolves data files the same way: "Hidden files and directories
+    (i.e. whose names start with a dot) are ignored, unless they are explicitly requested"
+    (datasets 5.2.0, src/datasets/data_files.py: `resolve_pattern`'s docstring, and
+    `_is_unrequested_hidden_file_or_is_inside_unrequested_hidden_dir`, applied to every match),
+    so a `reconcile` that calls `load_dataset(..., data_dir=raw_dir)` never reads them either.
+    The rule holds on every side of every comparison: the folder, the store's raw/, a raw
+    version, the local job's copy of a folder (pipeline/player/transfers.py `fetch_input`), the
+    cache key (pipeline/cache.py `raw_digest`) and `smpipe predict` (pipeline/predict/files.py)."""
     return any(part.startswith(".") for part in rel.split("/"))
 
 
 def data_files(folder: Path) -> tuple[dict[str, Path], list[str]]:
     """The data files of `folder` (path relative to it -> file, in order), and what keeps it
-    from being raw data, each naming the file."""
+    from being raw data, each naming the file.
+
+    A data file is every file not hidden (`is_hidden`), a link to a file read as that file.
+    Refused by name, before anything is written: a file named as the store names its own
+    (`_MANIFEST.json`: a reader would take it for its folder's manifest), a link to a folder
+    (no side follows one), anything that is not a readable file (a broken link)."""
     files: dict[str, Path] = {}
     problems: list[str] = []
     for dirpath, dirnames, filenames in os.walk(folder):  # links to folders: listed, not entered
@@ -229,7 +215,15 @@ def stored_contents(
     record: dict | None,
 ) -> dict[str, Content]:
     """What raw/'s files hold, read only where it matters: a file the folder has, of the same
-    size, that the record does not vouch for (its fingerprint changed, or no record)."""
+    size, that the record does not vouch for (its fingerprint changed, or no record).
+
+    raw.json keeps the store's own fingerprint of each object (on S3 its ETag and size): an
+    object whose fingerprint is unchanged is known without reading it back. The ETag itself is
+    no hash to compare a local file with: "If an object is created by either the Multipart
+    Upload or Part Copy operation, the ETag is not an MD5 digest, regardless of the method of
+    encryption", nor is it for SSE-C or SSE-KMS
+    (https://docs.aws.amazon.com/AmazonS3/latest/API/API_Object.html, ETag). So a file no record
+    vouches for is downloaded once and hashed."""
     record = record or {}
     vouched = (record.get("files") or {}) if record.get("status") == "complete" else {}
     prints = store.fingerprints(tree.raw) if vouched else {}
@@ -347,7 +341,11 @@ def fill(
 
 @dataclass
 class LocalRaw:
-    """A local RAW_DATA folder as the raw version that holds its content."""
+    """A local RAW_DATA folder as the raw version that holds its content, for jobs that cannot
+    read this machine (SageMaker, emulated). The version is named by the digest of its files'
+    paths, sizes and sha256 (`content_digest`): an unchanged folder is the version already
+    there and nothing is uploaded; an edited one is a new version, which the next run reads and
+    names (Metadata raw_path); earlier versions stay as the runs that read them left them."""
 
     folder: Path
     files: dict[str, Path]

@@ -1,15 +1,6 @@
-"""run_num allocation that two drivers can never collide on, and the heartbeat that tells a
-live run from one whose driver died without a word.
-
-A run is taken by creating `runs/<run_num>/CLAIM` with a conditional write (S3 `IfNoneMatch='*'`,
-a hard link on disk, which fails if the name exists). The one that creates it owns the number;
-the others see the create fail and try the next one. Nothing of an existing run is touched.
-A run left `running` by a driver that is gone is marked `abandoned` (`mark_abandoned`).
-
-An ended run is acted on by one command at a time: a `--resume` and a `prune` each create
-`runs/<run_num>/LEASE` the same way before they read what the run is, and the one that finds it
-taken refuses (`lease`). Without it a prune could remove the checkpoints of a run a resume had
-just found unpruned.
+"""run_num allocation that two drivers can never collide on (`claim_run_num`), the heartbeat that
+tells a live run from one whose driver died without a word (`heartbeat`, `mark_abandoned`), and
+the lease that lets one command at a time act on an ended run (`lease`).
 """
 
 from __future__ import annotations
@@ -32,7 +23,10 @@ def existing_run_nums(store: Store, tree: ExperimentTree) -> list[int]:
 
 
 def claim_run_num(store: Store, tree: ExperimentTree, max_attempts: int = 1000) -> int:
-    """Claim the next free run_num and return it."""
+    """Claim the next free run_num and return it: by creating `runs/<run_num>/CLAIM` with a
+    conditional write (S3 `IfNoneMatch='*'`, a hard link on disk, which fails if the name
+    exists). The one that creates it owns the number; the others see the create fail and try
+    the next one. Nothing of an existing run is touched."""
     taken = existing_run_nums(store, tree)
     candidate = (taken[-1] + 1) if taken else 1
     body = json.dumps(
@@ -142,7 +136,9 @@ class RunBusy(PipelineError):
 @contextmanager
 def lease(store: Store, run: RunTree, doing: str):
     """While the block runs, this process alone acts on `run` (`doing`: "resumed", "pruned");
-    a run that was never claimed has nothing to hold, and nothing is made for it."""
+    a run that was never claimed has nothing to hold, and nothing is made for it. A `--resume`
+    and a `prune` each take it before they read what the run is: without it a prune could
+    remove the checkpoints of a run a resume had just found unpruned."""
     try:
         store.get_bytes(run.claim)
     except NotFound:  # no such run (the caller says so): no folder is made for it

@@ -1,24 +1,10 @@
 """Every SageMaker request checked as SageMaker checks it, before it is sent, on every backend.
 
-boto3 validates a request before sending it, but only for required members, types and
-minimum lengths (botocore/validate.py: `range_check` reads `min` and nothing else). The
-service model botocore ships (botocore/data/sagemaker/2017-07-24/service-2.json) declares
-every constraint SageMaker itself enforces on input: maximum lengths, patterns, enums,
-numeric ranges, list and map sizes. `check` walks that model from the operation's input
-shape and enforces all of them, then the documented limits the model does not carry
-(`DOCUMENTED`, each with its source). moto's `create_*` check none of this, so without it an
-instance-type typo or a 257-character argument would pass `emulated` and fail on AWS.
-
-Messages are SageMaker's own validation messages ("Value 'x' at 'path' failed to satisfy
-constraint: Member must satisfy regular expression pattern: ..."), with the field path as
-the request writes it (`--show-requests` prints the same request).
-
-Patterns are the service's Java regular expressions, matched against the whole value as
-Java's `String.matches` does (SageMaker's own errors quote them anchored: `^[a-zA-Z0-9](-*
-[a-zA-Z0-9]){0,62}` for a job name), with Java's meaning of `.`, `$`, `\\d`, `\\s`, `\\w` and
-the POSIX classes (`as_java`): a value with a `\\r` fails `.*` there as here. The `regex`
-package reads their `\\p{L}`-style classes, which Python's `re` does not; transformers
-depends on it already.
+boto3 checks only required members, types and minimum lengths (botocore/validate.py:
+`range_check` reads `min` and nothing else); moto checks none of it. `check` walks botocore's
+SageMaker service model from the operation's input shape and enforces every constraint it
+declares (lengths, patterns, enums, ranges, sizes), then the documented limits it does not
+carry (`DOCUMENTED`), and answers in SageMaker's own words (`Violation`).
 """
 
 from __future__ import annotations
@@ -37,6 +23,10 @@ SERVICE = "sagemaker"
 
 @dataclass(frozen=True)
 class Violation:
+    """One broken constraint, as SageMaker's validation message says it ("Value 'x' at 'path'
+    failed to satisfy constraint: Member must satisfy regular expression pattern: ..."), with
+    the field path as the request writes it (`--show-requests` prints the same request)."""
+
     path: str  # the field, as the request writes it: ResourceConfig.InstanceType
     constraint: str  # SageMaker's words: "Member must have length less than or equal to 63"
     value: Any = None
@@ -66,6 +56,12 @@ def shape(name: str):
 
 @functools.cache
 def _pattern(text: str):
+    """A service pattern compiled to match as SageMaker does: the service's patterns are Java
+    regular expressions, matched against the whole value as Java's `String.matches` does
+    (SageMaker's own errors quote them anchored: `^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}` for a job
+    name), with Java's meaning of `.`, `$`, `\\d`, `\\s`, `\\w` and the POSIX classes
+    (`as_java`): a value with a `\\r` fails `.*` there as here. The `regex` package reads their
+    `\\p{L}`-style classes, which Python's `re` does not; transformers depends on it already."""
     import regex
 
     # Java writes a code point above U+FFFF as its UTF-16 surrogate pair; Python as itself.
@@ -183,7 +179,10 @@ def _java_set(members: list[str], negated: list[str]) -> str:
 
 
 def check(operation: str, request: dict) -> list[Violation]:
-    """Every way `request` breaks what SageMaker accepts for `operation`, or []."""
+    """Every way `request` breaks what SageMaker accepts for `operation`, or []: the service
+    model botocore ships (botocore/data/sagemaker/2017-07-24/service-2.json) declares every
+    constraint SageMaker itself enforces on input, so without this an instance-type typo or a
+    257-character argument would pass `emulated` and fail on AWS."""
     found: list[Violation] = []
     _walk(service_model().operation_model(operation).input_shape, request, "", found)
     for rule in DOCUMENTED.get(operation, ()):

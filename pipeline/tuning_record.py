@@ -1,30 +1,10 @@
 """The tuning record: what a tuning job did, in one shape whichever backend ran it.
 
-The tune stage saves it (`save`) when a tuning job ends, on every backend: the record at
-tuning/<model>/tuning.json, a row per trial in trials.csv and the chart in trials.png, both
-drawn from the record. The run's report reads the record and nothing else of the study.
-
-    tuning_job        the tuning job's name
-    strategy          Bayesian | Random | Grid | Hyperband, as asked
-    sampler, pruner   what played it here (Optuna's classes); None on SageMaker
-    early_stopping    Off | Auto
-    objective_metric, objective_type
-    trials            a trial per training job the tuning job launched, in the order they
-                      were created:
-        number          1, 2, ...
-        job_name        the trial's training job
-        status          Completed | Stopped | Failed (Interrupted: a local trial the
-                        driver's stop cut short, continued by --resume)
-        hyperparameters the searched values, as the trial was sent them (strings)
-        objective       its final objective: the latest one it emitted (None: none)
-        epochs          {epoch: objective} as the trial reported them ({} where unknown)
-        seconds         how long it trained (None: unknown)
-        stop_reason     why it stopped or failed (None: it completed)
-    best              the trial promoted (one of `trials`), None when none completed
-    counters          {status: how many trials ended so}
-
 Built from a local study (`from_study`: pipeline/backends/local_tuning.py) or from what
-SageMaker says of a tuning job (`from_tuning_job`: the SageMaker and emulated backends).
+SageMaker says of a tuning job (`from_tuning_job`: the SageMaker and emulated backends). The
+tune stage saves it (`save`) at tuning/<model>/tuning.json, with trials.csv and trials.png drawn
+from it; the run's report reads nothing else of the study. Its fields are RECORD_FIELDS and
+TRIAL_FIELDS below, explained in docs/outputs.md (The tuning record).
 """
 
 from __future__ import annotations
@@ -43,24 +23,24 @@ if TYPE_CHECKING:
 RECORD_FIELDS = (
     "tuning_job",
     "strategy",
-    "sampler",
+    "sampler",  # sampler, pruner: what played it here (Optuna's classes); None on SageMaker
     "pruner",
     "early_stopping",
     "objective_metric",
     "objective_type",
-    "trials",
-    "best",
-    "counters",
+    "trials",  # a trial per training job the tuning job launched, in creation order
+    "best",  # the trial promoted (one of `trials`), None when none completed
+    "counters",  # {status: how many trials ended so}
 )
 TRIAL_FIELDS = (
     "number",
     "job_name",
-    "status",
-    "hyperparameters",
-    "objective",
-    "epochs",
-    "seconds",
-    "stop_reason",
+    "status",  # Completed | Stopped | Failed; Interrupted: a local trial --resume continues
+    "hyperparameters",  # the searched values, as the trial was sent them (strings)
+    "objective",  # its final objective: the latest one it emitted (None: none)
+    "epochs",  # {epoch: objective} as the trial reported them ({} where unknown)
+    "seconds",  # how long it trained (None: unknown)
+    "stop_reason",  # why it stopped or failed (None: it completed)
 )
 
 

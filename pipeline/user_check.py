@@ -1,26 +1,10 @@
 """The driver's check of the user functions, run in a process of its own.
 
-Before any job starts, the driver imports the user's module to check the five functions
-against the contract (steps/user_code.py) and to key the data-step cache by what they can reach
-(pipeline/cache.py `step_reaches`). Importing it runs the user's code, and whatever that does
-stays in the checking process: a variable set in os.environ (which every local job would
-inherit from the driver), a chdir, modules imported or patched, signal handlers, atexit hooks,
-sys.exit, and threads started and never ended (the driver would wait for a non-daemon one when
-it exits, forever). The driver gets back the problems found, or each data step's cache key
-part; the jobs get the environment the driver had, which no user code has touched.
-
-The checking process resolves modules exactly as the driver would (its sys.path, its working
-directory, the settings file's folder first) and imports the module in the environment a local
-job imports it in: the driver's, with the image's ENV on top (docker/Dockerfile: progress bars
-and transformers' warnings off, as in every job). What the import prints goes where the
-driver's output goes. It writes its answer to a file of the check's own folder and leaves with
-os._exit: nothing the import started is waited for, and its session is killed.
-
-Where an earlier run of this process left a fork server of that environment (fork_client.IDLE:
-a notebook's second run, the test suite), the checking process is forked from it, with torch,
-transformers and datasets already imported (most user modules import them at the top: the check
-then takes a fraction of a second instead of seconds); otherwise, or where the server cannot
-fork it (fork_server.py says when), it is a new interpreter. No server is started for a check.
+Before any job starts, the driver imports the user's module to check the five functions against
+the contract (steps/user_code.py) and to key the data-step cache by what they can reach
+(pipeline/cache.py `step_reaches`). Importing runs the user's code, so it runs in a checking
+process: what the import does (os.environ, chdir, patched modules, signal handlers, atexit
+hooks, sys.exit, threads never ended) stays there, and the jobs get the driver's environment.
 """
 
 from __future__ import annotations
@@ -83,7 +67,12 @@ def not_shipped(settings: Settings) -> str | None:
 
 def check_user_functions(settings: Settings) -> dict[str, tuple[str, str | None]]:
     """Check USER_FUNCTIONS in a process of its own: raise UserFunctionError listing every
-    problem, or return what each data step's functions can reach (cache.step_reaches)."""
+    problem, or return what each data step's functions can reach (cache.step_reaches).
+
+    The checking process resolves modules exactly as the driver would (its sys.path, its
+    working directory, the settings file's folder first) and imports the module in the
+    environment a local job imports it in (`check_env`); what the import prints goes where the
+    driver's output goes."""
     from pipeline.code_bundle import user_code
     from pipeline.player.job_root import new_work_root
 
@@ -189,7 +178,8 @@ def model_settings(settings: Settings) -> dict[str, dict]:
 
 
 def check_env() -> dict[str, str]:
-    """The checking process's environment: the driver's, with the image's ENV on top, as a local
+    """The checking process's environment: the driver's, with the image's ENV on top
+    (docker/Dockerfile: progress bars and transformers' warnings off, as in every job), as a local
     job has it (processes.py `ProcessLauncher`), less what names one job (its PYTHONPATH: the
     check's sys.path is the driver's)."""
     from pipeline.player.environment import image_env
@@ -203,7 +193,12 @@ def check_env() -> dict[str, str]:
 
 def run_check(request_file: Path, answer_file: Path, env: dict[str, str], deadline: float):
     """Run the checking process to its end; its exit status, or None at `deadline`. Forked from a
-    kept fork server of `env` where there is one and it forks it, a new interpreter otherwise."""
+    kept fork server of `env` where there is one and it forks it (fork_server.py says when it
+    cannot), a new interpreter otherwise.
+
+    A kept server (fork_client.IDLE: a notebook's second run, the test suite) has torch,
+    transformers and datasets imported, which most user modules import at the top: the check
+    then takes a fraction of a second instead of seconds. No server is started for a check."""
     from pipeline.player.fork_client import IDLE
 
     with IDLE.lent(env) as server:
@@ -263,7 +258,9 @@ def wait_for(child, deadline: float) -> int | None:
 
 
 def answer(request: dict) -> None:
-    """In the checking process: import and check, write the answer, leave."""
+    """In the checking process: import and check, write the answer to a file of the check's
+    own folder, leave with os._exit: nothing the import started is waited for (a non-daemon
+    thread would hold a normal exit forever), and `wait_for` kills its session."""
     from pipeline.cache import step_reaches
     from steps.user_code import load_user_functions
 

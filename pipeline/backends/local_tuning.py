@@ -1,32 +1,10 @@
 """Hyperparameter tuning on the local backend: SageMaker's tuning job, run here with Optuna.
 
-Optuna is the field's well-kept HPO library (samplers, pruners, studies that can be
-extended with earlier trials); its parts map onto SageMaker's strategies one for one:
-
-    Bayesian   TPE sampler (Optuna's default Bayesian optimizer)
-    Random     random sampler (log-uniform on a `log` interval)
-    Grid       brute-force sampler: every combination of the categorical options, each once
-    Hyperband  TPE sampler with Optuna's Hyperband pruner over epochs
-
-`[tuning] EARLY_STOPPING = Auto` adds the median pruner: a trial whose objective falls behind
-the median of earlier trials at the same epoch is stopped. What ran is what was asked for,
-and the Metadata and the terminal say so. A trial is never stopped at its last epoch (its
-model is all but saved: stopping it would save nothing and lose the model), and a stopped
-trial keeps the last objective it reported, as SageMaker reports one.
-
-Trials are local training jobs, `MAX_PARALLEL_JOBS` at once. Each one's objective is read
-live from its log with the metric definition's regex, the regex SageMaker uses; a pruned
-trial gets SIGTERM (it checkpoints and exits) and is not restarted. A trial that fails is
-recorded with its reason and the search goes on. A trial writes no exports and draws no
-curves; its checkpoints are removed when it ends, however it ends, unless the driver's stop
-interrupted it. The best trial's model and output move to the tuning job's places (the
-model to models/<model>/best-trial/, which the export job turns into models/<model>/model/);
-the other trials' model files are deleted, their records kept. The study keeps its trials in
-tuning/<model>/trials.json (and trials.csv) as they start and end, so a resumed run
-(`--resume`) continues the study: finished trials are told to the sampler again, a trial the
-driver's stop interrupted goes on from its checkpoint with its own values. When it ends, its
-result's details are the tuning record (pipeline/tuning_record.py), which the tune stage
-saves as it saves every backend's.
+`run_local_tuning` runs one study: the strategy's sampler and pruner (`search`), the trials as
+local training jobs, `MAX_PARALLEL_JOBS` at once, each one's objective read live from its log
+with SageMaker's regex (`pruning`), and the best trial promoted (`finish`). The study's journal,
+trials.json, lets `--resume` continue it (`reseed`). What each strategy and EARLY_STOPPING does
+is in docs/settings.md (Tuning).
 """
 
 from __future__ import annotations
@@ -65,7 +43,16 @@ class TrialInterrupted(RuntimeError):
 
 
 def search(job: TuningJob, seed: int):
-    """The study a strategy asks for: (sampler, pruner), and how many trials to run."""
+    """The study a strategy asks for: (sampler, pruner), and how many trials to run. Optuna's
+    parts map onto SageMaker's strategies one for one:
+
+        Bayesian   TPE sampler (Optuna's default Bayesian optimizer)
+        Random     random sampler (log-uniform on a `log` interval)
+        Grid       brute-force sampler: every combination of the categorical options, each once
+        Hyperband  TPE sampler with Optuna's Hyperband pruner over epochs
+
+    `EARLY_STOPPING = Auto` adds the median pruner: a trial whose objective falls behind the
+    median of earlier trials at the same epoch is stopped."""
     import optuna
 
     if job.strategy == "Grid":
@@ -230,7 +217,10 @@ def trial_objective(
     backend: TrialRunner, job: TuningJob, run: RunTree, trials: Trials, spaces: dict, say
 ):
     """What one trial does: a training job with the sampled values, its objective read live
-    from its log and reported to the pruner, its outcome recorded."""
+    from its log and reported to the pruner, its outcome recorded. A pruned trial gets SIGTERM
+    (it checkpoints and exits) and is not restarted; a failed one is recorded with its reason
+    and the search goes on. A trial writes no exports and draws no curves; its checkpoints are
+    removed when it ends, however it ends, unless the driver's stop interrupted it."""
     import optuna
 
     objective_regex = re.compile(job.trial.metric_definitions[job.objective_metric])

@@ -1,16 +1,7 @@
-"""The embedded moto server the `emulated` backend (and the tests) send AWS requests to, with
-S3's conditional create made atomic as S3's own is.
-
-S3 checks `If-None-Match: *` "for the existence of an object during the WRITE operation"
-(S3 User Guide, conditional-writes.html): of two creates of one key, exactly one succeeds.
-moto 5 checks and then stores in two steps of a threaded server, so two creates racing on one
-key could both succeed: two drivers claimed one run_num in CI. Every conditional put here is
-made one step, by a lock around moto's put-object handler.
-
-moto's server also looks for the service a request is for anew on every request: it lists
-moto's package folder and stats each of its subfolders, one a service (moto/backends.py
-`list_of_moto_modules`, from `DomainDispatcherApplication.get_backend_for_host`), under a lock
-every request takes. The answer depends on the host alone, so it is kept per host.
+"""The embedded moto server the `emulated` backend (and the tests) send AWS requests to (`serve`),
+with two patches to moto: S3's conditional create made atomic as S3's own is
+(`_atomic_conditional_puts`), and moto's host -> service lookup kept per host
+(`_backend_lookup_kept`).
 """
 
 from __future__ import annotations
@@ -24,7 +15,12 @@ _CONDITIONAL_PUT = threading.Lock()
 
 
 def _atomic_conditional_puts() -> None:
-    """Serialize moto's PutObject handler where it carries a precondition (once per process)."""
+    """Serialize moto's PutObject handler where it carries a precondition (once per process).
+
+    S3 checks `If-None-Match: *` "for the existence of an object during the WRITE operation"
+    (S3 User Guide, conditional-writes.html): of two creates of one key, exactly one succeeds.
+    moto 5 checks and then stores in two steps of a threaded server, so two creates racing on
+    one key could both succeed (two drivers claimed one run_num in CI)."""
     from moto.s3.responses import S3Response
 
     put = S3Response.put_object
@@ -43,7 +39,11 @@ def _atomic_conditional_puts() -> None:
 
 
 def _backend_lookup_kept() -> None:
-    """Keep moto's host -> service lookup per dispatcher and host (once per process)."""
+    """Keep moto's host -> service lookup per dispatcher and host (once per process). moto's
+    server looks the service up anew on every request: it lists moto's package folder and stats
+    each of its subfolders, one a service (moto/backends.py `list_of_moto_modules`, from
+    `DomainDispatcherApplication.get_backend_for_host`), under a lock every request takes. The
+    answer depends on the host alone."""
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication
 
     lookup = DomainDispatcherApplication.get_backend_for_host

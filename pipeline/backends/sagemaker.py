@@ -1,21 +1,11 @@
 """The SageMaker backend: the jobs' requests sent to SageMaker, waited on, and their outputs
 adopted into the run tree.
 
-Each request is built by pipeline/jobs.py from the job description, checked against every
-constraint of SageMaker's service model (pipeline/service_model.py: boto3's own check covers
-required members, types and minimum lengths only), and sent as it is, with the operations
-jobs.KINDS names for its kind. The image's entrypoint (steps/entrypoint.py) is what SageMaker
-starts; the code every job runs is the run's `code/` folder, given to each job as an input.
-The client, the logs client, the image and the role are injected: the emulated backend passes
-moto's.
-
-While a job runs, it is followed (pipeline/backends/following.py): a progress line when its
-status changes (and once a minute), its CloudWatch log streamed with the job's name in
-front. A create whose answer was lost is recognised (pipeline/backends/lost_create.py). When
-it ends: a job that failed or was
-stopped becomes one paragraph (status, FailureReason, ExitMessage, the last lines of its
-log); a completed one has its outputs sealed with manifests (files, sizes, sha256, as the
-local backend writes them), its model.tar.gz unpacked into the run tree.
+`SageMakerBackend` sends each request as pipeline/jobs.py builds it (checked first against
+SageMaker's service model: pipeline/service_model.py), follows the job to its end
+(pipeline/backends/following.py) and returns its JobResult. What reads SageMaker's answers
+afterwards is plain functions beside it: `billed`, `trials_billed`, `pool_status`,
+`adopt_training_output`.
 """
 
 from __future__ import annotations
@@ -158,6 +148,11 @@ class Trials:
 
 
 class SageMakerBackend:
+    """Every job sent to SageMaker, with the operations jobs.KINDS names for its kind. The
+    image's entrypoint (steps/entrypoint.py) is what SageMaker starts; the code every job runs
+    is the run's `code/` folder, given to each job as an input. The client, the logs client,
+    the image and the role are injected: the emulated backend passes moto's."""
+
     name = "sagemaker"
 
     def __init__(
@@ -343,7 +338,10 @@ class SageMakerBackend:
         return self._call(api.describe, **{api.name_member: name})
 
     def _submit_and_wait(self, kind: str, name: str, request: dict, on_poll=None) -> Followed:
-        """Create the job and follow it to its end (pipeline/backends/following.py). An error
+        """Create the job and follow it to its end (pipeline/backends/following.py: a progress
+        line when its status changes, and once a minute; its CloudWatch log streamed with the
+        job's name in front). A create whose answer was lost is recognised
+        (pipeline/backends/lost_create.py). An error
         while following it (throttling beyond botocore's retries, expired credentials, a
         missing logs: permission) is said and the following goes on: the job runs on
         SageMaker whatever this process reads of it."""
@@ -378,6 +376,10 @@ class SageMakerBackend:
                 self._active.pop(name, None)
 
     def _result(self, kind: str, name: str, followed: Followed) -> JobResult:
+        """The job's log kept in the run tree, and a job that failed or was stopped as one
+        paragraph (status, FailureReason, ExitMessage, the last lines of its log). A completed
+        one's outputs are sealed with manifests by its caller (files, sizes, sha256, as the
+        local backend writes them; a training job's archives: `adopt_training_output`)."""
         status, described = followed.status, followed.described
         log_key = self.run.log(name)
         self.store.put_bytes(log_key, ("\n".join(followed.log) + "\n").encode())

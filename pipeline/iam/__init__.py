@@ -1,25 +1,11 @@
 """`smpipe iam settings.ini`: the least-privilege IAM policies a SageMaker run needs, read off
 its plan.
 
-Two identities act in a run on the sagemaker backend:
-
-- the driver, whoever runs `smpipe run` (or `predict`, `registry`, `approve`, `prune`): it
-  passes the execution role to SageMaker, creates, describes, stops and lists the jobs,
-  reads their CloudWatch logs, reads, writes and removes the experiment's files in the
-  store, asks the AWS Price List API, and registers the winning model;
-- the execution role ([experiment] ROLE_ARN), which SageMaker assumes to run each job: it
-  pulls the image from its ECR repository, reads the job's inputs and writes its outputs and
-  checkpoints, reads the secrets the settings name, writes the job's logs and metrics.
-
-Both come from the very jobs `smpipe plan` builds (pipeline/stages.py `build_jobs`), every
-step of a run with a placeholder `*` for its run number and data version, and the job
-`smpipe predict` runs: a bucket, prefix or secret the plan does not name never appears; every
-one it names does. Each action is checked against botocore's service models before anything
-is printed (`check_actions`): an action name that is no operation of its service, nor a
-permission-only action whose operation's own documentation names it, is an error.
-
-Sources are cited where each statement is made; where AWS documents a narrower resource than
-the one used here, the narrower one is used.
+Two identities act in a run on the sagemaker backend: the driver, whoever runs `smpipe`
+(`driver_policy`), and the execution role SageMaker assumes to run each job (`role_policy`).
+Both come from the very jobs `smpipe plan` builds (`planned_requests`), so a bucket, prefix or
+secret the plan does not name never appears; every action is checked against botocore's service
+models (`check_actions`). Sources are cited where each statement is made.
 """
 
 from __future__ import annotations
@@ -96,7 +82,9 @@ RUN = "*"  # the run number and data version of every run: the policies hold for
 
 def planned_requests(settings: Settings) -> list[tuple[str, dict]]:
     """(kind, request) of every job of a whole run and of `smpipe predict`, as pipeline/driver.py
-    builds them for `smpipe plan`, with `*` for the run and its data version."""
+    builds them for `smpipe plan` (pipeline/stages.py `build_jobs`), with `*` for the run and
+    its data version: a bucket, prefix or secret these requests do not name never appears in a
+    policy; every one they name does."""
     from pipeline.backend import identity
     from pipeline.jobs import request_for
     from pipeline.paths import ExperimentTree
@@ -249,6 +237,11 @@ def policies(settings: Settings, store_key: str | None = None) -> tuple[dict, di
 def driver_policy(
     settings: Settings, where: Where, requests: list[tuple[str, dict]], key: str | None
 ) -> dict:
+    """The driver's: whoever runs `smpipe run` (or `predict`, `registry`, `approve`, `prune`)
+    passes the execution role to SageMaker, creates, describes, stops and lists the jobs, reads
+    their CloudWatch logs, reads, writes and removes the experiment's files in the store, asks
+    the AWS Price List API, and registers the winning model. Where AWS documents a narrower
+    resource than the one used here, the narrower one is used."""
     kinds = sorted({kind for kind, _ in requests})
     statements = [
         *_job_statements(settings, where, kinds),

@@ -1,21 +1,10 @@
 """`smpipe predict settings.ini INPUT OUTPUT`: a run's exported model on new texts.
 
-check   the run (the newest completed one that trained a model, or --run), its model (the
-        winner by test macro-F1, or --model), INPUT's format, encoding and columns, every file
-        predict writes (OUTPUT, OUTPUT.json: not INPUT, not a file of the user's, their folder
-        writable), the request as SageMaker checks it: every problem at once, before anything
-        runs
-upload  INPUT read a part at a time into parquet parts under the run's
-        predictions/<label>/input/ (pipeline/predict/files.py), with the job's code: this
-        project's steps/ and the run's own user functions
-job     one processing job on the configured backend (steps/predict.py), its input sharded
-        across --instance-count instances by S3 key; each writes a part per part it gets
-output  OUTPUT written from the parts in the input's order, and beside it OUTPUT.json:
-        the run, model, data, the input's and the output's sha256, counts and the malformed
-        rows; the same record in the run tree (predictions/<label>/record.json). Both are
-        written beside themselves and renamed into place, the record first
-        (files.place). A predict that fails or is interrupted changes neither, and
-        leaves in the run tree only its job's log and a record saying so (`left_behind`)
+`predict` checks everything first (`checked`: every problem at once, before anything runs),
+uploads INPUT as parquet parts with the job's code (`upload_and_run`), runs one processing job
+(steps/predict.py) sharded across --instance-count instances, and writes OUTPUT and OUTPUT.json
+whole, the record first; a predict that fails leaves only a log and a record (`left_behind`).
+docs/predict.md says what a user sees.
 """
 
 from __future__ import annotations
@@ -155,7 +144,10 @@ def checked(
     raw: bool,
 ) -> tuple[Chosen, str, str, bytes | None]:
     """What predicts, INPUT's format and OUTPUT's, and the earlier record OUTPUT.json holds
-    (see check_files); PredictError with every problem."""
+    (see check_files); PredictError with every problem. Checked: the run (the newest completed
+    one that trained a model, or --run), its model (the winner by test macro-F1, or --model),
+    INPUT's format, encoding and columns, and every file predict writes (OUTPUT, OUTPUT.json:
+    not INPUT, not a file of the user's, their folder writable)."""
     chosen, problems = choose(settings, store, run_num, model)
     columns = chosen.text_columns if chosen else None
     kind, out_kind, file_problems, previous = check_files(source, output, columns, raw)
@@ -165,7 +157,9 @@ def checked(
 
 
 def upload_and_run(p: Predicting, echo, make_backend, record: dict):
-    """INPUT's parts and the job's code uploaded, the job run; the parts removed however it
+    """INPUT's parts (read a part at a time into predictions/<label>/input/: files.py) and the
+    job's code (this project's steps/ and the run's own user functions) uploaded, the job run;
+    the parts removed however it
     ended (even before the job started). The rows of each part, and the job's result; raw
     data's reconcile said in `record`."""
     try:

@@ -1,19 +1,10 @@
 """The files `smpipe predict` reads and writes, read and written a part at a time.
 
-INPUT is what users of Hugging Face `datasets` hand `load_dataset`, its format told by its
-suffix as `datasets` tells it (datasets/packaged_modules/__init__.py, _EXTENSION_TO_MODULE):
-`.csv`, `.tsv`, `.json`/`.jsonl`/`.ndjson` (JSON Lines), `.parquet`; or a folder of `.txt`
-files, each file one text (the `text` builder's `sample_by="document"`: read as UTF-8 with
-universal newlines, its column named `text`), named by its path in the folder without
-`.txt`, as the demo's `articles/<id>.txt`. Rows are numbered from 0 in the input's order; a
-row's id is its `id` column's value when the input has one, else that number.
-
-A row that cannot be read (a CSV line with too many or too few fields, a line that is not a
-JSON object, bytes that are not UTF-8, a value that is not text) is kept in its place with the
-reason; the job gives it no prediction, and the output says why in its `error` column.
-OUTPUT's format is its suffix's. Every file predict writes (OUTPUT, its record OUTPUT.json and
-the hidden temporaries beside them) is checked before the job runs (`check_targets`), written
-beside itself and renamed into place whole, the record first (`place`).
+INPUT is what Hugging Face `datasets` reads, its format told by its suffix (`format_of`), or a
+folder of `.txt` files; `read_rows` yields its rows, a row that cannot be read kept in its place
+with the reason, and `write_parts` cuts them into parquet parts. OUTPUT's format is its
+suffix's; every file predict writes is checked before the job runs (`check_targets`) and renamed
+into place whole, the record first (`place`).
 """
 
 from __future__ import annotations
@@ -59,7 +50,9 @@ SURROGATE = re.compile("[\udc80-\udcff]")  # bytes that were not UTF-8 (surrogat
 
 
 def format_of(path: Path) -> str | None:
-    """csv | tsv | jsonl | parquet by the suffix, `folder` for a folder; None: unknown."""
+    """csv | tsv | jsonl | parquet by the suffix, `folder` for a folder; None: unknown. The
+    suffixes are those `datasets` tells formats by (datasets/packaged_modules/__init__.py,
+    _EXTENSION_TO_MODULE): `.json`, `.jsonl` and `.ndjson` are JSON Lines."""
     if path.is_dir():
         return FOLDER
     return FORMATS.get(path.suffix.lower())
@@ -174,7 +167,9 @@ def parquet_rows(path: Path) -> int:
 
 def read_rows(path: Path, kind: str, columns: list[str]) -> Iterator[dict]:
     """Each row as {"id", "error", <column>...}: values are text or None, the id None where
-    the input has none; `error` says why a row could not be read."""
+    the input has none; `error` says why a row could not be read (a CSV line with too many or
+    too few fields, a line that is not a JSON object, bytes that are not UTF-8, a value that is
+    not text): the job gives that row no prediction, and OUTPUT's `error` column says why."""
     readers = {
         "csv": lambda: _csv_rows(path, columns, ","),
         "tsv": lambda: _csv_rows(path, columns, "\t"),
@@ -263,6 +258,9 @@ def _parquet_rows(path: Path, columns: list[str]) -> Iterator[dict]:
 
 
 def _folder_rows(path: Path) -> Iterator[dict]:
+    """Each file one text, as the `text` builder reads it with `sample_by="document"` (its
+    column named `text`), named by its path in the folder without `.txt` (the demo's
+    `articles/<id>.txt`)."""
     for file in text_files(path):
         name = file.relative_to(path).as_posix().removesuffix(".txt")
         try:
@@ -277,7 +275,8 @@ def _folder_rows(path: Path) -> Iterator[dict]:
 def write_parts(rows: Iterator[dict], folder: Path, columns: list[str], every=None) -> list[int]:
     """The rows as parquet parts of PART_ROWS rows and PART_CHARS characters of text at most in
     `folder` (row, id, error, columns); the rows in each part. `every(rows so far)` is
-    called after each part."""
+    called after each part. Rows are numbered from 0 in the input's order; a row's id is its
+    `id` column's value when the input has one, else that number."""
     schema = pa.schema(
         [("row", pa.int64()), ("id", pa.string()), ("error", pa.string())]
         + [(c, pa.string()) for c in columns]

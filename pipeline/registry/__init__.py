@@ -1,16 +1,10 @@
 """The model registry: each completed run's winning model, registered once.
 
-[registry] MODEL_PACKAGE_GROUP names a model package group. A run that tests its models ends
-with the register step (pipeline/stages.py `Register`, after inference): its winner, the model
-inference named best by test macro-F1 (metadata.winner), becomes one new version of the group,
-in the registry its backend keeps (`registry_for`), each behind one protocol (protocol.py
-`Registry`):
-
-    packages.py  sagemaker, emulated: a SageMaker model package (CreateModelPackage)
-    records.py   local: a record `<experiment>/registry/<group>/<version>.json` in the store
-
-`smpipe registry` lists the group's versions, `smpipe approve VERSION [--reject]` sets one's
-status; approving a version whose model is no longer there is refused.
+With [registry] MODEL_PACKAGE_GROUP set, a run that tests its models ends with the register step
+(`register`): its winner becomes one new version of the group, in the registry its backend keeps
+(`registry_for`, behind protocol.py `Registry`): packages.py on sagemaker and emulated (a
+SageMaker model package), records.py locally (a record in the store). `versions` and `set_status`
+are `smpipe registry` and `smpipe approve`.
 """
 
 from __future__ import annotations
@@ -90,7 +84,9 @@ def registry_for(
 def register(
     settings: Settings, store: Store, run: RunTree, record: dict, client, image: str
 ) -> dict:
-    """Register the winner of `run` (its merged Metadata `record`) and return what was
+    """Register the winner of `run` (its merged Metadata `record`: the model inference named
+    best by test macro-F1, metadata.winner; pipeline/stages.py `Register` runs this after
+    inference) and return what was
     registered. `client`: the backend's SageMaker client, None locally; `image`: the image the
     run's jobs ran, which the version serves with."""
     model = md.winner(record)
@@ -139,7 +135,8 @@ def versions(settings: Settings, store: Store, client=None) -> list[dict]:
 
 
 def set_status(settings: Settings, store: Store, version: int, status: str, client=None) -> dict:
-    """Version `version` of the group approved, rejected or pending again; the row it now is."""
+    """Version `version` of the group approved, rejected or pending again; the row it now is.
+    Approving a version whose model is no longer there is refused."""
     group = group_of(settings)
     registry = registry_for(settings, store, client)
     rows = registry.versions()

@@ -1,13 +1,10 @@
-"""The local registry: a model package group's versions as records in the store, for the
-local backend, where nothing is sent to SageMaker.
+"""The local registry: a model package group's versions as records in the store, for the local
+backend, where nothing is sent to SageMaker.
 
-Each version is a record `<experiment>/registry/<group>/<version>.json` (version, run, model,
-test metrics, data version and hash, approval status), created with the store's conditional
-write so two drivers never take the same version; a record of the same run and model is reused.
-The record is never rewritten: each later approval change is an object of its own,
-`<version>/<change>.json`, created the same way, so changes made at once are all kept (a read,
-change and write back of the record would lose all but one). A file there that is no record or
-change (a note, a record truncated by hand) is named in a warning and skipped.
+Each version is a record `<experiment>/registry/<group>/<version>.json` (`register_locally`),
+never rewritten: each later approval change is an object of its own, `<version>/<change>.json`
+(`add_change`). Both are created with the store's conditional write, so two drivers never take
+the same version and changes made at once are all kept.
 """
 
 from __future__ import annotations
@@ -63,7 +60,8 @@ class LocalRegistry:
 
 
 def register_locally(store: Store, tree: ExperimentTree, entry: dict, status: str) -> dict:
-    """A new version record, or the one this run and model made before (its driver stopped
+    """A new version record (version, run, model, test metrics, data version and hash, approval
+    status), or the one this run and model made before (its driver stopped
     before Metadata said so). Versions count from 1; a version another driver took meanwhile
     (the conditional create fails) is skipped for the next. `status`: the version's first."""
     group = entry["group"]
@@ -160,7 +158,8 @@ def add_change(store: Store, tree: ExperimentTree, group: str, version: int, cha
     store's conditional create (an exclusive link on a folder; PutObject's If-None-Match on S3,
     https://docs.aws.amazon.com/AmazonS3/latest/userguide/conditional-writes.html). A number
     another approval took meanwhile is refused, and the next one is tried: every change lands,
-    in one order all readers see. Its number."""
+    in one order all readers see (a read, change and write back of the record would lose all
+    but one). Its number."""
     folder = tree.registry_changes(group, version)
     names = (REGISTRY_RECORD.fullmatch(key[len(folder) :]) for key in store.list_keys(folder))
     number = max((int(m.group(1)) for m in names if m), default=0) + 1

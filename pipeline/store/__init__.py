@@ -1,14 +1,11 @@
 """The object store: a local directory (the embedded default) or S3, behind one small interface.
-
-By concern:
+Everything a holder of a store needs is imported from here; by concern:
 
     protocol.py   what a store is (`Store`), its errors, its keys and their URIs
     local.py      `LocalStore`: a folder on this machine, every write renamed into place
     s3.py         `S3Store`: S3 or any S3 endpoint; `aws_config`, every AWS client's retries
     manifests.py  folders whole or not there: uploaded, then a manifest written last
     unreached.py  `Unreached`: a store `smpipe plan` could not reach, read as empty
-
-Everything a holder of a store needs is imported from here.
 """
 
 from __future__ import annotations
