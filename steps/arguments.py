@@ -1,14 +1,9 @@
-"""The command line of each processing step, declared once.
+"""The command line of each processing step, declared once: a table of `Argument`s per step.
 
-A processing job receives its arguments as its ContainerArguments (strings). Each step parses
-them with `parse(TABLE)`, and the driver builds every job's arguments from the same table
-(pipeline/stages.py `step_arguments`), so a flag, its type and the words it takes are
-spelled here only. No argument has a default: each is sent with every job, its value read
-from the settings (`setting` names where, and the settings table holds its one default:
-steps/hyperparameters.py, pipeline/config_sections.py) or given by the job itself (the model
-an export is for). A job's arguments are part of a data step's cache key (pipeline/cache.py).
-
-The driver imports this module: it imports nothing heavier than argparse.
+Each step parses its ContainerArguments with `parse(TABLE)`, and the driver builds every job's
+arguments from the same table (pipeline/stages.py `step_arguments`), so a flag, its type and the
+words it takes are spelled here only. The driver imports this module: it imports nothing
+heavier than argparse.
 """
 
 from __future__ import annotations
@@ -26,6 +21,12 @@ WANDB_MODES = ("online", "offline", "disabled")
 
 @dataclass(frozen=True)
 class Argument:
+    """One flag of a step. No argument has a default: each is sent with every job, its value
+    read from the settings (`setting`; the settings table holds its one default:
+    steps/hyperparameters.py, pipeline/config_sections.py) or given by the job itself (the
+    model an export is for). A job's arguments are part of a data step's cache key
+    (pipeline/cache.py)."""
+
     flag: str
     type: type = str
     # "<section>.<field>" of the settings the driver reads its value from; "": the job gives

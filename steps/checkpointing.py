@@ -1,25 +1,10 @@
 """Training State, a resumable sampler and atomic checkpoints.
 
-A checkpoint is written to a fresh directory `ckpt-<step>.tmp`, every file flushed, then the
-directory is renamed to `ckpt-<step>` and the pointer file `CURRENT` is replaced (write aside,
-fsync, rename). A crash at any moment leaves the previous checkpoint whole and current: a
-`.tmp` directory is never read, and `CURRENT` only ever names a renamed, complete one.
-
-The folder is also a copy of S3, and one that may lag. SageMaker copies what the job writes in
-/opt/ml/checkpoints to S3 during training, deletions included ("If a checkpoint is deleted in
-the SageMaker AI container, it will also be deleted in the S3 folder": model-checkpoints.html),
-in an order it does not document, and not when the job is terminated ("Writes to S3 when job
-is terminated: No" for /opt/ml/checkpoints: model-train-storage.html). So S3 may hold a
-checkpoint with some of its files, each whole ("Amazon S3 never adds partial objects":
-PutObject in botocore's s3 service-2.json; "there is no way to make atomic updates across
-keys": the S3 User Guide's consistency model), or a CURRENT naming one it lacks: a checkpoint
-lists its files in `meta.json`, and one that lacks any of them is not loaded.
-And the newest checkpoint is never the only one: the one before it stays until the next save
-begins (`KEEP_CHECKPOINTS = 1` keeps two between saves, and still at most two on disk while
-one is written). A checkpoint is removed only once a newer one has been complete, and copied
-to S3, for a whole checkpoint interval; the job cannot see S3 (SageMaker reports nothing of its
-copy), so that interval is the assurance. The checkpoint written on SIGTERM is best effort: it
-may never reach S3, and never costs the one written before it.
+A checkpoint is written to `ckpt-<step>.tmp`, flushed, renamed to `ckpt-<step>`, and only then
+named by the `CURRENT` pointer (`save_checkpoint`): a crash at any moment leaves the previous
+checkpoint whole and current. The folder is also SageMaker's copy to S3, which may lag or stop
+short: a checkpoint lists its files in `meta.json` (`check_complete`), and the one before the
+newest stays until the next save begins (`kept`).
 """
 
 from __future__ import annotations
@@ -339,7 +324,16 @@ def checkpoint_names(directory: Path) -> list[str]:
 def kept(keep: int) -> int:
     """How many checkpoints a folder holds at most, the one being written included: KEEP_
     CHECKPOINTS, and never fewer than two, so that the newest complete one stays while the
-    next is written and copied to S3 (this module's docstring)."""
+    next is written and copied to S3 (`KEEP_CHECKPOINTS = 1` keeps two between saves).
+
+    SageMaker copies /opt/ml/checkpoints to S3 during training, deletions included ("If a
+    checkpoint is deleted in the SageMaker AI container, it will also be deleted in the S3
+    folder": model-checkpoints.html), in an order it does not document, and not when the job is
+    terminated ("Writes to S3 when job is terminated: No": model-train-storage.html). A
+    checkpoint is removed only once a newer one has been complete for a whole checkpoint
+    interval; the job cannot see S3 (SageMaker reports nothing of its copy), so that interval is
+    the assurance. The checkpoint written on SIGTERM is best effort: it may never reach S3, and
+    never costs the one written before it."""
     return max(keep, 2)
 
 
@@ -520,9 +514,12 @@ def settle_after_resume(directory: Path, resumed: Path | None, failed: list[Path
 
 def check_complete(path: Path) -> None:
     """A checkpoint holds every file its manifest lists: a copy cut short on its way to S3 or
-    back (SageMaker copies it file by file, each file whole or not at all, and nothing once
-    the job is terminated) is refused, never loaded in part. A checkpoint written before
-    manifests listed files passes on its manifest alone."""
+    back is refused, never loaded in part. S3 may hold a checkpoint with some of its files, each
+    whole ("Amazon S3 never adds partial objects": PutObject in botocore's s3 service-2.json;
+    "there is no way to make atomic updates across keys": the S3 User Guide's consistency
+    model), or a CURRENT naming one it lacks (SageMaker copies nothing once the job is
+    terminated: `kept`). A checkpoint written before manifests listed files passes on its
+    manifest alone."""
     manifest = path / MANIFEST
     if not manifest.is_file():
         raise FileNotFoundError(f"{manifest} is missing: the checkpoint is incomplete")

@@ -3,24 +3,10 @@
     python3 -m steps.entrypoint train                      a training job (and every tuning trial)
     python3 -m steps.entrypoint process STEP [ARGS ...]    a processing job running steps/STEP.py
 
-This module is shipped with the run's code, like every step: the image carries only the
-dependencies and a PYTHONPATH naming the two places SageMaker mounts the code input
-(`/opt/ml/input/data/code` for training, `/opt/ml/processing/input/code` for processing: names.
-TRAINING_CODE_DIR and PROCESSING_CODE_DIR). All three backends start it the same way; locally
-the job root replaces `/opt/ml` through one variable, `SMPIPE_ML_ROOT` (names.ML_ROOT_VARIABLE).
-
-A training job: reads its config files, exports the SM_* variables SageMaker's framework
-containers export (steps/runtime/variables.py), and runs the step (under torchrun across every
-host and process when there are several: steps/runtime/launch.py). A processing job: exports
-SM_PROCESSING_INPUT_<NAME> / SM_PROCESSING_OUTPUT_<NAME> and runs the step. Both: keys named
-by Secrets Manager secrets are read in the job's own region (steps/runtime/secrets.py);
-SIGTERM and SIGINT go on to the processes that train and the step is waited for (its
-checkpoint); a failed step leaves its one-paragraph reason in the failure file, which
-SageMaker returns as FailureReason or ExitMessage; the exit status is the step's (75 when it
-checkpointed on a signal) (steps/runtime/supervise.py).
-
-It reads as sagemaker-training-toolkit's trainer.py `train()`: the environment, the step run,
-the failure file, the exit status.
+It reads as sagemaker-training-toolkit's trainer.py `train()`: the environment (`set_up`), the
+step run and supervised, the failure file, the exit status (`main`). It ships with the run's
+code, found on the image's PYTHONPATH (names.TRAINING_CODE_DIR, PROCESSING_CODE_DIR); what
+each job gets is docs/container-contract.md.
 """
 
 from __future__ import annotations
@@ -40,7 +26,13 @@ USAGE = f"usage: {' '.join(names.ENTRYPOINT)} train | process STEP [ARGS ...]"
 
 
 def set_up(root: Path, argv: list[str]) -> tuple[list[str], dict[str, str], str, list[Path]]:
-    """The step's command, its environment, its name in messages and its output folders."""
+    """The step's command, its environment, its name in messages and its output folders.
+
+    A training job exports the SM_* variables SageMaker's framework containers export
+    (steps/runtime/variables.py) and runs under torchrun across every host and process when
+    there are several (steps/runtime/launch.py); a processing job exports
+    SM_PROCESSING_INPUT_<NAME> / SM_PROCESSING_OUTPUT_<NAME>. Both read the keys that Secrets
+    Manager secrets name, in the job's own region (steps/runtime/secrets.py)."""
     if argv[0] == "train":
         env = {**training_variables(root), **keys_from_secrets(root)}
         Path(env[names.SM_CHECKPOINT_DIR]).mkdir(parents=True, exist_ok=True)
@@ -54,6 +46,11 @@ def set_up(root: Path, argv: list[str]) -> tuple[list[str], dict[str, str], str,
 
 
 def main(argv: list[str]) -> int:
+    """Runs the step under `supervise` (steps/runtime/supervise.py): SIGTERM and SIGINT go on to
+    the processes that train and the step is waited for (its checkpoint); a failed step leaves
+    its one-paragraph reason in the failure file, which SageMaker returns as FailureReason or
+    ExitMessage; the exit status is the step's (75 when it checkpointed on a signal). The job
+    root is `/opt/ml`, or SMPIPE_ML_ROOT locally (names.ML_ROOT_VARIABLE)."""
     root = ml_root()
     follow_driver()
     if argv[:1] not in (["train"], ["process"]) or (argv[0] == "process" and len(argv) < 2):

@@ -1,19 +1,12 @@
-"""Export (processing job, CPU): the programs inference runs, written once, for the model that
-is kept, and each checked against the eager model before it is kept.
-
-A training job exports its own model at its end (steps/best_model.py `keep_model`, with
-these functions). A tuning trial exports nothing: trials train and validate, and most of their
-models are deleted. After a study this step exports the best trial's model:
+"""Export (processing job, CPU): the programs inference runs, each checked against the eager model
+before it is kept. A training job exports its own model at its end (steps/best_model.py
+`keep_model`, with these functions); after a study, this job exports the best trial's model.
 
 Inputs:  model       the best trial's model folder (weights, smpipe.json, curves)
          validation  the prepared validation split, for the check batches
          labels      the prepared labels folder (inputs.json: pad values and sequence keys)
 Outputs: model       the same folder with the programs `--exports` names, and smpipe.json
                      recording each program's check (steps/model_files.py)
-
-The weights are loaded as the training job saved them: `from_pretrained` for a Hugging Face
-model (its `save_pretrained` folder), else `safetensors.torch.load_model` into what the
-user's `load_model` builds.
 """
 
 from __future__ import annotations
@@ -195,7 +188,9 @@ def check_exports(exports: dict) -> None:
 
 
 def trained_model(directory: Path, model_name: str, record: dict) -> torch.nn.Module:
-    """The model as the training job saved it, in eval mode on the CPU."""
+    """The model as the training job saved it, in eval mode on the CPU: `from_pretrained` for
+    a Hugging Face model (its `save_pretrained` folder), else `safetensors.torch.load_model`
+    into what the user's `load_model` builds."""
     id2label = {int(k): v for k, v in record["id2label"].items()}
     functions = load_user_functions(os.environ[names.USER_FUNCTIONS_VARIABLE])
     label2id = {v: k for k, v in id2label.items()}

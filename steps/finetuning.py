@@ -1,13 +1,9 @@
 """What of the model trains: every weight (FINETUNING = full), or LoRA adapters with the
 classification head in full (FINETUNING = lora, through PEFT); and gradient checkpointing.
 
-The user's `load_model` returns the Hugging Face model as it always does; this module wraps it.
-A model it returns already wrapped with PEFT is taken as it is. What trains is what requires a
-gradient: the optimizer, the checkpoints and the best weights hold only that (with LoRA, the
-adapters and the head, the set PEFT's own `save_pretrained` saves). At the end the adapters are
-merged into the weights (`merge_and_unload`), so the final model is a plain model that
-`from_pretrained`, the exports and inference read as any other, and the adapter is also written
-in PEFT's own format (`PeftModel.from_pretrained(base, <model>/adapter)` loads it).
+The user's `load_model` returns the Hugging Face model as it always does; `prepare` wraps it (a
+model already wrapped with PEFT is taken as it is). Checkpoints hold only what trains
+(`trained_state`); at the end the adapters are merged into the weights (`final_model`).
 """
 
 from __future__ import annotations
@@ -365,7 +361,8 @@ def check_models(functions, settings: dict[str, dict]) -> list[str]:
 
 def trained_state(model: torch.nn.Module, method: str) -> dict[str, torch.Tensor]:
     """What a checkpoint or the best weights hold, on the CPU: the whole state dict when every
-    weight trains; with LoRA only what requires a gradient (the adapters and the head)."""
+    weight trains; with LoRA only what requires a gradient (the adapters and the head, the set
+    PEFT's own `save_pretrained` saves). The optimizer holds only that too."""
     if method == "full":
         return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -392,7 +389,9 @@ def load_trained_state(model: torch.nn.Module, state: dict, method: str) -> None
 def final_model(model: torch.nn.Module, model_dir: Path) -> torch.nn.Module:
     """The model written as the job's output: with LoRA, the adapter saved in PEFT's format
     (`model_dir/adapter`: a few MB, so a tuning trial writes it too, and the study's best model
-    keeps it) and then merged into the weights."""
+    keeps it; `PeftModel.from_pretrained(base, <model>/adapter)` loads it) and then merged into
+    the weights (`merge_and_unload`), so the final model is a plain model that
+    `from_pretrained`, the exports and inference read as any other."""
     if not is_peft(model):
         return model
     model.save_pretrained(model_dir / ADAPTER)

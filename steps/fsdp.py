@@ -1,22 +1,10 @@
 """DISTRIBUTED_STRATEGY = fsdp: each process holds 1/N of the weights, their gradients and their
 optimizer state, and gathers one transformer layer's weights at a time to compute with it.
 
-Through torch's FSDP2 (`fully_shard`) directly, wrapped as Accelerate's FSDP plugin (version 2)
-wraps a model (accelerate/utils/fsdp_utils.py, `fsdp2_prepare_model`): each transformer layer
-its own unit, then the root; trained weights in fp32, the mixed-precision policy from
-MIXED_PRECISION. Not through the plugin itself: Accelerate 1.15 turns FSDP on for GPU-like
-distributed types only, never for MULTI_CPU (accelerate/state.py, AcceleratorState.__init__),
-so its branch would run on a GPU and nowhere a test can run it. Accelerate keeps everything
-else: the device, autocast, gradient accumulation, the optimizer wrapper, the trackers.
-
-Checkpoints go through `torch.distributed.checkpoint` (DCP): every process writes its own
-shards, and a checkpoint loads into any number of processes, DCP resharding it on load
-(https://pytorch.org/docs/stable/distributed.checkpoint.html). The final model is gathered to
-the main process alone (`full_state_dict` with `cpu_offload`: the other processes receive
-nothing), into a skeleton of the model kept on the meta device since before it was sharded.
-
-One process shards over itself (a process group of one is made for it), so a job of one
-process runs the same code, writes the same checkpoints and resumes at any size.
+The model is sharded with torch's FSDP2 (`shard`), checkpointed with torch.distributed.checkpoint
+(`save`, `load`), and gathered whole to the main process at the end (`gathered`). One process
+shards over itself (`process_group`), so a job of one process runs the same code and writes the
+same checkpoints. docs/settings.md (Several processes: DDP or FSDP) says what a user sees.
 """
 
 from __future__ import annotations
@@ -84,7 +72,12 @@ def return_freed_memory() -> bool:
 
 
 def shard(model: torch.nn.Module, blocks: list[str], device, mixed_precision: str):
-    """The model sharded across every process: each block, then the root. Under bf16 the
+    """The model sharded across every process: each block, then the root, as Accelerate's FSDP
+    plugin (version 2) wraps a model (accelerate/utils/fsdp_utils.py, `fsdp2_prepare_model`).
+    Not through the plugin itself: Accelerate 1.15 turns FSDP on for GPU-like distributed types
+    only, never for MULTI_CPU (accelerate/state.py, AcceleratorState.__init__), so its branch
+    would run on a GPU and nowhere a test can run it. Accelerate keeps everything else: the
+    device, autocast, gradient accumulation, the optimizer wrapper, the trackers. Under bf16 the
     weights are gathered in bf16 and the gradients reduced in fp32 (torch's FSDP2 tutorial's
     policy); autocast stays on as in every other job (train.py). Trained weights are fp32,
     as Accelerate upcasts them: FSDP2 needs one dtype per unit."""
@@ -127,7 +120,9 @@ def load_trained_state(model: torch.nn.Module, state: dict, method: str) -> None
 
 
 def save(directory: Path, model, optimizer, method: str, best: dict | None) -> None:
-    """Every process: its shards of the model and optimizer, and of new best weights."""
+    """Every process: its shards of the model and optimizer, and of new best weights. DCP
+    reshards a checkpoint on load, so it loads into any number of processes
+    (https://pytorch.org/docs/stable/distributed.checkpoint.html)."""
     model_state, optimizer_state = get_state_dict(model, plain(optimizer), options=options(method))
     dcp.save(
         {"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory / SHARDED
@@ -200,8 +195,10 @@ def _device() -> torch.device:
 
 
 def gathered(model: torch.nn.Module, frame: torch.nn.Module | None) -> torch.nn.Module | None:
-    """Every process: the full weights gathered to the main one, one at a time, on its CPU, and
-    loaded there into `frame` (the model's skeleton); None on the other processes."""
+    """Every process: the full weights gathered to the main one, one at a time, on its CPU
+    (`full_state_dict` with `cpu_offload`: the other processes receive nothing), and loaded
+    there into `frame` (the model's skeleton, kept on the meta device since before it was
+    sharded); None on the other processes."""
     full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )

@@ -1,7 +1,5 @@
-"""Inference (processing job, CPU): the exported models on the held-out test split.
-
-Each model runs as training exported it ([inference] MODEL_FORMAT: TorchScript, or the
-torch.export program), loaded once, over the test rows sorted by length and padded per batch.
+"""Inference (processing job, CPU): the exported models ([inference] MODEL_FORMAT) on the held-out
+test split, each compared with the others.
 
 Inputs:  test, labels, and models: the run's models/ folder (<name>/model/ for every model)
 Outputs: results  per model: per_label.csv (sorted by F1, descending), overall.json,
@@ -67,7 +65,9 @@ def load_program(directory: Path, model_format: str, name: str):
 
 def predict(name: str, test: pa.Table, batch_size: int, model_format: str, precision: Precision):
     """Predicted label ids and their confidence, in the test split's order; and, when the
-    program ran in bf16, how its predictions compare with fp32's (`against_fp32`)."""
+    program ran in bf16, how its predictions compare with fp32's (`against_fp32`). The program
+    (TorchScript, or the torch.export program) is loaded once and runs over the test rows
+    sorted by length and padded per batch."""
     directory = model_dir(name)
     keys = read_record(directory)["ordered_input_keys"]
     inputs = read_inputs(processing_input("labels"), name, keys)

@@ -1,21 +1,9 @@
 """The tested models, logged to wandb as `model` artifacts of the runs that trained them.
 
-Test metrics exist only once inference has run, a job after training; so the inference job
-logs each model when [tracking] WANDB_MODE is online or offline. It resumes the wandb run of
-the training job that made the model (its id is in the model's record, steps/tracking.py:
-`wandb.init(id=..., resume="allow")`, W&B's way to add to a run that has ended), logs one
-version of a `model` artifact named after the model (`wandb.Artifact(type="model")`,
-`run.log_artifact`), aliased `winner` for the run's best model, and puts the test metrics and
-the artifact's name in the run's summary. Offline, the run is written beside the job's report
-(jobs/inference/wandb/) for a later `wandb sync`, and a model trained with wandb off gets a run
-of its own.
-
-The files are references (W&B's reference artifacts: a URI per file, nothing copied): the
-model's folder where the store keeps it, whose URI the job reads from its own
-processingjobconfig.json. So logging costs the run tree nothing (a copy would double it), and an
-offline run syncs from anywhere, where a copied file would be looked for at a path inside the
-job's finished container. The artifact's metadata holds the test metrics, the formats kept,
-id2label, the lineage record (the model's smpipe.json) and each file's sha256.
+Test metrics exist only once inference has run, so the inference job logs each model
+(`log_models`) when [tracking] WANDB_MODE is online or offline: it resumes the training job's
+wandb run and logs one `model` artifact per model, its files as references to the store
+(`artifact`), the winner aliased `winner`. docs/outputs.md (wandb) says what a user sees.
 """
 
 from __future__ import annotations
@@ -49,7 +37,15 @@ def log_models(
     models: dict[str, Path], performance: dict, winner: str | None, mode: str, project: str, where
 ) -> dict[str, dict]:
     """Each of `models` (name -> its folder, as inference read it) logged with its test
-    `performance`, the wandb runs written under `where`; what was logged, for Metadata."""
+    `performance`, the wandb runs written under `where`; what was logged, for Metadata.
+
+    Each resumes the wandb run of the training job that made the model (its id is in the
+    model's record, steps/tracking.py: `wandb.init(id=..., resume="allow")`, W&B's way to add
+    to a run that has ended), logs one version of a `model` artifact named after the model
+    (`wandb.Artifact(type="model")`, `run.log_artifact`), and puts the test metrics and the
+    artifact's name in the run's summary. Offline, the run is written under `where`
+    (jobs/inference/wandb/) for a later `wandb sync`; a model trained with wandb off gets a run
+    of its own."""
     if mode == "disabled":
         return {}
     import wandb
@@ -85,8 +81,12 @@ def log_models(
 
 
 def artifact(wandb, name: str, directory: Path, record: dict, test: dict, stored: str):
-    """The `model` artifact of one model: its files as references to `stored`/<name>/model/,
-    with the sha256 the store's manifest of the folder gives each. wandb does not checksum the
+    """The `model` artifact of one model: its files as references to `stored`/<name>/model/
+    (W&B's reference artifacts: a URI per file, nothing copied), with the sha256 the store's
+    manifest of the folder gives each. A copy would double the run tree, and an offline run
+    syncs from anywhere, where a copied file would be looked for inside the job's finished
+    container. Its metadata: the test metrics, the formats kept, id2label, the lineage record
+    (the model's smpipe.json) and each file's sha256. wandb does not checksum the
     references itself (checksum=False): that would read the store from the job, which only the
     backend does (the emulated store is a folder the emulator reads on a job's behalf)."""
     exports = record.get("exports") or {}

@@ -1,16 +1,11 @@
-"""The files of a trained model's folder, named once: training writes them, inference reads
-them, and `smpipe.json` records which exports passed their check against the eager model.
+"""The files of a trained model's folder, named once: training writes them, inference reads them.
 
-    model.safetensors (or a Hugging Face save)  the weights
-    model.torchscript.pt                        TorchScript, traced      (EXPORTS torchscript)
-    model.pt2                                   a torch.export program   (EXPORTS exported)
-    smpipe.json                                 keys, labels, best epoch, `max_length` (the
-                                                tokens prepare cut rows to), and `exports`
-    adapter/                                    FINETUNING = lora: the adapters and the head in
-                                                PEFT's format (the weights above are merged)
-    history.json, curves.png                    each epoch's metrics, and their curves
-    README.md                                   the model card, in the Hugging Face Hub's
-                                                format (`write_card`)
+    model.safetensors (or a Hugging Face save)  the weights; adapter/ with FINETUNING = lora
+    model.torchscript.pt, model.pt2             the exports (EXPORTS), each checked
+    smpipe.json                                 the model's record (RECORD)
+    history.json, curves.png, README.md         each epoch's metrics, their curves, the card
+
+Each name is a constant below, with what the file holds.
 """
 
 from __future__ import annotations
@@ -18,15 +13,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# The model's record: keys, labels, best epoch, `max_length` (the tokens prepare cut rows to),
+# and `exports`: which exports passed their check against the eager model.
 RECORD = "smpipe.json"
-# The LoRA adapter as PEFT saves it (adapter_config.json, adapter_model.safetensors).
+# FINETUNING = lora: the adapters and the head as PEFT saves them (adapter_config.json,
+# adapter_model.safetensors); the weights beside it are merged.
 ADAPTER = "adapter"
 HISTORY = "history.json"  # each epoch's metrics (train.py, export.py; the report reads them)
-CARD = (
-    "README.md"  # the model card: what the Hub shows for a model, and `from_pretrained` users read
-)
+# The model card, in the Hugging Face Hub's format (`write_card`): what the Hub shows for a
+# model, and `from_pretrained` users read.
+CARD = "README.md"
 CURVES = "curves.png"  # their curves, drawn once per kept model
-# MODEL_FORMAT -> the file of that export.
+# MODEL_FORMAT -> the file of that export: TorchScript, traced; a torch.export program.
 EXPORTS = {"torchscript": "model.torchscript.pt", "exported": "model.pt2"}
 
 

@@ -1,30 +1,9 @@
 """Which precision a job computes in, and why: one answer for training, inference and predict.
 
-`MIXED_PRECISION = auto` is bf16 where the hardware computes bf16 natively and fp32 elsewhere:
-- a GPU: bf16 where it computes it natively (compute capability 8.0, from Ampere on: A10G, A100,
-  L4, H100), else fp16 with Accelerate's loss scaler. A T4 (ml.g4dn) or a V100 (ml.p3) only
-  emulates bf16, yet `torch.cuda.is_bf16_supported()` counts emulation by default (its
-  `including_emulation=True`, torch 2.4 on: torch/cuda/__init__.py), so it is asked without;
-- a CPU: bf16 where it has AMX or AVX512-BF16 (Intel Sapphire Rapids and later: AWS's m7i,
-  c7i, r7i), fp32 elsewhere. A CPU without them runs bf16 matmuls through conversions to fp32
-  and back: on this project's AVX2 machine, under bf16 autocast, a MiniLM training step took
-  16x the fp32 time and an inference forward 7x (16 rows x 128 tokens, 2 threads, 2026-11-25:
-  bench/cpu_options.py), so "auto" must not pick it there.
-
-The CPU's ability is read from what torch exposes of the CPU it dispatches on:
-`torch.cpu._is_amx_tile_supported()` and `torch.cpu._is_avx512_bf16_supported()` (cpuinfo's
-flags, as torch's own inductor reads them to pick AMX kernels: torch/_inductor/cpu_vec_isa.py).
-`torch.backends.cpu.get_cpu_capability()` cannot tell: it names the vector ISA ("AVX512"), not
-whether bf16 is in it, and `torch.ops.mkldnn._is_mkldnn_bf16_supported()` is true on any
-AVX512 core, where oneDNN emulates bf16.
-
-`SMPIPE_CPU_BF16` = `native` or `none` overrides the detection: for a test to play either CPU,
-and for a CPU torch misjudges (an ARM core with BF16, which torch does not report here).
-
-Computing in bf16 means torch.autocast: weights and optimizer state stay fp32, matmuls run in
-bf16, and reductions (softmax, layer norm, the loss) stay fp32 by autocast's own op lists. The
-exported programs (TorchScript and torch.export) run under it too: both dispatch their aten ops
-through the autocast key (their logits under it match eager's under it exactly: tests).
+`MIXED_PRECISION = auto` is bf16 where the hardware computes bf16 natively (`resolve`: a GPU from
+Ampere on, a CPU with AMX or AVX512-BF16: `cpu_bf16`), fp16 on an older GPU, fp32 on any other
+CPU. `autocast` is the context a forward pass runs in. docs/performance.md (Precision) has the
+measurements behind the rule.
 """
 
 from __future__ import annotations
@@ -36,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from steps.hyperparameters import PRECISION_CHOICES
-from steps.runtime.names import (  # overrides the CPU detection (see above)
+from steps.runtime.names import (  # overrides the CPU detection (cpu_bf16)
     CPU_BF16_CHOICES,
     CPU_BF16_VARIABLE,
 )
@@ -55,7 +34,19 @@ class Precision:
 
 
 def cpu_bf16() -> tuple[bool, str]:
-    """Whether this CPU computes bf16 natively, and what says so."""
+    """Whether this CPU computes bf16 natively, and what says so.
+
+    Native means AMX or AVX512-BF16 (Intel Sapphire Rapids and later: AWS's m7i, c7i, r7i). A
+    CPU without them runs bf16 matmuls through conversions to fp32 and back, many times slower
+    than fp32 (docs/performance.md, Precision), so "auto" must not pick it there. The ability is
+    read from what torch exposes of the CPU it dispatches on: `_is_amx_tile_supported` and
+    `_is_avx512_bf16_supported` (cpuinfo's flags, as torch's inductor reads them to pick AMX
+    kernels: torch/_inductor/cpu_vec_isa.py). `get_cpu_capability()` cannot tell: it names the
+    vector ISA ("AVX512"), not whether bf16 is in it; and `torch.ops.mkldnn.
+    _is_mkldnn_bf16_supported()` is true on any AVX512 core, where oneDNN emulates bf16.
+
+    `SMPIPE_CPU_BF16` = `native` or `none` overrides the detection: for a test to play either
+    CPU, and for a CPU torch misjudges (an ARM core with BF16, which torch does not report)."""
     forced = os.environ.get(CPU_BF16_VARIABLE, "")
     if forced:
         if forced not in CPU_BF16_CHOICES:
@@ -82,7 +73,10 @@ def resolve(setting: str, num_gpus: int) -> Precision:
     if num_gpus:
         if setting != "auto":
             return Precision(setting, f"MIXED_PRECISION = {setting}")
-        if torch.cuda.is_bf16_supported(including_emulation=False):  # native only: see above
+        # Native only: compute capability 8.0, Ampere on (A10G, A100, L4, H100). A T4 (ml.g4dn)
+        # or V100 (ml.p3) only emulates bf16, which is_bf16_supported counts by default
+        # (`including_emulation=True`, torch 2.4 on: torch/cuda/__init__.py).
+        if torch.cuda.is_bf16_supported(including_emulation=False):
             return Precision("bf16", "auto: the GPU computes bf16")
         return Precision("fp16", "auto: the GPU has no native bf16, fp16 with a loss scaler")
     if setting == "fp16":
@@ -96,7 +90,12 @@ def resolve(setting: str, num_gpus: int) -> Precision:
 
 
 def autocast(precision: Precision, device: str = "cpu"):
-    """The context a forward pass runs in: autocast to bf16 or fp16, or nothing for fp32."""
+    """The context a forward pass runs in: autocast to bf16 or fp16, or nothing for fp32.
+
+    Under autocast weights and optimizer state stay fp32, matmuls run in bf16, and reductions
+    (softmax, layer norm, the loss) stay fp32 by autocast's own op lists. The exported programs
+    (TorchScript and torch.export) run under it too: both dispatch their aten ops through the
+    autocast key (their logits under it match eager's under it exactly: tests)."""
     if precision.applied in ("bf16", "fp16"):
         dtype = torch.bfloat16 if precision.applied == "bf16" else torch.float16
         return torch.autocast(device, dtype=dtype)

@@ -1,23 +1,14 @@
 """Predict (processing job, `smpipe predict`): one run's exported model on new texts.
 
-The texts are encoded as prepare encoded the run's data (the run's own `load_tokenizer` and
-`encode`, at the length prepare recorded in encoding.json) and run through the program the
-inference step runs, with its batching (steps/inference.py `load_program`, `run_batches`):
-the same texts get the inference step's predictions.
+Texts are encoded as prepare encoded the run's data and run through the inference step's
+program and batching, so the same texts get the inference step's predictions. Parts are read,
+encoded, predicted and written one at a time: memory grows neither with the input nor with a text.
 
-Inputs:  texts        parquet parts `part-NNNNN.parquet` the driver wrote: `row`, `id`, `error`
-                      (why the driver could not read the row) and the text columns; with
-                      several instances each gets a shard of the parts (ShardedByS3Key)
+Inputs:  texts        parquet parts from the driver: `row`, `id`, `error`, the text columns
+                      (several instances: a shard of the parts each, ShardedByS3Key)
          model        the model's folder (smpipe.json, the export MODEL_FORMAT names)
          labels       the prepared data's labels/ (inputs.json, encoding.json)
-Outputs: predictions  a part of the same name per part: `row`, `id`, `predicted`,
-                      `probability_<label>` for every label, `error` (why a row has no
-                      prediction: empty text, a text that is not a string, encode refused it)
-
-Parts are read, encoded, predicted and written one at a time, and long texts are cut before
-the user's encode at the very length prepare would (steps/prepare.py `clip_limits`, `encode_cut`):
-memory grows neither with the input nor with one text. A progress line per part is the job's
-log.
+Outputs: predictions  a part per part: `row`, `id`, `predicted`, `probability_<label>`, `error`
 """
 
 from __future__ import annotations
@@ -67,8 +58,10 @@ def model_folder() -> Path:
 
 @dataclass
 class Encoder:
-    """The user's encode of one model, as prepare called it for the run's data: texts cut
-    before encode at the very length prepare would, so that memory does not grow with a text."""
+    """The user's encode of one model, as prepare called it for the run's data (the run's own
+    `load_tokenizer` and `encode`, at the length encoding.json records): texts cut before
+    encode at the very length prepare would (steps/prepare.py `clip_limits`, `encode_cut`), so
+    that memory does not grow with a text."""
 
     functions: UserFunctions
     tokenizer: object
@@ -186,7 +179,10 @@ def predict_part(
     labels: list[str],
     precision: Precision,
 ) -> pa.Table:
-    """One part's predictions: a row each, in the part's order."""
+    """One part's predictions: a row each, in the part's order, through the inference step's
+    program and batching (steps/inference.py `load_program`, `run_batches`). A row without a
+    prediction says why in `error`: the driver could not read it, an empty text, a text that is
+    not a string, or encode refused it."""
     text_columns = args.text_columns.split(",")
     table, good, errors = encode_rows(encoder, rows, text_columns)
     probabilities = np.full((len(rows), len(labels)), np.nan, dtype=np.float32)

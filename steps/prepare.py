@@ -1,18 +1,11 @@
-"""Prepare (processing job): encode the snapshot for every model and split it.
-
-Every model's columns are prefixed with its name (`minilm_input_ids`), so in a comparison
-all models train and are tested on exactly the same rows. The split is stratified by label.
+"""Prepare (processing job): encode the snapshot for every model and split it, stratified by label.
+Every model's columns are prefixed with its name, so in a comparison all models train and are
+tested on exactly the same rows.
 
 Inputs:  snapshot  the reconciled dataset
-Outputs: train, validation, test  the splits (datasets save_to_disk), with each model's
-                   `<model>__length` (tokens per row, padding excluded)
-         labels    id2label.json; inputs.json (per model: input keys, padding values);
-                   encoding.json (the length rows were cut to, each model's tokenizer:
-                   steps/prepared_files.py)
+Outputs: train, validation, test  the splits (save_to_disk), with each model's `<model>__length`
+         labels    id2label.json; inputs.json (input keys, padding values); encoding.json
          report    step_metadata.json
-
-Rows are cut to `--max-length` tokens here, once ([data] MAX_SEQUENCE_LENGTH): training and
-inference read them whole.
 """
 
 from __future__ import annotations
@@ -248,7 +241,9 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
     """The user's encode over every row, in batches, checked; the model's columns prefixed with
     its name plus `<model>__length`, what training needs to pad them (keys, padding values),
     and which tokenizer encoded them. One pass over the rows, each check beside the part of
-    the encoding it protects."""
+    the encoding it protects. Rows are cut to `max_length` tokens here, once ([data]
+    MAX_SEQUENCE_LENGTH, recorded in encoding.json: steps/prepared_files.py): training and
+    inference read them whole. `<model>__length` is tokens per row, padding excluded."""
     tokenizer = call(functions, "load_tokenizer", model_name)
     identity = tokenizer_identity(tokenizer)
     keys = list(call(functions, "ordered_input_keys", model_name))

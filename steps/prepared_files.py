@@ -1,13 +1,10 @@
-"""How the prepared data was encoded, recorded beside it: prepare writes it, training reads
-its length from it, and the driver compares it with the settings before reusing the data.
+"""How the prepared data was encoded, recorded beside it: prepare writes it, training reads its
+length from it, and the driver compares it with the settings before reusing the data.
 
     labels/encoding.json  {"max_length": 128,
-                           "models": {"minilm": {"tokenizer": {"name_or_path", "class",
-                                                               "sha256"}}}}
+                           "models": {"minilm": {"tokenizer": {"name_or_path", "class", "sha256"}}}}
 
-A length belongs to the data it shaped (nanoGPT keeps block_size in its checkpoint): rows are
-cut once, by prepare, at `max_length` tokens ([data] MAX_SEQUENCE_LENGTH), and nothing after
-truncates them again. Light on imports: the driver reads it too.
+Light on imports: the driver reads it too.
 """
 
 from __future__ import annotations
@@ -19,7 +16,10 @@ ENCODING = "encoding.json"  # in prepare's `labels` output, beside id2label.json
 
 
 def encoding_record(max_length: int, tokenizers: dict[str, dict]) -> dict:
-    """What encoding.json holds: the length rows were cut to, and each model's tokenizer."""
+    """What encoding.json holds: the length rows were cut to, and each model's tokenizer. A
+    length belongs to the data it shaped (nanoGPT keeps block_size in its checkpoint): rows are
+    cut once, by prepare, at `max_length` tokens ([data] MAX_SEQUENCE_LENGTH), and nothing after
+    truncates them again."""
     return {
         "max_length": int(max_length),
         "models": {model: {"tokenizer": identity} for model, identity in tokenizers.items()},

@@ -1,27 +1,14 @@
 """Train (training job): finetune one model with Hugging Face Accelerate.
 
-Reads top to bottom, like Accelerate's examples: `main()` reads the container contract and
-casts the hyperparameters once; `training_function()` runs the stages, each a short function:
-set up, resume, one epoch at a time (validate, keep the best, checkpoint), finish. They share
-one `Job` (steps/training_job.py) and are built of blocks kept beside this script: the
-optimizer, loader, loss and validation (steps/training_blocks.py), checkpoints
-(steps/checkpointing.py), the best model kept, merged and exported (steps/best_model.py), the
-job's report (steps/training_report.py) and wandb (steps/tracking.py).
+`main()` reads the container contract and casts the hyperparameters once; `training_function()`
+runs the stages: set up, resume, one epoch at a time (validate, keep the best, checkpoint),
+finish. The blocks beside it: training_job.py, training_blocks.py, checkpointing.py,
+best_model.py, training_report.py, tracking.py.
 
-The job resumes from the newest good checkpoint in SM_CHECKPOINT_DIR, and on SIGTERM (a spot
-reclaim) it finishes the current step, writes a checkpoint and exits with EXIT_INTERRUPTED:
-after the step it arrives in with one process, with several at most about 10 s of steps later
-(training_blocks.StopCheck). Between logging steps the loop never waits for the device.
-
-Channels: train, validation (datasets save_to_disk, every model's columns prefixed with its
-name, `<model>__length` per row), labels (id2label.json, inputs.json, encoding.json). Rows
-are used whole, as prepare cut them (encoding.json records the length, and the model's
-smpipe.json records it again). Every batch is padded to its own longest row; training
-batches are grouped by length. Output: SM_MODEL_DIR gets the
-best model by validation F1 (safetensors, the programs the `exports` hyperparameter names,
-curves, history; a tuning trial's only the weights and history: the study's best model is
-exported after it, steps/export.py); SM_OUTPUT_DATA_DIR gets the Metadata section, where
-the job's time outside its optimizer steps goes (`seconds_outside_steps`), and the wandb run.
+Inputs:  train, validation  save_to_disk splits, columns prefixed by model, `<model>__length`
+         labels             id2label.json, inputs.json, encoding.json
+Outputs: SM_MODEL_DIR       the best model by validation F1 (steps/model_files.py)
+         SM_OUTPUT_DATA_DIR the Metadata section (`seconds_outside_steps` included), wandb run
 """
 
 from __future__ import annotations
@@ -88,7 +75,9 @@ def announce(
 
 def read_data(env: TrainingEnv, model_name: str, keys: list[str], multiple_of: int):
     """The label map, the model's input columns, the length prepare cut rows to, and the
-    training and validation rows, padded per batch."""
+    training and validation rows. Rows are used whole, as prepare cut them (encoding.json
+    records the length; the model's smpipe.json records it again); every batch is padded to its
+    own longest row, and training batches are grouped by length."""
     labels_dir = env.channels["labels"]
     id2label = {
         int(k): v for k, v in json.loads((labels_dir / "id2label.json").read_text()).items()
@@ -247,7 +236,8 @@ def shared(model, accelerator: Accelerator, mixed_precision: str, hp, total_step
 
 
 def resume(job: Job) -> None:
-    """From the newest checkpoint that loads; every rank from the same one, or none."""
+    """From the newest checkpoint in SM_CHECKPOINT_DIR that loads; every rank from the same
+    one, or none."""
     accelerator, state = job.accelerator, job.state
     started = time.time()
     failed, resumed = [], None
@@ -440,8 +430,9 @@ def after_step(job: Job, losses: EpochLoss, progress: Progress) -> bool:
 
 
 def stop(job: Job, losses: EpochLoss) -> None:
-    """SIGTERM: a checkpoint after this step, the interrupted marker, and every process leaves
-    with EXIT_INTERRUPTED."""
+    """SIGTERM (a spot reclaim, a stop): a checkpoint after this step, the interrupted marker,
+    and every process leaves with EXIT_INTERRUPTED. One process acts after the step the signal
+    arrives in; several at most about 10 s of steps later (training_blocks.StopCheck)."""
     read_loss(job, losses)
     checkpoint(job)
     job.accelerator.print(
@@ -503,8 +494,10 @@ def end_epoch(job: Job) -> None:
 
 
 def finish(job: Job) -> None:
-    """The main process keeps the best model (steps/best_model.py) and writes the job's report;
-    then every process leaves together (`leave`)."""
+    """The main process keeps the best model (steps/best_model.py: safetensors, the programs
+    the `exports` hyperparameter names, curves, history; a tuning trial's only the weights and
+    history, its study's best exported after it by steps/export.py) and writes the job's
+    report; then every process leaves together (`leave`)."""
     job.accelerator.wait_for_everyone()
     final = best_model(job)
     if job.accelerator.is_main_process:

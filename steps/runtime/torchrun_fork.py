@@ -1,18 +1,10 @@
 """torchrun for a warm-started job, whose workers are forked from it.
 
-`python -m steps.runtime.torchrun_fork ARGS` takes torchrun's own command line
-(`python -m torch.distributed.run ARGS`, launch.py) and runs torchrun's own agent and
-rendezvous with it, as `torch.distributed.run.run` does, with one difference: torchrun starts a
-module's workers as new interpreters (`python -u -m MODULE`: config_from_args makes the
-entrypoint a command, and a command's workers are subprocesses), where this forks them from
-itself, the way torchrun starts a function's workers (LaunchConfig's start_method "fork",
-torchrun's `--start-method`). Each worker then becomes `python -m MODULE` (steps.runtime.fork
-`become_module`) with the environment the agent gives it (RANK, WORLD_SIZE, MASTER_ADDR, ...).
-
-The entrypoint runs it only where it was itself forked by the local backend's fork server, with
-torch, transformers and the rest imported (supervise.py `start_step`): a worker's start is then
-a fork, not seconds of imports. In a container (SageMaker, `--image`) torchrun's command line
-runs, as SageMaker's framework containers run it.
+`python -m steps.runtime.torchrun_fork ARGS` takes torchrun's own command line and runs
+torchrun's agent and rendezvous with it (`main`), but forks each worker from itself instead of
+starting a new interpreter; the worker then becomes `python -m MODULE` (`forked_worker`). The
+entrypoint runs it only inside a job the local backend's fork server forked, with torch and the
+rest already imported (supervise.py `start_step`); in a container, torchrun itself runs.
 """
 
 from __future__ import annotations
@@ -43,6 +35,13 @@ def forked_worker(module: str, args: list[str]) -> None:
 
 
 def main(argv: list[str]) -> None:
+    """torchrun's command line (`python -m torch.distributed.run ARGS`, launch.py), run as
+    `torch.distributed.run.run` runs it, with one difference: torchrun starts a module's workers
+    as new interpreters (`python -u -m MODULE`: config_from_args makes the entrypoint a command,
+    and a command's workers are subprocesses), where this forks them, the way torchrun starts a
+    function's workers (LaunchConfig's start_method "fork", torchrun's `--start-method`). Each
+    worker gets the environment the agent gives it (RANK, WORLD_SIZE, MASTER_ADDR, ...); its
+    start is a fork, not seconds of imports."""
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
