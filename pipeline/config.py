@@ -130,11 +130,7 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
         _warn_unlisted(_model_sections(raw, prefix), names, path)
     model_training = _per_model(raw, parsed, problems)
     constants, tunables = _tuning_hyperparameters(raw.get(HP, {}), HP, problems)
-    model_constants, model_tunables = {}, {}
-    for model, section in _model_sections(raw, HP).items():
-        model_constants[model], model_tunables[model] = _tuning_hyperparameters(
-            raw[section], section, problems
-        )
+    model_constants, model_tunables = _per_model_tuning(raw, problems)
     if names is not None:
         model_training = {m: t for m, t in model_training.items() if m in names}
         model_constants = {m: c for m, c in model_constants.items() if m in names}
@@ -169,6 +165,14 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
         applied_ini=render_redacted(raw),
         overrides=tuple(sorted(overrides.values())),
     )
+
+
+def _per_model_tuning(raw: dict, problems: list[str]) -> tuple[dict, dict]:
+    """Each [tuning.hyperparameters.<model>] section's constants and search spaces, by model."""
+    constants, tunables = {}, {}
+    for model, section in _model_sections(raw, HP).items():
+        constants[model], tunables[model] = _tuning_hyperparameters(raw[section], section, problems)
+    return constants, tunables
 
 
 def from_environment(problem: str, overrides: dict[tuple[str, str], str]) -> str:

@@ -4,8 +4,8 @@ adopted into the run tree.
 `SageMakerBackend` sends each request as pipeline/jobs.py builds it (checked first against
 SageMaker's service model: pipeline/service_model.py), follows the job to its end
 (pipeline/backends/following.py) and returns its JobResult. What reads SageMaker's answers
-afterwards is plain functions beside it: `billed`, `trials_billed`, `pool_status`,
-`adopt_training_output`.
+afterwards is beside it: `WarmPools`, and plain functions (`billed`, `trials_billed`,
+`pool_status`, `adopt_training_output`).
 """
 
 from __future__ import annotations
@@ -172,10 +172,9 @@ class SageMakerBackend:
         self.client, self.logs = client, logs_client
         self.image, self.role = image_uri, role_arn
         self.echo = echo if echo is not None else sys.stdout
-        self.poll_seconds = poll_seconds
-        self.patience_seconds = patience_seconds
+        self.poll_seconds, self.patience_seconds = poll_seconds, patience_seconds
         self._active: dict[str, str] = {}  # job name -> kind, for stop()
-        self._last_training: str | None = None  # whose warm pool the next one may start on
+        self.pools = WarmPools(client, self.say)
         self._lock = threading.Lock()
 
     @property
@@ -225,7 +224,7 @@ class SageMakerBackend:
         followed = self._submit_and_wait("training", job.name, request)
         described = followed.described
         result = self._result("training", job.name, followed)
-        pool = self._warm_pool(job.name, request, described)
+        pool = self.pools.after(job.name, request, described)
         if pool:
             result.details["warm_pool"] = pool
         if pool.get("previous_pool_billable_seconds") is not None:  # billed as training
@@ -283,33 +282,6 @@ class SageMakerBackend:
         if result.status == "Completed":  # unpacked into the run tree: kept once, there
             trials.remove_archives(keep=None)
         return result
-
-    def _warm_pool(self, name: str, request: dict, described: dict) -> dict:
-        """What SageMaker's managed warm pools did for a training job, said and recorded:
-        whether it started on the pool the run's previous training job left (that job's
-        WarmPoolStatus is then Reused, ReusedByJob this one, with the seconds it was kept:
-        API_WarmPoolStatus.html), and whether it left one itself."""
-        if "TrainingJobName" not in described:  # refused: no job was created
-            return {}
-        previous, self._last_training = self._last_training, name
-        record: dict = {}
-        before = pool_status(self.client, previous) if previous else {}
-        # The previous job's pool, billed as training compute for the seconds it was kept
-        # ("ResourceRetainedBillableTimeInSeconds * InstanceCount", API_WarmPoolStatus), once
-        # it was reused or has ended; still Available, its time is not known yet.
-        if before.get("ResourceRetainedBillableTimeInSeconds"):
-            kept = before["ResourceRetainedBillableTimeInSeconds"]
-            record |= {"previous_job": previous, "previous_pool_billable_seconds": kept}
-        if before.get("ReusedByJob") == name:
-            kept = before.get("ResourceRetainedBillableTimeInSeconds")
-            record |= {"started_on_pool_of": previous, "pool_kept_seconds": kept}
-            self.say(name, f"started on the warm pool {previous} left (kept {kept} s, billed)")
-        asked = request["ResourceConfig"].get("KeepAlivePeriodInSeconds")
-        if asked:
-            status = (described.get("WarmPoolStatus") or {}).get("Status")
-            record |= {"keep_alive_seconds": asked, "pool_status_at_end": status}
-            self.say(name, _pool_line(status, asked))
-        return record
 
     def stop(self) -> None:
         """Stop every job this backend started that has not ended (Ctrl-C, SIGTERM)."""
@@ -422,6 +394,42 @@ def trials_billed(backend, tuning_job: str, summaries: list[dict]) -> list[dict]
             continue
         records += [{**b, "tuning_job": tuning_job} for b in billed("training", described)]
     return records
+
+
+class WarmPools:
+    """The run's training jobs' warm pools, one job after the other: whose pool the next job
+    may start on, and what each job's pool did."""
+
+    def __init__(self, client, say) -> None:
+        self.client, self.say = client, say
+        self.last_training: str | None = None  # whose warm pool the next one may start on
+
+    def after(self, name: str, request: dict, described: dict) -> dict:
+        """What SageMaker's managed warm pools did for a training job, said and recorded:
+        whether it started on the pool the run's previous training job left (that job's
+        WarmPoolStatus is then Reused, ReusedByJob this one, with the seconds it was kept:
+        API_WarmPoolStatus.html), and whether it left one itself."""
+        if "TrainingJobName" not in described:  # refused: no job was created
+            return {}
+        previous, self.last_training = self.last_training, name
+        record: dict = {}
+        before = pool_status(self.client, previous) if previous else {}
+        # The previous job's pool, billed as training compute for the seconds it was kept
+        # ("ResourceRetainedBillableTimeInSeconds * InstanceCount", API_WarmPoolStatus), once
+        # it was reused or has ended; still Available, its time is not known yet.
+        if before.get("ResourceRetainedBillableTimeInSeconds"):
+            kept = before["ResourceRetainedBillableTimeInSeconds"]
+            record |= {"previous_job": previous, "previous_pool_billable_seconds": kept}
+        if before.get("ReusedByJob") == name:
+            kept = before.get("ResourceRetainedBillableTimeInSeconds")
+            record |= {"started_on_pool_of": previous, "pool_kept_seconds": kept}
+            self.say(name, f"started on the warm pool {previous} left (kept {kept} s, billed)")
+        asked = request["ResourceConfig"].get("KeepAlivePeriodInSeconds")
+        if asked:
+            status = (described.get("WarmPoolStatus") or {}).get("Status")
+            record |= {"keep_alive_seconds": asked, "pool_status_at_end": status}
+            self.say(name, _pool_line(status, asked))
+        return record
 
 
 def pool_status(client, name: str) -> dict:
