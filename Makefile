@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH := 2.13.0
 DEMO_RAW := build/demo_raw
 
-.PHONY: install lock browser engine apt image image-base-torch run test lint bench bench-models gpu-check figures screenshot clean
+.PHONY: install lock browser engine apt image image-base-torch run test lint bench bench-models gpu-check gpu-bundle figures screenshot clean
 
 # torch goes in first, pinned to the CPU build on this disk: anything that pulled torch
 # before it would drag in a multi-GB CUDA build. Then every other package at the version and
@@ -148,11 +148,18 @@ bench-models: install
 	$(PY) bench/fsdp.py
 
 # The GPU path on this machine's GPUs, through the real jobs (bench/gpu_check.py): bf16
-# training and its MFU, two processes on NCCL, loader workers with pinned memory, SIGTERM and
-# resume, COMPILE, LoRA with gradient checkpointing (merged, exported, its adapter), bf16
-# inference and predict. Prints a table; exits 1 if a check failed.
+# training and its MFU, our training loop against the Trainer (bench/gpu_speed.py), two
+# processes on NCCL, loader workers with pinned memory, SIGTERM and resume, COMPILE, LoRA with
+# gradient checkpointing (merged, exported, its adapter), FSDP, bf16 inference and predict.
+# Prints a table; exits 1 if a check failed.
 gpu-check: install
 	$(PY) bench/gpu_check.py
+
+# What a GPU machine without network needs beside the repository to run the GPU checks:
+# build/gpu-bundle (bench/gpu_bundle.sh). There, `bash bench/gpu_run.sh` unpacks it and
+# measures (docs/performance.md, "On a lent GPU machine without network").
+gpu-bundle: install
+	bash bench/gpu_bundle.sh
 
 # The "Runs you can trust" table of docs/trust.md, made from what its tests count as they run
 # (build/figures/, tests/reliability/figures.py): those tests, then the table written over

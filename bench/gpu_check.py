@@ -13,6 +13,9 @@ result and figures, and the exit status is 1 if any failed (0 if all passed or w
   training   the demo's data (a slice) through `smpipe run` on the local backend, MIXED_PRECISION
              as given (auto: bf16 on a GPU that has it), the applied precision read from the
              training job's report; examples/s, model FLOP/s and MFU
+  speed      bench/gpu_speed.py: our training loop against the Trainer at its best, interleaved,
+             MiniLM at 128 tokens and a BERT-base-sized model at 512 (tiny sizes on a CPU):
+             examples/s, tokens/s, MFU and host syncs per step of each
   processes  two processes under torchrun (SMPIPE_PROCESSES_PER_HOST=2, as the local backend
              starts them): NCCL, one process per GPU; gloo on a CPU
   workers    DATALOADER_NUM_WORKERS = 2: the workers, (on a GPU) the pinned-memory thread and the
@@ -345,10 +348,48 @@ def check_fsdp(work: Workspace) -> str:
     )
 
 
+def check_speed(work: Workspace) -> str:
+    """bench/gpu_speed.py: ours against the Trainer, in a process of its own (its models and
+    Accelerate's state apart from the checks'), against this peak; its table printed here."""
+    results, log = work.root / "speed.json", work.root / "logs/speed.log"
+    log.parent.mkdir(exist_ok=True)
+    command = [sys.executable, str(ROOT / "bench/gpu_speed.py"), "--device", work.device]
+    if work.mixed_precision == "auto":  # the bench trains in what auto applies
+        command += ["--peak", repr(work.peak[0])]
+    print(f"  bench/gpu_speed.py ... (log: {log})", flush=True)
+    with open(log, "w") as out:
+        done = subprocess.run(
+            [*command, "--json", str(results)],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=JOB_TIMEOUT,
+        )
+    said = log.read_text(errors="replace")
+    expect(done.returncode == 0, f"bench/gpu_speed.py exited {done.returncode}: {said[-2000:]}")
+    print(said[said.rindex("\ngpu speed:") :].strip())
+    figures = []
+    for model in json.loads(results.read_text())["models"].values():
+        sides = [
+            f"{name} {f['examples_per_s']:.1f} examples/s, {f['mfu']:.2%} MFU, "
+            f"{f['syncs_per_step']:.2f} syncs/step"
+            for name, f in (
+                ("ours", model["sides"]["ours"]),
+                ("Trainer", model["sides"]["trainer"]),
+            )
+        ]
+        figures.append(
+            f"{model['model']} at {model['max_length']} tokens: {'; '.join(sides)}; "
+            f"ours/Trainer {model['ours_vs_trainer']:.2f}x"
+        )
+    return " | ".join(figures)
+
+
 # The table: each check's name (for --only) and its function, in the order they run.
 CHECKS = {
     "peak": check_peak,
     "training": check_training,
+    "speed": check_speed,
     "processes": check_processes,
     "workers": check_workers,
     "sigterm": check_sigterm,
@@ -425,24 +466,9 @@ class Workspace:
     @functools.cached_property
     def peak(self) -> tuple[float, str]:
         """FLOP/s of a large matmul in the precision training applies here: the MFU's
-        denominator. A GPU: 8192 x 8192 (bf16 on any GPU that has it); a CPU: 1024 x 1024
-        (bench/speed.py searches several sizes and layouts for a CPU's best)."""
-        applied = resolve(self.mixed_precision, self.gpus).applied
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(applied, torch.float32)
-        n = 8192 if self.device == "cuda" else 1024
-        a, b = (torch.randn(n, n, device=self.device, dtype=dtype) for _ in range(2))
-        sync = torch.cuda.synchronize if self.device == "cuda" else lambda: None
-        for _ in range(3):  # warm-up: cuBLAS picks its kernel, the clocks ramp up
-            a @ b
-        sync()
-        runs = []
-        for _ in range(5):
-            started = time.perf_counter()
-            for _ in range(10):
-                a @ b
-            sync()
-            runs.append(10 * 2 * n**3 / (time.perf_counter() - started))
-        return max(runs), str(dtype).removeprefix("torch.")
+        denominator (`matmul_peak`)."""
+        dtype = peak_dtype(self.mixed_precision, self.gpus)
+        return matmul_peak(self.device, dtype), str(dtype).removeprefix("torch.")
 
     @functools.cached_property
     def run(self) -> dict:
@@ -638,6 +664,33 @@ class Workspace:
 
         key = f"{self.tree.run(1).inference}{self.model}/predictions.csv"
         return pd.read_csv(self.store / key, dtype={"id": str})
+
+
+def peak_dtype(mixed_precision: str, gpus: int) -> torch.dtype:
+    """What training's matmuls compute in, MIXED_PRECISION applied here (bf16 on any GPU that
+    has it, fp32 on a CPU without native bf16)."""
+    applied = resolve(mixed_precision, gpus).applied
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(applied, torch.float32)
+
+
+def matmul_peak(device: str, dtype: torch.dtype) -> float:
+    """The most FLOP/s a large square matmul in `dtype` reaches here, best of 5 runs of 10: on
+    a GPU 8192 x 8192, on a CPU 1024 x 1024 (bench/speed.py searches several sizes and layouts
+    for a CPU's best)."""
+    n = 8192 if device == "cuda" else 1024
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    for _ in range(3):  # warm-up: cuBLAS picks its kernel, the clocks ramp up
+        a @ b
+    sync()
+    runs = []
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        sync()
+        runs.append(10 * 2 * n**3 / (time.perf_counter() - started))
+    return max(runs)
 
 
 def link(uri: str, local: Path) -> None:

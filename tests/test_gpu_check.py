@@ -18,8 +18,17 @@ from tests.conftest import ROOT
 
 SCRIPT = ROOT / "bench/gpu_check.py"
 CHECKS = [
-    "peak", "training", "processes", "workers", "sigterm", "compile", "lora", "fsdp", "inference"
-]  # fmt: skip
+    "peak",
+    "training",
+    "speed",
+    "processes",
+    "workers",
+    "sigterm",
+    "compile",
+    "lora",
+    "fsdp",
+    "inference",
+]
 
 # The entrypoint counts GPUs from /dev/nvidia* (as SageMaker's containers do), so a job there
 # trains on them whatever the script is told: `--device cpu` is refused on such a machine.
@@ -70,6 +79,8 @@ def test_every_check_runs_on_cpu_and_passes(tmp_path):
     applied = resolve("auto", 0).applied
     assert ("bfloat16 matmul" if applied == "bf16" else "float32 matmul") in figures["peak"]
     assert "MFU" in figures["training"]
+    # bench/gpu_speed.py's smoke run (tests/test_gpu_speed.py holds its table), its summary here.
+    assert figures["speed"].count("ours/Trainer") == 2 and "syncs/step" in figures["speed"]
     assert figures["processes"].startswith("2 processes (gloo)")
     assert figures["workers"].startswith("2 workers, no pinning (CPU)")
     assert figures["sigterm"].startswith("exit 75 with 2 workers, checkpoint at step 2")

@@ -1,0 +1,110 @@
+"""bench/gpu_speed.py (part of `make gpu-check`): its clock and sync counter on a CPU, and its
+smoke run end to end, ours against the Trainer at tiny sizes, as a subprocess. Nothing here
+asserts a time."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+
+SCRIPT = ROOT / "bench/gpu_speed.py"
+SIDES = ("ours", "Trainer")
+
+
+class Encoder(torch.nn.Module):
+    """Takes what both sides' models take: input ids and their attention mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(10, 4)
+
+    def forward(self, input_ids, attention_mask):
+        return (self.embedding(input_ids) * attention_mask[..., None]).sum()
+
+
+def test_the_window_counts_only_its_own_steps_syncs_and_rows():
+    """Three steps to warm up, two timed: the rows, real tokens and sync warnings of the timed
+    two alone, though every step warns and sees a batch."""
+    from bench import gpu_speed
+
+    model = Encoder()
+    optimizer = torch.optim.AdamW(model.parameters(), fused=False)
+    window = gpu_speed.Window("cpu", warm=3, steps=2, count_syncs=True)
+    with window.watching(model):
+        for step in range(6):  # one step past the window, as a loop's last batch may be
+            mask = torch.ones(2, 3, dtype=torch.long)
+            mask[0, step % 3 :] = 0  # row 0 has step % 3 real tokens, row 1 has 3
+            model(input_ids=torch.zeros(2, 3, dtype=torch.long), attention_mask=mask).backward()
+            warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+            warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+            warnings.warn("something else", stacklevel=1)
+            optimizer.step()
+    figures = window.figures(lambda shapes: shapes, "fp32")
+    # Steps 4 and 5 (step % 3: 0 and 1): their forwards, and the warnings given after each
+    # forward up to the fifth step's end.
+    assert figures["examples"] == 4 and figures["steps"] == 2
+    assert figures["real_tokens"] == (0 + 3) + (1 + 3) and figures["tokens"] == 12
+    assert sorted(figures["flops"]) == [(1, 0), (1, 1), (2, 3)]
+    assert figures["syncs"] == 4
+    assert figures["seconds"] > 0
+
+
+def test_a_run_that_ends_before_its_window_closes_is_an_error():
+    from bench import gpu_speed
+
+    model = Encoder()
+    optimizer = torch.optim.AdamW(model.parameters(), fused=False)
+    with pytest.raises(RuntimeError, match=r"ended after 2 optimizer steps, before .* \(4\)"):
+        with gpu_speed.Window("cpu", warm=1, steps=3).watching(model):
+            for _ in range(2):
+                optimizer.step()
+
+
+def table(stdout: str) -> list[list[str]]:
+    """The rows of the table the script ends with, its header first."""
+    lines = stdout.splitlines()
+    header = max(i for i, line in enumerate(lines) if line.startswith("model  "))
+    rows = []
+    for line in lines[header:]:
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) < 7:
+            break
+        rows.append(cells)
+    return rows
+
+
+@pytest.mark.slow
+def test_the_smoke_run_reports_every_model_and_side(tmp_path):
+    figures = tmp_path / "speed.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--json", str(figures)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-4000:]
+    header, *rows = table(done.stdout)
+    assert header == ["model", "side", "examples/s", "tokens/s", "MFU", "syncs/step", "real tokens"]
+    sides = [(row[0].split(",")[0], row[1].split(" (")[0]) for row in rows]
+    assert sides == [(model, side) for model in ("MiniLM", "BERT") for side in SIDES], said
+    for row in rows:
+        assert float(row[2]) > 0 and float(row[3]) > 0 and row[4].endswith("%")
+        assert float(row[5]) == 0  # no CUDA, so no CUDA syncs
+    results = json.loads(figures.read_text())
+    assert list(results["models"]) == ["minilm", "bert_base"]
+    for model in results["models"].values():
+        assert model["ours_vs_trainer"] > 0 and model["rounds"] == 2
+        for side in model["sides"].values():
+            assert side["syncs_per_step"] == 0 and len(side["seconds"]) == 2
+            assert 0 < side["mfu"] and 0 < side["real_token_share"] < 1
+    assert "ours/Trainer" in done.stdout and "no CUDA here" in done.stdout
