@@ -9,7 +9,9 @@ of the ratios taken within each round, since this machine's speed drifts within 
    Hugging Face `Trainer` at its best CPU settings, `DataCollatorWithPadding` and grouped by
    length, in bf16 (`bf16=True`) and in fp32: which is faster depends on the CPU, so both run
    and the ratio is given against each and against the faster; on long texts (BBC articles)
-   and short ones (their lead sentences), both at MAX_SEQUENCE_LENGTH 128;
+   and short ones (their lead sentences), both at MAX_SEQUENCE_LENGTH 128; beside our loop's
+   rows a second, our loader's over an epoch of its batches with no model (its collate alone,
+   and the job's whole DataLoader: bench/loader.py) and how many times the loop's each is;
 2. inference: our inference step's batching (steps/inference.py's run_batches over the
    TorchScript export, 64 rows a batch, each pass held to its MAX_TOKENS_PER_PASS, in the
    precision auto applies) against `transformers.pipeline("text-classification")` at batch
@@ -22,8 +24,9 @@ of the ratios taken within each round, since this machine's speed drifts within 
 
     python bench/speed.py [--rows N] [--steps N] [--repeat N] [--rounds N] [--inference-rounds N]
 
-Prints a table and writes bench/results.json (with the machine: CPU, whether it computes bf16
-natively, what auto applied, the date). Checkpoint cost: bench/checkpoint_cost.py.
+Prints a table and writes bench/results.json (with the machine: CPU, how many CPUs name
+amx_tile, whether it computes bf16 natively, what auto applied, the date). Checkpoint cost:
+bench/checkpoint_cost.py; the loop's cost a step against the Trainer's: bench/loop_overhead.py.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from transformers import (  # noqa: E402
     pipeline,
 )
 
+from bench.loader import loader_rates  # noqa: E402
 from steps import export as export_step  # noqa: E402
 from steps import inference as inference_step  # noqa: E402
 from steps import precision as precision_step  # noqa: E402
@@ -170,8 +174,11 @@ def prepared_dir(tokenizer, data: tuple[list[str], list[int]], root: Path) -> di
     return {c: root / c for c in ("train", "validation", "labels")}
 
 
-def ours_training(channels: dict[str, Path], root: Path, steps: int) -> dict:
-    hp = parse_hyperparameters({**HYPERPARAMETERS, "max_steps": "0"})
+def our_job(channels: dict[str, Path], root: Path, **hyperparameters: str):
+    """Our training job set up (steps/train.py's `set_up`) in this process, on the prepared
+    `channels`, with HYPERPARAMETERS and `hyperparameters` over them: its loop is
+    `train_step.train_epoch(job)`."""
+    hp = parse_hyperparameters({**HYPERPARAMETERS, "max_steps": "0", **hyperparameters})
     for sub in ("model", "out", "ckpt"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     env = TrainingEnv(
@@ -193,7 +200,11 @@ def ours_training(channels: dict[str, Path], root: Path, steps: int) -> dict:
     # (transformers' training_args.py) and Accelerate's tests do between cases.
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    job = train_step.set_up(hp, env)
+    return train_step.set_up(hp, env)
+
+
+def ours_training(channels: dict[str, Path], root: Path, steps: int) -> dict:
+    job = our_job(channels, root)
     job.total_steps = WARM
     train_step.train_epoch(job)
     job.total_steps = WARM + steps
@@ -204,6 +215,7 @@ def ours_training(channels: dict[str, Path], root: Path, steps: int) -> dict:
     # The shapes the model saw: the loader's own padding of those batches, untimed.
     shapes = [tuple(job.train_loader.collate_fn(b)[job.keys[0]].shape) for b in batches]
     return {
+        **loader_rates(job.train_loader),  # the job's loader over one epoch, no model
         "seconds": seconds,
         "examples": steps * BATCH,
         "real_tokens": sum(int(job.sampler.lengths[b].sum()) for b in batches),
@@ -418,10 +430,38 @@ def bench_training(
         for r in range(repeat):
             for name in rotated(list(sides), r):
                 runs[name].append(sides[name](data, channels, work / f"{name}-{kind}-{r}"))
-        out[kind] = against_peers(runs, "trainer", config, backward=True) | {
-            f"{name}_real_token_share": done[0]["real_tokens"] / done[0]["tokens"]
-            for name, done in runs.items()
-        }
+        out[kind] = (
+            against_peers(runs, "trainer", config, backward=True)
+            | {
+                f"{name}_real_token_share": done[0]["real_tokens"] / done[0]["tokens"]
+                for name, done in runs.items()
+            }
+            | loader_against_loop(runs["ours"])
+        )
+    return out
+
+
+def loader_rows(table: dict) -> list[tuple]:
+    """print_table's lines for our loader beside our loop (`loader_against_loop`)."""
+    count, times = "{:,.0f}", "{:,.0f}x"
+    return [
+        ("training rows/s, our loader's collate alone", table, "ours_collate_rows_per_s", count),
+        ("  collate / our loop", table, "ours_collate_over_loop", times),
+        ("training rows/s, our job's DataLoader", table, "ours_loader_rows_per_s", count),
+        ("  DataLoader / our loop", table, "ours_loader_over_loop", times),
+    ]
+
+
+def loader_against_loop(ours: list[dict]) -> dict:
+    """Our loader's rows a second (its collate alone, and the whole DataLoader) beside our
+    loop's, and the median over rounds of loader / loop, each taken in its round."""
+    out = {}
+    for part in ("collate", "loader"):
+        rates = [run[f"{part}_rows_per_s"] for run in ours]
+        out[f"ours_{part}_rows_per_s"] = median(rates)
+        out[f"ours_{part}_over_loop"] = median(
+            [rate * run["seconds"] / run["examples"] for rate, run in zip(rates, ours, strict=True)]
+        )
     return out
 
 
@@ -962,6 +1002,16 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def amx_tile_cpus() -> int:
+    """CPUs whose flags name amx_tile (Intel AMX, native bf16 matmuls): `grep -c amx_tile
+    /proc/cpuinfo`; 0 where there is no such file."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return 0
+    return sum(1 for line in lines if line.startswith("flags") and " amx_tile" in line)
+
+
 def machine() -> dict:
     native, why = precision_step.cpu_bf16()
     applied = precision_step.resolve("auto", 0)
@@ -969,6 +1019,7 @@ def machine() -> dict:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "cpu": cpu_model(),
         "cpus": os.cpu_count(),
+        "amx_tile_cpus": amx_tile_cpus(),
         "threads": torch.get_num_threads(),
         "native_bf16": native,
         "native_bf16_why": why,
@@ -989,7 +1040,8 @@ def print_table(results: dict, args) -> None:
         f"{args.rounds} (prepare) (bench/results.json)"
     )
     print(
-        f"  {m['cpu']}, {m['threads']} threads, {m['date']}: "
+        f"  {m['cpu']} (amx_tile on {m['amx_tile_cpus']} of {m['cpus']} CPUs), "
+        f"{m['threads']} threads, {m['date']}: "
         f"{'native' if m['native_bf16'] else 'no native'} bf16 ({m['native_bf16_why']})"
     )
     print(f"  ours, MIXED_PRECISION = auto: {m['auto_applied']} ({m['auto_reason']})")
@@ -1038,6 +1090,7 @@ def print_table(results: dict, args) -> None:
                 rows.append(
                     (f"real tokens per batch, {said}", table, f"{key}_real_token_share", pct)
                 )
+            rows += loader_rows(table)
         for key, said in sides.items():
             rows.append((f"{task} model GFLOP/s, {said}", table, f"{key}_model_flops_per_s", giga))
             rows.append(("  MFU (against its precision's peak)", table, f"{key}_mfu", pct))

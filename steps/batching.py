@@ -187,6 +187,12 @@ class Batches:
     """One model's rows held in memory, padded per batch: a DataLoader's `collate_fn` over
     row indices. Each batch is padded to its longest row (rounded up to `multiple_of`).
 
+    A sequence column is held as Arrow holds it, its rows' values end to end in one numpy
+    array with each row's offset (`ListArray.values` and `.offsets`, zero-copy where the split
+    is one chunk), and a batch is gathered from it with whole-array indexing, no Python per row
+    or token (bench/loader.py measures it against building batches from Python lists row by
+    row; docs/performance.md has the figures).
+
     Rows are used whole: prepare cut them, once. `max_length`, the length prepare recorded
     (encoding.json), is a check: a longer row means the data is not what prepare wrote, and
     is an error, never cut here."""
@@ -203,8 +209,12 @@ class Batches:
     ):
         self.keys, self.multiple_of = keys, multiple_of
         self.pad = {k: inputs["pad"][k] for k in keys}
-        self.sequence = set(inputs["sequence"])
-        self.columns = {k: table.column(f"{model_name}_{k}").to_pylist() for k in keys}
+        sequence = set(inputs["sequence"])
+        columns = {k: table.column(f"{model_name}_{k}") for k in keys}
+        self.sequences = _shared_offsets({k: _rows(columns[k]) for k in keys if k in sequence})
+        # A number per row: the whole column through torch.tensor once, so a batch has the
+        # dtype torch gives those values (int64, float32, bool).
+        self.scalars = {k: torch.tensor(columns[k].to_pylist()) for k in keys if k not in sequence}
         self.lengths = np.asarray(table.column(length_column(model_name)), dtype=np.int64)
         if max_length is not None and len(self.lengths) and self.lengths.max() > max_length:
             row = int(np.argmax(self.lengths))
@@ -219,22 +229,60 @@ class Batches:
         return len(self.lengths)
 
     def __call__(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        longest = int(self.lengths[indices].max()) if len(indices) else 0
+        rows = np.asarray(indices, dtype=np.int64).reshape(-1)
+        longest = int(self.lengths[rows].max()) if len(rows) else 0
         width = -(-longest // self.multiple_of) * self.multiple_of
+        picked = torch.from_numpy(rows)
+        gathers: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         batch: dict[str, torch.Tensor] = {}
         for key in self.keys:
-            column = self.columns[key]
-            if key not in self.sequence:
-                batch[key] = torch.tensor([column[i] for i in indices])
+            if key in self.scalars:
+                batch[key] = self.scalars[key][picked]
                 continue
-            out = np.full((len(indices), width), self.pad[key], dtype=np.int64)
-            for row, i in enumerate(indices):
-                values = column[i][:width]
-                out[row, : len(values)] = values
+            values, offsets = self.sequences[key]
+            if id(offsets) not in gathers:  # inputs of one row layout share where to copy
+                gathers[id(offsets)] = _gather(offsets, rows, width)
+            inside, source = gathers[id(offsets)]
+            out = np.full((len(rows), width), self.pad[key], dtype=np.int64)
+            out[inside] = values[source]
             batch[key] = torch.from_numpy(out)
         if self.labels is not None:
-            batch["label_id"] = self.labels[indices]
+            batch["label_id"] = self.labels[picked]
         return batch
+
+
+def _rows(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """A list column's values end to end, and where each row starts (one more offset than
+    rows: the end of the last). Offsets index the chunk's whole values buffer, a sliced
+    chunk's too: pyarrow's `ListArray.values` is "the underlying array of values ...
+    ignoring the array's offset" (its docstring), and `.offsets` are the slice's own."""
+    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    values = array.values.to_numpy(zero_copy_only=False)
+    return values, array.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _shared_offsets(columns: dict[str, tuple]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The same offsets array for every input of the same row layout (input_ids and its
+    attention mask), so a batch computes where to copy once for them."""
+    seen: list[np.ndarray] = []
+    out = {}
+    for key, (values, offsets) in columns.items():
+        same = next((s for s in seen if np.array_equal(s, offsets)), None)
+        if same is None:
+            seen.append(offsets)
+            same = offsets
+        out[key] = (values, same)
+    return out
+
+
+def _gather(offsets: np.ndarray, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Which cells of a (rows, width) batch hold a value, and each one's place in the values:
+    a row's first `width` values (a row stored padded can be longer than the batch's width;
+    its padding is cut), the rest of the row padding."""
+    starts = offsets[rows]
+    positions = np.arange(width)
+    inside = positions < (offsets[rows + 1] - starts)[:, None]
+    return inside, (starts[:, None] + positions)[inside]
 
 
 def by_length(

@@ -10,6 +10,7 @@ import datasets
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from pipeline.config import load_settings
@@ -251,3 +252,81 @@ def test_inference_passes_hold_a_token_budget_and_every_row_once():
     # Short rows fill the batch size; rows longer than the budget go one by one.
     assert len(by_length(np.full(100, 8), 64, max_tokens=1024)[0]) == 64
     assert {len(b) for b in by_length(np.full(10, 2000), 64, max_tokens=1024)} == {1}
+
+
+def ragged_table(rng: np.random.Generator, rows: int, max_length: int) -> pa.Table:
+    """Rows of 0 to `max_length` tokens (empty ones too), some stored padded to the maximum
+    (longer than their real length), a mask of ones, and scalar inputs of each kind."""
+    ids, masks, lengths = [], [], []
+    for _ in range(rows):
+        n = int(rng.choice([0, 1, 2, max_length, *rng.integers(0, max_length + 1, size=4)]))
+        row = [int(x) for x in rng.integers(1, 30_000, size=n)]
+        mask = [1] * n
+        if n and rng.random() < 0.2:  # stored padded, as an encode that pads to the maximum
+            row, mask = row + [0] * (max_length - n), mask + [0] * (max_length - n)
+        ids.append(row)
+        masks.append(mask)
+        lengths.append(n)
+    return pa.table(
+        {
+            "m_input_ids": pa.array(ids, pa.list_(pa.int32())),
+            "m_attention_mask": pa.array(masks, pa.list_(pa.int8())),
+            "m_token_type_ids": pa.array([[0] * len(m) for m in masks], pa.large_list(pa.int64())),
+            "m_feature": pa.array(rng.random(rows), pa.float64()),
+            "m_flag": pa.array(rng.random(rows) < 0.5),
+            "m_count": pa.array(rng.integers(0, 9, size=rows), pa.int16()),
+            "m__length": lengths,
+            "label_id": [int(x) for x in rng.integers(0, 5, size=rows)],
+        }
+    )
+
+
+def test_a_batch_gathered_from_arrow_buffers_is_the_batch_built_row_by_row(tmp_path):
+    """Batches gathers from the columns' values and offsets; every batch is the one the
+    row-by-row collate built (tests/jobs/row_by_row.py): the same inputs, dtypes, values,
+    padding side and row order, over ragged, empty and full-length rows, rows stored padded,
+    scalar inputs, a split of several shards and a table sliced from another."""
+    from tests.jobs.row_by_row import RowByRow
+
+    rng = np.random.default_rng(5)
+    keys = ["input_ids", "attention_mask", "token_type_ids", "feature", "flag", "count"]
+    inputs = {
+        "keys": keys,
+        "pad": {
+            "input_ids": 7,
+            "attention_mask": 0,
+            "token_type_ids": 0,
+            "feature": 0,
+            "flag": 0,
+            "count": 0,
+        },
+        "sequence": ["input_ids", "attention_mask", "token_type_ids"],
+    }
+    table = ragged_table(rng, 300, max_length=128)
+    datasets.Dataset(table).save_to_disk(str(tmp_path / "split"), num_shards=3)
+    tables = {
+        "one chunk": table,
+        "three shards": read_split(tmp_path / "split"),
+        "sliced": table.slice(37, 200),
+    }
+    for what, rows in tables.items():
+        for multiple_of in (1, 8):
+            new = Batches(rows, "m", keys, inputs, max_length=128, multiple_of=multiple_of)
+            old = RowByRow(rows, "m", keys, inputs, multiple_of=multiple_of)
+            n = len(new)
+            picks = [[0], list(range(n)), [n - 1, 0, n // 2]]
+            picks += [[int(i) for i in rng.choice(n, size=16)] for _ in range(30)]
+            picks += [[i for i in range(n) if new.lengths[i] == 0][:3]]  # empty rows only
+            picks += [[int(np.argmax(new.lengths))]]  # the longest row, at the maximum
+            for indices in picks:
+                got, want = new(indices), old(indices)
+                assert list(got) == list(want), what
+                for key, tensor in want.items():
+                    assert got[key].dtype == tensor.dtype, (what, key)
+                    assert torch.equal(got[key], tensor), (what, key, indices)
+    # The cases drawn are there: empty rows, rows at the maximum, rows stored padded.
+    stored = [len(x) for x in table.column("m_input_ids").to_pylist()]
+    lengths = table.column("m__length").to_pylist()
+    assert (
+        0 in lengths and 128 in lengths and any(s > n for s, n in zip(stored, lengths, strict=True))
+    )
