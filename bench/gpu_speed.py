@@ -115,7 +115,7 @@ def demo_rows(tokenizer, max_length: int, rows: int) -> pa.Table:
     """`rows` rows from the demo's BBC articles (input_ids, attention_mask, length, label):
     each the beginning of an article, at most `max_length` tokens, cut at a length drawn
     uniformly from MIN_TOKENS to the article's and ended with [SEP], as the tokenizer ends a
-    row it cuts. Articles repeat, cut anew, once `rows` passes their number."""
+    row it truncates. Articles repeat, truncated anew, once `rows` passes their number."""
     articles = bbc_articles()
     rng = np.random.default_rng(SEED)
     order = rng.permutation(len(articles))[: min(rows, len(articles))]

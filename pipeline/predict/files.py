@@ -2,7 +2,7 @@
 
 INPUT is what Hugging Face `datasets` reads, its format told by its suffix (`format_of`), or a
 folder of `.txt` files; `read_rows` yields its rows, a row that cannot be read kept in its place
-with the reason, and `write_parts` cuts them into parquet parts. OUTPUT's format is its
+with the reason, and `write_parts` splits them into parquet parts. OUTPUT's format is its
 suffix's; every file predict writes is checked before the job runs (`check_targets`) and renamed
 into place whole, the record first (`place`).
 """
