@@ -96,3 +96,22 @@ def test_every_image_build_the_project_runs_or_tells_of_is_for_sagemakers_x86():
         if re.search(r"\b(docker|podman) build\b", line)
     ]
     assert shown and all("--platform linux/amd64" in line for line in shown), shown
+
+
+def test_the_docs_and_code_speak_of_what_is_not_of_the_projects_history():
+    """A reader cannot know what "issue 29" or "the fourth cuts" meant: a figure keeps its date
+    and machine, a rule says why, never which round of work brought it."""
+    history = re.compile(r"issue [0-9]|cuts", re.IGNORECASE)
+    places = [ROOT / "README.md"] + [
+        p
+        for top in ("docs", "bench", "pipeline", "steps")
+        for p in (ROOT / top).rglob("*")
+        if p.is_file() and p.suffix in (".md", ".py", ".j2", ".sh", ".txt")
+    ]
+    found = [
+        f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
+        for p in places
+        for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+        if history.search(line)
+    ]
+    assert found == []
