@@ -241,7 +241,7 @@ import os, time
 
 def reconcile(raw_dir):
     (raw_dir / "pid").write_text(str(os.getpid()))
-    time.sleep(3600)
+    time.sleep(90)  # longer than the test, short enough that a failure of it ends
 
 from user_functions import encode, load_model, load_tokenizer, ordered_input_keys  # noqa: E402
 """
@@ -264,9 +264,14 @@ def test_ctrl_c_during_a_raw_reconcile_ends_its_process(tmp_path):
             time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGINT)
 
+    # Python's own Ctrl-C, which a pytest-xdist worker has set aside.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=press_ctrl_c, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        reconciled(code, "hangs", raw, tmp_path)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            reconciled(code, "hangs", raw, tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     pid = int(raw.joinpath("pid").read_text())
     time.sleep(0.2)
     # Killed: gone, or a zombie until this process reaps it (subprocess reaps on its next call).
