@@ -126,6 +126,11 @@ def test_the_report_renders_every_section_offline_in_chromium(three_runs):
         assert f"{winner} has the higher test macro-F1" in summary and "McNemar p" in summary
         rows = page.locator("section#results table").first.locator("tr").count()
         assert rows == 1 + 3  # header and the reviews' three labels
+        # Each training job's time: the job, its steps, and each phase outside them.
+        phases = page.locator("table#phases tr")
+        assert phases.count() == 1 + 2  # run 1 trained two models
+        header = phases.first.inner_text()
+        assert all(p in header for p in ("optimizer steps", "validation", "exports", "start"))
         browser.close()
     # Nothing but the file itself was requested: no script, font, stylesheet or CDN.
     assert requests == [page_path.as_uri()]

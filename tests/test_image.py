@@ -33,6 +33,7 @@ from pipeline.player.images import DRIVER_LABEL, Gateway, driver_tag, find_engin
 from pipeline.store import LocalStore, S3Store, upload_dir
 from steps.runtime.names import IMAGE_RECORD_FILE
 from tests.conftest import ROOT, raw_data_bucket, ship_code, write_settings
+from tests.reliability.test_lifecycle import as_from_a_terminal
 from tests.test_emulator import CANARIES, IMAGE_ENV, RUN, probe_processing, probe_training
 from tests.test_lock import TORCH_RELEASES, _lock_tool, pins
 
@@ -586,7 +587,7 @@ def test_ctrl_c_twice_as_a_training_container_starts_stops_it_and_leaves_nothing
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "run", str(path)],
         cwd=ROOT, env={**os.environ, "TMPDIR": str(temp)}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
+        stderr=subprocess.STDOUT, text=True, preexec_fn=as_from_a_terminal,
     )  # fmt: skip
     out = []
     for line in proc.stdout:
