@@ -39,6 +39,14 @@ def test_labels_that_look_like_markup_are_printed_as_they_are(two_runs, capsys):
     assert "[b]model: test metrics, run 0001 vs 0002" in out
 
 
+def test_an_experiment_without_runs_has_no_page_to_show(tmp_path, capsys):
+    """`smpipe report` on a new experiment: said, and nothing written into its store."""
+    path = write_settings(tmp_path / "settings.ini", str(tmp_path / "store"))
+    assert cli.main(["report", str(path)]) == 1
+    assert "no runs of 'test-exp'" in capsys.readouterr().err
+    assert not any(p.is_file() for p in (tmp_path / "store").rglob("*"))
+
+
 def test_run_numbers_that_name_no_run_are_refused(two_runs, capsys):
     with pytest.raises(SystemExit) as exited:
         cli.main(["report", str(two_runs), "0"])

@@ -229,6 +229,7 @@ def approve_command(args) -> int:
 def report_command(args) -> int:
     """experiment.html, every run, or with a run number that run's report.html: written again
     from the store and said where a browser opens it."""
+    from pipeline.history import HistoryError
     from pipeline.paths import ExperimentTree
     from pipeline.report import where_to_open, write_experiment_page, write_report
     from pipeline.runs import existing_run_nums
@@ -236,17 +237,17 @@ def report_command(args) -> int:
     settings, store = open_experiment(args.settings)
     tree = ExperimentTree(settings.experiment.name)
     runs = existing_run_nums(store, tree)
+    if not runs:  # nothing to show, and nothing written into an experiment that has no run
+        raise HistoryError(f"no runs of {settings.experiment.name!r} in {store.uri} yet")
     if args.run_num is None:
         key = write_experiment_page(store, tree)
         reports = [tree.run(n).report_html for n in runs if store.exists(tree.run(n).report_html)]
         print(f"every run of {settings.experiment.name!r}: {where_to_open(store, key, reports)}")
         return 0
     if args.run_num not in runs:
-        from pipeline.history import HistoryError
-
-        there = f"runs {runs[0]}-{runs[-1]}" if runs else "no runs"
         raise HistoryError(
-            f"no run {args.run_num:04d} of {settings.experiment.name!r} in {store.uri} ({there})"
+            f"no run {args.run_num:04d} of {settings.experiment.name!r} in {store.uri} "
+            f"(runs {runs[0]}-{runs[-1]})"
         )
     key = write_report(store, tree, args.run_num)
     print(f"report of run {args.run_num:04d}: {where_to_open(store, key)}")
