@@ -15,6 +15,7 @@ import pytest
 
 from steps.precision import resolve
 from tests.conftest import ROOT
+from tests.test_gpu_speed import check_smoke_run
 
 SCRIPT = ROOT / "bench/gpu_check.py"
 CHECKS = [
@@ -79,8 +80,9 @@ def test_every_check_runs_on_cpu_and_passes(tmp_path):
     applied = resolve("auto", 0).applied
     assert ("bfloat16 matmul" if applied == "bf16" else "float32 matmul") in figures["peak"]
     assert "MFU" in figures["training"]
-    # bench/gpu_speed.py's smoke run (tests/test_gpu_speed.py holds its table), its summary here.
+    # bench/gpu_speed.py's smoke run: its summary here, its own table and figures as kept.
     assert figures["speed"].count("ours/Trainer") == 2 and "syncs/step" in figures["speed"]
+    check_smoke_run((tmp_path / "work/logs/speed.log").read_text(), tmp_path / "work/speed.json")
     assert figures["processes"].startswith("2 processes (gloo)")
     assert figures["workers"].startswith("2 workers, no pinning (CPU)")
     assert figures["sigterm"].startswith("exit 75 with 2 workers, checkpoint at step 2")
