@@ -284,8 +284,10 @@ def test_fsdp_with_lora_on_two_spot_hosts_resumes_from_shards_synced_through_s3(
         record = run_pipeline(
             settings, staged, parse_steps(None), echo=echo, make_backend=echo.make_backend
         )
-    except PipelineError as e:  # the jobs' own lines, which moto's logs lose at teardown
-        raise AssertionError(echo.getvalue()[-8000:]) from e
+    except PipelineError as e:  # the jobs' own lines, which moto's logs lose at teardown:
+        log = echo.getvalue()  # from the first error on, before torchrun's summary of it
+        first = min((log.find(w) for w in ("Error", "Traceback") if w in log), default=0)
+        raise AssertionError(log[max(0, first - 3000) : first + 9000]) from e
     log = echo.getvalue()
     assert echo.reclaimed and record["status"] == "completed", log[-3000:]
     assert "spot capacity interrupted the job; restart 1" in log and "resumed from" in log
