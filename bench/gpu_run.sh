@@ -3,13 +3,14 @@
 # bench/gpu_bundle.sh made beside it (build/gpu-bundle): the bundle unpacked into the machine's
 # own Python, then the measures, their logs and figures written to $OUT.
 #
-#   bash bench/gpu_run.sh [speed|check]
+#   bash bench/gpu_run.sh [speed|check] [ARGS...]
 #
 #   speed  (the default) bench/gpu_speed.py: our training loop against the Trainer, MiniLM at
 #          128 tokens and BERT-base-sized at 512; sized for about 4 minutes on an H100, this
 #          script's own 10 seconds included ($OUT/gpu_speed.log, gpu_speed.json)
 #   check  bench/gpu_check.py, every check of `make gpu-check`, the speed bench among them
 #          ($OUT/gpu_check.log, gpu_speed.json)
+#   ARGS   for `speed`, bench/gpu_speed.py's own (--models bert_base --batch 32,128 --compile)
 #
 # PYTHON (default python3) is the machine's Python that holds a CUDA build of torch; the
 # bundle's packages are added to it (a .pth file naming $SITE), so that every process of the
@@ -20,6 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 MODE=${1:-speed}
+shift || true
 PY=${PYTHON:-python3}
 BUNDLE=${BUNDLE:-build/gpu-bundle}
 SITE=${SITE:-/tmp/smpipe-gpu-site}
@@ -59,7 +61,7 @@ echo "gpu_run: unpacked in $(($(date +%s) - started)) s; $MODE"
 
 export PYTHONUNBUFFERED=1
 if [ "$MODE" = speed ]; then
-	"$PY" bench/gpu_speed.py --json "$OUT/gpu_speed.json" 2>&1 | tee "$OUT/gpu_speed.log"
+	"$PY" bench/gpu_speed.py --json "$OUT/gpu_speed.json" "$@" 2>&1 | tee "$OUT/gpu_speed.log"
 else
 	work=$(mktemp -d /tmp/gpu-check-XXXX)
 	status=0

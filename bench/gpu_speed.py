@@ -4,10 +4,12 @@ process, interleaved: MiniLM at 128 tokens and a BERT-base-sized encoder (random
 peak, host syncs per optimizer step. `make gpu-check` runs it as its `speed` check.
 
     python bench/gpu_speed.py [--device cuda|cpu] [--models minilm,bert_base] [--seconds S]
-                              [--rounds N] [--peak FLOP/S] [--json PATH]
+                              [--rounds N] [--batch N,N] [--compile] [--peak FLOP/S]
+                              [--json PATH]
 
---device cpu (the default without CUDA) is a smoke run at tiny sizes. Nothing here asserts a
-time.
+--device cpu (the default without CUDA) is a smoke run at tiny sizes. --batch times each model
+at other rows per step; --compile adds a third side, our job with COMPILE = true. Nothing here
+asserts a time.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import gc
 import io
 import itertools
@@ -81,19 +84,28 @@ MODELS = {
         "cpu": Model("bert_tiny", "BERT, 2 layers of 64 (BERT-base's smoke size)", 64, 4),
     },
 }
-# warm: optimizer steps before a clock opens; probe: the probe run's timed steps; seconds: the
-# timed steps of one model's rounds, both sides together (--seconds); steps a round at least
-# and at most (the rows prepared cover the most).
+# warm: optimizer steps before a clock opens (compile_warm more with a compiled side, whose
+# first steps compile); probe: the probe run's timed steps; seconds: the timed steps of one
+# model's rounds, every side together (--seconds); steps a round at least and at most.
 SIZES = {
     "cuda": {
         "warm": 3,
+        "compile_warm": 10,
         "probe": 20,
         "rounds": 3,
         "seconds": 60.0,
         "min_steps": 10,
         "max_steps": 600,
     },
-    "cpu": {"warm": 1, "probe": 2, "rounds": 2, "seconds": 0.0, "min_steps": 2, "max_steps": 2},
+    "cpu": {
+        "warm": 1,
+        "compile_warm": 2,
+        "probe": 2,
+        "rounds": 2,
+        "seconds": 0.0,
+        "min_steps": 2,
+        "max_steps": 2,
+    },
 }
 # Our job's hyperparameters (the Trainer gets the same where it has them).
 HYPERPARAMETERS = {
@@ -230,7 +242,11 @@ class Window:
         real tokens (`flops` of [(rows, length)]), host syncs."""
         lengths = torch.cat([m.sum(dim=1) for m in self.masks]).tolist()
         counts = collections.Counter(lengths)
-        inside = self.seen[self.warned[0] : self.warned[1]]
+        syncs = [
+            w for w in self.seen[self.warned[0] : self.warned[1]] if SYNC_WARNING in str(w.message)
+        ]
+        # Where each sync was asked for: the Python line that called the synchronizing op.
+        sites = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
         return {
             "seconds": self.end - self.start,
             "steps": self.steps,
@@ -238,7 +254,8 @@ class Window:
             "real_tokens": sum(lengths),
             "tokens": sum(m.numel() for m in self.masks),
             "flops": flops([(k, n) for n, k in counts.items()]),
-            "syncs": sum(SYNC_WARNING in str(w.message) for w in inside),
+            "syncs": len(syncs),
+            "sync_sites": dict(sites.most_common()),
             "precision": precision,
         }
 
@@ -277,11 +294,13 @@ def fp32_weights(model: torch.nn.Module, side: str) -> None:
         raise RuntimeError(f"{side}: the model's weights are {sorted(dtypes)}, not float32")
 
 
-def ours(model: Model, channels: dict[str, Path], root: Path, window: Window) -> dict:
+def ours(
+    model: Model, channels: dict[str, Path], root: Path, window: Window, compile: bool = False
+) -> dict:
     """Our training job's set-up and loop (steps/train.py's `set_up` and `train_epoch`) as the
     job runs them, MIXED_PRECISION = auto, DATALOADER_NUM_WORKERS = auto (two workers and
     pinned memory on a GPU), grouped by length, each batch padded to its longest row (to a
-    multiple of 8 on a GPU); one epoch, cut at the window's end."""
+    multiple of 8 on a GPU); one epoch, cut at the window's end. `compile`: COMPILE = true."""
     batch, last = str(model.batch), window.warm + window.steps
     hp = parse_hyperparameters(
         {
@@ -290,6 +309,7 @@ def ours(model: Model, channels: dict[str, Path], root: Path, window: Window) ->
             "batch_size": batch,
             "max_per_device_batch_size": batch,
             "max_steps": str(last),
+            "compile": str(compile).lower(),
         }
     )
     for sub in ("model", "out", "ckpt"):
@@ -383,42 +403,64 @@ def trainer(model: Model, rows, tokenizer, root: Path, window: Window, precision
 # -- one model, then every model -----------------------------------------------------------------
 
 
-def bench_model(model: Model, device: str, size: dict, peak: float, tokenizer, work: Path) -> dict:
+# The sides, as the table names them: our job, the Trainer, and (--compile) our job compiled.
+SIDE_LABELS = {"ours": "ours", "trainer": "Trainer", "compiled": "ours, compiled"}
+
+
+def bench_model(
+    model: Model, device: str, size: dict, peak: float, tokenizer, work: Path, compile: bool
+) -> dict:
     """A probe run of each side counts its host syncs (`Window`) and times its steps; the
-    rounds are sized from those times to about size["seconds"] of timed steps, both sides
+    rounds are sized from those times to about size["seconds"] of timed steps, every side
     together; then each side runs once a round, every run a new model and loader, each round
-    started by the other side in turn."""
-    warm, probe = size["warm"], size["probe"]
-    most = (warm + max(size["max_steps"], probe)) * model.batch
-    rows = demo_rows(tokenizer, model.max_length, most)
-    channels = prepared(rows, model, work / model.name / "data")
-    hf_rows = datasets.Dataset(rows.select(["input_ids", "attention_mask", "label"]))
-    hf_rows = hf_rows.rename_column("label", "labels")
+    started by the next side in turn. A round's run is one whole epoch of rows made for it, so
+    that every side's window holds nearly the same rows: the samplers order them differently
+    (the Trainer's goes from long to short within each megabatch, ours shuffles its batches),
+    and a window cut from a longer epoch would hold longer rows on one side."""
+    warm = size["warm"] + (size["compile_warm"] if compile else 0)  # the same on every side
     precision = resolve("auto", torch.cuda.device_count() if device == "cuda" else 0).applied
-    sides = {
-        "ours": lambda root, window: ours(model, channels, root, window),
-        "trainer": lambda root, window: trainer(model, hf_rows, tokenizer, root, window, precision),
-    }
-    runs: dict[str, list[dict]] = {name: [] for name in sides}
+    work = work / f"{model.name}-{model.batch}"
+
+    def sides(steps: int, runs: str) -> dict:
+        """Each side, to run on one epoch of (warm + steps) steps, its rows in work/`runs`."""
+        rows = demo_rows(tokenizer, model.max_length, (warm + steps) * model.batch)
+        channels = prepared(rows, model, work / runs)
+        hf_rows = datasets.Dataset(rows.select(["input_ids", "attention_mask", "label"]))
+        hf_rows = hf_rows.rename_column("label", "labels")
+        them = {
+            "ours": lambda root, window: ours(model, channels, root, window),
+            "trainer": lambda root, window: trainer(
+                model, hf_rows, tokenizer, root, window, precision
+            ),
+        }
+        if compile:
+            them["compiled"] = lambda root, window: ours(model, channels, root, window, True)
+        return them
+
+    probe = size["probe"]
     probes = {
-        name: side(work / model.name / f"{name}-probe", Window(device, warm, probe, True))
-        for name, side in sides.items()
+        name: side(work / f"{name}-probe", Window(device, warm, probe, True))
+        for name, side in sides(probe, "probe-data").items()
     }
     step_seconds = sum(p["seconds"] / p["steps"] for p in probes.values())
     steps = int(size["seconds"] / (size["rounds"] * step_seconds))
     steps = min(max(steps, size["min_steps"]), size["max_steps"])
+    rounds = sides(steps, "rounds-data")
+    names = list(rounds)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
     for r in range(size["rounds"]):
-        for name in list(sides)[r % 2 :] + list(sides)[: r % 2]:
-            root = work / model.name / f"{name}-{r}"
-            runs[name].append(sides[name](root, Window(device, warm, steps)))
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            window = Window(device, warm, steps)
+            runs[name].append(rounds[name](work / f"{name}-{r}", window))
     return summary(model, probes, runs, peak, steps)
 
 
 def summary(model: Model, probes: dict, runs: dict, peak: float, steps: int) -> dict:
     """Per side, medians over rounds: examples/s, tokens/s (real tokens), model FLOP/s and
-    MFU; syncs per step from the probe; the share of real tokens in the padded batches. And
-    ours/Trainer: the median over rounds of the Trainer's time over ours for the same number
-    of rows (above 1.00x ours is faster)."""
+    MFU; syncs per step from the probe, and the lines that asked for them; the share of real
+    tokens in the padded batches. And each side against the Trainer: the median over rounds of
+    the side's model FLOP/s over the Trainer's (above 1.00x the side is faster), FLOPs and not
+    time, so that what is left of the difference between the windows' rows counts as work."""
 
     def median(values) -> float:
         return statistics.median(values)
@@ -432,12 +474,23 @@ def summary(model: Model, probes: dict, runs: dict, peak: float, steps: int) -> 
             "model_flops_per_s": median([r["flops"] / r["seconds"] for r in done]),
             "mfu": median([r["flops"] / r["seconds"] for r in done]) / peak,
             "syncs_per_step": probes[name]["syncs"] / probes[name]["steps"],
+            "sync_sites": probes[name]["sync_sites"],
             "real_token_share": sum(r["real_tokens"] for r in done)
             / sum(r["tokens"] for r in done),
             "seconds": [r["seconds"] for r in done],
             "probe_seconds_per_step": probes[name]["seconds"] / probes[name]["steps"],
         }
-    pairs = zip(runs["ours"], runs["trainer"], strict=True)
+
+    def flop_rate(run: dict) -> float:
+        return run["flops"] / run["seconds"]
+
+    against = {
+        name: median(
+            [flop_rate(o) / flop_rate(t) for o, t in zip(done, runs["trainer"], strict=True)]
+        )
+        for name, done in runs.items()
+        if name != "trainer"
+    }
     return {
         "model": model.label,
         "max_length": model.max_length,
@@ -445,7 +498,8 @@ def summary(model: Model, probes: dict, runs: dict, peak: float, steps: int) -> 
         "rounds": len(runs["ours"]),
         "steps_per_round": steps,
         "sides": sides,
-        "ours_vs_trainer": median([t["seconds"] / o["seconds"] for o, t in pairs]),
+        "ours_vs_trainer": against["ours"],
+        "vs_trainer": against,
     }
 
 
@@ -469,8 +523,8 @@ def table_rows(results: dict) -> list[tuple[str, ...]]:
     rows = [COLUMNS]
     for done in results["models"].values():
         said = f"{done['model']}, {done['max_length']} tokens, {done['batch']} rows"
-        for side, name in (("ours", "ours"), ("trainer", "Trainer")):
-            f = done["sides"][side]
+        for side, f in done["sides"].items():
+            name = SIDE_LABELS[side]
             rows.append(
                 (
                     said,
@@ -498,10 +552,16 @@ def print_table(results: dict, device: str) -> None:
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     for done in results["models"].values():
-        print(
-            f"{done['model']}: ours/Trainer {done['ours_vs_trainer']:.2f}x (median of "
-            f"{done['rounds']} rounds of {done['steps_per_round']} steps a side)"
-        )
+        said = f"{done['model']}, {done['batch']} rows"
+        for side, ratio in done["vs_trainer"].items():
+            print(
+                f"{said}: {SIDE_LABELS[side]}/Trainer {ratio:.2f}x (median of "
+                f"{done['rounds']} rounds of {done['steps_per_round']} steps a side)"
+            )
+        for side, f in done["sides"].items():
+            if f["sync_sites"]:
+                sites = ", ".join(f"{at} x{n}" for at, n in f["sync_sites"].items())
+                print(f"{said}: {SIDE_LABELS[side]} synced at {sites} (probe)")
     if device != "cuda":
         print("syncs/step: no CUDA here, so none to count (the counter: tests/test_gpu_speed.py)")
 
@@ -525,6 +585,16 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--rounds", type=int, help="rounds (default 3 on a GPU)")
     parser.add_argument(
+        "--batch",
+        help="comma-separated rows per step, each model timed at each (default: the model's "
+        "own, 32 on a GPU)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="a third side: our job with COMPILE = true (torch.compile, dynamic shapes)",
+    )
+    parser.add_argument(
         "--peak", type=float, help="the matmul peak in FLOP/s (default: measured here)"
     )
     parser.add_argument("--json", type=Path, help="write the figures there too")
@@ -537,6 +607,12 @@ def parse_args() -> argparse.Namespace:
         parser.error("--device cuda: torch sees no GPU on this machine")
     if args.rounds is not None and args.rounds < 1:
         parser.error("--rounds: at least 1")
+    try:
+        args.batch = [int(b) for b in args.batch.split(",")] if args.batch else [None]
+    except ValueError:
+        parser.error(f"--batch: whole numbers, comma-separated, not {args.batch!r}")
+    if any(b is not None and b < 1 for b in args.batch):
+        parser.error("--batch: at least 1 row a step")
     return args
 
 
@@ -555,14 +631,17 @@ def main() -> int:
     tokenizer = models.load_tokenizer("minilm")
     results = {"machine": machine(device, peak), "sizes": size, "models": {}}
     with tempfile.TemporaryDirectory(prefix="gpu-speed-") as work:
-        for key in args.models:
+        for key, batch in itertools.product(args.models, args.batch):
             model = MODELS[key][device]
-            print(f"{model.label}: probing, then {size['rounds']} rounds", flush=True)
+            model = model if batch is None else dataclasses.replace(model, batch=batch)
+            said = f"{model.label}, {model.batch} rows"
+            print(f"{said}: probing, then {size['rounds']} rounds", flush=True)
             started = time.monotonic()
-            results["models"][key] = bench_model(model, device, size, peak, tokenizer, Path(work))
-            print(f"{model.label}: done in {time.monotonic() - started:.0f} s", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+            done = bench_model(model, device, size, peak, tokenizer, Path(work), args.compile)
+            results["models"][key if batch is None else f"{key}@{batch}"] = done
+            print(f"{said}: done in {time.monotonic() - started:.0f} s", flush=True)
+            if args.json:  # each model's figures kept as soon as they are in
+                args.json.write_text(json.dumps(results, indent=2))
     print_table(results, device)
     return 0
 

@@ -34,6 +34,13 @@ if WORKERS > 1:
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(name, str(max(1, (os.cpu_count() or 1) // WORKERS)))
 
+# A shell starts a background command (`make test &`, nohup) with SIGINT ignored, and an
+# ignored signal stays ignored across exec (signal(7)): every driver a test starts would then
+# shrug off the Ctrl-C that the interruption tests send it. A terminal's Ctrl-C is what they
+# play, so the suite's processes take SIGINT as a fresh interpreter in a terminal does.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 # The driver's kept passes of the user functions' check (pipeline/user_check.py) go in a folder
 # of this session's, not the user's cache: what a test checks does not outlive the suite.
 CHECKS = os.environ.setdefault("SMPIPE_CHECK_CACHE", tempfile.mkdtemp(prefix="smpipe-test-checks-"))

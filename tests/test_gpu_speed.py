@@ -50,6 +50,11 @@ def test_the_window_counts_only_its_own_steps_syncs_and_rows():
     assert figures["real_tokens"] == (0 + 3) + (1 + 3) and figures["tokens"] == 12
     assert sorted(figures["flops"]) == [(1, 0), (1, 1), (2, 3)]
     assert figures["syncs"] == 4
+    # Where they were asked for: the two lines above, twice each.
+    sites = figures["sync_sites"]
+    assert sorted(sites.values()) == [2, 2] and all(
+        at.startswith("test_gpu_speed.py:") for at in sites
+    ), sites
     assert figures["seconds"] > 0
 
 

@@ -65,7 +65,9 @@ class Gate:
         if here.exists():
             return
         here.parent.mkdir(parents=True, exist_ok=True)
-        here.write_text(str(os.getpid()))
+        partial = here.with_name(f".{here.name}.{os.getpid()}")
+        partial.write_text(str(os.getpid()))
+        partial.replace(here)  # whole or absent: a test that sees it reads the pid
         deadline = time.monotonic() + PATIENCE_SECONDS
         while not self.signalled:
             if time.monotonic() > deadline:
