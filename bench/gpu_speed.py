@@ -46,14 +46,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E40
 from transformers import DataCollatorWithPadding, Trainer, TrainingArguments  # noqa: E402
 
 from bench import gpu_speed_models as models  # noqa: E402
+from bench import speed  # noqa: E402
 from bench.gpu_check import matmul_peak, peak_dtype, rate  # noqa: E402
 from steps import train as train_step  # noqa: E402
 from steps.batching import write_inputs  # noqa: E402
-from steps.hyperparameters import parse_hyperparameters  # noqa: E402
 from steps.precision import resolve  # noqa: E402
 from steps.prepared_files import encoding_record, write_encoding  # noqa: E402
 from steps.runtime import names  # noqa: E402
-from steps.runtime.environment import TrainingEnv  # noqa: E402
 from user_functions.demo_data import bbc_articles  # noqa: E402
 
 SEED = 42
@@ -266,9 +265,7 @@ class Window:
 def training_flops(config):
     """Model FLOPs of training (forward and backward) on batches of (rows, width): bench/speed.py's
     count of a BERT-like encoder, held to torch's FlopCounterMode by tests/test_bench_flops.py."""
-    from bench.speed import model_flops
-
-    return lambda shapes: model_flops(config, shapes, backward=True)
+    return lambda shapes: speed.model_flops(config, shapes, backward=True)
 
 
 def fresh_accelerate() -> None:
@@ -302,34 +299,17 @@ def ours(
     pinned memory on a GPU), grouped by length, each batch padded to its longest row (to a
     multiple of 8 on a GPU); one epoch, cut at the window's end. `compile`: COMPILE = true."""
     batch, last = str(model.batch), window.warm + window.steps
-    hp = parse_hyperparameters(
-        {
-            **HYPERPARAMETERS,
-            "model_name": model.name,
-            "batch_size": batch,
-            "max_per_device_batch_size": batch,
-            "max_steps": str(last),
-            "compile": str(compile).lower(),
-        }
-    )
-    for sub in ("model", "out", "ckpt"):
-        (root / sub).mkdir(parents=True, exist_ok=True)
-    env = TrainingEnv(
-        model_dir=root / "model",
-        output_data_dir=root / "out",
-        checkpoint_dir=root / "ckpt",
-        failure_file=root / "failure",
-        channels=channels,
-        hyperparameters=hp,
-        hosts=["algo-1"],
-        current_host="algo-1",
-        num_gpus=torch.cuda.device_count() if window.device == "cuda" else 0,
-        num_cpus=os.cpu_count() or 1,
-        job_name="gpu-speed",
-    )
-    fresh_accelerate()
     with contextlib.redirect_stdout(io.StringIO()):  # its first line and progress lines
-        job = train_step.set_up(hp, env)
+        job = speed.our_job(
+            channels,
+            root,
+            **HYPERPARAMETERS,
+            model_name=model.name,
+            batch_size=batch,
+            max_per_device_batch_size=batch,
+            max_steps=str(last),
+            compile=str(compile).lower(),
+        )
         net = job.accelerator.unwrap_model(job.model)
         fp32_weights(net, "ours")
         with window.watching(net):
