@@ -18,7 +18,7 @@ import boto3
 import pytest
 
 from pipeline.backends import moto_server
-from pipeline.player.fork_client import IDLE
+from pipeline.player.fork_client import IDLE, WarmStart
 from pipeline.stages import HUB_OFFLINE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -310,3 +310,20 @@ class SignalAtStep:
                     self.sent = True
             except psutil.Error:
                 pass
+
+
+@pytest.fixture
+def warm(tmp_path):
+    """Starts jobs as the local backend does, forked by a fork server (fork_client.WarmStart:
+    each job exactly its own environment, root and code, tests/test_warm_start.py), for tests
+    of what a step does, where a cold start of each job would cost seconds of imports
+    (tests/test_resume.py `start`). Their baselines start cold, so that a resumed warm job is
+    compared with a cold one. One starter a test, as a run has one backend: it takes the
+    server an earlier test or run of this worker left (fork_client.IDLE) and leaves it to the
+    next, the local backends of other tests included. Where there is none, it starts beside
+    the first job (as a study's trials are sure to follow), so that a test of one job leaves
+    one too."""
+    starter = WarmStart(tmp_path / "warm", echo=io.StringIO())
+    with starter.expecting_more():
+        yield starter
+    starter.close()

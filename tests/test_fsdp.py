@@ -46,7 +46,9 @@ def history(root: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory, channels):
-    """Two processes, never interrupted."""
+    """Two processes, never interrupted, started cold: the jobs the tests interrupt and resume
+    are forked by a fork server (`warm`, as the local backend starts them), so a resumed warm
+    job is compared with a cold one."""
     root, env = fsdp_root(tmp_path_factory.mktemp("fsdp-baseline"), channels)
     run_to_end(env, processes=2)
     return root
@@ -65,12 +67,12 @@ def test_two_processes_train_sharded_and_gather_the_model_to_the_main_one(baseli
     assert sum(p.numel() for p in model.parameters()) == done["parameters"]
 
 
-def test_sigterm_mid_epoch_then_resume_gives_the_same_losses(tmp_path, channels, baseline):
+def test_sigterm_mid_epoch_then_resume_gives_the_same_losses(tmp_path, channels, baseline, warm):
     """SIGTERM to the entrypoint alone, as `docker stop` and a spot reclaim send it: both
     processes finish step 13, write their shards and exit 75; the job run again resumes from
     them and ends where the uninterrupted one ended."""
     root, env = fsdp_root(tmp_path, channels)
-    job = Gated(env, tmp_path / "gates", 13, processes=2)
+    job = Gated(env, tmp_path / "gates", 13, processes=2, warm=warm)
     job.proc.send_signal(signal.SIGTERM)
     out = job.output()
     assert job.proc.returncode == 75, out[-3000:]
@@ -78,7 +80,7 @@ def test_sigterm_mid_epoch_then_resume_gives_the_same_losses(tmp_path, channels,
     shards = ckpt.current_checkpoint(root / "checkpoints")
     manifest = json.loads((shards / ckpt.MANIFEST).read_text())["files"]
     assert {"sharded/__0_0.distcp", "sharded/__1_0.distcp", "sharded/metadata"} <= set(manifest)
-    out = run_to_end(env, processes=2)
+    out = run_to_end(env, processes=2, warm=warm)
     assert "resumed from" in out and "at step 13" in out
     for resumed, uninterrupted in zip(history(root), history(baseline), strict=True):
         for key in ("train_loss", "val_loss"):
@@ -89,12 +91,12 @@ def test_sigterm_mid_epoch_then_resume_gives_the_same_losses(tmp_path, channels,
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
-def test_shards_resume_at_another_number_of_processes(tmp_path, channels, before, after):
+def test_shards_resume_at_another_number_of_processes(tmp_path, channels, before, after, warm):
     root, env = fsdp_root(tmp_path, channels)
-    job = Gated(env, tmp_path / "gates", 13, processes=before)
+    job = Gated(env, tmp_path / "gates", 13, processes=before, warm=warm)
     job.proc.send_signal(signal.SIGTERM)
     assert "SIGTERM: checkpoint written" in job.output()
-    out = run_to_end(env, processes=after)
+    out = run_to_end(env, processes=after, warm=warm)
     assert f"the checkpoint was written by {before} processes" in out, out[-3000:]
     done = report(root)
     assert done["processes"] == after and done["resumed_from"]["step"] == 13
@@ -103,10 +105,10 @@ def test_shards_resume_at_another_number_of_processes(tmp_path, channels, before
     assert all(0 < h["train_loss"] < 5 for h in steps), steps
 
 
-def test_lora_under_fsdp_checkpoints_only_what_trains(tmp_path, channels):
+def test_lora_under_fsdp_checkpoints_only_what_trains(tmp_path, channels, warm):
     hps = {**FSDP, "finetuning": "lora", "epochs": "2"}
     root, env = fsdp_root(tmp_path, channels, hps)
-    run_to_end(env, processes=2)
+    run_to_end(env, processes=2, warm=warm)
     done = report(root)
     assert done["finetuning"] == "lora" and done["lora_merge"]["passed"]
     checkpoint = ckpt.checkpoint_names(root / "checkpoints")[-1]
@@ -118,11 +120,11 @@ def test_lora_under_fsdp_checkpoints_only_what_trains(tmp_path, channels):
     assert (root / "model/adapter/adapter_config.json").exists()
 
 
-def test_a_resume_with_another_strategy_is_refused_naming_both(tmp_path, channels):
+def test_a_resume_with_another_strategy_is_refused_naming_both(tmp_path, channels, warm):
     root, env = fsdp_root(tmp_path, channels, {**HPS, "epochs": "1"})
-    run_to_end(env)
+    run_to_end(env, warm=warm)
     (root / "input/config/hyperparameters.json").write_text(json.dumps({**FSDP, "epochs": "1"}))
-    proc = start(env, processes=1)
+    proc = start(env, processes=1, warm=warm)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode != 0
     assert (

@@ -30,10 +30,11 @@ def splits(tmp_path_factory):
     return write_small_splits(tmp_path_factory.mktemp("prepared"))
 
 
-def host_reads(tmp_path, splits, processes: int) -> tuple[str, list[dict]]:
-    """One epoch of SMALL_STEPS: its output and each process's reads by step."""
+def host_reads(tmp_path, splits, processes: int, warm) -> tuple[str, list[dict]]:
+    """One epoch of SMALL_STEPS, forked as the local backend starts a job: its output and each
+    process's reads by step."""
     root, env = job_root(tmp_path, splits, SMALL_STEPS)
-    proc = start({**env, "SMPIPE_STEP": "tests.jobs.host_reads"}, processes)
+    proc = start({**env, "SMPIPE_STEP": "tests.jobs.host_reads"}, processes, warm)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
     model = root / "model"
@@ -44,9 +45,9 @@ def host_reads(tmp_path, splits, processes: int) -> tuple[str, list[dict]]:
 
 @pytest.mark.parametrize("processes", [1, 2])
 def test_an_optimizer_step_reads_nothing_on_the_host_but_after_logging_steps(
-    tmp_path, splits, processes
+    tmp_path, splits, processes, warm
 ):
-    out, ranks = host_reads(tmp_path, splits, processes)
+    out, ranks = host_reads(tmp_path, splits, processes, warm)
     logged = {int(s) for s in re.findall(r"^step=(\d+)/", out, re.M)}
     for rank, seen in enumerate(ranks):
         steps = seen["steps_per_epoch"]
@@ -65,12 +66,12 @@ def test_an_optimizer_step_reads_nothing_on_the_host_but_after_logging_steps(
 
 @pytest.mark.parametrize("processes", [1, 2])
 def test_sigterm_between_logging_steps_is_acted_on_where_the_processes_agree(
-    tmp_path, splits, processes
+    tmp_path, splits, processes, warm
 ):
     """SIGTERM in step 4: one process checkpoints after it; two ask each other after the next
     logging step, 6 (their steps take milliseconds, far from STOP_CHECK_SECONDS)."""
     root, env = job_root(tmp_path, splits, SMALL_STEPS)
-    job = Gated(env, tmp_path / "gates", 4, processes)
+    job = Gated(env, tmp_path / "gates", 4, processes, warm)
     job.proc.send_signal(signal.SIGTERM)
     log = job.output()
     assert job.proc.returncode == 75, log[-3000:]

@@ -96,24 +96,17 @@ class Forked:
     def wait(self, timeout: float | None = None) -> int:
         return self.process.wait(timeout)
 
+    def send_signal(self, sig: int) -> None:
+        if self.process.poll() is None:  # as Popen: never to a pid the job no longer holds
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
     def communicate(self, timeout: float | None = None) -> tuple[str, None]:
         out = self.stdout.read()
         self.process.wait(timeout)
         return out, None
-
-
-@pytest.fixture
-def warm(tmp_path):
-    """Starts jobs as the local backend does, forked by a fork server (fork_client.WarmStart:
-    each job exactly its own environment, root and code, tests/test_warm_start.py): what these
-    tests interrupt and resume is the step, and a cold start of each would cost seconds of
-    imports. The baselines start cold, so a resumed warm job is compared with a cold one.
-    One starter a test, as a run has one backend: it takes the server an earlier test or run
-    of this worker left (fork_client.IDLE) and leaves it to the next, the local backends of
-    this module's other tests included."""
-    starter = WarmStart(tmp_path / "warm", echo=io.StringIO())
-    yield starter
-    starter.close()
 
 
 def start(env: dict, processes: int, warm: WarmStart | None = None) -> subprocess.Popen | Forked:

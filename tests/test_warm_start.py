@@ -98,7 +98,8 @@ RANK_PROBE = textwrap.dedent("""
         dist.all_reduce(total)
         dist.destroy_process_group()
         seen = {"preloaded": PRELOADED, "parent": psutil.Process().parent().cmdline(),
-                "all_reduce": total.item()}
+                "all_reduce": total.item(), "threads": torch.get_num_threads(),
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
         (training_env().model_dir / f"rank{rank}.json").write_text(json.dumps(seen))
 
     run_step("rank-probe", main)
@@ -488,10 +489,14 @@ def test_the_server_reports_a_jobs_exit_with_its_cpu_time_children_included():
     assert 0.8 <= job.cpu_seconds < 0.8 + 5, job.cpu_seconds
 
 
-def test_a_warm_multi_process_job_forks_torchrun_and_its_workers(shipped, tmp_path):
+def test_a_warm_multi_process_job_forks_torchrun_and_its_workers(shipped, tmp_path, monkeypatch):
     """In a warm job, torchrun's agent is forked from the entrypoint and forks its training
     processes in turn (steps/runtime/torchrun_fork.py): each starts with torch imported, has
-    its rank, and the two reduce across gloo."""
+    its rank, and the two reduce across gloo. Each computes with the threads torchrun gives a
+    worker of several on a host, one where OMP_NUM_THREADS is unset, though the server's
+    torch was loaded with every core (the suite sets it for its workers: unset here)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
     store, _ = shipped
     backend = local(store, tmp_path / "work")
     backend.run_processing(probe("first"))  # cold, or forked by a server an earlier test left
@@ -508,6 +513,7 @@ def test_a_warm_multi_process_job_forks_torchrun_and_its_workers(shipped, tmp_pa
         seen = json.loads(LocalStore(store).get_bytes(f"outputs/ranks/rank{rank}.json"))
         assert seen["parent"][1:3] == ["-m", "steps.runtime.torchrun_fork"], seen
         assert seen["preloaded"] and seen["all_reduce"] == 3.0, seen
+        assert seen["OMP_NUM_THREADS"] == "1" and seen["threads"] == 1, seen
 
 
 def test_sigterm_to_a_warm_job_reaches_its_step(shipped, tmp_path):

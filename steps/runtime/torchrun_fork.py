@@ -29,9 +29,24 @@ def forked_worker(module: str, args: list[str]) -> None:
         if signum is not None:
             fresh = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
             signal.signal(signum, fresh)
+    apply_thread_count()
     code = become_module([sys.executable, "-m", module, *args])
     if code:
         sys.exit(code)
+
+
+def apply_thread_count() -> None:
+    """The intra-op thread count a new worker interpreter would take: torchrun sets
+    OMP_NUM_THREADS=1 for its workers where it is unset and a host runs several
+    (torch/distributed/run.py, config_from_args), and OpenMP reads it once, when torch loads
+    it. A forked worker's torch was loaded in the server, with the server's count (every core
+    where it was unset): each of several ranks would run as many threads as the host has cores,
+    and compute otherwise than the same job's workers in a container."""
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
+        torch.set_num_threads(int(threads))
 
 
 def main(argv: list[str]) -> None:

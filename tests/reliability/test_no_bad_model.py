@@ -21,9 +21,9 @@ DIVERGING = {"learning_rate": "10", "weight_decay": "10"}
 @pytest.mark.parametrize(
     "hps", [DIVERGING, {**DIVERGING, "batch_size": "2", "max_per_device_batch_size": "1"}]
 )
-def test_a_diverging_job_fails_naming_the_step_and_keeps_no_model(tmp_path, channels, hps):
+def test_a_diverging_job_fails_naming_the_step_and_keeps_no_model(tmp_path, channels, hps, warm):
     root, env = job_root(tmp_path, channels, {**HPS, **hps})
-    proc = start(env, 1)
+    proc = start(env, 1, warm)
     log = proc.communicate(timeout=240)[0]
     assert proc.returncode != 0, log
     reason = (root / "output/failure").read_text()
