@@ -34,7 +34,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Offline as every job of a run is (pipeline/stages.py HUB_OFFLINE): without the datasets and
+# transformers switches too, a machine without network waits on the Hub (30 s a smoke run).
+for variable in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+    os.environ.setdefault(variable, "1")
 
 import datasets  # noqa: E402
 import numpy as np  # noqa: E402

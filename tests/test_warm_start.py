@@ -489,17 +489,20 @@ def test_the_server_reports_a_jobs_exit_with_its_cpu_time_children_included():
     assert 0.8 <= job.cpu_seconds < 0.8 + 5, job.cpu_seconds
 
 
-def test_a_warm_multi_process_job_forks_torchrun_and_its_workers(shipped, tmp_path, monkeypatch):
+def test_a_warm_multi_process_job_forks_torchrun_and_its_workers(
+    shipped, tmp_path, monkeypatch, no_idle_servers
+):
     """In a warm job, torchrun's agent is forked from the entrypoint and forks its training
     processes in turn (steps/runtime/torchrun_fork.py): each starts with torch imported, has
     its rank, and the two reduce across gloo. Each computes with the threads torchrun gives a
     worker of several on a host, one where OMP_NUM_THREADS is unset, though the server's
-    torch was loaded with every core (the suite sets it for its workers: unset here)."""
+    torch was loaded with every core (the suite sets it for its workers: unset here, so the
+    server is one of this test's own, stopped after it)."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
     store, _ = shipped
     backend = local(store, tmp_path / "work")
-    backend.run_processing(probe("first"))  # cold, or forked by a server an earlier test left
+    backend.run_processing(probe("first"))  # cold: the server starts with the next job
     job = TrainingJob(
         name="ranks", step="warm_checks.rank_probe", code="code/",
         channels={"things": "inputs/things/"}, hyperparameters={}, model_prefix="outputs/ranks/",
