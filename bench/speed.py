@@ -47,9 +47,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Offline as every job of a run is (pipeline/stages.py HUB_OFFLINE): without the datasets and
-# transformers switches too, a machine without network waits on the Hub (30 s a smoke run).
-for variable in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+from pipeline.stages import HUB_OFFLINE  # noqa: E402
+
+# Offline as every job of a run is: with only huggingface_hub's switch, a machine whose network
+# does not reach the Hub waits on it (30 s a smoke run).
+for variable in HUB_OFFLINE:
     os.environ.setdefault(variable, "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("SMPIPE_USER_FUNCTIONS", "user_functions")  # names.USER_FUNCTIONS_VARIABLE
