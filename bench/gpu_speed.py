@@ -614,6 +614,10 @@ def main() -> int:
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     peak = args.peak or matmul_peak(device, peak_dtype("auto", gpus))
     tokenizer = models.load_tokenizer("minilm")
+    # Every run ends in gc.collect (`release`, Accelerate's free_memory): out of its sight what
+    # lives for the whole bench, the imports above all (8.7 of a CPU smoke run's 24 s were
+    # collections walking them; https://docs.python.org/3/library/gc.html#gc.freeze).
+    gc.freeze()
     results = {"machine": machine(device, peak), "sizes": size, "models": {}}
     with tempfile.TemporaryDirectory(prefix="gpu-speed-") as work:
         for key, batch in itertools.product(args.models, args.batch):
