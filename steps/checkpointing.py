@@ -1,10 +1,11 @@
 """Training State, a resumable sampler and atomic checkpoints.
 
-A checkpoint is written to `ckpt-<step>.tmp`, flushed, renamed to `ckpt-<step>`, and only then
-named by the `CURRENT` pointer (`save_checkpoint`): a crash at any moment leaves the previous
-checkpoint whole and current. The folder is also SageMaker's copy to S3, which may lag or stop
-short: a checkpoint lists its files in `meta.json` (`check_complete`), and the one before the
-newest stays until the next save begins (`kept`).
+A checkpoint is written to `<name>.tmp`, flushed, renamed to `<name>` (`ckpt-<step>`, a name
+never written twice in a run: `checkpoint_name`), and only then named by the `CURRENT` pointer
+(`save_checkpoint`): a crash at any moment leaves the previous checkpoint whole and current. The
+folder is also SageMaker's copy to S3, which may lag or stop short: a checkpoint lists its files
+in `meta.json` (`check_complete`), and the one before the newest stays until the next save
+begins (`kept`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ OBJECTS = ("model", "optimizer", "scheduler", "scaler", "sampler")
 STATE_FILE = "state.pt"
 BEST_FILE = "best_model.pt"
 MANIFEST = "meta.json"  # the checkpoint's step, and the files it is made of
+# The name's suffix for a checkpoint written after an epoch's last optimizer step and before its
+# end (validation, the best model, the epoch count): a SIGTERM in that step. The epoch's end,
+# at the same step, is a checkpoint of its own and sorts after it.
+BEFORE_EPOCH_END = "-before-epoch-end"
 
 # Everything a State serializes, in one place (OBJECTS load through their own state dicts).
 # The main process writes these to state.pt; each process writes its RNG and its share of
@@ -203,6 +208,12 @@ class State:
     def sharded(self) -> bool:
         return self.strategy == "fsdp"
 
+    @property
+    def checkpoint_name(self) -> str:
+        return checkpoint_name(
+            self.step, before_epoch_end=self.batch_in_epoch >= self.sampler.batches_per_epoch
+        )
+
     def trained(self) -> dict:
         """What trains, copied: the best weights (with FSDP, this process's shards of them)."""
         if self.sharded:
@@ -315,10 +326,22 @@ def _save(obj, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def checkpoint_name(step: int, before_epoch_end: bool = False) -> str:
+    """A checkpoint's folder: never the name of one written before it in the run, so that a
+    save never replaces the checkpoint resumed from, and SageMaker's copy of the folder in S3
+    never mixes two checkpoints' files under one name."""
+    return f"ckpt-{step:08d}" + (BEFORE_EPOCH_END if before_epoch_end else "")
+
+
+def position(name: str) -> tuple[int, bool]:
+    """Where a checkpoint's name puts it in training: its step, then the epoch's end."""
+    return step_of(Path(name)), not name.endswith(BEFORE_EPOCH_END)
+
+
 def checkpoint_names(directory: Path) -> list[str]:
-    """Complete checkpoints, oldest first (by step)."""
+    """Complete checkpoints, oldest first."""
     names = [p.name for p in directory.glob("ckpt-*") if p.is_dir() and not p.name.endswith(".tmp")]
-    return sorted(names, key=lambda n: int(n.split("-")[1]))
+    return sorted(names, key=position)
 
 
 def kept(keep: int) -> int:
@@ -343,8 +366,8 @@ def rotate(directory: Path, at_most: int) -> None:
         shutil.rmtree(directory / name, ignore_errors=True)
 
 
-def begin_checkpoint(directory: Path, step: int, keep: int | None = None) -> Path:
-    """Main process: a fresh, empty directory for the checkpoint of `step`. Given KEEP_
+def begin_checkpoint(directory: Path, name: str, keep: int | None = None) -> Path:
+    """Main process: a fresh, empty directory for the checkpoint `name`. Given KEEP_
     CHECKPOINTS, room is made first: the oldest go now, so the folder never holds more than
     `kept(keep)` checkpoints, this one included, and the newest complete one stays."""
     if keep is not None and directory.is_dir():
@@ -352,7 +375,7 @@ def begin_checkpoint(directory: Path, step: int, keep: int | None = None) -> Pat
         # A save cut short left its `.tmp` (a save is collective: none is being written now).
         for stale in directory.glob("ckpt-*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
-    tmp = directory / f"ckpt-{step:08d}.tmp"
+    tmp = directory / f"{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp
@@ -435,9 +458,9 @@ def save_checkpoint(
     other nodes (multi-node SageMaker) the rank files are renamed into place too; SageMaker
     syncs every node's checkpoint folder to the same S3 prefix. Returns the seconds taken."""
     started = time.time()
-    tmp = directory / f"ckpt-{state.step:08d}.tmp"
+    tmp = directory / f"{state.checkpoint_name}.tmp"
     if accelerator.is_local_main_process:
-        begin_checkpoint(directory, state.step, keep)
+        begin_checkpoint(directory, state.checkpoint_name, keep)
     accelerator.wait_for_everyone()
     write_rank_state(tmp, accelerator.process_index, state)
     if state.sharded:
@@ -495,18 +518,20 @@ def step_of(checkpoint: Path) -> int:
     return int(checkpoint.name.split("-")[1])
 
 
-def settle_after_resume(directory: Path, resumed: Path | None, failed: list[Path]) -> list[str]:
+def settle_after_resume(directory: Path, resumed: Path | None) -> list[str]:
     """After a resume from `resumed` (None: from the start), each node's first process removes
-    the checkpoints that failed to load and are newer than it (one cut short on its way to S3,
-    the SIGTERM one say): left, it would count as the newest when the folder is rotated, and
-    the one resumed from would be removed before it. CURRENT names the one resumed from, so
-    that the next checkpoint shares its best model. Returns the names removed."""
-    after = step_of(resumed) if resumed is not None else -1
+    the checkpoints newer than it: one that failed to load (cut short on its way to S3, the
+    SIGTERM one say), or one CURRENT never came to name (the job ended between its rename and
+    the pointer's). Left, it would count as the newest when the folder is rotated, and the one
+    resumed from would be removed before it; and training writes that point anew, under the
+    same name. CURRENT names the one resumed from, so that the next checkpoint shares its best
+    model. Returns the names removed."""
+    after = position(resumed.name) if resumed is not None else (-1, False)
     removed = []
-    for path in failed:
-        if path.is_dir() and step_of(path) > after:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path.name)
+    for name in checkpoint_names(directory):
+        if position(name) > after:
+            shutil.rmtree(directory / name, ignore_errors=True)
+            removed.append(name)
     if resumed is not None and current_checkpoint(directory) != resumed:
         point_current(directory, resumed)
     return removed

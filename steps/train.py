@@ -240,7 +240,7 @@ def resume(job: Job) -> None:
     one, or none."""
     accelerator, state = job.accelerator, job.state
     started = time.time()
-    failed, resumed = [], None
+    resumed = None
     for candidate in ckpt.resume_candidates(job.env.checkpoint_dir):
         try:
             job.best_weights = ckpt.load_checkpoint(candidate, state, accelerator.process_index)
@@ -251,7 +251,6 @@ def resume(job: Job) -> None:
                 f"checkpoint {candidate} could not be loaded ({type(e).__name__}: {e}); "
                 "trying the previous one"
             )
-            failed.append(candidate)
             continue
         resumed = candidate
         job.resumed_from = {
@@ -287,11 +286,9 @@ def resume(job: Job) -> None:
                 f"processes resumed from different checkpoints: steps {steps.tolist()}"
             )
     if accelerator.is_local_main_process:
-        removed = ckpt.settle_after_resume(job.env.checkpoint_dir, resumed, failed)
+        removed = ckpt.settle_after_resume(job.env.checkpoint_dir, resumed)
         if removed:
-            accelerator.print(
-                f"removed {removed}: newer than the checkpoint resumed from, and not loadable"
-            )
+            accelerator.print(f"removed {removed}: newer than the checkpoint resumed from")
     accelerator.wait_for_everyone()
 
 

@@ -222,7 +222,7 @@ def state_of(model: torch.nn.Module) -> ckpt.State:
 
 def write_checkpoint(directory, state: ckpt.State, step: int):
     state.step = step
-    tmp = ckpt.begin_checkpoint(directory, step)
+    tmp = ckpt.begin_checkpoint(directory, ckpt.checkpoint_name(step))
     ckpt.write_rank_state(tmp, 0, state)
     return ckpt.finish_checkpoint(directory, tmp, state, None, keep=3)
 

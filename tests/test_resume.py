@@ -300,6 +300,36 @@ def test_sigterm_to_the_container_with_loader_workers_checkpoints_and_exits_75(
     assert not (root / "output/failure").exists()
 
 
+def test_a_sigterm_in_an_epochs_last_step_resumes_into_its_end_and_writes_over_nothing(
+    tmp_path, channels, baseline, warm
+):
+    """Step 8 ends the first epoch: its SIGTERM checkpoint comes before the epoch's end
+    (validation, the best model), which the resumed job then does and checkpoints at the same
+    step, under a name of its own: the checkpoint it resumed from is never written over (and,
+    on SageMaker, its copy in S3 never mixed with the new one's files)."""
+    root, env = job_root(tmp_path, channels)
+    folder = root / "checkpoints"
+    job = Gated(env, tmp_path / "gates", 8, warm=warm)
+    job.proc.send_signal(signal.SIGTERM)
+    log = job.output()
+    assert job.proc.returncode == 75, log[-3000:]
+    pending = ckpt.current_checkpoint(folder)
+    assert pending.name == "ckpt-00000008" + ckpt.BEFORE_EPOCH_END, log[-3000:]
+    written = {p.name: p.read_bytes() for p in pending.iterdir()}
+    # Resumed after the epoch's 16 micro-batches (2 a step), it ends the epoch and is killed in
+    # step 9, before that step's checkpoint.
+    log = kill_at(env, tmp_path / "gates", 9, signal.SIGKILL, warm=warm)
+    assert f"resumed from {pending} at step 8 (epoch 0, batch 16)" in log, log[-3000:]
+    assert ckpt.checkpoint_names(folder) == [pending.name, "ckpt-00000008"]
+    assert ckpt.current_checkpoint(folder).name == "ckpt-00000008"
+    assert {p.name: p.read_bytes() for p in pending.iterdir()} == written
+    manifest = json.loads((folder / "ckpt-00000008" / ckpt.MANIFEST).read_text())
+    assert (manifest["epoch"], manifest["batch_in_epoch"]) == (1, 0)
+    out = run_to_end(env, warm=warm)
+    assert "resumed from" in out and "at step 8 (epoch 1, batch 0)" in out, out[-3000:]
+    assert_same(result(root), baseline)
+
+
 @pytest.mark.parametrize("processes", [1, 2])
 def test_sigterm_checkpoints_exits_and_the_backend_restarts(tmp_path, channels, processes, request):
     reference = request.getfixturevalue("baseline" if processes == 1 else "baseline2")

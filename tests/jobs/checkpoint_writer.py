@@ -54,7 +54,7 @@ def save(directory: Path, state: ckpt.State, step: int, crash: str | None = None
         ckpt.os.rename = lambda *a: os._exit(9)
     if crash == "before_pointer":
         ckpt.os.replace = lambda *a: os._exit(9)
-    tmp = ckpt.begin_checkpoint(directory, step)
+    tmp = ckpt.begin_checkpoint(directory, ckpt.checkpoint_name(step))
     if crash == "after_begin":
         os._exit(9)
     ckpt.write_rank_state(tmp, 0, state)

@@ -211,6 +211,14 @@ class OneProcess:
         self.said.append(" ".join(map(str, parts)))
 
 
+class OtherNode(OneProcess):
+    """The first process of a node other than the main one (multi-node SageMaker): its rank's
+    files in the node's own checkpoint folder, no CURRENT."""
+
+    is_main_process = False
+    process_index = 1
+
+
 def tiny_state() -> ckpt.State:
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -270,13 +278,48 @@ def test_the_checkpoint_before_the_newest_stays_until_the_next_save_begins(tmp_p
     assert ckpt.current_checkpoint(tmp_path).name == "ckpt-00000020"
     # The next save makes room first: never more than two on disk, the one being written
     # included.
-    begun = ckpt.begin_checkpoint(tmp_path, 30, keep=1)
+    begun = ckpt.begin_checkpoint(tmp_path, ckpt.checkpoint_name(30), keep=1)
     assert ckpt.checkpoint_names(tmp_path) == ["ckpt-00000020"] and begun.name.endswith(".tmp")
     save(tmp_path, state, 30, keep=1)
     assert ckpt.checkpoint_names(tmp_path) == ["ckpt-00000020", "ckpt-00000030"]
     save(tmp_path, state, 40, keep=3)  # more than two: as many as asked for
     save(tmp_path, state, 50, keep=3)
     assert ckpt.checkpoint_names(tmp_path) == [f"ckpt-000000{s}" for s in (30, 40, 50)]
+
+
+def test_a_sigterm_checkpoint_before_an_epochs_end_is_never_written_over_by_the_end(tmp_path):
+    """SIGTERM in an epoch's last optimizer step checkpoints before the epoch's end; the resumed
+    job ends the epoch and checkpoints at the same step: a checkpoint of its own, on every node
+    (the main node's folder and another's, which held the first one's rank files)."""
+    for accelerator, folder in (
+        (OneProcess(), tmp_path / "main"),
+        (OtherNode(), tmp_path / "other"),
+    ):
+        state = tiny_state()  # 4 batches an epoch
+        state.step = state.batch_in_epoch = 4
+        ckpt.save_checkpoint(accelerator, folder, state, None, keep=1)
+        before_end = folder / f"ckpt-00000004{ckpt.BEFORE_EPOCH_END}"
+        written = {p.name: p.read_bytes() for p in before_end.iterdir()}
+        state.epoch, state.batch_in_epoch = 1, 0
+        ckpt.save_checkpoint(accelerator, folder, state, None, keep=1)
+        assert ckpt.checkpoint_names(folder) == [before_end.name, "ckpt-00000004"]
+        assert {p.name: p.read_bytes() for p in before_end.iterdir()} == written
+    assert ckpt.current_checkpoint(tmp_path / "main").name == "ckpt-00000004"
+
+
+def test_a_checkpoint_that_current_never_named_is_removed_on_resume(tmp_path):
+    """The job ended between step 20's rename and the pointer's: the next resumes from 10, and
+    20, which it will write anew, goes."""
+    job1, state = tmp_path / "job1", tiny_state()
+    save(job1, state, 10)
+    save(job1, state, 20)
+    ckpt.point_current(job1, job1 / "ckpt-00000010")
+    job2 = resume_from(job1, tmp_path / "job2")
+    assert job2.state.step == 10 and torch.all(job2.state.model.weight == 10)
+    assert ckpt.checkpoint_names(job2.env.checkpoint_dir) == ["ckpt-00000010"]
+    assert (
+        "removed ['ckpt-00000020']: newer than the checkpoint resumed from" in job2.accelerator.said
+    )
 
 
 @pytest.mark.parametrize("lost", ["state.pt", "rank0.pt", "best_model.pt", "meta.json"])
