@@ -48,9 +48,9 @@ from transformers import DataCollatorWithPadding, Trainer, TrainingArguments  # 
 from bench import speed, tiny_classifier  # noqa: E402  (the texts prepared, our job set up)
 from steps import train as train_step  # noqa: E402
 from steps.batching import Batches, read_inputs, read_split  # noqa: E402
-from steps.checkpointing import ResumableBatchSampler  # noqa: E402
 from steps.hyperparameters import parse_hyperparameters  # noqa: E402
 from steps.runtime import names  # noqa: E402
+from steps.sampler import ResumableBatchSampler  # noqa: E402
 from steps.training_blocks import optimizer_for  # noqa: E402
 
 WARM = 5  # optimizer steps before the clock, on every side

@@ -20,12 +20,12 @@ from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin, gather_object
 from torch.utils.data import DataLoader
 
-from steps import checkpointing as ckpt
 from steps.batching import Batches, by_length
 from steps.export import logits_of
 from steps.model_files import write_record
 from steps.precision import Precision, resolve
 from steps.runtime.environment import TrainingEnv
+from steps.sampler import ResumableBatchSampler
 
 
 class Diverged(RuntimeError):
@@ -226,10 +226,10 @@ def loader_for(
     accumulation: int,
     accelerator: Accelerator,
     on_gpu: bool,
-) -> tuple[ckpt.ResumableBatchSampler, DataLoader]:
+) -> tuple[ResumableBatchSampler, DataLoader]:
     """This rank's training batches: the resumable sampler (grouped by length, sharded per
     rank) and the loader that pads each batch."""
-    sampler = ckpt.ResumableBatchSampler(
+    sampler = ResumableBatchSampler(
         len(train),
         per_device,
         accumulation,

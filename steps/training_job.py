@@ -16,6 +16,7 @@ from steps import checkpointing as ckpt
 from steps.batching import Batches
 from steps.finetuning import Finetuning
 from steps.runtime.environment import TrainingEnv
+from steps.sampler import ResumableBatchSampler
 from steps.training_blocks import StopCheck
 
 
@@ -32,7 +33,7 @@ class Job:
     optimizer: torch.optim.Optimizer
     scheduler: object
     state: ckpt.State
-    sampler: ckpt.ResumableBatchSampler
+    sampler: ResumableBatchSampler
     train_loader: DataLoader
     val_batches: Batches
     inputs: dict  # this model's padding values and sequence inputs (labels/inputs.json)

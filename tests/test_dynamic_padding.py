@@ -18,7 +18,7 @@ from pipeline.driver import PipelineError, parse_steps, run_pipeline
 from pipeline.paths import ExperimentTree
 from pipeline.store import LocalStore
 from steps.batching import Batches, by_length, check_encoded, read_split
-from steps.checkpointing import ResumableBatchSampler
+from steps.sampler import ResumableBatchSampler
 from tests.conftest import write_settings
 from user_functions import minilm_path
 

@@ -27,6 +27,7 @@ from pipeline.paths import ExperimentTree
 from pipeline.runs import SILENT_FOR, mark_abandoned, silent_driver
 from pipeline.store import LocalStore, is_complete, upload_dir
 from steps import checkpointing as ckpt
+from steps.sampler import ResumableBatchSampler
 from tests.conftest import ROOT, ship_code, write_settings
 from tests.reliability.test_lifecycle import Driver
 from tests.test_resume import HPS, channels  # noqa: F401 - small prepared splits
@@ -215,7 +216,7 @@ def test_a_run_whose_driver_is_silent_for_ten_minutes_is_abandoned(tmp_path):
 def state_of(model: torch.nn.Module) -> ckpt.State:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    sampler = ckpt.ResumableBatchSampler(20, 4, 1, 1, 0, seed=1)
+    sampler = ResumableBatchSampler(20, 4, 1, 1, 0, seed=1)
     return ckpt.State(model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                       seed=1, run_name="r")  # fmt: skip
 

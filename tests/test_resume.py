@@ -35,6 +35,7 @@ from steps.runtime.names import (
     MASTER_PORT_VARIABLE,
     PROCESSES_VARIABLE,
 )
+from steps.sampler import ResumableBatchSampler
 from tests.conftest import ROOT, SignalAtStep, gated, ship_code, wait_at_gate
 from tests.jobs.checkpoint_writer import CRASHES, new_state, save
 from tests.jobs.prepared import write_small_splits
@@ -395,16 +396,14 @@ def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_current(cras
 
 
 def test_sampler_resumes_mid_epoch_with_the_unseen_batches():
-    full = ckpt.ResumableBatchSampler(50, per_device=4, accumulation=2, world=2, rank=1, seed=3)
+    full = ResumableBatchSampler(50, per_device=4, accumulation=2, world=2, rank=1, seed=3)
     full.set_epoch(2)
     batches = list(full)
     assert len(batches) == full.batches_per_epoch == 8  # ceil(50 / 16) steps * 2 micro-batches
-    resumed = ckpt.ResumableBatchSampler(50, per_device=4, accumulation=2, world=2, rank=1, seed=3)
+    resumed = ResumableBatchSampler(50, per_device=4, accumulation=2, world=2, rank=1, seed=3)
     resumed.load_state_dict({**full.state_dict(), "epoch": 2, "start": 5})
     assert list(resumed) == batches[5:]
-    other_rank = ckpt.ResumableBatchSampler(
-        50, per_device=4, accumulation=2, world=2, rank=0, seed=3
-    )
+    other_rank = ResumableBatchSampler(50, per_device=4, accumulation=2, world=2, rank=0, seed=3)
     other_rank.set_epoch(2)
     seen = [i for b in batches + list(other_rank) for i in b]
     assert set(seen) == set(range(50))  # every example, the padding wraps around

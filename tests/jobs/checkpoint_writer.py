@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from steps import checkpointing as ckpt
+from steps.sampler import ResumableBatchSampler
 
 CRASHES = ("after_begin", "mid_state", "before_rename", "before_pointer", "after_pointer")
 
@@ -28,7 +29,7 @@ def new_state() -> ckpt.State:
     model = torch.nn.Linear(64, 64)
     optimizer = torch.optim.AdamW(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    sampler = ckpt.ResumableBatchSampler(100, 4, 1, 1, 0, seed=1)
+    sampler = ResumableBatchSampler(100, 4, 1, 1, 0, seed=1)
     return ckpt.State(model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                       seed=1, run_name="w")  # fmt: skip
 

@@ -24,6 +24,7 @@ from pipeline.search_space import Categorical
 from pipeline.store import LocalStore
 from steps import checkpointing as ckpt
 from steps.metrics import DEFINITIONS, METRICS, metric_line
+from steps.sampler import ResumableBatchSampler
 
 OBJECTIVE = "validation:f1"
 
@@ -223,7 +224,7 @@ def tiny_state() -> ckpt.State:
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    sampler = ckpt.ResumableBatchSampler(8, 2, 1, 1, 0, seed=1)
+    sampler = ResumableBatchSampler(8, 2, 1, 1, 0, seed=1)
     return ckpt.State(model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                       seed=1, run_name="r")  # fmt: skip
 
