@@ -338,9 +338,10 @@ def save_checkpoint(
     other nodes (multi-node SageMaker) the rank files are renamed into place too; SageMaker
     syncs every node's checkpoint folder to the same S3 prefix. Returns the seconds taken."""
     started = time.time()
-    tmp = directory / f"{state.checkpoint_name}.tmp"
+    name = state.checkpoint_name
+    tmp = directory / f"{name}.tmp"
     if accelerator.is_local_main_process:
-        begin_checkpoint(directory, state.checkpoint_name, keep)
+        begin_checkpoint(directory, name, keep)
     accelerator.wait_for_everyone()
     write_rank_state(tmp, accelerator.process_index, state)
     if state.sharded:
