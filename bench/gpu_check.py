@@ -354,6 +354,7 @@ def check_speed(work: Workspace) -> str:
     results, log = work.root / "speed.json", work.root / "logs/speed.log"
     log.parent.mkdir(exist_ok=True)
     command = [sys.executable, str(ROOT / "bench/gpu_speed.py"), "--device", work.device]
+    command += ["--profile"]  # where our loop's device time goes, beside its rates
     if work.mixed_precision == "auto":  # the bench trains in what auto applies
         command += ["--peak", repr(work.peak[0])]
     print(f"  bench/gpu_speed.py ... (log: {log})", flush=True)

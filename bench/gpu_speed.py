@@ -393,7 +393,14 @@ SIDE_LABELS = {"ours": "ours", "trainer": "Trainer", "compiled": "ours, compiled
 
 
 def bench_model(
-    model: Model, device: str, size: dict, peak: float, tokenizer, work: Path, compile: bool
+    model: Model,
+    device: str,
+    size: dict,
+    peak: float,
+    tokenizer,
+    work: Path,
+    compile: bool,
+    profile: bool = False,
 ) -> dict:
     """A probe run of each side counts its host syncs (`Window`) and times its steps; the
     rounds are sized from those times to about size["seconds"] of timed steps, every side
@@ -422,9 +429,20 @@ def bench_model(
             them["compiled"] = lambda root, window: ours(model, channels, root, window, True)
         return them
 
+    said = f"{model.label}, {model.batch} rows"
+
+    def timed(name: str, run: str, side, root: Path, window: Window) -> dict:
+        """One run, its wall time said as it ends: set-up and (compiled) compile included."""
+        started = time.monotonic()
+        figures = side(root, window)
+        print(
+            f"  {said}: {SIDE_LABELS[name]}, {run}: {time.monotonic() - started:.0f} s", flush=True
+        )
+        return figures
+
     probe = size["probe"]
     probes = {
-        name: side(work / f"{name}-probe", Window(device, warm, probe, True))
+        name: timed(name, "probe", side, work / f"{name}-probe", Window(device, warm, probe, True))
         for name, side in sides(probe, "probe-data").items()
     }
     step_seconds = sum(p["seconds"] / p["steps"] for p in probes.values())
@@ -436,8 +454,89 @@ def bench_model(
     for r in range(size["rounds"]):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             window = Window(device, warm, steps)
-            runs[name].append(rounds[name](work / f"{name}-{r}", window))
-    return summary(model, probes, runs, peak, steps)
+            runs[name].append(
+                timed(name, f"round {r + 1}", rounds[name], work / f"{name}-{r}", window)
+            )
+    done = summary(model, probes, runs, peak, steps)
+    for name in [n for n in names if n != "trainer" and profile]:
+        window = Window(device, warm, probe)  # one run more, its timed steps profiled
+        with profiled(window) as kernels:
+            rounds[name](work / f"{name}-profiled", window)
+        done["sides"][name]["profile"] = shares = kernel_shares(kernels, window)
+        print(f"  {said}: {SIDE_LABELS[name]}, profiled: {profile_line(shares)}", flush=True)
+    return done
+
+
+# What a kernel does, from its name (cuBLAS's, CUTLASS's, PyTorch's and Inductor's Triton
+# kernels; on a CPU, the ops): the first kind whose mark is in it, attention before matmul
+# (PyTorch's memory-efficient attention kernels are CUTLASS's, "fmha_cutlassF..."), else
+# "other": elementwise work, norms, reductions, copies.
+KERNEL_KINDS = {
+    "attention": ("fmha", "flash", "attention", "mem_eff", "aten::_scaled_dot"),
+    "matmul": (
+        "gemm",
+        "cutlass",
+        "cublas",
+        "nvjet",
+        "xmma",
+        "fused_mm",
+        "fused_addmm",
+        "fused_bmm",
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+    ),
+    "optimizer": ("adam", "multi_tensor", "foreach"),
+}
+
+
+@contextlib.contextmanager
+def profiled(window: Window):
+    """The run's timed steps under torch's profiler: yields a list that holds, once the run is
+    over, (kernel name, device microseconds) for every kernel (every op on a CPU) they ran."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    cuda = window.device == "cuda"
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    plan = schedule(wait=window.warm - 1, warmup=1, active=window.steps, repeat=1)
+    kernels: list[tuple[str, float]] = []
+    with profile(activities=activities, schedule=plan) as prof:
+        hook = register_optimizer_step_post_hook(lambda *_: prof.step())
+        try:
+            yield kernels
+        finally:
+            hook.remove()
+    for event in prof.key_averages():
+        time_us = event.self_device_time_total if cuda else event.self_cpu_time_total
+        if event.key.startswith("ProfilerStep"):  # the profiler's own span of each step
+            continue
+        if time_us > 0 and (not cuda or event.device_type.name == "CUDA"):
+            kernels.append((event.key, time_us))
+
+
+def kernel_shares(kernels: list[tuple[str, float]], window: Window) -> dict:
+    """Of the window's wall time, the share the device was busy, and each kind's share of
+    the busy time; the five kernels that took longest."""
+    busy = sum(us for _, us in kernels) / 1e6
+    kinds = collections.Counter()
+    for name, us in kernels:
+        low = name.lower()
+        kind = next((k for k, marks in KERNEL_KINDS.items() if any(m in low for m in marks)), None)
+        kinds[kind or "other"] += us / 1e6
+    top = sorted(kernels, key=lambda k: -k[1])[:5]
+    seconds = window.end - window.start
+    return {
+        "seconds": seconds,
+        "busy_share": busy / seconds,
+        "kinds": {k: v / busy for k, v in kinds.most_common()} if busy else {},
+        "top": [(name[:80], us / 1e6 / busy) for name, us in top] if busy else [],
+    }
+
+
+def profile_line(profile: dict) -> str:
+    kinds = ", ".join(f"{k} {v:.0%}" for k, v in profile["kinds"].items())
+    top = "; ".join(f"{v:.0%} {name}" for name, v in profile["top"])
+    return f"busy {profile['busy_share']:.0%} of {profile['seconds']:.2f} s: {kinds}. Top: {top}"
 
 
 def summary(model: Model, probes: dict, runs: dict, peak: float, steps: int) -> dict:
@@ -582,6 +681,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--peak", type=float, help="the matmul peak in FLOP/s (default: measured here)"
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="one run more of each of our sides, its timed steps under torch's profiler: the "
+        "device's busy share and where its time went",
+    )
     parser.add_argument("--json", type=Path, help="write the figures there too")
     args = parser.parse_args()
     args.models = [n.strip() for n in args.models.split(",") if n.strip()]
@@ -626,7 +731,9 @@ def main() -> int:
             said = f"{model.label}, {model.batch} rows"
             print(f"{said}: probing, then {size['rounds']} rounds", flush=True)
             started = time.monotonic()
-            done = bench_model(model, device, size, peak, tokenizer, Path(work), args.compile)
+            done = bench_model(
+                model, device, size, peak, tokenizer, Path(work), args.compile, args.profile
+            )
             results["models"][key if batch is None else f"{key}@{batch}"] = done
             print(f"{said}: done in {time.monotonic() - started:.0f} s", flush=True)
             if args.json:  # each model's figures kept as soon as they are in

@@ -82,6 +82,29 @@ def table(stdout: str) -> list[list[str]]:
     return rows
 
 
+def test_kernels_are_told_apart_by_their_names():
+    """Attention before matmul (PyTorch's memory-efficient attention kernels are CUTLASS's),
+    Inductor's matmul templates as matmuls, the rest "other"; shares of the busy time, and
+    busy time over the window's."""
+    from bench import gpu_speed
+
+    window = gpu_speed.Window("cuda", warm=1, steps=1)
+    window.start, window.end = 0.0, 2.0
+    kernels = [
+        ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", 2e5),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", 4e5),
+        ("triton_tem_fused_addmm_gelu_3", 2e5),
+        ("void at::native::(anonymous namespace)::fused_adamw_kernel", 1e5),
+        ("triton_per_fused_native_layer_norm_7", 1e5),
+    ]
+    shares = gpu_speed.kernel_shares(kernels, window)
+    assert shares["busy_share"] == pytest.approx(0.5)
+    assert shares["kinds"] == pytest.approx(
+        {"matmul": 0.6, "attention": 0.2, "optimizer": 0.1, "other": 0.1}
+    )
+    assert shares["top"][0] == (kernels[1][0], pytest.approx(0.4))
+
+
 def check_smoke_run(stdout: str, figures: Path) -> None:
     """What bench/gpu_speed.py's CPU smoke run prints and writes: every model and side, each
     with its rates, MFU and no CUDA syncs. `make gpu-check`'s every-check test on a CPU runs it
@@ -100,4 +123,9 @@ def check_smoke_run(stdout: str, figures: Path) -> None:
         for side in model["sides"].values():
             assert side["syncs_per_step"] == 0 and len(side["seconds"]) == 2
             assert 0 < side["mfu"] and 0 < side["real_token_share"] < 1
+        # --profile: our side's timed steps once more, profiled (its ops, on a CPU).
+        profile = model["sides"]["ours"]["profile"]
+        assert 0 < profile["busy_share"] and profile["kinds"]["matmul"] > 0
+        assert abs(sum(profile["kinds"].values()) - 1) < 1e-6 and len(profile["top"]) == 5
+        assert "trainer" not in model["sides"] or "profile" not in model["sides"]["trainer"]
     assert "ours/Trainer" in stdout and "no CUDA here" in stdout
