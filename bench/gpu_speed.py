@@ -282,7 +282,11 @@ def fresh_accelerate() -> None:
 
 
 def release(device: str) -> None:
-    """The run's model, optimizer and batches given back before the next run."""
+    """The run's model, optimizer and batches given back before the next run, and the code
+    compiled for it: the next run compiles as a job's process would. Dynamo counts a
+    function's compiles across models (each new model's forward compiles anew) and stops
+    compiling it at its recompile_limit, 8: the sixth run of a compiled side ran eager."""
+    torch._dynamo.reset()
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -723,6 +727,8 @@ def main() -> int:
     # lives for the whole bench, the imports above all (8.7 of a CPU smoke run's 24 s were
     # collections walking them; https://docs.python.org/3/library/gc.html#gc.freeze).
     gc.freeze()
+    if args.compile:  # why a compiled side compiles more than once, as it does
+        torch._logging.set_logs(recompiles=True)
     results = {"machine": machine(device, peak), "sizes": size, "models": {}}
     with tempfile.TemporaryDirectory(prefix="gpu-speed-") as work:
         for key, batch in itertools.product(args.models, args.batch):

@@ -177,7 +177,7 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
     )
     check_output_width(accelerator, model, val, keys, len(id2label), functions.module)
     if hp["compile"]:
-        model = torch.compile(model, dynamic=True)
+        model = torch.compile(model, dynamic=True, options=compile_options())
     state = training_state(accelerator, model, optimizer, scheduler, sampler, hp, env)
     settings = applied(hp, precision, optimizer_kind, train_loader, multiple_of, finetuning)
     announce(accelerator, hp, per_device, accumulation, settings)
@@ -204,6 +204,20 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
         finetuning=finetuning,
         frame=frame,
     )
+
+
+def compile_options() -> dict:
+    """Inductor's mix-order reduction (the fused layer-norm backward, on GPUs) fuses only above
+    sizes it checks on the batch's shape (torch/_inductor/scheduler.py, MixOrderReduction.can_fuse:
+    rows x columns >= 5 * 2**20, rows >= 4096), and each check is a guard: as the padded width
+    varies from batch to batch, each side of a threshold compiles the model anew. On an H200
+    (torch 2.11, BERT-base, 128 rows a step, 2026-11-28) the guard "768*s1*s0 >= 5242880" did.
+    Non-strict mode skips those checks, fusing wherever the reduction allows; a torch without
+    the option keeps its defaults."""
+    from torch._inductor import config
+
+    option = "mix_order_reduction_non_strict_mode"
+    return {f"triton.{option}": True} if hasattr(config.triton, option) else {}
 
 
 def return_freed_memory() -> None:
