@@ -4,12 +4,12 @@ process, interleaved: MiniLM at 128 tokens and a BERT-base-sized encoder (random
 peak, host syncs per optimizer step. `make gpu-check` runs it as its `speed` check.
 
     python bench/gpu_speed.py [--device cuda|cpu] [--models minilm,bert_base] [--seconds S]
-                              [--rounds N] [--batch N,N] [--compile] [--peak FLOP/S]
-                              [--json PATH]
+                              [--rounds N] [--batch N,N] [--compile] [--profile]
+                              [--peak FLOP/S] [--json PATH]
 
 --device cpu (the default without CUDA) is a smoke run at tiny sizes. --batch times each model
-at other rows per step; --compile adds a third side, our job with COMPILE = true. Nothing here
-asserts a time.
+at other rows per step; --compile adds a third side, our job with COMPILE = true; --profile
+says where our sides' GPU time goes. Nothing here asserts a time.
 """
 
 from __future__ import annotations
