@@ -285,7 +285,8 @@ def release(device: str) -> None:
     """The run's model, optimizer and batches given back before the next run, and the code
     compiled for it: the next run compiles as a job's process would. Dynamo counts a
     function's compiles across models (each new model's forward compiles anew) and stops
-    compiling it at its recompile_limit, 8: the sixth run of a compiled side ran eager.
+    compiling it at its recompile_limit, 8: on an H200 (2026-11-28) the 128-row runs used them
+    up, and the 32-row model's compiled side ran eager.
     What outlives that (a compiled run leaves Inductor's caches, about 230,000 objects on a CPU
     smoke run) is frozen, out of the next run's collections, as main freezes the imports."""
     torch._dynamo.reset()
