@@ -147,6 +147,7 @@ def passed_before(settings: Settings) -> Path:
     reads, an installed library) is not in the name: a change there is found by the job."""
     from pipeline.cache import all_files_digest, digest, step_code_digest
     from pipeline.code_bundle import user_code
+    from pipeline.player.environment import user_cache_folder
 
     key = digest(
         all_files_digest(user_code(settings)),
@@ -158,9 +159,7 @@ def passed_before(settings: Settings) -> Path:
         sys.version,
         *(installed(name) for name in ("torch", "transformers", "peft", "accelerate")),
     )
-    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    folder = os.environ.get(CHECK_CACHE) or os.path.join(home, "smpipe", "user-check")
-    return Path(folder, f"{key}.json")
+    return Path(os.environ.get(CHECK_CACHE) or user_cache_folder("user-check"), f"{key}.json")
 
 
 def model_settings(settings: Settings) -> dict[str, dict]:
@@ -178,17 +177,17 @@ def model_settings(settings: Settings) -> dict[str, dict]:
 
 
 def check_env() -> dict[str, str]:
-    """The checking process's environment: the driver's, with the image's ENV on top
-    (docker/Dockerfile: progress bars and transformers' warnings off, as in every job), as a local
-    job has it (processes.py `ProcessLauncher`), less what names one job (its PYTHONPATH: the
-    check's sys.path is the driver's)."""
-    from pipeline.player.environment import image_env
+    """The checking process's environment: a local job's (processes.py `ProcessLauncher`), the
+    driver's (`local_job_env`) with the image's ENV on top (docker/Dockerfile: progress bars
+    and transformers' warnings off, as in every job), less what names one job (its PYTHONPATH:
+    the check's sys.path is the driver's)."""
+    from pipeline.player.environment import image_env, local_job_env
     from pipeline.player.fork_client import per_job_variables
     from steps.runtime.names import CONTAINER_ROOT
 
     image = image_env(Path(CONTAINER_ROOT))
     per_job = per_job_variables()
-    return {**os.environ, **{k: v for k, v in image.items() if k not in per_job}}
+    return {**local_job_env(), **{k: v for k, v in image.items() if k not in per_job}}
 
 
 def run_check(request_file: Path, answer_file: Path, env: dict[str, str], deadline: float):

@@ -45,9 +45,10 @@ CANARIES = {
 }
 # What the emulator adds that AWS does not (docs/sagemaker.md: what `emulated` plays): where
 # moto is, credentials as a role gives them, the job root in place of /opt/ml, the driver to
-# follow.
+# follow, torch's compile cache out of this machine's /tmp.
 PLUMBING = {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-            "SMPIPE_ML_ROOT", "SMPIPE_DRIVER_PID", "SMPIPE_MASTER_ADDR", "SMPIPE_MASTER_PORT"}  # fmt: skip
+            "SMPIPE_ML_ROOT", "SMPIPE_DRIVER_PID", "SMPIPE_MASTER_ADDR", "SMPIPE_MASTER_PORT",
+            "TORCHINDUCTOR_CACHE_DIR"}  # fmt: skip
 # A new container of the image: what Docker sets, and LC_CTYPE, which the job's own Python
 # sets as it coerces the C locale (PEP 538): neither the base nor docker/Dockerfile sets a locale.
 FRESH_CONTAINER = {"HOME", "PATH", "LC_CTYPE", *HOST_VARIABLES}
@@ -112,7 +113,8 @@ def test_jobs_played_as_processes_start_warm_in_one_home_of_the_emulators(
 ):
     """Without an image, a job after the first is forked by a fork server, as the local
     backend's are; every job's HOME is the emulator's one empty folder (the server imported
-    the libraries with it), never the user's."""
+    the libraries with it), never the user's; torch's compile cache is beside it, removed
+    with it, never in this machine's temporary folder, where nothing would remove it."""
     b = backend(emulator)
     for name in ("first", "second"):
         result = b.run_processing(probe_processing(name))
@@ -122,6 +124,8 @@ def test_jobs_played_as_processes_start_warm_in_one_home_of_the_emulators(
     assert any("fork_server.py" in part for part in seen[1]["starter"]), seen[1]["starter"]
     assert seen[0]["home"] == seen[1]["home"] == str(container_home())
     assert Path(os.path.expanduser("~")) not in container_home().parents
+    compile_cache = Path(seen[1]["env"]["TORCHINDUCTOR_CACHE_DIR"])
+    assert compile_cache.parent == container_home().parent != Path(tempfile.gettempdir())
 
 
 def test_an_emulator_removes_the_folders_of_a_killed_driver_and_no_other(

@@ -75,6 +75,31 @@ def test_processing_job_sees_the_contract(store, tmp_path):
     assert b"secret check" in store.get_bytes(RUN.log("probe-1"))
 
 
+def test_a_local_jobs_compile_cache_is_the_users_own_never_the_temporary_folder(
+    tmp_path, monkeypatch
+):
+    """torch keeps what COMPILE compiles in the system's temporary folder unless told, where
+    nothing would remove it: a local job is told the user's cache folder (kept between runs,
+    as a cache), and a folder the user named stays theirs."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in/a.txt").write_text("x")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    told = {}
+    for name, theirs in (("default", None), ("theirs", tmp_path / "their-cache")):
+        if theirs is not None:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(theirs))
+        store = LocalStore(tmp_path / name / "store")
+        ship_code(store)
+        upload_dir(store, tmp_path / "in", "inputs/things/")
+        result = backend(store, tmp_path / name).run_processing(probe_processing(name))
+        assert result.status == "Completed", result.failure_reason
+        told[name] = json.loads(store.get_bytes("outputs/seen/seen.json"))["env"]
+    cache = tmp_path / "cache/smpipe/torchinductor"
+    assert told["default"]["TORCHINDUCTOR_CACHE_DIR"] == str(cache)
+    assert told["theirs"]["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "their-cache")
+
+
 def test_failed_processing_job_reports_its_reason_and_uploads_nothing(store, tmp_path):
     (tmp_path / "in").mkdir()
     (tmp_path / "in/a.txt").write_text("x")

@@ -17,7 +17,6 @@ job cold (a new interpreter), for debugging.
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import time
@@ -36,6 +35,7 @@ from pipeline.jobs import (
     request_for,
 )
 from pipeline.paths import RunTree
+from pipeline.player.environment import user_cache_folder
 from pipeline.player.exits import status_after
 from pipeline.player.fork_client import WARM_FOLDER, WarmStart, warm_start_enabled
 from pipeline.player.job_root import (
@@ -98,9 +98,8 @@ def kept_jobs_folder(store: Store, run: RunTree) -> Path:
     `remove_kept_jobs`)."""
     if isinstance(store, LocalStore):
         return Path(store.uri_of(run.failed_jobs))
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     where = store.uri_of(run.prefix).split("://", 1)[-1]  # bucket/prefix/experiment/runs/NNNN/
-    return Path(cache, "smpipe", "failed-jobs", where)
+    return user_cache_folder("failed-jobs", where)
 
 
 class LocalBackend:

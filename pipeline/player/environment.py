@@ -66,6 +66,10 @@ DOCKER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # host's: OpenBLAS's core type, on processors that older OpenBLAS builds misdetect; and the
 # override of the bf16 detection (steps/precision.py), set where torch misjudges the CPU.
 HOST_VARIABLES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", CPU_BF16_VARIABLE)
+# Where torch keeps what COMPILE compiles: unless this names a folder, the system's temporary
+# one (torch/_inductor/runtime/cache_dir_utils.py `default_cache_dir`: <tmp>/torchinductor_<user>),
+# where nothing would remove it. A container's /tmp goes with the container.
+COMPILE_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 _home: Path | None = None
 _home_lock = threading.Lock()
 
@@ -93,12 +97,33 @@ def container_home() -> Path:
 
 
 def fresh_container_env() -> dict[str, str]:
-    """The environment of a new container of the image, before its ENV (see above)."""
+    """The environment of a new container of the image, before its ENV (see above); and
+    torch's compile cache beside the containers' HOME, removed with it, as a container's /tmp
+    is with the container."""
     env = {
         "HOME": str(container_home()),
         "PATH": f"{Path(sys.executable).parent}:{DOCKER_PATH}",
+        COMPILE_CACHE_VARIABLE: str(container_home().parent / "torchinductor"),
     }
     env.update({k: os.environ[k] for k in HOST_VARIABLES if k in os.environ})
+    return env
+
+
+def user_cache_folder(*parts: str) -> Path:
+    """A folder of smpipe's in the user's cache folder ($XDG_CACHE_HOME, by default ~/.cache,
+    where pip and Hugging Face keep theirs): what this machine keeps between runs outside the
+    store, never in the system's temporary folder."""
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(home, "smpipe", *parts)
+
+
+def local_job_env() -> dict[str, str]:
+    """A local job's environment before the image's ENV: this machine's (the local backend
+    runs jobs as the user's own processes), with torch's compile cache in the user's cache
+    folder unless the user names one: kept between runs, so that a model compiled before
+    compiles again in seconds, and out of the system's temporary folder."""
+    env = dict(os.environ)
+    env.setdefault(COMPILE_CACHE_VARIABLE, str(user_cache_folder("torchinductor")))
     return env
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from pipeline.player.environment import image_env
+from pipeline.player.environment import image_env, local_job_env
 from pipeline.player.exits import ContainerExit
 from pipeline.player.job_root import clear_output, left_in_output
 from pipeline.player.metering import exit_cpu_seconds, watch_memory
@@ -102,8 +102,8 @@ class ProcessLauncher:
     """Containers as processes of this machine: the image's entrypoint in its job root.
 
     `base_env`: what a container starts with before the image's ENV. None: this machine's
-    environment (the local backend runs jobs as the user's own processes); the emulated
-    backend gives a fresh container's (`fresh_container_env`).
+    environment (the local backend runs jobs as the user's own processes: `local_job_env`);
+    the emulated backend gives a fresh container's (`fresh_container_env`).
     `starter`: how to start an entrypoint (warm start: fork_client.WarmStart); None, or a
     starter that declines a job: a new interpreter."""
 
@@ -125,7 +125,7 @@ class ProcessLauncher:
                 f"cannot play ContainerEntrypoint {entrypoint} as a process: the image's "
                 f"entrypoint is {ENTRYPOINT} (with an image, any entrypoint is played)"
             )
-        base = os.environ if self.base_env is None else self.base_env
+        base = local_job_env() if self.base_env is None else self.base_env
         full = {**base, **image_env(root), **launch.env}
         # The container ends with this process however it ends (SIGKILL included). A
         # warm-started one is the fork server's child: the starter names the server, which

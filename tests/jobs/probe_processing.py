@@ -23,7 +23,9 @@ def main():
                 "content": (src / "a.txt").read_text(),
                 "module_file": __file__,
                 "env": {
-                    k: v for k, v in os.environ.items() if k.startswith(("SM_", "PROCESSING_"))
+                    k: v
+                    for k, v in os.environ.items()
+                    if k.startswith(("SM_", "PROCESSING_")) or k == "TORCHINDUCTOR_CACHE_DIR"
                 },
                 "env_names": sorted(os.environ),
                 "home": os.path.expanduser("~"),
