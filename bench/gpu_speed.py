@@ -50,8 +50,8 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
 from transformers import DataCollatorWithPadding, Trainer, TrainingArguments  # noqa: E402
 
+from bench import gpu_profile, speed  # noqa: E402
 from bench import gpu_speed_models as models  # noqa: E402
-from bench import speed  # noqa: E402
 from bench.gpu_check import matmul_peak, peak_dtype, rate  # noqa: E402
 from steps import train as train_step  # noqa: E402
 from steps.batching import write_inputs  # noqa: E402
@@ -477,83 +477,17 @@ def bench_model(
     done = summary(model, probes, runs, peak, steps)
     for name in [n for n in names if n != "trainer" and profile]:
         window = Window(device, warm, probe)  # one run more, its timed steps profiled
-        with profiled(window) as kernels:
+        with gpu_profile.profiled(window) as seen:
             rounds[name](work / f"{name}-profiled", window)
-        done["sides"][name]["profile"] = shares = kernel_shares(kernels, window)
-        print(f"  {said}: {SIDE_LABELS[name]}, profiled: {profile_line(shares)}", flush=True)
+        shares = gpu_profile.kernel_shares(seen.kernels, window)
+        idle = gpu_profile.idle_time(seen.events, window.steps)
+        if idle is not None:
+            shares["idle"] = idle
+        done["sides"][name]["profile"] = shares
+        step_seconds = statistics.median(done["sides"][name]["seconds"]) / steps
+        for line in gpu_profile.profile_lines(shares, step_seconds):
+            print(f"  {said}: {SIDE_LABELS[name]}, profiled: {line}", flush=True)
     return done
-
-
-# What a kernel does, from its name (cuBLAS's, CUTLASS's, PyTorch's and Inductor's Triton
-# kernels; on a CPU, the ops): the first kind whose mark is in it, attention before matmul
-# (PyTorch's memory-efficient attention kernels are CUTLASS's, "fmha_cutlassF..."), else
-# "other": elementwise work, norms, reductions, copies.
-KERNEL_KINDS = {
-    "attention": ("fmha", "flash", "attention", "mem_eff", "aten::_scaled_dot"),
-    "matmul": (
-        "gemm",
-        "cutlass",
-        "cublas",
-        "nvjet",
-        "xmma",
-        "fused_mm",
-        "fused_addmm",
-        "fused_bmm",
-        "aten::mm",
-        "aten::addmm",
-        "aten::bmm",
-    ),
-    "optimizer": ("adam", "multi_tensor", "foreach"),
-}
-
-
-@contextlib.contextmanager
-def profiled(window: Window):
-    """The run's timed steps under torch's profiler: yields a list that holds, once the run is
-    over, (kernel name, device microseconds) for every kernel (every op on a CPU) they ran."""
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    cuda = window.device == "cuda"
-    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-    plan = schedule(wait=window.warm - 1, warmup=1, active=window.steps, repeat=1)
-    kernels: list[tuple[str, float]] = []
-    with profile(activities=activities, schedule=plan) as prof:
-        hook = register_optimizer_step_post_hook(lambda *_: prof.step())
-        try:
-            yield kernels
-        finally:
-            hook.remove()
-    for event in prof.key_averages():
-        time_us = event.self_device_time_total if cuda else event.self_cpu_time_total
-        if event.key.startswith("ProfilerStep"):  # the profiler's own span of each step
-            continue
-        if time_us > 0 and (not cuda or event.device_type.name == "CUDA"):
-            kernels.append((event.key, time_us))
-
-
-def kernel_shares(kernels: list[tuple[str, float]], window: Window) -> dict:
-    """Of the window's wall time, the share the device was busy, and each kind's share of
-    the busy time; the five kernels that took longest."""
-    busy = sum(us for _, us in kernels) / 1e6
-    kinds = collections.Counter()
-    for name, us in kernels:
-        low = name.lower()
-        kind = next((k for k, marks in KERNEL_KINDS.items() if any(m in low for m in marks)), None)
-        kinds[kind or "other"] += us / 1e6
-    top = sorted(kernels, key=lambda k: -k[1])[:5]
-    seconds = window.end - window.start
-    return {
-        "seconds": seconds,
-        "busy_share": busy / seconds,
-        "kinds": {k: v / busy for k, v in kinds.most_common()} if busy else {},
-        "top": [(name[:80], us / 1e6 / busy) for name, us in top] if busy else [],
-    }
-
-
-def profile_line(profile: dict) -> str:
-    kinds = ", ".join(f"{k} {v:.0%}" for k, v in profile["kinds"].items())
-    top = "; ".join(f"{v:.0%} {name}" for name, v in profile["top"])
-    return f"busy {profile['busy_share']:.0%} of {profile['seconds']:.2f} s: {kinds}. Top: {top}"
 
 
 def summary(model: Model, probes: dict, runs: dict, peak: float, steps: int) -> dict:
