@@ -160,9 +160,10 @@ def running(ops: list[tuple[float, float, str]], ends: list[float], start: float
 
 def idle_time(events: list[dict], steps: int) -> dict | None:
     """The device's idle time a step between its first kernel and its last, by HTA's kinds
-    (host wait, kernel wait, other), and the host wait by what the launching thread ran from
-    the moment the device went idle to the launch (then LAUNCH_TO_START, to the kernel's
-    start): milliseconds a step, the six largest. None without device events (a CPU)."""
+    (host wait, kernel wait, other) with their gaps a step, and the host wait by what the
+    launching thread ran from the moment the device went idle to the launch (then
+    LAUNCH_TO_START, to the kernel's start): milliseconds a step, the six largest. None
+    without device events (a CPU)."""
     device = sorted(
         (e["ts"], e["ts"] + e.get("dur", 0), e.get("args", {}).get("correlation"))
         for e in events
@@ -179,27 +180,30 @@ def idle_time(events: list[dict], steps: int) -> dict | None:
     }
     ops = outermost_ops(events)
     ends = {tid: [op[1] for op in mine] for tid, mine in ops.items()}
-    kinds, host = collections.Counter(), collections.Counter()
+    kinds, gaps, host = collections.Counter(), collections.Counter(), collections.Counter()
     idle_since = device[0][1]
     for start, end, correlation in device[1:]:
         if start > idle_since:
             gap = start - idle_since
             launch = launches.get(correlation)
             if launch is not None and launch[0] > idle_since:
-                kinds["host wait"] += gap
+                kind = "host wait"
                 launched, tid = min(launch[0], start), launch[1]
                 host.update(running(ops.get(tid, []), ends.get(tid, []), idle_since, launched))
                 host[LAUNCH_TO_START] += start - launched
             elif gap < CONSECUTIVE_KERNEL_DELAY_US:
-                kinds["kernel wait"] += gap
+                kind = "kernel wait"
             else:
-                kinds["other"] += gap
+                kind = "other"
+            kinds[kind] += gap
+            gaps[kind] += 1
         idle_since = max(idle_since, end)
     per_step = 1e3 * steps  # µs in all to ms a step
-
+    order = ("host wait", "kernel wait", "other")
     return {
         "ms_per_step": sum(kinds.values()) / per_step,
-        "kinds": {k: kinds[k] / per_step for k in ("host wait", "kernel wait", "other")},
+        "kinds": {k: kinds[k] / per_step for k in order},
+        "gaps_per_step": {k: gaps[k] / steps for k in order},
         "host": [(name[:70], us / per_step) for name, us in host.most_common(6)],
     }
 
@@ -217,7 +221,10 @@ def profile_lines(profile: dict, step_seconds: float) -> list[str]:
     ]
     idle = profile.get("idle")
     if idle:
-        split = ", ".join(f"{k} {v:.2f} ms" for k, v in idle["kinds"].items())
+        split = ", ".join(
+            f"{k} {ms:.2f} ms in {idle['gaps_per_step'][k]:.0f} gaps"
+            for k, ms in idle["kinds"].items()
+        )
         host = "; ".join(f"{ms:.2f} ms {name}" for name, ms in idle["host"])
         lines.append(f"idle {idle['ms_per_step']:.2f} ms a step profiled: {split}. Host: {host}")
     return lines

@@ -154,6 +154,7 @@ def test_the_devices_idle_time_is_split_as_hta_splits_it_and_the_host_wait_by_op
         {"host wait": 8 * us, "kernel wait": 0.02 * us, "other": 3 * us}
     )
     assert idle["ms_per_step"] == pytest.approx(11.02 * us)
+    assert idle["gaps_per_step"] == {"host wait": 1, "kernel wait": 0.5, "other": 0.5}
     assert dict(idle["host"]) == pytest.approx(
         {
             "autograd::engine::evaluate_function: AddmmBackward0": 3.98 * us,
@@ -163,6 +164,11 @@ def test_the_devices_idle_time_is_split_as_hta_splits_it_and_the_host_wait_by_op
         }
     )
     assert gpu_profile.idle_time([op("aten::mm", 0, 5)], steps=1) is None  # a CPU's trace
+    profile = {"busy_share": 0.5, "seconds": 1.0, "kernel_ms_per_step": 40.0, "kinds": {},
+               "top": [], "idle": idle}  # fmt: skip
+    said = gpu_profile.profile_lines(profile, step_seconds=0.05)
+    assert "80% of a timed step's 50.0 ms" in said[0]
+    assert "host wait 0.00 ms in 1 gaps" in said[1] and "Optimizer.step#AdamW.step" in said[1]
 
 
 def test_the_host_ops_are_read_from_the_trace_torch_exports(tmp_path):
