@@ -13,6 +13,7 @@ import pytest
 from pipeline.backends.local import LocalBackend
 from pipeline.jobs import ProcessingJob, TrainingJob
 from pipeline.paths import ExperimentTree
+from pipeline.player.environment import local_job_env
 from pipeline.store import LocalStore, S3Store, is_complete, upload_dir
 from tests.conftest import ship_code
 from tests.reliability.figures import record
@@ -98,6 +99,13 @@ def test_a_local_jobs_compile_cache_is_the_users_own_never_the_temporary_folder(
     cache = tmp_path / "cache/smpipe/torchinductor"
     assert told["default"]["TORCHINDUCTOR_CACHE_DIR"] == str(cache)
     assert told["theirs"]["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "their-cache")
+    assert not cache.exists()  # made by torch when a job compiles, not for every job
+    # A cache folder that cannot be made (its place is a file): torch's default, which a
+    # compiling job can write, rather than a cache it would fail on.
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file"))
+    assert "TORCHINDUCTOR_CACHE_DIR" not in local_job_env()
 
 
 def test_failed_processing_job_reports_its_reason_and_uploads_nothing(store, tmp_path):

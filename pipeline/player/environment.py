@@ -121,10 +121,20 @@ def local_job_env() -> dict[str, str]:
     """A local job's environment before the image's ENV: this machine's (the local backend
     runs jobs as the user's own processes), with torch's compile cache in the user's cache
     folder unless the user names one: kept between runs, so that a model compiled before
-    compiles again in seconds, and out of the system's temporary folder."""
+    compiles again in seconds, and out of the system's temporary folder. Where that folder
+    could not be made (a read-only home), torch keeps its own default: a compiling job that
+    could not write its cache would fail."""
     env = dict(os.environ)
-    env.setdefault(COMPILE_CACHE_VARIABLE, str(user_cache_folder("torchinductor")))
+    cache = user_cache_folder("torchinductor")
+    if COMPILE_CACHE_VARIABLE not in env and can_be_made(cache):
+        env[COMPILE_CACHE_VARIABLE] = str(cache)
     return env
+
+
+def can_be_made(folder: Path) -> bool:
+    """Whether `folder` is, or could be made, a folder this user writes in; nothing made."""
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("/"))
+    return existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
 
 
 def training_env(request: dict, arn: str | None) -> dict[str, str]:
