@@ -99,13 +99,22 @@ def lint_ini(text: str) -> tuple[list[str], str]:
     return problems, "\n".join(kept)
 
 
+def ini_parser() -> configparser.ConfigParser:
+    """How every settings.ini is read, a run's own included (its USER_FUNCTIONS, what changed
+    since another run). A comment may follow a value after a space, "#" as the shipped file
+    writes its comments or ";" (configparser takes an inline prefix only after whitespace):
+    without "#", `STORE = ./artifacts  # mine` would name a folder "./artifacts  # mine"."""
+    parser = configparser.ConfigParser(
+        interpolation=None, delimiters=("=",), inline_comment_prefixes=("#", ";")
+    )
+    parser.optionxform = str.lower  # keys are case-insensitive; the file writes them in capitals
+    return parser
+
+
 def read_ini(path: Path) -> tuple[dict[str, dict[str, str]], list[str]]:
     """The sections and keys of the file, and every problem of its syntax."""
     problems, text = lint_ini(read_text(path))
-    parser = configparser.ConfigParser(
-        interpolation=None, delimiters=("=",), inline_comment_prefixes=(";",)
-    )
-    parser.optionxform = str.lower  # keys are case-insensitive; the file writes them in capitals
+    parser = ini_parser()
     try:
         parser.read_string(text, source=str(path))
     except configparser.Error as e:  # what the lint above did not foresee, still one line

@@ -99,9 +99,9 @@ def per_label(store: Store, tree: ExperimentTree, run_num: int, model: str) -> d
 
 def settings_values(text: str) -> dict[tuple[str, str], str]:
     """(section, key) -> value of a run's settings.ini, keys lower-cased as configparser reads."""
-    import configparser
+    from pipeline.config_file import ini_parser
 
-    parser = configparser.ConfigParser(interpolation=None, delimiters=("=",))
+    parser = ini_parser()
     parser.read_string(text)
     return {(s, k): v for s in parser.sections() for k, v in parser.items(s)}
 

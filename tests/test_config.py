@@ -184,6 +184,21 @@ def test_environment_overrides_keys(tmp_path):
         load_settings(path, env={"SMPIPE__TRAINING__EPOCHS": "zero"})
 
 
+def test_a_comment_after_a_value_is_a_comment(tmp_path):
+    """`KEY = value  # why` as the shipped file writes its comments (and `; why`): the value
+    is what comes before it, for a path as for a number; a '#' with no space before it stays."""
+    path = write_settings(
+        tmp_path / "settings.ini",
+        f"{tmp_path / 'store'}  # a folder of mine",
+        training={"LEARNING_RATE": "3e-4 ; the demo's", "EPOCHS": "2\t# two passes"},
+        tracking={"WANDB_PROJECT": "news#2  # the second"},
+    )
+    settings = load_settings(path, env={})
+    assert settings.experiment.store == str(tmp_path / "store")
+    assert settings.training.learning_rate == 3e-4 and settings.training.epochs == 2
+    assert settings.tracking.wandb_project == "news#2"
+
+
 def test_sagemaker_backend_needs_its_keys(tmp_path):
     path = write_settings(
         tmp_path / "settings.ini", str(tmp_path / "store"), experiment={"BACKEND": "sagemaker"}

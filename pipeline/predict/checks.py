@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import ConfigError, Settings
+from pipeline.config_file import ini_parser
 from pipeline.paths import DataTree, ExperimentTree, RunTree, run_label
 from pipeline.predict.files import (
     FOLDER,
@@ -111,7 +112,7 @@ def snapshot_columns(store: Store, data: DataTree) -> list[str] | None:
 
 def run_user_functions(store: Store, run: RunTree, default: str) -> str:
     """USER_FUNCTIONS as the run applied it (its settings.ini): the module its code holds."""
-    parser = configparser.ConfigParser(interpolation=None)
+    parser = ini_parser()
     try:
         parser.read_string(store.get_bytes(run.settings).decode())
     except (NotFound, configparser.Error, UnicodeDecodeError):
