@@ -27,6 +27,7 @@ from sklearn.model_selection import train_test_split
 from steps.arguments import PREPARE, parse
 from steps.batching import check_encoded, length_column, pad_value, write_inputs
 from steps.prepared_files import encoding_record, write_encoding
+from steps.reconcile import label_order
 from steps.runtime import names
 from steps.runtime.environment import processing_input, processing_output
 from steps.runtime.step import run_step, write_step_metadata
@@ -341,8 +342,10 @@ def main() -> None:
     model_names = [m for m in args.model_names.split(",") if m]
 
     counts = collections.Counter(snapshot["label"])
-    check_labels(dict(sorted(counts.items())))
-    id2label = dict(enumerate(sorted(counts)))
+    info = json.loads((processing_input("snapshot") / "snapshot.json").read_text())
+    labels = info.get("labels") or label_order(counts)  # a snapshot made before it was kept
+    check_labels({label: counts[label] for label in labels})
+    id2label = dict(enumerate(labels))
     label2id = {label: i for i, label in id2label.items()}
     dataset = snapshot.map(lambda b: {"label_id": [label2id[x] for x in b["label"]]}, batched=True)
 

@@ -2,7 +2,8 @@
 
 Inputs:  raw       the raw data, as the user keeps it
 Outputs: snapshot  the reconciled rows (datasets save_to_disk) and snapshot.json: content
-                   hash, row count, label counts and what reconcile dropped
+                   hash, row count, the labels in their ids' order, label counts and what
+                   reconcile dropped
          report    step_metadata.json, this step's Metadata section
 """
 
@@ -13,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import traceback
 from pathlib import Path
 
@@ -56,6 +58,18 @@ def drop_blank_labels(dataset: datasets.Dataset) -> tuple[datasets.Dataset, list
     names = [str(ids[i]) if ids is not None else f"row {i}" for i in blank]
     keep = sorted(set(range(len(labels))) - set(blank))
     return dataset.select(keep), names
+
+
+def label_order(labels, declared: list[str] | None = None) -> list[str]:
+    """The labels (strings) in the order of their class ids: a ClassLabel's own order (the
+    names it has rows for), whole numbers by value (8 before 10, as a Hugging Face data set's
+    integer labels are its class ids), other labels sorted."""
+    present = set(labels)
+    if declared:
+        return [name for name in declared if name in present]
+    if all(re.fullmatch(r"-?[0-9]+", label) for label in present):
+        return sorted(present, key=int)
+    return sorted(present)
 
 
 def named_labels(dataset: datasets.Dataset) -> datasets.Dataset:
@@ -112,6 +126,8 @@ def main() -> None:
     formats = collections.Counter(p.suffix.lstrip(".") or "none" for p in files)
 
     dataset, dropped = check_result(call(functions, "reconcile", raw_dir), functions.module)
+    feature = dataset.features["label"]
+    declared = feature.names if isinstance(feature, datasets.ClassLabel) else None
     dataset = named_labels(dataset)
     dataset, blank = drop_blank_labels(dataset)
     dataset = (
@@ -124,12 +140,15 @@ def main() -> None:
     if len(dataset) == 0:
         raise ValueError(f"{functions.module}.reconcile returned no row with a label")
 
-    label_counts = dict(sorted(collections.Counter(dataset["label"]).items()))
+    counts = collections.Counter(dataset["label"])
+    labels = label_order(counts, declared)
+    label_counts = {label: counts[label] for label in labels}
     dropped_counts = {reason: len(ids) for reason, ids in dropped.items()}
     info = {
         "snapshot_hash": content_hash(dataset),
         "rows": len(dataset),
         "columns": dataset.column_names,
+        "labels": labels,  # in the order of their class ids (prepare's id2label)
         "label_counts": label_counts,
         "dropped": {reason: sorted(map(str, ids)) for reason, ids in dropped.items()},
     }

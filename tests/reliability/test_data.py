@@ -157,3 +157,55 @@ def test_a_thousand_labels_are_tested_and_reported_in_proportion_to_rows(tmp_pat
     assert len((results / "per_label.csv").read_text().splitlines()) == 1001
     report = tmp_path / "store/test-exp/runs/0001/report.html"
     assert report.stat().st_size < 5_000_000 and "topic-0999" in report.read_text()
+
+
+LABELLED = (
+    MANY_LABELS.split("def reconcile(raw_dir):")[0]
+    + """
+def reconcile(raw_dir):
+    import datasets
+
+    labels = [label for label in LABELS for _ in range(10)]
+    rows = {"id": [str(i) for i in range(len(labels))], "label": labels,
+            "text": [f"an article about {label}, number {n}" for n, label in enumerate(labels)]}
+    dataset = datasets.Dataset.from_dict(rows)
+    if NAMES:
+        dataset = dataset.cast_column("label", datasets.ClassLabel(names=NAMES))
+    return dataset, {}
+
+
+def load_model(model_name, id2label, label2id):
+    return Mean(len(id2label))
+"""
+)
+
+
+@pytest.mark.parametrize(
+    "labels, names, expected",
+    [
+        ([9, 10, 8, 13, 11, 12], None, ["8", "9", "10", "11", "12", "13"]),
+        (["tech", "sport", "business"], ["sport", "weather", "tech", "business"],
+         ["sport", "tech", "business"]),
+        (["b", "a", "10"], None, ["10", "a", "b"]),
+    ],
+    ids=["integers", "class-label", "strings"],
+)  # fmt: skip
+def test_class_ids_follow_the_labels_own_order(tmp_path, demo_raw, labels, names, expected):
+    """Integer labels keep their order as numbers (8 before 10: a Hugging Face data set's
+    integer labels are its class ids), a ClassLabel its declared order (less the names no row
+    has); other labels are sorted."""
+    module = f"LABELS = {labels!r}\nNAMES = {names!r}\n" + LABELLED
+    (tmp_path / "labelled.py").write_text(module)
+    path = write_settings(tmp_path / "s.ini", str(tmp_path / "store"), models={"MODEL_NAMES": "bow"},
+                          experiment={"USER_FUNCTIONS": "labelled"},
+                          data={"RAW_DATA": str(demo_raw), "MAX_SEQUENCE_LENGTH": "16"})  # fmt: skip
+    store = LocalStore(tmp_path / "store")
+    run_pipeline(
+        load_settings(path, {}), store, parse_steps("reconcile,prepare"), echo=io.StringIO()
+    )
+    id2label = json.loads((tmp_path / "store" / DATA1.id2label).read_text())
+    assert list(id2label.values()) == expected and list(id2label) == [
+        str(i) for i in range(len(expected))
+    ]
+    snapshot = json.loads((tmp_path / "store" / DATA1.snapshot_info).read_text())
+    assert snapshot["labels"] == expected and list(snapshot["label_counts"]) == expected
