@@ -101,6 +101,12 @@ def user_model(functions, hp: dict, id2label: dict[int, str]) -> tuple[torch.nn.
             f"{functions.module}.load_model({model_name!r}, ...) must return a "
             f"torch.nn.Module, got {type(model).__name__}"
         )
+    config = getattr(model, "config", None)
+    if len(getattr(config, "id2label", None) or {}) == len(id2label):
+        # A transformers model built with num_labels alone names its classes LABEL_0...: the
+        # config.json it is saved with names them as the data does, for whoever loads it
+        # (pipeline("text-classification") reports config.id2label's names).
+        config.id2label, config.label2id = dict(id2label), dict(label2id)
     return prepare(model, hp, len(id2label), functions.module)
 
 

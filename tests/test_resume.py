@@ -613,6 +613,36 @@ def test_a_model_with_the_wrong_number_of_outputs_is_refused_before_training(
     assert "step=1/" not in out and not list((root / "model").iterdir())
 
 
+# A transformers model built as its docs build one for a new head, with num_labels alone.
+NUM_LABELS_ONLY = """
+from user_functions import encode, load_tokenizer, ordered_input_keys, reconcile  # noqa: F401
+
+
+def load_model(model_name, id2label, label2id):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, num_labels=len(id2label))
+    return BertForSequenceClassification(config)
+"""
+
+
+def test_a_model_built_with_num_labels_alone_is_saved_naming_the_datas_labels(
+    tmp_path, channels, warm
+):
+    """Its config says LABEL_0, LABEL_1...: the config.json the job saves names the classes
+    as id2label.json does, for transformers' pipeline and whoever else reads it."""
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code/plain_head.py").write_text(NUM_LABELS_ONLY)
+    root, env = job_root(tmp_path / "root", channels, {**HPS, "epochs": "1", "max_steps": "2"})
+    env = {**env, "SMPIPE_USER_FUNCTIONS": "plain_head",
+           "PYTHONPATH": f"{tmp_path / 'code'}:{ROOT}"}  # fmt: skip
+    run_to_end(env, warm=warm)
+    config = json.loads((root / "model/config.json").read_text())
+    assert config["id2label"] == {"0": "a", "1": "b", "2": "c"}
+    assert config["label2id"] == {"a": 0, "b": 1, "c": 2}
+
+
 # The demo's functions, their model made to fail in the 10th training forward pass of a job
 # (step 5 at 2 micro-batches a step) while the file FAIL names exists: a run that fails in
 # training after its checkpoint of step 4.
