@@ -164,14 +164,18 @@ def passed_before(settings: Settings) -> Path:
 
 def model_settings(settings: Settings) -> dict[str, dict]:
     """Each model's settings that ask something of the model (steps/hyperparameters.py
-    MODEL_SETTINGS), for the model check (steps/finetuning.py `check_models`): every model of
-    MODEL_NAMES is built once on the meta device, whatever they ask."""
+    MODEL_SETTINGS, and the length rows are cut at), for the model check (steps/finetuning.py
+    `check_models`): every model of MODEL_NAMES is built once on the meta device, whatever
+    they ask."""
     from steps.hyperparameters import MODEL_SETTINGS
 
     return {
-        name: settings.model_training.get(name, settings.training).model_dump(
-            include=set(MODEL_SETTINGS)
-        )
+        name: {
+            **settings.model_training.get(name, settings.training).model_dump(
+                include=set(MODEL_SETTINGS)
+            ),
+            "max_sequence_length": settings.data.max_sequence_length,
+        }
         for name in settings.models.model_names
     }
 

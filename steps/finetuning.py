@@ -316,6 +316,27 @@ def user_peft_model(model: torch.nn.Module, name: str, module: str) -> dict:
 
 # The labels the check's models are built with: the real ones come from reconcile, later.
 CHECK_LABELS = {0: "LABEL_0", 1: "LABEL_1"}
+# What transformers names a table of learned absolute positions: BERT's, RoBERTa's and
+# DistilBERT's `position_embeddings`, GPT-2's `wpe`, BART's and OPT's `embed_positions`.
+POSITION_TABLES = ("position_embeddings", "wpe", "embed_positions")
+
+
+def positions_embedded(model: torch.nn.Module) -> tuple[int, str] | None:
+    """The most positions a model with learned absolute positions can embed, and the table
+    that holds them, less the rows no position uses (RoBERTa's positions start past its
+    padding index; BART's and OPT's tables keep an `offset` of 2); None for a model without
+    such a table (rotary or relative positions, a bag of embeddings)."""
+    found = []
+    for module_name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Embedding):
+            continue
+        if module_name.rsplit(".", 1)[-1] not in POSITION_TABLES:
+            continue
+        unused = getattr(module, "offset", 0)
+        if module.padding_idx is not None:
+            unused += module.padding_idx + 1
+        found.append((module.num_embeddings - unused, module_name))
+    return min(found) if found else None
 
 
 def check_models(functions, settings: dict[str, dict]) -> list[str]:
@@ -325,8 +346,9 @@ def check_models(functions, settings: dict[str, dict]) -> list[str]:
     checkpoint's files), so that a name load_model does not know fails here and not in its
     training job; and where its settings ask something of it (hyperparameters.py
     `asks_of_the_model`), its LoRA targets, head, gradient checkpointing and FSDP layers found
-    as the training job finds them (the head by its place: the labels are not known yet).
-    Every problem, each naming the model, the key and load_model."""
+    as the training job finds them (the head by its place: the labels are not known yet); and
+    MAX_SEQUENCE_LENGTH against the positions it embeds (`positions_embedded`). Every problem,
+    each naming the model, the key and load_model."""
     from accelerate import init_empty_weights
 
     problems = []
@@ -342,6 +364,14 @@ def check_models(functions, settings: dict[str, dict]) -> list[str]:
                     f"got {type(model).__name__} (MODEL_NAMES names {name!r})"
                 )
                 continue
+            embedded, max_length = positions_embedded(model), hp.get("max_sequence_length")
+            if embedded and max_length and max_length > embedded[0]:
+                problems.append(
+                    f"[data] MAX_SEQUENCE_LENGTH = {max_length}: model {name!r} "
+                    f"({functions.module}.load_model) embeds at most {embedded[0]} positions "
+                    f"({embedded[1]}), and a longer row would fail its forward pass: set "
+                    f"{embedded[0]} or less"
+                )
             if not asks_of_the_model(hp):
                 continue
             doing = (

@@ -197,3 +197,52 @@ def test_a_model_name_load_model_does_not_know_is_refused_before_any_job(tmp_pat
     assert "one_model_functions.load_model('other', ...) must return a torch.nn.Module" in said
     assert "got NoneType (MODEL_NAMES names 'other')" in said and "'tiny'" not in said
     assert not (tmp_path / "store").exists()
+
+
+def test_the_positions_a_model_embeds_are_read_from_its_position_table():
+    """Learned absolute positions: BERT's table as it is, RoBERTa's less the padding index its
+    positions start past, GPT-2's `wpe`, BART's less its offset; none for rotary positions."""
+    import transformers
+    from accelerate import init_empty_weights
+
+    from steps.finetuning import positions_embedded
+
+    small = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "intermediate_size": 64}  # fmt: skip
+    built = {
+        "bert": transformers.BertConfig(**small),
+        "roberta": transformers.RobertaConfig(**small, max_position_embeddings=514),
+        "gpt2": transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2),
+        "bart": transformers.BartConfig(d_model=32, encoder_layers=1, decoder_layers=1,
+                                        encoder_attention_heads=2, decoder_attention_heads=2),
+        "llama": transformers.LlamaConfig(**small, num_key_value_heads=2),
+    }  # fmt: skip
+    found = {}
+    for name, config in built.items():
+        with init_empty_weights():
+            model = transformers.AutoModelForSequenceClassification.from_config(config)
+        found[name] = positions_embedded(model)
+    assert found["bert"] == (512, "bert.embeddings.position_embeddings")
+    assert found["roberta"] == (512, "roberta.embeddings.position_embeddings")
+    assert found["gpt2"] == (1024, "transformer.wpe")
+    assert found["bart"][0] == 1024 and found["bart"][1].endswith("embed_positions")
+    assert found["llama"] is None
+
+
+def test_a_max_sequence_length_past_the_models_positions_is_refused_before_any_job():
+    """MAX_SEQUENCE_LENGTH above the positions MiniLM embeds (512) would pass prepare and fail
+    in the training job's first forward pass: said by the model check, naming the key, the
+    model, load_model and the most it takes; the bag of embeddings takes any length."""
+    from steps.finetuning import check_models
+    from steps.hyperparameters import DEFAULTS, MODEL_SETTINGS
+
+    functions = load_user_functions("user_functions")
+    hp = {key: value for key, value in DEFAULTS.items() if key in MODEL_SETTINGS}
+    problems = check_models(functions, {name: {**hp, "max_sequence_length": 1024}
+                                        for name in ("minilm", "bow")})  # fmt: skip
+    assert problems == [
+        "[data] MAX_SEQUENCE_LENGTH = 1024: model 'minilm' (user_functions.load_model) embeds at "
+        "most 512 positions (bert.embeddings.position_embeddings), and a longer row would fail "
+        "its forward pass: set 512 or less"
+    ]
+    assert check_models(functions, {"minilm": {**hp, "max_sequence_length": 512}}) == []
