@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -39,15 +40,19 @@ STORE_MANIFEST = "_MANIFEST.json"
 
 
 def logits_of(output) -> torch.Tensor:
-    """Any nn.Module works: a tensor of logits, an output with `.logits`, or a tuple."""
+    """Any nn.Module works: a tensor of logits, an output with `.logits` (a transformers
+    model's), a dict with "logits" (as a ModelOutput also reads), or a tuple."""
     if isinstance(output, torch.Tensor):
         return output
     if hasattr(output, "logits"):
         return output.logits
+    if isinstance(output, Mapping) and "logits" in output:
+        return output["logits"]
     if isinstance(output, (tuple, list)):
         return output[0]
     raise TypeError(
-        f"the model returned {type(output).__name__}; expected logits or an output with .logits"
+        f"the model load_model built returned {type(output).__name__} from forward(); expected "
+        "the logits, an output with .logits, a dict with 'logits', or a tuple of the logits first"
     )
 
 

@@ -9,6 +9,7 @@ model already wrapped with PEFT is taken as it is). Checkpoints hold only what t
 from __future__ import annotations
 
 import copy
+import inspect
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -321,6 +322,19 @@ CHECK_LABELS = {0: "LABEL_0", 1: "LABEL_1"}
 POSITION_TABLES = ("position_embeddings", "wpe", "embed_positions")
 
 
+def not_taken_by_name(model: torch.nn.Module, keys) -> list[str]:
+    """The keys `forward` takes no argument by the name of: training and validation call
+    `model(**inputs)` with ordered_input_keys' names (the exports alone call it in order)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # a forward Python cannot read the signature of
+        return []
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return []
+    named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return [key for key in keys if key not in named]
+
+
 def positions_embedded(model: torch.nn.Module) -> tuple[int, str] | None:
     """The most positions a model with learned absolute positions can embed, and the table
     that holds them, less the rows no position uses (RoBERTa's positions start past its
@@ -346,9 +360,10 @@ def check_models(functions, settings: dict[str, dict]) -> list[str]:
     checkpoint's files), so that a name load_model does not know fails here and not in its
     training job; and where its settings ask something of it (hyperparameters.py
     `asks_of_the_model`), its LoRA targets, head, gradient checkpointing and FSDP layers found
-    as the training job finds them (the head by its place: the labels are not known yet); and
-    MAX_SEQUENCE_LENGTH against the positions it embeds (`positions_embedded`). Every problem,
-    each naming the model, the key and load_model."""
+    as the training job finds them (the head by its place: the labels are not known yet);
+    ordered_input_keys against its forward's arguments, and MAX_SEQUENCE_LENGTH against the
+    positions it embeds (`positions_embedded`). Every problem, each naming the model, the key
+    and load_model."""
     from accelerate import init_empty_weights
 
     problems = []
@@ -364,6 +379,16 @@ def check_models(functions, settings: dict[str, dict]) -> list[str]:
                     f"got {type(model).__name__} (MODEL_NAMES names {name!r})"
                 )
                 continue
+            doing = f"calling {functions.module}.ordered_input_keys({name!r})"
+            keys = call(functions, "ordered_input_keys", name)
+            missing = not_taken_by_name(model, keys if isinstance(keys, list | tuple) else [])
+            if missing:
+                problems.append(
+                    f"model {name!r}: {functions.module}.load_model's "
+                    f"{type(model).__name__}.forward() takes no argument named "
+                    f"{', '.join(map(repr, missing))}, which ordered_input_keys names: training "
+                    "calls forward with each input by that name"
+                )
             embedded, max_length = positions_embedded(model), hp.get("max_sequence_length")
             if embedded and max_length and max_length > embedded[0]:
                 problems.append(

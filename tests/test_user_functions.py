@@ -246,3 +246,62 @@ def test_a_max_sequence_length_past_the_models_positions_is_refused_before_any_j
         "its forward pass: set 512 or less"
     ]
     assert check_models(functions, {"minilm": {**hp, "max_sequence_length": 512}}) == []
+
+
+NAMED_OTHERWISE = """
+import torch
+
+from user_functions import encode, load_tokenizer, ordered_input_keys, reconcile  # noqa: F401
+
+
+class Classifier(torch.nn.Module):
+    def __init__(self, labels):
+        super().__init__()
+        self.embedding, self.out = torch.nn.Embedding(30522, 8), torch.nn.Linear(8, labels)
+
+    def forward(self, ids, mask):  # not ordered_input_keys' names
+        return {"logits": self.out(self.embedding(ids).mean(1))}
+
+
+class Open(Classifier):
+    def forward(self, **inputs):
+        return {"logits": self.out(self.embedding(inputs["input_ids"]).mean(1))}
+
+
+def load_model(model_name, id2label, label2id):
+    return (Classifier if model_name == "named" else Open)(len(id2label))
+"""
+
+
+def test_a_forward_that_cannot_take_the_inputs_by_name_is_refused_before_any_job(
+    tmp_path, monkeypatch
+):
+    """Training calls forward(**inputs) with ordered_input_keys' names: a forward whose
+    arguments are named otherwise is said by the model check, naming the model, load_model's
+    class and the keys; one that takes **inputs passes."""
+    from steps.finetuning import check_models
+    from steps.hyperparameters import DEFAULTS, MODEL_SETTINGS
+
+    write_module(tmp_path, "named_otherwise", NAMED_OTHERWISE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    functions = load_user_functions("named_otherwise")
+    hp = {key: value for key, value in DEFAULTS.items() if key in MODEL_SETTINGS}
+    assert check_models(functions, {"named": hp, "open": hp}) == [
+        "model 'named': named_otherwise.load_model's Classifier.forward() takes no argument "
+        "named 'input_ids', 'attention_mask', which ordered_input_keys names: training calls "
+        "forward with each input by that name"
+    ]
+
+
+def test_a_forward_that_returns_a_dict_of_logits_is_read_as_a_model_output_is():
+    """A dict with "logits", as a transformers ModelOutput is also read; anything else is
+    refused naming what forward returned and what it may return."""
+    import torch
+
+    from steps.export import logits_of
+
+    logits = torch.ones(2, 3)
+    assert logits_of({"logits": logits, "hidden": None}) is logits
+    assert logits_of((logits,)) is logits
+    with pytest.raises(TypeError, match=r"returned dict from forward\(\); expected the logits"):
+        logits_of({"scores": logits})

@@ -93,8 +93,9 @@ def load_model(model_name, id2label, label2id):
 
 
 def ordered_input_keys(model_name):
-    """The keys of encode()'s output that forward() takes, in forward()'s order: the exported
-    model (TorchScript, torch.export) is called with them positionally."""
+    """The keys of encode()'s output that forward() takes, by those names and in forward()'s
+    order: training calls forward(**inputs), the exported model (TorchScript, torch.export)
+    is called with them positionally."""
     # TODO: BERT-like models also take "token_type_ids" (forward's third input); the
     # tokenizer returns it, and a key left out here is dropped from the prepared data.
     return ["input_ids", "attention_mask"]
