@@ -31,7 +31,7 @@ from steps.batching import Batches, length_column, read_inputs
 from steps.inference import load_program, run_batches
 from steps.model_files import RECORD, read_record
 from steps.precision import Precision, resolve
-from steps.prepare import clip_limits, encode_cut, tokenizer_identity
+from steps.prepare import check_cut, clip_limits, encode_cut, tokenizer_identity
 from steps.prepared_files import read_encoding
 from steps.runtime import names
 from steps.runtime.environment import processing_input, processing_output
@@ -99,6 +99,7 @@ class Encoder:
         columns, _, lengths = encode_cut(
             self.encode, batch, rows, limits, self.keys, self.max_length, self.where
         )
+        check_cut(lengths, self.max_length, self.where)  # as prepare checked the run's data
         return columns, lengths
 
 

@@ -328,9 +328,15 @@ def report_and_check(
     )
     if dropped:
         print(f"{where}: columns {sorted(dropped)} dropped (ordered_input_keys does not name them)")
-    if lengths.max() > max_length:
+    check_cut(lengths, max_length, where)
+
+
+def check_cut(lengths, max_length: int, where: str) -> None:
+    """A row longer than MAX_SEQUENCE_LENGTH refused, naming encode: it did not cut there
+    (the tutorials' `padding="max_length"` without `max_length` cuts at the model's 512)."""
+    if len(lengths) and max(lengths) > max_length:
         raise ValueError(
-            f"{where} returned rows of up to {lengths.max()} tokens; MAX_SEQUENCE_LENGTH is "
+            f"{where} returned rows of up to {max(lengths)} tokens; MAX_SEQUENCE_LENGTH is "
             f"{max_length} (pass truncation=True, max_length=max_length to the tokenizer)"
         )
 

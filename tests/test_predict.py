@@ -843,6 +843,35 @@ def test_predict_truncates_long_texts_before_encode_as_prepare_does():
     assert table.column("bow__length").to_pylist()[0] == 32
 
 
+def test_an_encode_that_does_not_cut_at_max_length_is_named_for_the_rows_it_makes_too_long():
+    """The tutorials' `tokenizer(texts, padding="max_length", truncation=True)` cuts at the
+    model's 512 tokens, not at MAX_SEQUENCE_LENGTH: a run whose rows were all short passed
+    prepare; predict then says what prepare would have said, for each longer row, and
+    predicts the rest."""
+    import user_functions
+    from steps.predict import Encoder, encode_rows
+    from steps.user_code import load_user_functions
+
+    def encode(batch, tokenizer, model_name, max_length):
+        return tokenizer(batch["text"], padding="max_length", truncation=True)
+
+    functions = dataclasses.replace(load_user_functions("user_functions"), encode=encode)
+    tokenizer = user_functions.load_tokenizer("bow")
+    where = "user_functions.encode (model 'bow')"
+    encoder = Encoder(functions, tokenizer, "bow", ["input_ids", "attention_mask"], 32, where)
+    rows = [
+        {"row": 0, "id": "long", "error": None, "text": "Shares rallied again. " * 100},
+        {"row": 1, "id": "short", "error": None, "text": "Shares rallied"},
+    ]
+    table, good, errors = encode_rows(encoder, rows, ["text"])
+    assert good == [1] and table.column("bow__length").to_pylist() == [4]
+    assert list(errors) == [0] and re.fullmatch(
+        re.escape(where) + r" returned rows of up to [0-9]{3} tokens; MAX_SEQUENCE_LENGTH is 32 "
+        r"\(pass truncation=True, max_length=max_length to the tokenizer\)",
+        errors[0],
+    ), errors
+
+
 def test_long_texts_make_smaller_parts(tmp_path, monkeypatch):
     """Parts end at PART_CHARS characters of text as well as at PART_ROWS rows: the driver and
     the job hold a part at a time, so a thousand long texts never share one."""
