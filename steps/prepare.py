@@ -266,11 +266,14 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
     # since datasets' writer would check every token of a Python list in Python.
     as_python = PythonFormatter(features=dataset.features, lazy=True)
 
-    def encode(table: pa.Table) -> pa.Table:
+    def encode(table: pa.Table, indices: list[int]) -> pa.Table:
         batch, rows = as_python.format_batch(table), table.num_rows
-        columns, extra, lengths = encode_cut(
-            user_encode, batch, rows, limits, keys, max_length, where
-        )
+        try:
+            columns, extra, lengths = encode_cut(
+                user_encode, batch, rows, limits, keys, max_length, where
+            )
+        except RuntimeError as e:  # encode raised (steps/user_code.py `call`): on which row
+            raise RuntimeError(f"{e}{first_refused(user_encode, batch, rows, indices)}") from e
         dropped.update(extra)
         for k, values in columns.items():
             table = table.append_column(f"{model_name}_{k}", values)
@@ -279,6 +282,7 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
     dataset = dataset.with_format("arrow").map(
         encode,
         batched=True,
+        with_indices=True,
         batch_size=1000,
         desc=f"encode {model_name}",
         new_fingerprint=fingerprint(dataset, functions.module, model_name, max_length),
@@ -289,6 +293,27 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
     info = padding_info(dataset, tokenizer, keys, model_name)
     report_and_check(dataset, model_name, keys, max_length, where, dropped)
     return dataset, info, identity
+
+
+def first_refused(user_encode, batch, rows: int, indices: list[int]) -> str:
+    """Where a batch that encode raised on fails: the first of its rows that encode refuses
+    alone, by id (else by its place in the data), with the values of it that are None (a
+    blank cell read as a missing text); "" if every row passes alone."""
+    for i in range(rows):
+        row = {column: values[i : i + 1] for column, values in batch.items()}
+        try:
+            user_encode(row)
+        except Exception:  # noqa: BLE001 - any error of the user's encode: this is the row
+            which = f"id {row['id'][0]!r}" if "id" in row else f"place {indices[i]}"
+            blank = [column for column, values in row.items() if values[0] is None]
+            if not blank:
+                return f" (first on the row with {which}, alone)"
+            return (
+                f" (first on the row with {which}, alone, whose "
+                f"{', '.join(map(repr, blank))} is None: reconcile can drop such rows and say "
+                "why in its second value)"
+            )
+    return ""
 
 
 def fingerprint(dataset: datasets.Dataset, module: str, model_name: str, max_length: int) -> str:

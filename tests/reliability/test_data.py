@@ -209,3 +209,25 @@ def test_class_ids_follow_the_labels_own_order(tmp_path, demo_raw, labels, names
     ]
     snapshot = json.loads((tmp_path / "store" / DATA1.snapshot_info).read_text())
     assert snapshot["labels"] == expected and list(snapshot["label_counts"]) == expected
+
+
+def test_a_row_encode_refuses_is_named_by_id_with_its_missing_text(tmp_path, demo_raw):
+    """A reconcile that keeps rows whose text is missing (a blank cell of a CSV, read as
+    None): the tokenizer's own error, then the first row it refuses alone, by id, and which
+    of its values is None."""
+    module = "LABELS = ['a', 'b']\nNAMES = None\n" + LABELLED.replace(
+        "    dataset = datasets.Dataset.from_dict(rows)",
+        "    rows['text'][3] = rows['text'][12] = None\n"
+        "    dataset = datasets.Dataset.from_dict(rows)",
+    )
+    (tmp_path / "gaps.py").write_text(module)
+    path = write_settings(tmp_path / "s.ini", str(tmp_path / "store"), models={"MODEL_NAMES": "bow"},
+                          experiment={"USER_FUNCTIONS": "gaps"}, data={"RAW_DATA": str(demo_raw)})  # fmt: skip
+    with pytest.raises(PipelineError) as raised:
+        run_pipeline(load_settings(path, {}), LocalStore(tmp_path / "store"),
+                     parse_steps("reconcile,prepare"), echo=io.StringIO())  # fmt: skip
+    assert "user function gaps.encode raised" in str(raised.value)
+    assert (
+        "(first on the row with id '3', alone, whose 'text' is None: reconcile can drop such "
+        "rows and say why in its second value)" in str(raised.value)
+    )
