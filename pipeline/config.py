@@ -126,6 +126,8 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
     # are checked as fully as the others, and not applied: a library of per-model settings
     # that MODEL_NAMES selects from.
     names = parsed["models"].model_names if "models" in parsed else None
+    if names is not None:
+        raw = _sections_named_as_listed(raw, names)
     for prefix in ("training", HP):
         _warn_unlisted(_model_sections(raw, prefix), names, path)
     model_training = _per_model(raw, parsed, problems)
@@ -195,6 +197,22 @@ def _unknown_sections(raw: dict[str, dict[str, str]]) -> list[str]:
     ]
 
 
+def _sections_named_as_listed(raw: dict, names: list[str]) -> dict:
+    """Section names are read lower-cased (config_file.read_ini; configparser keeps their
+    case, the file's keys are not), a model's name as MODEL_NAMES writes it: [training.MiniLM]
+    and [training.minilm] are MiniLM's. Two names differing in case alone are refused
+    (config_sections.Models), so this is never ambiguous."""
+    spelled = {name.lower(): name for name in names}
+    renamed = {}
+    for section, keys in raw.items():
+        prefix = next((p for p in (HP, "training") if section.startswith(p + ".")), None)
+        if prefix is not None:
+            model = section.removeprefix(prefix + ".")
+            section = f"{prefix}.{spelled.get(model, model)}"
+        renamed[section] = keys
+    return renamed
+
+
 def _model_sections(raw: dict, prefix: str) -> dict[str, str]:
     """model -> its [<prefix>.<model>] section."""
     return {s.removeprefix(prefix + "."): s for s in raw if s.startswith(prefix + ".")}
@@ -206,7 +224,8 @@ def _warn_unlisted(sections: dict[str, str], names: list[str] | None, path: Path
     for model, section in sections.items() if names is not None else ():
         if model in names:
             continue
-        close = difflib.get_close_matches(model, names, n=2)
+        spelled = {name.lower(): name for name in names}
+        close = [spelled[c] for c in difflib.get_close_matches(model.lower(), spelled, n=2)]
         hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         log.warning(
             f"warning: {path}: [{section}] is checked but not applied: {model!r} is not in "

@@ -127,14 +127,14 @@ class Models(Section):
             check_name(name)
         if len(set(value)) != len(value):
             raise ValueError(f"model names repeat: {value}")
-        # A model's name also names environment variables (SM_CHANNEL_..., SM_HP_...), where
-        # '-' and '_' are one character: two names must not meet there.
+        # A model's name also names environment variables (SM_CHANNEL_..., SM_HP_...), upper
+        # case, where '-' and '_' are one character: two names must not meet there.
         keys = {}
         for name in value:
             keys.setdefault(env_key(name), []).append(name)
         clashes = [names for names in keys.values() if len(names) > 1]
         if clashes:
-            raise ValueError(f"model names differ only in '-' and '_': {clashes}")
+            raise ValueError(f"model names differ only in case, '-' and '_': {clashes}")
         return value
 
 

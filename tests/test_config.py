@@ -199,6 +199,23 @@ def test_a_comment_after_a_value_is_a_comment(tmp_path):
     assert settings.tracking.wandb_project == "news#2"
 
 
+def test_a_models_own_sections_are_its_whatever_their_case(tmp_path, caplog):
+    """Section names are read lower-cased: MODEL_NAMES = MiniLM is given [training.MiniLM]
+    (and [training.minilm]) as its own; a section of a model not listed is named with the
+    model it may have meant, whatever the case."""
+    path = write_settings(
+        tmp_path / "settings.ini", str(tmp_path / "store"),
+        models={"MODEL_NAMES": "MiniLM, bow"},
+        **{"training.MiniLM": {"LEARNING_RATE": "2e-5"},
+           "tuning.hyperparameters.minilm": {"LEARNING_RATE": "1e-5->1e-4"},
+           "training.Bowl": {"EPOCHS": "9"}},
+    )  # fmt: skip
+    settings = load_settings(path, env={})
+    assert settings.model_training["MiniLM"].learning_rate == 2e-5
+    assert settings.model_tunables["MiniLM"]["learning_rate"] == Interval(1e-5, 1e-4, False, False)
+    assert "'bowl' is not in [models] MODEL_NAMES (MiniLM, bow); did you mean 'bow'?" in caplog.text
+
+
 def test_sagemaker_backend_needs_its_keys(tmp_path):
     path = write_settings(
         tmp_path / "settings.ini", str(tmp_path / "store"), experiment={"BACKEND": "sagemaker"}

@@ -209,8 +209,12 @@ def test_model_names_with_dashes_and_ten_models(tmp_path, bucket, sent):
 def test_model_names_that_meet_as_environment_keys_are_refused(tmp_path, bucket):
     from pipeline.config import ConfigError
 
-    with pytest.raises(ConfigError, match="differ only in '-' and '_'"):
+    with pytest.raises(ConfigError, match="differ only in case, '-' and '_'"):
         sagemaker_settings(tmp_path, bucket, models={"MODEL_NAMES": "my-model,my_model"})
+    with pytest.raises(
+        ConfigError, match=r"differ only in case, '-' and '_': \[\['bert', 'BERT'\]\]"
+    ):
+        sagemaker_settings(tmp_path, bucket, models={"MODEL_NAMES": "bert,BERT"})
     with pytest.raises(ConfigError, match="MAX_WAIT_SECONDS .* must be at least MAX_RUN_SECONDS"):
         sagemaker_settings(
             tmp_path, bucket, training={"MAX_RUN_SECONDS": "7200", "MAX_WAIT_SECONDS": "3600"}
