@@ -86,6 +86,17 @@ class Experiment(Section):
             )
         return value
 
+    @field_validator("user_functions")
+    @classmethod
+    def _module(cls, value: str) -> str:
+        """A module's name as `import` takes it, which a file's path or name is not."""
+        module = value.removesuffix(".py").replace("/", ".").replace("\\", ".").strip(".")
+        if module != value:
+            raise ValueError(f"is a module's name, as import takes it: {module!r}, not a file's")
+        if not all(part.isidentifier() for part in value.split(".")):
+            raise ValueError("is a module's name, as import takes it (such as user_functions)")
+        return value
+
     @field_validator("store")
     @classmethod
     def _store(cls, value: str) -> str:

@@ -216,6 +216,21 @@ def test_a_models_own_sections_are_its_whatever_their_case(tmp_path, caplog):
     assert "'bowl' is not in [models] MODEL_NAMES (MiniLM, bow); did you mean 'bow'?" in caplog.text
 
 
+@pytest.mark.parametrize(
+    "written, said",
+    [("user_functions.py", "'user_functions', not a file's"),
+     ("code/my_functions.py", "'code.my_functions', not a file's"),
+     ("my functions", "as import takes it (such as user_functions)")],
+)  # fmt: skip
+def test_user_functions_is_a_modules_name_not_a_files(tmp_path, written, said):
+    path = write_settings(tmp_path / "settings.ini", str(tmp_path / "store"),
+                          experiment={"USER_FUNCTIONS": written})  # fmt: skip
+    with pytest.raises(ConfigError) as raised:
+        load_settings(path, env={})
+    (problem,) = raised.value.problems
+    assert problem.startswith("[experiment] USER_FUNCTIONS: is a module's name") and said in problem
+
+
 def test_sagemaker_backend_needs_its_keys(tmp_path):
     path = write_settings(
         tmp_path / "settings.ini", str(tmp_path / "store"), experiment={"BACKEND": "sagemaker"}
