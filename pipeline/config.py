@@ -285,8 +285,10 @@ def _tuning_hyperparameters(
         # hyperparameters do.
         constant_only = [k for k in PER_MODEL if k not in TUNABLE]
         if key not in PER_MODEL:
+            close = difflib.get_close_matches(key, PER_MODEL, n=1, cutoff=0.7)
+            hint = f"did you mean {close[0].upper()}? " if close else ""
             problems.append(
-                f"{where}: not a tunable hyperparameter (allowed: {', '.join(TUNABLE)}; "
+                f"{where}: not a tunable hyperparameter ({hint}allowed: {', '.join(TUNABLE)}; "
                 f"as a single value also {', '.join(constant_only)})"
             )
             continue

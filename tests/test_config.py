@@ -374,6 +374,11 @@ def test_an_unknown_key_gets_a_did_you_mean_and_names_the_variable_that_set_it(t
     assert "(set by SMPIPE__TRAINING__BATCH_SIZE in the environment)" in said
     settings = load_settings(path, env={"SMPIPE__TRAINING__EPOCHS": "2"})
     assert settings.overrides == ("SMPIPE__TRAINING__EPOCHS",)
+    tuned = write_settings(tmp_path / "tuned.ini", str(tmp_path / "store"),
+                           **{"tuning.hyperparameters.minilm": {"EPOCH": "2"}})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"\[tuning.hyperparameters.minilm\] EPOCH: not a "
+                       r"tunable hyperparameter \(did you mean EPOCHS\? allowed: "):  # fmt: skip
+        load_settings(tuned, env={})
 
 
 def test_the_sagemaker_backends_missing_settings_give_an_example_and_the_next_step(tmp_path):
