@@ -273,7 +273,9 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
                 user_encode, batch, rows, limits, keys, max_length, where
             )
         except RuntimeError as e:  # encode raised (steps/user_code.py `call`): on which row
-            raise RuntimeError(f"{e}{first_refused(user_encode, batch, rows, indices)}") from e
+            # Each row alone, its texts cut as the batch's were: memory never grows with one.
+            refused = first_refused(user_encode, clip(batch, limits), rows, indices)
+            raise RuntimeError(f"{e}{refused}") from e
         dropped.update(extra)
         for k, values in columns.items():
             table = table.append_column(f"{model_name}_{k}", values)

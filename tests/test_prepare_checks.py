@@ -111,3 +111,28 @@ def test_a_scalar_input_per_row_is_fine_beside_long_texts():
 
     out, info, _ = encode_for(rows(), functions(with_length, keys=("input_ids", "attention_mask", "n_chars")), "m", MAX_LENGTH)  # fmt: skip
     assert "n_chars" not in info["sequence"] and out[1]["m_n_chars"] in (4096, len(LONG))
+
+
+def test_a_row_encode_refuses_is_found_alone_with_its_texts_cut():
+    """encode raising on a batch (a missing text, read as None): each row is tried alone to
+    name the first it refuses, by id, with its texts cut as the batch's were, so that a huge
+    text beside the missing one costs no more memory than in the batch."""
+    given: list[int] = []
+
+    def recording(batch, tok, model_name, max_length):
+        given.append(max((len(t) for t in batch["text"] if isinstance(t, str)), default=0))
+        return by_tokenizer(batch, tok, model_name, max_length)
+
+    data = datasets.Dataset.from_dict({
+        "id": ["r0", "r1", "r2", "r3"],
+        "text": [LONG * 10, "a short text", None, None],
+        "label_id": [0, 1, 0, 1],
+    })  # fmt: skip
+    with pytest.raises(RuntimeError) as raised:
+        encode_for(data, functions(recording), "m", MAX_LENGTH)
+    assert str(raised.value).startswith("user function odd.encode raised ")
+    assert str(raised.value).endswith(
+        " (first on the row with id 'r2', alone, whose 'text' is None: reconcile can drop such "
+        "rows and say why in its second value)"
+    )
+    assert max(given) <= 2 * 4096, given  # clip_limits' probes at most; never the 360,000
