@@ -65,9 +65,13 @@ def not_shipped(settings: Settings) -> str | None:
     )
 
 
-def check_user_functions(settings: Settings) -> dict[str, tuple[str, str | None]]:
+def check_user_functions(
+    settings: Settings, steps: list[str] | None = None
+) -> dict[str, tuple[str, str | None]]:
     """Check USER_FUNCTIONS in a process of its own: raise UserFunctionError listing every
     problem, or return what each data step's functions can reach (cache.step_reaches).
+    `steps`: the run's (None: all); a run that does not train is not held to what training
+    asks of the models (a stand-in model serves data steps alone).
 
     The checking process resolves modules exactly as the driver would (its sys.path, its
     working directory, the settings file's folder first) and imports the module in the
@@ -80,7 +84,8 @@ def check_user_functions(settings: Settings) -> dict[str, tuple[str, str | None]
     unshipped = not_shipped(settings)
     if unshipped:
         raise UserFunctionError([unshipped], module)
-    kept = passed_before(settings)
+    trains = steps is None or "train" in steps
+    kept = passed_before(settings, trains)
     if kept.exists() and not os.environ.get(CHECK_AGAIN):  # this very check passed before
         answer = json.loads(kept.read_text())
         return {step: (reach, why) for step, (reach, why) in answer.items()}
@@ -96,7 +101,7 @@ def check_user_functions(settings: Settings) -> dict[str, tuple[str, str | None]
             "sys_path": sys.path,
             "env": env,
             "own": {name: str(path) for name, path in user_code(settings).items()},
-            "models": model_settings(settings),
+            "models": model_settings(settings, trains),
             "answer": str(answer_file),
         }
         request_file.write_text(json.dumps(request))
@@ -139,7 +144,7 @@ def installed(package: str) -> str:
         return f"{package} none"
 
 
-def passed_before(settings: Settings) -> Path:
+def passed_before(settings: Settings, trains: bool = True) -> Path:
     """Where a pass of this check is kept: named by the user's shipped files (path and
     content), the models and their settings, and the check's own code (this module and the
     steps modules it runs), in the user's cache folder ($XDG_CACHE_HOME or ~/.cache, as pip
@@ -152,7 +157,7 @@ def passed_before(settings: Settings) -> Path:
     key = digest(
         all_files_digest(user_code(settings)),
         settings.experiment.user_functions,
-        json.dumps(model_settings(settings), sort_keys=True),
+        json.dumps(model_settings(settings, trains), sort_keys=True),
         Path(__file__).read_text(),
         step_code_digest("user_code"),
         step_code_digest("finetuning"),
@@ -162,11 +167,11 @@ def passed_before(settings: Settings) -> Path:
     return Path(os.environ.get(CHECK_CACHE) or user_cache_folder("user-check"), f"{key}.json")
 
 
-def model_settings(settings: Settings) -> dict[str, dict]:
+def model_settings(settings: Settings, trains: bool = True) -> dict[str, dict]:
     """Each model's settings that ask something of the model (steps/hyperparameters.py
-    MODEL_SETTINGS, and the length rows are cut at), for the model check (steps/finetuning.py
-    `check_models`): every model of MODEL_NAMES is built once on the meta device, whatever
-    they ask."""
+    MODEL_SETTINGS, the length rows are cut at, and whether the run trains it), for the model
+    check (steps/finetuning.py `check_models`): every model of MODEL_NAMES is built once on
+    the meta device, whatever they ask."""
     from steps.hyperparameters import MODEL_SETTINGS
 
     return {
@@ -175,6 +180,7 @@ def model_settings(settings: Settings) -> dict[str, dict]:
                 include=set(MODEL_SETTINGS)
             ),
             "max_sequence_length": settings.data.max_sequence_length,
+            "trains": trains,
         }
         for name in settings.models.model_names
     }

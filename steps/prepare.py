@@ -359,8 +359,9 @@ def report_and_check(
 
 
 def check_cut(lengths, max_length: int, where: str) -> None:
-    """A row longer than MAX_SEQUENCE_LENGTH refused, naming encode: it did not cut there
-    (the tutorials' `padding="max_length"` without `max_length` cuts at the model's 512)."""
+    """A row longer than MAX_SEQUENCE_LENGTH refused, naming encode: it did not truncate there
+    (the tutorials' `padding="max_length"` without `max_length` truncates at the model's
+    512)."""
     if len(lengths) and max(lengths) > max_length:
         raise ValueError(
             f"{where} returned rows of up to {max(lengths)} tokens; MAX_SEQUENCE_LENGTH is "
@@ -375,8 +376,11 @@ def main() -> None:
     model_names = [m for m in args.model_names.split(",") if m]
 
     counts = collections.Counter(snapshot["label"])
-    info = json.loads((processing_input("snapshot") / "snapshot.json").read_text())
-    labels = info.get("labels") or label_order(counts)  # a snapshot made before it was kept
+    # The labels' order as reconcile kept it; without it (a snapshot made before, or by other
+    # means), the order label_order gives strings and numbers.
+    kept = processing_input("snapshot") / "snapshot.json"
+    labels = (json.loads(kept.read_text()) if kept.exists() else {}).get("labels")
+    labels = labels or label_order(counts)
     check_labels({label: counts[label] for label in labels})
     id2label = dict(enumerate(labels))
     label2id = {label: i for i, label in id2label.items()}

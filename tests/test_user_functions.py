@@ -277,8 +277,8 @@ def test_a_forward_that_cannot_take_the_inputs_by_name_is_refused_before_any_job
     tmp_path, monkeypatch
 ):
     """Training calls forward(**inputs) with ordered_input_keys' names: a forward whose
-    arguments are named otherwise is said by the model check, naming the model, load_model's
-    class and the keys; one that takes **inputs passes."""
+    arguments are named otherwise is said by the model check of a run that trains, naming the
+    model, load_model's class and the keys; one that takes **inputs passes."""
     from steps.finetuning import check_models
     from steps.hyperparameters import DEFAULTS, MODEL_SETTINGS
 
@@ -291,6 +291,8 @@ def test_a_forward_that_cannot_take_the_inputs_by_name_is_refused_before_any_job
         "named 'input_ids', 'attention_mask', which ordered_input_keys names: training calls "
         "forward with each input by that name"
     ]
+    # A run of data steps alone trains nothing: a stand-in model serves it.
+    assert check_models(functions, {"named": {**hp, "trains": False}}) == []
 
 
 def test_a_forward_that_returns_a_dict_of_logits_is_read_as_a_model_output_is():

@@ -318,7 +318,8 @@ def test_the_user_functions_check_is_forked_from_a_kept_server_of_its_environmen
                        experiment={"USER_FUNCTIONS": "checked_functions"}), env={}
     )  # fmt: skip
     said = tmp_path / "project/checked_functions.json"
-    check_user_functions(settings)
+    data_steps = ["reconcile", "prepare"]  # nothing trains the stand-in model of REST
+    check_user_functions(settings, data_steps)
     cold = json.loads(said.read_text())
     assert not cold["preloaded"] and cold["parent"] == os.getpid(), cold
     first = local(store, tmp_path / "run-1")
@@ -326,7 +327,7 @@ def test_the_user_functions_check_is_forked_from_a_kept_server_of_its_environmen
     first.run_processing(probe("warm"))
     first.close(succeeded=True)
     server = seen(store, "warm")["server"]
-    check_user_functions(settings)
+    check_user_functions(settings, data_steps)
     warm = json.loads(said.read_text())
     assert warm["preloaded"] and warm["parent"] == server, warm
     assert not alive(warm["pid"])
