@@ -68,7 +68,7 @@ def label_order(labels, declared: list[str] | None = None) -> list[str]:
     if declared:
         return [name for name in declared if name in present]
     if all(re.fullmatch(r"-?[0-9]+", label) for label in present):
-        return sorted(present, key=int)
+        return sorted(present, key=lambda label: (int(label), label))  # "01" and "1" too
     return sorted(present)
 
 
