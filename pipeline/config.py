@@ -198,10 +198,10 @@ def _unknown_sections(raw: dict[str, dict[str, str]]) -> list[str]:
 
 
 def _sections_named_as_listed(raw: dict, names: list[str]) -> dict:
-    """Section names are read lower-cased (config_file.read_ini; configparser keeps their
-    case, the file's keys are not), a model's name as MODEL_NAMES writes it: [training.MiniLM]
-    and [training.minilm] are MiniLM's. Two names differing in case alone are refused
-    (config_sections.Models), so this is never ambiguous."""
+    """read_ini lower-cases section names, as it does keys; a model's name keeps the case
+    MODEL_NAMES writes it in. So [training.MiniLM] and [training.minilm] are both MiniLM's
+    section here. Two names differing in case alone are refused (config_sections.Models), so
+    this is never ambiguous."""
     spelled = {name.lower(): name for name in names}
     renamed = {}
     for section, keys in raw.items():
