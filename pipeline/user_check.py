@@ -70,8 +70,8 @@ def check_user_functions(
 ) -> dict[str, tuple[str, str | None]]:
     """Check USER_FUNCTIONS in a process of its own: raise UserFunctionError listing every
     problem, or return what each data step's functions can reach (cache.step_reaches).
-    `steps`: the run's (None: all); a run that does not train is not held to what training
-    asks of the models (a stand-in model serves data steps alone).
+    `steps`: the run's; one that does not train (or None: a check asked for outside a run)
+    is not held to what training asks of the models (a stand-in model serves data steps).
 
     The checking process resolves modules exactly as the driver would (its sys.path, its
     working directory, the settings file's folder first) and imports the module in the
@@ -84,7 +84,7 @@ def check_user_functions(
     unshipped = not_shipped(settings)
     if unshipped:
         raise UserFunctionError([unshipped], module)
-    trains = steps is None or "train" in steps
+    trains = steps is not None and "train" in steps
     kept = passed_before(settings, trains)
     if kept.exists() and not os.environ.get(CHECK_AGAIN):  # this very check passed before
         answer = json.loads(kept.read_text())

@@ -286,7 +286,7 @@ def test_a_resume_is_refused_while_a_prune_holds_the_run(tmp_path, monkeypatch):
     store = LocalStore(tmp_path / "store")
     run = write_run(store, 1, "failed")
     path = write_settings(tmp_path / "settings.ini", str(store.root))
-    monkeypatch.setattr("pipeline.driver.check_user_functions", lambda settings: {})
+    monkeypatch.setattr("pipeline.driver.check_user_functions", lambda settings, steps: {})
     with lease(store, run, "pruned"), pytest.raises(RunBusy, match="run 0001 is being pruned by"):
         run_pipeline(load_settings(path, env={}), store, ["train"], resume=1)
     assert store.list_keys(run.checkpoints_root)

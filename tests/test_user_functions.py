@@ -3,6 +3,7 @@ user_functions/ knows about the demo's data."""
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import sys
@@ -293,6 +294,27 @@ def test_a_forward_that_cannot_take_the_inputs_by_name_is_refused_before_any_job
     ]
     # A run of data steps alone trains nothing: a stand-in model serves it.
     assert check_models(functions, {"named": {**hp, "trains": False}}) == []
+
+
+def test_the_driver_holds_a_run_that_trains_to_what_training_asks_and_no_other(
+    tmp_path, monkeypatch, demo_raw
+):
+    """Through the driver: a run that trains is refused before any job for a forward that
+    cannot take the inputs by name; a run of the data steps alone is not."""
+    write_module(tmp_path, "named_otherwise", NAMED_OTHERWISE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = write_settings(
+        tmp_path / "settings.ini", str(tmp_path / "store"),
+        experiment={"USER_FUNCTIONS": "named_otherwise"}, data={"RAW_DATA": str(demo_raw)},
+        models={"MODEL_NAMES": "named"},
+    )  # fmt: skip
+    settings = load_settings(path, env={})
+    store = LocalStore(settings.store_uri())
+    with pytest.raises(UserFunctionError, match=r"Classifier.forward\(\) takes no argument"):
+        run_pipeline(settings, store, parse_steps(None), dry_run=True, echo=io.StringIO())
+    run_pipeline(
+        settings, store, parse_steps("reconcile,prepare"), dry_run=True, echo=io.StringIO()
+    )
 
 
 def test_a_forward_that_returns_a_dict_of_logits_is_read_as_a_model_output_is():
