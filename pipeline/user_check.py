@@ -77,9 +77,6 @@ def check_user_functions(
     working directory, the settings file's folder first) and imports the module in the
     environment a local job imports it in (`check_env`); what the import prints goes where the
     driver's output goes."""
-    from pipeline.code_bundle import user_code
-    from pipeline.player.job_root import new_work_root
-
     module = settings.experiment.user_functions
     unshipped = not_shipped(settings)
     if unshipped:
@@ -89,6 +86,24 @@ def check_user_functions(
     if kept.exists() and not os.environ.get(CHECK_AGAIN):  # this very check passed before
         answer = json.loads(kept.read_text())
         return {step: (reach, why) for step, (reach, why) in answer.items()}
+    answer = ask_checking_process(settings, trains)
+    if answer.get("problems"):
+        raise UserFunctionError(answer["problems"], module)
+    try:  # a pass is kept: the next run or plan of the same code skips the 4 s of load_model
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(json.dumps(answer["reaches"]))
+    except OSError:  # a cache that cannot be written costs the next check its time, no more
+        pass
+    return {step: (reach, why) for step, (reach, why) in answer["reaches"].items()}
+
+
+def ask_checking_process(settings: Settings, trains: bool) -> dict:
+    """The checking process's answer: {"reaches": ...} or {"problems": [...]}; a check that
+    did not finish, or ended without an answer, raises UserFunctionError."""
+    from pipeline.code_bundle import user_code
+    from pipeline.player.job_root import new_work_root
+
+    module = settings.experiment.user_functions
     env = check_env()
     # The request and the answer, in a folder the next driver removes if this one is killed
     # before it can (job_root.py).
@@ -117,15 +132,7 @@ def check_user_functions(
         raise UserFunctionError(
             [f"checking '{module}' ended without an answer (exit status {status})"], module
         )
-    answer = json.loads(said)
-    if answer.get("problems"):
-        raise UserFunctionError(answer["problems"], module)
-    try:  # a pass is kept: the next run or plan of the same code skips the 4 s of load_model
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        kept.write_text(json.dumps(answer["reaches"]))
-    except OSError:  # a cache that cannot be written costs the next check its time, no more
-        pass
-    return {step: (reach, why) for step, (reach, why) in answer["reaches"].items()}
+    return json.loads(said)
 
 
 # Set (to anything) to check the user functions again although a pass of this very check is
