@@ -64,14 +64,12 @@ def present(engine: str, image: str, make: str) -> str:
     return image
 
 
-@pytest.fixture(params=["base", "base_torch"])
-def any_image(request, engine, image) -> str:
-    """The image on this machine's base (the real one, or the stand-in holding the venv's
-    torch), and the one on the real base's torch release (`make image-base-torch`): the job
-    tests that matter run in both, so an API of torch that steps/ uses and the real base's
-    torch lacks fails here."""
-    if request.param == "base":
-        return image
+@pytest.fixture(scope="module")
+def base_torch_image(engine) -> str:
+    """The image on the real base's torch release (`make image-base-torch`): the whole run
+    and predict are played in it, so that an API of torch that steps/ uses and that release
+    lacks fails here. The venv's own torch, which the usual image holds, runs every job of
+    the local backend's tests and the other tests here."""
     return present(engine, BASE_TORCH_IMAGE, "make image-base-torch")
 
 
@@ -155,9 +153,9 @@ def networks(engine: str) -> set[str]:
 
 
 def test_every_job_of_a_run_and_predict_run_in_the_image(
-    engine, any_image, aws_env, demo_raw, tmp_path, monkeypatch
+    engine, base_torch_image, aws_env, demo_raw, tmp_path, monkeypatch
 ):
-    image = any_image
+    image = base_torch_image
     assert not Path(IMAGE_RECORD_FILE).exists()  # this machine has no image record of its own
     before = networks(engine)
     # The run names the image by a tag of its own, which moves to another image once the run
@@ -167,10 +165,9 @@ def test_every_job_of_a_run_and_predict_run_in_the_image(
     built = json.loads(in_the_image(engine, image, f"print(open({IMAGE_RECORD_FILE!r}).read())"))
     # On one host: torch across two containers is test_fsdp_with_lora_across_two_containers's
     # case, and a second container here would add a cold training job's imports.
-    models, hosts = "bow", 1
-    if image == BASE_TORCH_IMAGE:  # the transformer too: its exports are torch's most of all
-        assert built["torch"].startswith(BASE_TORCH), built
-        models = "bow,minilm"
+    # The transformer beside bow: its exports are torch's most of all.
+    models, hosts = "bow,minilm", 1
+    assert built["torch"].startswith(BASE_TORCH), built
     exits = Exits(then=lambda: subprocess.run([engine, "tag", built["base"], tag], check=True))
     # A local STORE (the emulated jobs see it as a bucket): `smpipe predict`, a process of its
     # own with an embedded moto of its own, finds the run there.
