@@ -87,10 +87,28 @@ def check_result(result, module: str, labelled: bool = True) -> tuple[datasets.D
     to predict (`labelled` False) need no label."""
     dataset, dropped = result if isinstance(result, tuple) and len(result) == 2 else (result, {})
     where = f"{module}.reconcile"
+    # `load_dataset("csv", data_files=...)`, as the datasets docs load a file, returns a
+    # DatasetDict of one split, "train" (https://huggingface.co/docs/datasets/loading): its
+    # rows are the data. Several splits are the user's own, which the pipeline would not keep.
+    if isinstance(dataset, datasets.DatasetDict) and len(dataset) == 1:
+        (dataset,) = dataset.values()
+    if isinstance(dataset, datasets.DatasetDict):
+        raise TypeError(
+            f"{where} returned a DatasetDict of splits {list(dataset)}: return one "
+            "datasets.Dataset of every row (datasets.concatenate_datasets(list(d.values()))); "
+            "the pipeline makes its own splits ([data] TRAIN_FRACTION, VALIDATION_FRACTION)"
+        )
     if not isinstance(dataset, datasets.Dataset):
         raise TypeError(f"{where} must return a datasets.Dataset, got {type(dataset).__name__}")
     if labelled and "label" not in dataset.column_names:
-        raise ValueError(f"{where} returned no 'label' column (columns: {dataset.column_names})")
+        hint = (
+            ": rename it, dataset.rename_column('labels', 'label')"
+            if "labels" in dataset.column_names
+            else ""
+        )
+        raise ValueError(
+            f"{where} returned no 'label' column (columns: {dataset.column_names}){hint}"
+        )
     label_type = dataset.features.get("label", datasets.Value("string"))
     if not isinstance(label_type, datasets.Value | datasets.ClassLabel):
         raise TypeError(

@@ -115,6 +115,54 @@ def test_a_list_of_dropped_ids_where_the_contract_has_a_dict_is_named(store, tmp
     assert "its second value is list" in result.failure_reason
 
 
+def test_a_datasetdict_of_one_split_is_its_rows_and_of_several_is_refused(store, tmp_path):
+    """`load_dataset("csv", data_files=...)` returns a DatasetDict of one split, "train", as
+    the datasets docs show: reconcile may return it. The user's own splits are refused, naming
+    them: the pipeline makes its own."""
+    job, result = reconcile_job(store, tmp_path, """
+        import csv
+        import tempfile
+        from pathlib import Path
+
+        import datasets
+
+        def reconcile(raw_dir):
+            rows = Path(tempfile.mkdtemp()) / "rows.csv"
+            with open(rows, "w", newline="") as f:
+                csv.writer(f).writerows([["id", "text", "label"], [1, "u", "a"], [2, "v", "b"]])
+            cache = str(rows.parent / "cache")  # not the home's cache of datasets
+            return datasets.load_dataset("csv", data_files=str(rows), cache_dir=cache), {}
+    """)  # fmt: skip
+    assert result.status == "Completed", result.failure_reason
+    snapshot = json.loads(store.get_bytes(job.outputs["snapshot"] + "snapshot.json"))
+    assert snapshot["label_counts"] == {"a": 1, "b": 1}
+    job, result = reconcile_job(store, tmp_path, """
+        import datasets
+
+        def reconcile(raw_dir):
+            rows = datasets.Dataset.from_dict({"text": ["u", "v"], "label": ["a", "b"]})
+            return datasets.DatasetDict({"train": rows, "test": rows}), {}
+    """, name="splits")  # fmt: skip
+    assert result.status == "Failed"
+    assert (
+        "odd_functions.reconcile returned a DatasetDict of splits ['train', 'test']"
+        in result.failure_reason
+    )
+    assert not is_complete(store, job.outputs["snapshot"])
+
+
+def test_a_labels_column_is_named_with_the_rename_it_needs(store, tmp_path):
+    job, result = reconcile_job(store, tmp_path, """
+        import datasets
+
+        def reconcile(raw_dir):
+            return datasets.Dataset.from_dict({"text": ["u", "v"], "labels": ["a", "b"]}), {}
+    """)  # fmt: skip
+    assert result.status == "Failed"
+    assert "odd_functions.reconcile returned no 'label' column" in result.failure_reason
+    assert "dataset.rename_column('labels', 'label')" in result.failure_reason
+
+
 @pytest.mark.parametrize("exit_call", ["sys.exit(0)", "sys.exit(3)", "os._exit(0)"])
 def test_a_user_function_that_ends_the_process_fails_the_job(store, tmp_path, exit_call):
     """sys.exit() inside reconcile is a failure naming the function; os._exit(0) ends the step
