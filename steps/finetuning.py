@@ -18,7 +18,7 @@ import torch
 
 from steps.hyperparameters import asks_of_the_model
 from steps.model_files import ADAPTER
-from steps.user_code import call
+from steps.user_code import call, input_keys
 
 
 class FinetuningError(ValueError):
@@ -380,8 +380,12 @@ def check_models(functions, settings: dict[str, dict]) -> list[str]:
                 )
                 continue
             doing = f"calling {functions.module}.ordered_input_keys({name!r})"
-            keys = call(functions, "ordered_input_keys", name) if hp.get("trains", True) else []
-            missing = not_taken_by_name(model, keys if isinstance(keys, list | tuple) else [])
+            try:
+                keys = input_keys(functions, name) if hp.get("trains", True) else []
+            except ValueError as e:  # what it returned: said as it is, the other checks go on
+                problems.append(f"model {name!r}: {e}")
+                keys = []
+            missing = not_taken_by_name(model, keys)
             if missing:  # a run that trains: one of data steps alone may hold a stand-in
                 problems.append(
                     f"model {name!r}: {functions.module}.load_model's "

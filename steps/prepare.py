@@ -31,7 +31,7 @@ from steps.reconcile import label_order
 from steps.runtime import names
 from steps.runtime.environment import processing_input, processing_output
 from steps.runtime.step import run_step, write_step_metadata
-from steps.user_code import call, load_user_functions
+from steps.user_code import call, input_keys, load_user_functions
 
 
 def parse_args() -> argparse.Namespace:
@@ -247,7 +247,7 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
     inference read them whole. `<model>__length` is tokens per row, padding excluded."""
     tokenizer = call(functions, "load_tokenizer", model_name)
     identity = tokenizer_identity(tokenizer)
-    keys = list(call(functions, "ordered_input_keys", model_name))
+    keys = input_keys(functions, model_name)
     where = f"{functions.module}.encode (model {model_name!r})"
     dropped: set[str] = set()
 

@@ -57,7 +57,7 @@ from steps.training_report import (
     timed,
     write_report,
 )
-from steps.user_code import call, load_user_functions
+from steps.user_code import call, input_keys, load_user_functions
 
 
 def announce(
@@ -157,7 +157,7 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
     it: the data, the user's model, the optimizer, Accelerate's wrapping."""
     model_name = hp["model_name"]
     functions = load_user_functions(os.environ[names.USER_FUNCTIONS_VARIABLE])
-    keys = list(call(functions, "ordered_input_keys", model_name))
+    keys = input_keys(functions, model_name)
     on_gpu = env.num_gpus > 0
 
     per_device, accumulation = batch_split(hp)

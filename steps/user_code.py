@@ -123,6 +123,21 @@ def call(functions: UserFunctions, name: str, *args):
         ) from e
 
 
+def input_keys(functions: UserFunctions, model_name: str) -> list[str]:
+    """ordered_input_keys(model_name), checked: a list (or tuple) of distinct names. A bare
+    string would otherwise be read a character a key."""
+    keys = call(functions, "ordered_input_keys", model_name)
+    where = f"{functions.module}.ordered_input_keys({model_name!r})"
+    if not isinstance(keys, list | tuple) or not keys:
+        raise ValueError(
+            f"{where} returned {keys!r}: it returns the list of forward()'s input names, "
+            "such as ['input_ids', 'attention_mask']"
+        )
+    if not all(isinstance(key, str) and key for key in keys) or len(set(keys)) < len(keys):
+        raise ValueError(f"{where} returned {list(keys)!r}: each name once, as a string")
+    return list(keys)
+
+
 def local_modules(module_name: str, bases: list[Path]) -> dict[str, Path]:
     """The files the user's code is made of, as a job needs them: the module (a file, or a
     package folder) and every module beside it that it imports, from any of its files and any

@@ -296,6 +296,46 @@ def test_a_forward_that_cannot_take_the_inputs_by_name_is_refused_before_any_job
     assert check_models(functions, {"named": {**hp, "trains": False}}) == []
 
 
+BARE_KEYS = """
+import user_functions
+from user_functions import encode, load_tokenizer, reconcile  # noqa: F401
+
+
+def load_model(model_name, id2label, label2id):
+    return user_functions.load_model("bow", id2label, label2id)
+
+
+def ordered_input_keys(model_name):
+    return {"bare": "input_ids", "twice": ("input_ids", "input_ids"), "none": []}[model_name]
+"""
+
+
+def test_input_keys_that_are_not_a_list_of_names_are_refused_naming_the_function(
+    tmp_path, monkeypatch
+):
+    """A bare string (which list() would read a character a key), a name twice or no name:
+    said by the model check, naming ordered_input_keys, the model and what it returned; the
+    same check holds prepare and training (steps/user_code.py `input_keys`)."""
+    from steps.finetuning import check_models
+    from steps.hyperparameters import DEFAULTS, MODEL_SETTINGS
+    from steps.user_code import input_keys
+
+    write_module(tmp_path, "bare_keys", BARE_KEYS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    functions = load_user_functions("bare_keys")
+    hp = {key: value for key, value in DEFAULTS.items() if key in MODEL_SETTINGS}
+    assert check_models(functions, {"bare": hp, "twice": hp, "none": hp}) == [
+        "model 'bare': bare_keys.ordered_input_keys('bare') returned 'input_ids': it returns "
+        "the list of forward()'s input names, such as ['input_ids', 'attention_mask']",
+        "model 'twice': bare_keys.ordered_input_keys('twice') returned ['input_ids', "
+        "'input_ids']: each name once, as a string",
+        "model 'none': bare_keys.ordered_input_keys('none') returned []: it returns the list "
+        "of forward()'s input names, such as ['input_ids', 'attention_mask']",
+    ]
+    with pytest.raises(ValueError, match=r"ordered_input_keys\('bare'\) returned 'input_ids'"):
+        input_keys(functions, "bare")
+
+
 def test_the_driver_holds_a_run_that_trains_to_what_training_asks_and_no_other(
     tmp_path, monkeypatch, demo_raw
 ):
