@@ -89,6 +89,41 @@ def resolve(setting: str, num_gpus: int) -> Precision:
     return Precision("no", f"auto: fp32, {why}")
 
 
+def trained_weights_in_fp32(model: torch.nn.Module, precision: Precision) -> dict[str, int]:
+    """Under mixed precision, the weights that train upcast to fp32 where load_model built
+    them in bf16 or fp16 (`from_pretrained(..., dtype=torch.bfloat16)`, as the transformers
+    docs load a large model). AdamW moves a weight by about the learning rate a step, which at
+    finetuning's rates is under bf16's resolution (2**-8 of the weight) for most weights: in
+    bf16 the updates would round away. Mixed precision keeps fp32 weights for the optimizer and
+    computes in bf16 or fp16 under `autocast`, which also casts a frozen bf16 base model's
+    activations for an fp32 head; Accelerate upcasts a sharded model's on the same condition
+    (accelerate/utils/fsdp_utils.py, fsdp2_prepare_model: `mixed_precision != "no"`). Frozen
+    weights (the base model under LoRA) keep their dtype and its memory. Without mixed
+    precision nothing is cast: the model computes as built. Returns {dtype: weights upcast}."""
+    upcast: dict[str, int] = {}
+    for p in model.parameters():
+        if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16):
+            name = str(p.dtype).removeprefix("torch.")
+            upcast[name] = upcast.get(name, 0) + p.numel()
+            if precision.applied != "no":
+                p.data = p.data.float()
+    return upcast
+
+
+def low_precision_said(low: dict[str, int], precision: Precision) -> str:
+    """What `trained_weights_in_fp32` found and did, in words for the job's log."""
+    built = ", ".join(f"{n:,} trained weights in {dtype}" for dtype, n in low.items())
+    if precision.applied != "no":
+        return (
+            f"{built}: they train in fp32, computed in {precision.applied} (an optimizer step "
+            "in bf16 or fp16 would round most finetuning updates away)"
+        )
+    return (
+        f"{built}: MIXED_PRECISION applies none, so they train as built, and most finetuning "
+        "updates round away: build the model in fp32, or set [training] MIXED_PRECISION = bf16"
+    )
+
+
 def autocast(precision: Precision, device: str = "cpu"):
     """The context a forward pass runs in: autocast to bf16 or fp16, or nothing for fp32.
 

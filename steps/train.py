@@ -32,7 +32,7 @@ from steps.export import logits_of
 from steps.finetuning import Finetuning, check_blocks, prepare, skeleton
 from steps.hyperparameters import parse_hyperparameters
 from steps.metrics import metric_line
-from steps.precision import Precision
+from steps.precision import Precision, low_precision_said, trained_weights_in_fp32
 from steps.prepared_files import read_encoding
 from steps.runtime import names
 from steps.runtime.environment import TrainingEnv, training_env
@@ -173,7 +173,10 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
     # We build the model after seeding so that the seed also controls new weights' initialization.
     with timed("model"):
         model, finetuning = user_model(functions, hp, id2label)
-
+        low = trained_weights_in_fp32(model, precision)
+    if low and accelerator.is_main_process:
+        said = low_precision_said(low, precision)
+        print(f"{functions.module}.load_model({model_name!r}, ...) built {said}")
     sampler, train_loader = loader_for(train, hp, per_device, accumulation, accelerator, on_gpu)
     total_steps = sampler.steps_per_epoch * hp["epochs"]
     total_steps = min(total_steps, hp["max_steps"] or total_steps)

@@ -7,6 +7,7 @@ compute in what it resolves to."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -186,3 +187,75 @@ def test_gpus_torch_cannot_use_stop_the_job_saying_why_and_what_to_do(monkeypatc
     assert said.startswith(f"this host has 4 GPU(s), and torch {torch.__version__} (CUDA ")
     assert "The NVIDIA driver on your system is too old (found version 11040)" in said
     assert "forward-compatibility package" in said
+
+
+def test_trained_weights_built_in_bf16_train_in_fp32_and_frozen_ones_keep_their_dtype():
+    """A model load_model built in bf16 (`from_pretrained(..., dtype=torch.bfloat16)`): under
+    mixed precision its trained weights are upcast, its frozen ones (a LoRA base) stay bf16;
+    without, nothing is cast. In bf16 an AdamW step at a finetuning rate would leave the
+    weights as they were."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 2)).bfloat16()
+    model[0].weight.requires_grad_(False)
+    with torch.no_grad():
+        model[1].weight.uniform_(0.25, 1.0)  # bf16's step there: 2**-9 to 2**-7
+    kept_bf16 = torch.nn.Linear(4, 2).bfloat16()
+    kept_bf16.load_state_dict(model[1].state_dict())
+
+    fp32, bf16 = precision.Precision("no", "test"), precision.Precision("bf16", "test")
+    assert precision.trained_weights_in_fp32(model, fp32) == {"bfloat16": 4 * 2 + 2}
+    assert model[1].weight.dtype == torch.bfloat16  # without mixed precision: as built
+    assert precision.trained_weights_in_fp32(model, bf16) == {"bfloat16": 4 * 2 + 2}
+    assert model[1].weight.dtype == torch.float32 and model[1].bias.dtype == torch.float32
+    assert model[0].weight.dtype == torch.bfloat16
+    assert precision.trained_weights_in_fp32(model, bf16) == {}  # nothing left to upcast
+
+    def step(linear: torch.nn.Linear) -> torch.Tensor:
+        before = linear.weight.detach().float().clone()
+        optimizer = torch.optim.AdamW(linear.parameters(), lr=2e-5, weight_decay=0.0)
+        x = torch.randn(16, 4, dtype=linear.weight.dtype)
+        linear(x).sum().backward()
+        optimizer.step()
+        return linear.weight.detach().float() != before
+
+    assert step(model[1]).all()  # every fp32 weight moved
+    assert not step(kept_bf16).any()  # every bf16 update rounded away
+
+
+BF16_FUNCTIONS = """
+import torch
+
+import user_functions
+from user_functions import encode, load_tokenizer, ordered_input_keys, reconcile  # noqa: F401
+
+
+def load_model(model_name, id2label, label2id):
+    return user_functions.load_model(model_name, id2label, label2id).to(torch.bfloat16)
+"""
+
+
+@pytest.mark.parametrize("cpu", ["native", "none"])
+def test_a_job_whose_model_was_built_in_bf16_says_how_it_trains_it(tmp_path, cpu):
+    """Under bf16 mixed precision (a CPU that computes bf16) its weights train in fp32; on a
+    CPU without, MIXED_PRECISION = auto applies none, and the job says what that costs and
+    what to do. Either way it trains."""
+    from tests.jobs.prepared import write_small_splits
+    from tests.test_resume import HPS, job_root, run_to_end
+
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code/bf16_functions.py").write_text(BF16_FUNCTIONS)
+    splits = write_small_splits(tmp_path / "prepared")
+    root, env = job_root(tmp_path / "job", splits, {**HPS, "epochs": "1"})
+    env = {**env, "SMPIPE_USER_FUNCTIONS": "bf16_functions", CPU_BF16_VARIABLE: cpu,
+           "PYTHONPATH": f"{env['PYTHONPATH']}:{tmp_path / 'code'}"}  # fmt: skip
+    out = run_to_end(env)
+    said = re.findall(r"^bf16_functions\.load_model\('bow', \.\.\.\) built (.*)$", out, re.M)
+    how = (
+        "they train in fp32, computed in bf16 (an optimizer step in bf16 or fp16 would round "
+        "most finetuning updates away)"
+        if cpu == "native"
+        else "MIXED_PRECISION applies none, so they train as built, and most finetuning "
+        "updates round away: build the model in fp32, or set [training] MIXED_PRECISION = bf16"
+    )
+    assert said == [f"3,907,203 trained weights in bfloat16: {how}"], out[-3000:]
+    assert (root / "model/model.safetensors").exists(), out[-3000:]
