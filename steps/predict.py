@@ -31,7 +31,7 @@ from steps.batching import Batches, length_column, read_inputs
 from steps.inference import load_program, run_batches
 from steps.model_files import RECORD, read_record
 from steps.precision import Precision, resolve
-from steps.prepare import check_cut, clip_limits, encode_cut, tokenizer_identity
+from steps.prepare import capped, check_cut, clip_limits, encode_cut, tokenizer_identity
 from steps.prepared_files import read_encoding
 from steps.runtime import names
 from steps.runtime.environment import processing_input, processing_output
@@ -117,6 +117,7 @@ def load_encoder(name: str, keys: list[str], encoding: dict) -> Encoder:
             f"{recorded['sha256']} for {recorded.get('name_or_path')!r}): the model would be "
             "given ids it was not trained on"
         )
+    tokenizer = capped(tokenizer, encoding["max_length"])  # as prepare gave it to encode
     where = f"{functions.module}.encode (model {name!r})"
     return Encoder(functions, tokenizer, name, keys, encoding["max_length"], where)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import hashlib
 import json
 import math
@@ -247,6 +248,7 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
     inference read them whole. `<model>__length` is tokens per row, padding excluded."""
     tokenizer = call(functions, "load_tokenizer", model_name)
     identity = tokenizer_identity(tokenizer)
+    tokenizer = capped(tokenizer, max_length)
     keys = input_keys(functions, model_name)
     where = f"{functions.module}.encode (model {model_name!r})"
     dropped: set[str] = set()
@@ -358,10 +360,29 @@ def report_and_check(
     check_cut(lengths, max_length, where)
 
 
+def capped(tokenizer, max_length: int):
+    """The tokenizer as encode gets it: a copy whose `model_max_length` is MAX_SEQUENCE_LENGTH,
+    so that the transformers tutorials' encode, `tokenizer(batch["text"], truncation=True)`
+    (docs/transformers tasks/sequence_classification), truncates there and
+    `padding="max_length"` pads there, as they do at `model_max_length` when given no
+    `max_length` (tokenization_utils_base.py, `_get_padding_truncation_strategies`). A
+    `max_length` encode passes still rules. A copy: the object load_tokenizer returned (which
+    it may cache and share) is left as it was; a tokenizer without the attribute, or one that
+    cannot be copied, is given as it is."""
+    limit = getattr(tokenizer, "model_max_length", None)
+    if not isinstance(limit, int) or limit <= max_length:
+        return tokenizer
+    try:
+        own = copy.copy(tokenizer)
+        own.model_max_length = max_length
+    except Exception:  # noqa: BLE001 - a tokenizer of the user's own: encode gets it as it is
+        return tokenizer
+    return own
+
+
 def check_cut(lengths, max_length: int, where: str) -> None:
     """A row longer than MAX_SEQUENCE_LENGTH refused, naming encode: it did not truncate there
-    (the tutorials' `padding="max_length"` without `max_length` truncates at the model's
-    512)."""
+    (no `truncation=True`, or a larger `max_length` than the one it is given)."""
     if len(lengths) and max(lengths) > max_length:
         raise ValueError(
             f"{where} returned rows of up to {max(lengths)} tokens; MAX_SEQUENCE_LENGTH is "

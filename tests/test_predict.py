@@ -844,16 +844,15 @@ def test_predict_truncates_long_texts_before_encode_as_prepare_does():
 
 
 def test_an_encode_that_does_not_cut_at_max_length_is_named_for_the_rows_it_makes_too_long():
-    """The tutorials' `tokenizer(texts, padding="max_length", truncation=True)` cuts at the
-    model's 512 tokens, not at MAX_SEQUENCE_LENGTH: a run whose rows were all short passed
-    prepare; predict then says what prepare would have said, for each longer row, and
-    predicts the rest."""
+    """An encode that truncates at a length of its own, 512 tokens, not at MAX_SEQUENCE_LENGTH:
+    a run whose rows were all short passed prepare; predict then says what prepare would have
+    said, for each longer row, and predicts the rest."""
     import user_functions
     from steps.predict import Encoder, encode_rows
     from steps.user_code import load_user_functions
 
     def encode(batch, tokenizer, model_name, max_length):
-        return tokenizer(batch["text"], padding="max_length", truncation=True)
+        return tokenizer(batch["text"], truncation=True, max_length=512)
 
     functions = dataclasses.replace(load_user_functions("user_functions"), encode=encode)
     tokenizer = user_functions.load_tokenizer("bow")

@@ -136,3 +136,26 @@ def test_a_row_encode_refuses_is_found_alone_with_its_texts_cut():
         "rows and say why in its second value)"
     )
     assert max(given) <= 2 * 4096, given  # clip_limits' probes at most; never the 360,000
+
+
+def test_the_tutorials_encode_truncates_and_pads_at_max_sequence_length():
+    """`tokenizer(batch["text"], truncation=True)`, as the transformers tutorials encode, passes
+    no max_length: the tokenizer encode is given truncates at MAX_SEQUENCE_LENGTH (its
+    `model_max_length`), its special tokens kept, as `max_length=max_length` would; with
+    `padding="max_length"` it pads there too. The tokenizer load_tokenizer returned is left as
+    it was; predict gives encode the same tokenizer (steps/predict.py `load_encoder`)."""
+
+    def tutorial(batch, tok, model_name, max_length):
+        return tok(batch["text"], truncation=True)
+
+    def padded(batch, tok, model_name, max_length):
+        return tok(batch["text"], truncation=True, padding="max_length")
+
+    out, _, _ = encode_for(rows(), functions(tutorial), "m", MAX_LENGTH)
+    explicit, _, _ = encode_for(rows(), functions(by_tokenizer), "m", MAX_LENGTH)
+    assert [ids(out, i) for i in range(3)] == [ids(explicit, i) for i in range(3)]
+    assert len(ids(out, 1)) == MAX_LENGTH and ids(out, 1)[-1] == tokenizer().sep_token_id
+    out, _, _ = encode_for(rows(), functions(padded), "m", MAX_LENGTH)
+    assert {len(ids(out, i)) for i in range(3)} == {MAX_LENGTH}
+    assert out["m__length"] == [len(ids(explicit, i)) for i in range(3)]  # padding left out
+    assert tokenizer().model_max_length == 512
