@@ -205,7 +205,9 @@ def trained_model(directory: Path, model_name: str, record: dict) -> torch.nn.Mo
     else:
         from safetensors.torch import load_model
 
-        load_model(model, str(directory / "model.safetensors"))
+        # Into fp32 weights, as they were saved: a model load_model builds in bf16 would
+        # round them on the way in.
+        load_model(model.float(), str(directory / "model.safetensors"))
     return model.float().eval().cpu()
 
 

@@ -259,3 +259,29 @@ def test_a_job_whose_model_was_built_in_bf16_says_how_it_trains_it(tmp_path, cpu
     )
     assert said == [f"3,907,203 trained weights in bfloat16: {how}"], out[-3000:]
     assert (root / "model/model.safetensors").exists(), out[-3000:]
+
+
+def test_weights_trained_in_fp32_load_whole_into_a_model_built_in_bf16(tmp_path, monkeypatch):
+    """The export job (after tuning) loads the saved fp32 weights into what load_model builds:
+    built in bf16, they are loaded as saved, not rounded to bf16 first."""
+    from safetensors.torch import save_model
+
+    from steps.export import trained_model
+    from steps.runtime.names import USER_FUNCTIONS_VARIABLE
+
+    (tmp_path / "bf16_functions.py").write_text(BF16_FUNCTIONS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(USER_FUNCTIONS_VARIABLE, "bf16_functions")
+    import user_functions
+
+    id2label = {0: "a", 1: "b"}
+    saved = user_functions.load_model("bow", id2label, {"a": 0, "b": 1})
+    with torch.no_grad():
+        for p in saved.parameters():
+            p.add_(1e-4)  # fp32 values bf16 cannot hold
+    save_model(saved, str(tmp_path / "model.safetensors"))
+    loaded = trained_model(tmp_path, "bow", {"id2label": {"0": "a", "1": "b"}})
+    got = loaded.state_dict()
+    assert got.keys() == saved.state_dict().keys()
+    for name, want in saved.state_dict().items():
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], want), name
