@@ -353,6 +353,23 @@ def positions_embedded(model: torch.nn.Module) -> tuple[int, str] | None:
     return min(found) if found else None
 
 
+def input_problems(functions, name: str, model: torch.nn.Module) -> list[str]:
+    """What ordered_input_keys returns, checked (steps/user_code.py `input_keys`), and against
+    the arguments of the model's forward: training calls it with each input by name."""
+    try:
+        keys = input_keys(functions, name)
+    except ValueError as e:  # what it returned, said as it is
+        return [f"model {name!r}: {e}"]
+    missing = not_taken_by_name(model, keys)
+    if not missing:
+        return []
+    return [
+        f"model {name!r}: {functions.module}.load_model's {type(model).__name__}.forward() takes "
+        f"no argument named {', '.join(map(repr, missing))}, which ordered_input_keys names: "
+        "training calls forward with each input by that name"
+    ]
+
+
 def check_models(functions, settings: dict[str, dict]) -> list[str]:
     """Before any job: every model of MODEL_NAMES built by the user's load_model on the meta
     device (Accelerate's init_empty_weights: no memory is allocated for the weights, so a 7B
@@ -380,19 +397,8 @@ def check_models(functions, settings: dict[str, dict]) -> list[str]:
                 )
                 continue
             doing = f"calling {functions.module}.ordered_input_keys({name!r})"
-            try:
-                keys = input_keys(functions, name) if hp.get("trains", True) else []
-            except ValueError as e:  # what it returned: said as it is, the other checks go on
-                problems.append(f"model {name!r}: {e}")
-                keys = []
-            missing = not_taken_by_name(model, keys)
-            if missing:  # a run that trains: one of data steps alone may hold a stand-in
-                problems.append(
-                    f"model {name!r}: {functions.module}.load_model's "
-                    f"{type(model).__name__}.forward() takes no argument named "
-                    f"{', '.join(map(repr, missing))}, which ordered_input_keys names: training "
-                    "calls forward with each input by that name"
-                )
+            if hp.get("trains", True):  # a run of data steps alone may hold a stand-in model
+                problems += input_problems(functions, name, model)
             embedded, max_length = positions_embedded(model), hp.get("max_sequence_length")
             if embedded and max_length and max_length > embedded[0]:
                 problems.append(

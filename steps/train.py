@@ -91,9 +91,12 @@ def read_data(env: TrainingEnv, model_name: str, keys: list[str], multiple_of: i
     return id2label, inputs, max_length, train, val
 
 
-def user_model(functions, hp: dict, id2label: dict[int, str]) -> tuple[torch.nn.Module, Finetuning]:
+def user_model(
+    functions, hp: dict, id2label: dict[int, str], precision: Precision, say: bool
+) -> tuple[torch.nn.Module, Finetuning]:
     """The user's load_model, checked to be a torch module, made ready for what of it trains
-    (steps/finetuning.py)."""
+    (steps/finetuning.py), its trained weights in fp32 under mixed precision (`say`: the main
+    process says so)."""
     model_name, label2id = hp["model_name"], {v: k for k, v in id2label.items()}
     model = call(functions, "load_model", model_name, id2label, label2id)
     if not isinstance(model, torch.nn.Module):
@@ -107,7 +110,12 @@ def user_model(functions, hp: dict, id2label: dict[int, str]) -> tuple[torch.nn.
         # config.json it is saved with names them as the data does, for whoever loads it
         # (pipeline("text-classification") reports config.id2label's names).
         config.id2label, config.label2id = dict(id2label), dict(label2id)
-    return prepare(model, hp, len(id2label), functions.module)
+    model, finetuning = prepare(model, hp, len(id2label), functions.module)
+    low = trained_weights_in_fp32(model, precision)
+    if low and say:
+        said = low_precision_said(low, precision)
+        print(f"{functions.module}.load_model({model_name!r}, ...) built {said}")
+    return model, finetuning
 
 
 def training_state(accelerator, model, optimizer, scheduler, sampler, hp, env) -> ckpt.State:
@@ -172,11 +180,10 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
         id2label, inputs, max_length, train, val = read_data(env, model_name, keys, multiple_of)
     # We build the model after seeding so that the seed also controls new weights' initialization.
     with timed("model"):
-        model, finetuning = user_model(functions, hp, id2label)
-        low = trained_weights_in_fp32(model, precision)
-    if low and accelerator.is_main_process:
-        said = low_precision_said(low, precision)
-        print(f"{functions.module}.load_model({model_name!r}, ...) built {said}")
+        model, finetuning = user_model(
+            functions, hp, id2label, precision, accelerator.is_main_process
+        )
+
     sampler, train_loader = loader_for(train, hp, per_device, accumulation, accelerator, on_gpu)
     total_steps = sampler.steps_per_epoch * hp["epochs"]
     total_steps = min(total_steps, hp["max_steps"] or total_steps)
