@@ -140,10 +140,15 @@ class Models(Section):
             raise ValueError(f"model names repeat: {value}")
         # A model's name also names environment variables (SM_CHANNEL_..., SM_HP_...), upper
         # case, where '-' and '_' are one character: two names must not meet there.
-        keys = {}
+        # Nor in job names, where every run of other characters is one '-', none at either end
+        # (pipeline/jobs.py `_clean`, which imports this module): "0" and "0-" name one job.
+        keys, parts = {}, {}
         for name in value:
             keys.setdefault(env_key(name), []).append(name)
-        clashes = [names for names in keys.values() if len(names) > 1]
+            part = re.sub(r"[^a-zA-Z0-9]+", "-", name).strip("-")
+            parts.setdefault(part, []).append(name)
+        clashes = [names for names in (*keys.values(), *parts.values()) if len(names) > 1]
+        clashes = [list(c) for c in dict.fromkeys(tuple(c) for c in clashes)]
         if clashes:
             raise ValueError(f"model names differ only in case, '-' and '_': {clashes}")
         return value

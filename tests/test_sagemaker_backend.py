@@ -215,6 +215,9 @@ def test_model_names_that_meet_as_environment_keys_are_refused(tmp_path, bucket)
         ConfigError, match=r"differ only in case, '-' and '_': \[\['bert', 'BERT'\]\]"
     ):
         sagemaker_settings(tmp_path, bucket, models={"MODEL_NAMES": "bert,BERT"})
+    # In job names a trailing '-' goes: "0" and "0-" would name one job (found by Hypothesis).
+    with pytest.raises(ConfigError, match=r"differ only in case, '-' and '_': \[\['0', '0-'\]\]"):
+        sagemaker_settings(tmp_path, bucket, models={"MODEL_NAMES": "0,0-"})
     with pytest.raises(ConfigError, match="MAX_WAIT_SECONDS .* must be at least MAX_RUN_SECONDS"):
         sagemaker_settings(
             tmp_path, bucket, training={"MAX_RUN_SECONDS": "7200", "MAX_WAIT_SECONDS": "3600"}
