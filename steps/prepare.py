@@ -239,10 +239,18 @@ def fast_definition(backend) -> str:
             backend.enable_padding(**padding)
 
 
-def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length: int):
+def encode_for(
+    dataset: datasets.Dataset,
+    functions,
+    model_name: str,
+    max_length: int,
+    given: list[str] | None = None,
+):
     """The user's encode over every row, in batches, checked; the model's columns prefixed with
     its name plus `<model>__length`, what training needs to pad them (keys, padding values),
-    and which tokenizer encoded them. One pass over the rows, each check beside the part of
+    and how its rows were encoded: which tokenizer, and which of the columns `given`
+    (reconcile's, label and id aside; by default every column but those) encode reads
+    (columns_read). One pass over the rows, each check beside the part of
     the encoding it protects. Rows are cut to `max_length` tokens here, once ([data]
     MAX_SEQUENCE_LENGTH, recorded in encoding.json: steps/prepared_files.py): training and
     inference read them whole. `<model>__length` is tokens per row, padding excluded."""
@@ -296,7 +304,42 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
     dataset = dataset.with_format(None)
     info = padding_info(dataset, tokenizer, keys, model_name)
     report_and_check(dataset, model_name, keys, max_length, where, dropped)
-    return dataset, info, identity
+    if given is None:
+        given = [c for c in dataset.column_names if c not in ("label", "label_id", "id")]
+    probe = clip(dataset.select_columns(given)[:PROBE_ROWS], limits)
+    reads = columns_read(user_encode, probe, keys, where)
+    return dataset, info, {"tokenizer": identity, "reads": reads}
+
+
+PROBE_ROWS = 8  # rows encode is given, each column left out in turn, to learn what it reads
+
+
+def columns_read(user_encode, batch: dict, keys: list[str], where: str) -> list[str]:
+    """The columns of `batch` that encode reads, which predict must be given (steps/predict.py):
+    each column left out in turn, a column is read when encode then raises or returns anything
+    else. An unused column (an html page, a pandas index) is then not asked of predict's
+    INPUT, whatever it holds. When encode cannot encode the rows whole, every column is."""
+    if not batch:
+        return []
+    rows = len(next(iter(batch.values())))
+
+    def encoded(columns: dict) -> dict:
+        out, _, _ = check_encoded(user_encode(columns), rows, keys, where)
+        return {k: v.to_pylist() for k, v in out.items()}
+
+    try:
+        whole = encoded(batch)
+    except (RuntimeError, ValueError, TypeError):
+        return list(batch)
+    reads = []
+    for column in batch:
+        try:
+            same = encoded({k: v for k, v in batch.items() if k != column}) == whole
+        except (RuntimeError, ValueError, TypeError):  # KeyError, inside `call`
+            same = False
+        if not same:
+            reads.append(column)
+    return reads
 
 
 def first_refused(user_encode, batch, rows: int, indices: list[int]) -> str:
@@ -410,10 +453,11 @@ def main() -> None:
     # Split first: a data set that cannot be split is refused before any text is encoded.
     splits = stratified_split(dataset["label_id"], id2label, args)
     inputs: dict[str, dict] = {}
-    tokenizers: dict[str, dict] = {}
+    encoded: dict[str, dict] = {}
+    given = [c for c in snapshot.column_names if c not in ("label", "id")]
     for model_name in model_names:
-        dataset, inputs[model_name], tokenizers[model_name] = encode_for(
-            dataset, functions, model_name, args.max_length
+        dataset, inputs[model_name], encoded[model_name] = encode_for(
+            dataset, functions, model_name, args.max_length, given
         )
     sizes = {}
     for name, indices in splits.items():
@@ -424,7 +468,7 @@ def main() -> None:
         json.dumps({str(k): v for k, v in id2label.items()}, indent=2)
     )
     write_inputs(processing_output("labels"), inputs)
-    encoding = encoding_record(args.max_length, tokenizers)
+    encoding = encoding_record(args.max_length, encoded)
     write_encoding(processing_output("labels"), encoding)
     print(f"splits: {sizes}; labels: {id2label}")
     write_step_metadata(

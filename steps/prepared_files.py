@@ -2,7 +2,8 @@
 length from it, and the driver compares it with the settings before reusing the data.
 
     labels/encoding.json  {"max_length": 128,
-                           "models": {"minilm": {"tokenizer": {"name_or_path", "class", "sha256"}}}}
+                           "models": {"minilm": {"tokenizer": {"name_or_path", "class", "sha256"},
+                                                 "reads": ["text"]}}}
 
 Light on imports: the driver reads it too.
 """
@@ -15,14 +16,15 @@ from pathlib import Path
 ENCODING = "encoding.json"  # in prepare's `labels` output, beside id2label.json
 
 
-def encoding_record(max_length: int, tokenizers: dict[str, dict]) -> dict:
-    """What encoding.json holds: the length rows were cut to, and each model's tokenizer. A
+def encoding_record(max_length: int, models: dict[str, dict]) -> dict:
+    """What encoding.json holds: the length rows were cut to, and for each model its tokenizer
+    and the columns its encode reads (what predict asks of INPUT). A
     length belongs to the data it shaped (nanoGPT keeps block_size in its checkpoint): rows are
     cut once, by prepare, at `max_length` tokens ([data] MAX_SEQUENCE_LENGTH), and nothing after
     truncates them again."""
     return {
         "max_length": int(max_length),
-        "models": {model: {"tokenizer": identity} for model, identity in tokenizers.items()},
+        "models": models,
     }
 
 
@@ -40,6 +42,13 @@ def parse_encoding(text: str | bytes, where: str = ENCODING) -> dict:
     if not isinstance(length, int) or isinstance(length, bool) or length < 1:
         raise ValueError(f"{where} records no max_length (got {length!r}); run prepare again")
     return record
+
+
+def recorded_reads(record: dict, model: str) -> list[str] | None:
+    """The columns `model`'s encode reads, as prepare recorded them; None for data prepared
+    before they were."""
+    reads = ((record.get("models") or {}).get(model) or {}).get("reads")
+    return list(reads) if isinstance(reads, list) else None
 
 
 def read_encoding(directory: Path) -> dict:

@@ -48,9 +48,21 @@ FUNCTIONS = """
 import os
 import time
 
+import datasets
+
 from user_functions import encode as demo_encode
-from user_functions import load_tokenizer, ordered_input_keys, reconcile  # noqa: F401
+from user_functions import load_tokenizer, ordered_input_keys  # noqa: F401
+from user_functions import reconcile as demo_reconcile
 from user_functions.baseline import BagOfEmbeddings
+
+
+def reconcile(raw_dir):
+    # As many a reconcile ends: through pandas, shuffled (so from_pandas keeps the index, as
+    # `__index_level_0__`), with a number encode never reads. Predict asks for neither.
+    dataset, dropped = demo_reconcile(raw_dir)
+    frame = dataset.to_pandas().sample(frac=1, random_state=0)
+    frame["words"] = frame["text"].str.split().str.len()
+    return datasets.Dataset.from_pandas(frame), dropped
 
 
 def encode(batch, tokenizer, model_name, max_length):
@@ -68,7 +80,8 @@ TREE = ExperimentTree("test-exp")
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Run 1: bow and bow32, every step; run 2: bow alone, trained two epochs on run 1's data."""
+    """Run 1: bow and bow32, every step; run 2: bow alone, trained two epochs on run 1's data.
+    Its reconcile returns two columns encode never reads (FUNCTIONS)."""
     from user_functions.demo_data import write_demo
 
     root = tmp_path_factory.mktemp("predict")
@@ -87,6 +100,12 @@ def trained(tmp_path_factory):
         settings = load_settings(path, env=env)
         record = run_pipeline(settings, store, parse_steps(steps), echo=io.StringIO())
         assert record["status"] == "completed"
+    encoding = json.loads(
+        (root / "store" / TREE.data(1).split("labels") / "encoding.json").read_text()
+    )
+    snapshot = json.loads((root / "store" / TREE.data(1).snapshot_info).read_text())
+    assert {"words", "__index_level_0__"} < set(snapshot["columns"])
+    assert [m["reads"] for m in encoding["models"].values()] == [["text"], ["text"]]
     test = read_split(root / "store" / TREE.data(1).split("test"))
     texts = pd.DataFrame(
         {"id": test.column("id").to_pylist(), "text": test.column("text").to_pylist()}
@@ -307,7 +326,9 @@ def test_jsonl_with_run_and_model_reports_malformed_lines(trained, tmp_path):
     store, texts = trained["store"], trained["texts"]
     loser = ({"bow", "bow32"} - {winner_of(store, 1)}).pop()
     source = tmp_path / "texts.jsonl"
-    lines = [json.dumps({"id": i, "text": t}) for i, t in texts.itertuples(index=False)]
+    # A column encode never read, given anyway as a number and as nothing, is passed over.
+    lines = [json.dumps({"id": i, "text": t, "words": [None, 3][n % 2]})
+             for n, (i, t) in enumerate(texts.itertuples(index=False))]  # fmt: skip
     lines[2:2] = ['{"id": "number", "text": 12}', "not json", "", '["a list"]']
     source.write_text("\n".join(lines) + "\n")
     settings = load_settings(trained["settings"], env={})
@@ -328,6 +349,13 @@ def test_jsonl_with_run_and_model_reports_malformed_lines(trained, tmp_path):
     assert_same_as_inference(
         out[out["error"].isna()].reset_index(drop=True), inference_of(store, 1, loser)
     )
+    # No row that can be predicted: OUTPUT says why for each, and the command exits 1.
+    (tmp_path / "bad.jsonl").write_text('{"text": 1}\n{"text": "  "}\n')
+    assert cli_predict(trained, str(tmp_path / "bad.jsonl"), str(tmp_path / "bad.csv")) == 1
+    assert list(pd.read_csv(tmp_path / "bad.csv")["error"]) == [
+        "line 1: 'text' is a number, not text",
+        "empty text in column 'text'",
+    ]
 
 
 @pytest.mark.slow
@@ -354,7 +382,7 @@ def test_every_problem_is_said_before_anything_runs(trained, tmp_path, capsys):
     assert "--model bow32: run 0002 trained no model 'bow32' (its models: bow)" in said
     with pytest.raises(
         PredictError,
-        match=r"has no column 'text' \(it has \['id', 'body'\]\): predict gives the run's encode the columns reconcile returned",
+        match=r"has no column 'text' \(it has \['id', 'body'\]\): predict gives the run's encode the columns it read of the run's data \(text\)",
     ):
         predict(settings, store, source, tmp_path / "out.csv")  # fmt: skip
     # The command says so, and exits 2, as for settings that are wrong.
@@ -649,6 +677,11 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_job(trained, tmp_
         predict(settings, store, folder, folder / "out.csv")
     (tmp_path / "link.csv").symlink_to(tmp_path / "elsewhere.csv")
     refused(tmp_path / "link.csv", f"OUTPUT {tmp_path / 'link.csv'} is a symbolic link")
+    (tmp_path / "out.dir.csv").mkdir()
+    refused(
+        tmp_path / "out.dir.csv",
+        f"OUTPUT {tmp_path / 'out.dir.csv'} is a folder: predict writes one file",
+    )
     if os.geteuid() != 0:  # root writes into a folder of mode 0555 all the same
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o555)

@@ -159,3 +159,21 @@ def test_the_tutorials_encode_truncates_and_pads_at_max_sequence_length():
     assert {len(ids(out, i)) for i in range(3)} == {MAX_LENGTH}
     assert out["m__length"] == [len(ids(explicit, i)) for i in range(3)]  # padding left out
     assert tokenizer().model_max_length == 512
+
+
+def test_the_columns_encode_reads_are_found_for_predict():
+    """Each column left out in turn: encode failing (a KeyError) or returning otherwise reads
+    it. Recorded in encoding.json: predict asks its INPUT for those columns alone."""
+
+    def pair(batch, tok, model_name, max_length):
+        return tok(batch["html"], batch["text"], truncation=True, max_length=max_length)
+
+    def either(batch, tok, model_name, max_length):  # an html column, when there is one
+        texts = batch["html"] if "html" in batch else batch["text"]
+        return tok(texts, truncation=True, max_length=max_length)
+
+    found = {
+        encode.__name__: encode_for(rows(), functions(encode), "m", MAX_LENGTH)[2]["reads"]
+        for encode in (by_tokenizer, pair, either)
+    }
+    assert found == {"by_tokenizer": ["text"], "pair": ["html", "text"], "either": ["html"]}

@@ -208,6 +208,12 @@ def test_prune_removes_only_bulky_files_and_records_it(store_at, tmp_path, capsy
     assert pruned["removed_bytes"] == sum(BULKY.values()) and pruned["keep"] == 2
     assert pruned["removed"]["checkpoints/"] == CHECKPOINT_BYTES
     assert pruned["removed"]["models/bow/model/"] == 18_300  # weights, exports, manifest
+    # `smpipe predict` with its model says why it is gone.
+    from pipeline.predict.checks import choose
+
+    problems = choose(load_settings(path, env={}), store, 1, "bow")[1]
+    assert "model 'bow' of run 0001 is no longer complete at " in problems[0]
+    assert f"(the run was pruned at {pruned['time']}: smpipe prune)" in problems[0]
     # The size column says what is left; a second prune finds nothing more to remove.
     left = size_of(store, runs[0])
     assert left < whole - sum(BULKY.values()) + 1000

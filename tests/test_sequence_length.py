@@ -37,7 +37,7 @@ def test_the_record_is_read_back_or_its_absence_said(tmp_path):
     (tmp_path / ENCODING).write_text(json.dumps({"models": {}}))
     with pytest.raises(ValueError, match="records no max_length"):
         read_encoding(tmp_path)
-    record = encoding_record(64, {"m": {"name_or_path": "x", "class": "y"}})
+    record = encoding_record(64, {"m": {"tokenizer": {"name_or_path": "x", "class": "y"}}})
     assert parse_encoding(json.dumps(record).encode()) == {
         "max_length": 64,
         "models": {"m": {"tokenizer": {"name_or_path": "x", "class": "y"}}},
@@ -60,6 +60,8 @@ def test_prepare_records_the_length_and_each_tokenizer_beside_the_data(tmp_path,
 
     record = read_encoding(tmp_path / "labels")
     assert record["max_length"] == 16 and set(record["models"]) == {"minilm", "bow"}
+    # The columns of the snapshot each model's encode read, id and label aside: predict's.
+    assert [record["models"][m]["reads"] for m in ("minilm", "bow")] == [["text"], ["text"]]
     tokenizer = record["models"]["minilm"]["tokenizer"]
     assert tokenizer["name_or_path"].endswith("model") and tokenizer["class"].startswith(
         "transformers."

@@ -185,12 +185,17 @@ def compare_command(args) -> int:
     for run, models in result["only_in"].items():
         if models and result["comparable"]:
             console.print(f"only run {run} tested {', '.join(models)}")
-    if result["settings"]:
-        console.print(f"settings that differ (run {a} -> run {b}):")
-        for line in result["settings"]:
-            console.print(f"  {line}")
-    else:
-        console.print(f"runs {a} and {b} ran with the same settings")
+    for what, differ, lines in (
+        ("settings", "settings that differ", result["settings"]),
+        ("user code", "files of their code/ that differ", result["code"]),
+    ):
+        if lines:
+            console.print(f"{differ} (run {a} -> run {b}):")
+            console.print("\n".join(f"  {line}" for line in lines))
+        elif lines is None:
+            console.print(f"the code of run {a} or {b} is no longer in the store")
+        else:
+            console.print(f"runs {a} and {b} ran with the same {what}")
     if not result["comparable"]:
         print(
             f"error: not comparing the metrics of runs {a} and {b}: {result['why']}",
@@ -294,7 +299,7 @@ def predict_command(args) -> int:
         )
     if args.quiet:
         print(f"{record['predicted']:,} of {record['rows']:,} rows predicted: {record['output']}")
-    return 0
+    return 0 if record["predicted"] else 1  # no row predicted: OUTPUT's `error` says why
 
 
 # `plan` is `run --dry-run` (parser.py sets dry_run).

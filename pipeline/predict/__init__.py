@@ -305,6 +305,8 @@ def say_done(record: dict) -> None:
         f"from: {record['output']}.json)"
     )
     log.info(cost.as_text(record["cost"]))
+    if not record["predicted"]:
+        log.error(f"no row of {record['input']} could be predicted; each one's reason is below")
     if record["malformed"]:
         shown = "; ".join(f"{r['id']}: {r['error']}" for r in bad[:5])
         more = f"; {record['malformed'] - 5:,} more" if record["malformed"] > 5 else ""

@@ -30,6 +30,7 @@ from pipeline.store import (
     is_complete,
 )
 from steps.model_files import EXPORTS
+from steps.prepared_files import ENCODING, parse_encoding, recorded_reads
 
 
 class PredictError(ConfigError):
@@ -110,6 +111,24 @@ def snapshot_columns(store: Store, data: DataTree) -> list[str] | None:
     return None
 
 
+def columns_given(store: Store, data: DataTree | None, model: str) -> list[str]:
+    """The columns predict gives the model's encode: those prepare found it reads
+    (steps/prepare.py `columns_read`); for data prepared before that was recorded, every column
+    reconcile returned, label and id aside; for data whose snapshot is not found, `text`, the
+    column the contract's encode reads."""
+    if data is None:
+        return [TEXT]
+    where = data.split("labels") + ENCODING
+    try:
+        reads = recorded_reads(parse_encoding(store.get_bytes(where)), model)
+    except (NotFound, ValueError):
+        reads = None
+    if reads is not None:
+        return reads
+    columns = snapshot_columns(store, data) or [TEXT]
+    return [c for c in columns if c not in ("label", "id")]
+
+
 def run_user_functions(store: Store, run: RunTree, default: str) -> str:
     """USER_FUNCTIONS as the run applied it (its settings.ini): the module its code holds."""
     parser = ini_parser()
@@ -135,7 +154,11 @@ def choose(
     model_key = artifact_key(store, record["model_artifacts"][name]) or ""
     export = EXPORTS[settings.inference.model_format]
     if not is_complete(store, model_key):
-        problems.append(f"model {name!r} of run {run.label} is no longer complete at {model_key}")
+        pruned = (record.get("pruned") or {}).get("time")
+        why = f" (the run was pruned at {pruned}: smpipe prune)" if pruned else ""
+        problems.append(
+            f"model {name!r} of run {run.label} is no longer complete at {model_key}{why}"
+        )
     elif not store.exists(model_key + export):
         problems.append(
             f"model {name!r} of run {run.label} has no {export} ([inference] MODEL_FORMAT = "
@@ -149,11 +172,9 @@ def choose(
             f"model {name!r} of run {run.label} was trained on data {version}, whose labels/ "
             "(how its texts were encoded) is no longer complete"
         )
-    # Data whose snapshot is not found: `text`, the column the contract's encode reads.
-    columns = (snapshot_columns(store, data) if data else None) or [TEXT]
-    text_columns = [c for c in columns if c not in ("label", "id")]
+    text_columns = columns_given(store, data, name)
     if not text_columns:
-        problems.append(f"the data of run {run.label} has no column but label and id: {columns}")
+        problems.append(f"model {name!r} of run {run.label} was trained on encoding no column")
     functions = run_user_functions(store, run, settings.experiment.user_functions)
     snapshot = lineage.get("data_snapshot_hash", record.get("data_snapshot_hash"))
     chosen = Chosen(run, name, why, model_key, version, data, snapshot, text_columns, functions)
@@ -182,7 +203,9 @@ def check_files(
         problems += check_columns(source, kind, columns)
     out_kind = format_of(output) if not output.is_dir() else None
     previous = None
-    if output.is_dir() or out_kind is None or out_kind == FOLDER:
+    if output.is_dir():
+        problems.append(f"OUTPUT {output} is a folder: predict writes one file, {SAID}")
+    elif out_kind is None or out_kind == FOLDER:
         problems.append(f"OUTPUT {output}: predict writes {SAID}, told by the suffix")
     else:
         targets, previous = check_targets(source, output)
@@ -193,8 +216,8 @@ def check_files(
 def check_columns(source: Path, kind: str, columns: list[str]) -> list[str]:
     """INPUT has every text column the run's encode was given, each able to hold text."""
     rule = (
-        f"predict gives the run's encode the columns reconcile returned for its data, label "
-        f"and id aside ({', '.join(columns)}); an `id` column, if there, names the rows"
+        f"predict gives the run's encode the columns it read of the run's data "
+        f"({', '.join(columns)}); an `id` column, if there, names the rows"
     )
     try:
         found, not_text = input_columns(source, kind)
