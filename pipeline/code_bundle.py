@@ -6,13 +6,23 @@ image runs every version of the code. The cache (pipeline/cache.py) hashes the s
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 from pipeline.config import Settings
-from pipeline.store import MANIFEST, Store, download_dir, upload_dir
+from pipeline.store import (
+    MANIFEST,
+    Incomplete,
+    Store,
+    download_dir,
+    file_sha256,
+    read_manifest,
+    upload_dir,
+)
 from steps.user_code import local_modules
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -41,13 +51,21 @@ def ship_run_code(store: Store, run_code: str, prefix: str) -> None:
         upload_dir(store, Path(tmp, "code"), prefix)
 
 
+IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc")
+STEPS = "steps/"  # this project's own code, in every run's code/
+
+
 def assemble(folder: Path, modules: Iterable[Path]) -> None:
     """This project's steps/ and the user's `modules` (files, or packages' folders) in `folder`."""
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    shutil.copytree(PROJECT_ROOT / "steps", folder / "steps", ignore=ignore)
+    shutil.copytree(PROJECT_ROOT / "steps", folder / "steps", ignore=IGNORED)
+    copy_modules(folder, modules)
+
+
+def copy_modules(folder: Path, modules: Iterable[Path]) -> None:
+    """The user's `modules` (files, or packages' folders) in `folder`, without bytecode."""
     for path in modules:
         if path.is_dir():
-            shutil.copytree(path, folder / path.name, ignore=ignore)
+            shutil.copytree(path, folder / path.name, ignore=IGNORED)
         else:
             shutil.copy2(path, folder / path.name)
 
@@ -57,3 +75,35 @@ def shipped_modules(store: Store, run_code: str, into: Path) -> list[Path]:
     `into`."""
     download_dir(store, run_code, into)
     return [p for p in sorted(into.iterdir()) if p.name not in ("steps", MANIFEST)]
+
+
+def shipped_files(store: Store, run_code: str) -> dict[str, str] | None:
+    """What a run's code/ holds, by its manifest: each of the user's files -> its sha256, and
+    this project's steps/ as one entry (STEPS); None when the code is not complete there (a
+    run that never started a job)."""
+    try:
+        files = read_manifest(store, run_code)["files"]
+    except Incomplete:
+        return None
+    steps = sorted((k, e["sha256"]) for k, e in files.items() if k.startswith(STEPS))
+    user = {k: e["sha256"] for k, e in files.items() if not k.startswith(STEPS)}
+    return {**user, STEPS: hashlib.sha256(json.dumps(steps).encode()).hexdigest()}
+
+
+def user_files(settings: Settings) -> dict[str, str]:
+    """The user's files a run would ship now -> their sha256, as shipped_files has them."""
+    with tempfile.TemporaryDirectory(prefix="smpipe-code-") as tmp:
+        copy_modules(Path(tmp), user_code(settings).values())
+        return {
+            p.relative_to(tmp).as_posix(): file_sha256(p)
+            for p in sorted(Path(tmp).rglob("*"))
+            if p.is_file()
+        }
+
+
+def files_that_differ(before: dict[str, str], after: dict[str, str], a: str, b: str) -> list[str]:
+    """Each file the two sets of files (shipped_files, user_files) hold otherwise: 'changed',
+    or 'only in `a`' / 'only in `b`'."""
+    differ = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
+    only = {(True, False): f"only in {a}", (False, True): f"only in {b}"}
+    return [f"{n}: {only.get((n in before, n in after), 'changed')}" for n in differ]

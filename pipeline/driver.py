@@ -340,7 +340,8 @@ def ended(ctx: RunContext, started: float, status: str, reason: str | None) -> d
             base.checkpoints_left = checkpoint_files(ctx.store, ctx.run)
         now = time.time()
         base.status, base.failure_reason = status, reason
-        base.end_time, base.time_taken = md.iso(now), round(now - started, 3)
+        earlier = (base.time_taken or 0) if base.resumed_at else 0  # the parts before --resume
+        base.end_time, base.time_taken = md.iso(now), round(earlier + now - started, 3)
         record = md.merge(ctx.store, ctx.run, base).model_dump()
     if status == "failed":
         write_run_report(ctx.store, ctx.run, ctx.settings.source)
@@ -373,6 +374,9 @@ def write_run_report(store: Store, run: RunTree, settings_file: str) -> None:
     except Exception as e:  # noqa: BLE001 -- the run's outcome stands either way
         log.warning(f"the pages of run {run.label} could not be written: {type(e).__name__}: {e}")
         return
-    # A page in S3 is copied here by `smpipe report`, with the run reports it links to.
-    here = store.folder_of(page)
-    log.info(f"every run: {here or f'`smpipe report {settings_file}` copies it here'}")
+    # A page on this machine is opened where it lies; one in S3 is copied here by
+    # `smpipe report`, with the run reports it links to.
+    here = store.folder_of(page) or store.uri_of(page)
+    if "://" in here:
+        here = f"{here} (`smpipe report {settings_file}` copies it here)"
+    log.info(f"every run: {here}")

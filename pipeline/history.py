@@ -11,6 +11,7 @@ import io
 import json
 from datetime import datetime
 
+from pipeline.code_bundle import files_that_differ, shipped_files
 from pipeline.paths import ExperimentTree, run_label
 from pipeline.runs import existing_run_nums, silent_driver
 from pipeline.store import NotFound, Store
@@ -28,6 +29,12 @@ def read_record(store: Store, tree: ExperimentTree, run_num: int) -> dict:
     try:
         return json.loads(store.get_bytes(tree.run(run_num).metadata))
     except NotFound:
+        runs = existing_run_nums(store, tree)
+        if run_num not in runs:
+            there = f"runs {run_label(runs[0])}-{run_label(runs[-1])}" if runs else "no runs"
+            raise HistoryError(
+                f"no run {run_label(run_num)} of {tree.experiment!r} in {store.uri} ({there})"
+            ) from None
         raise HistoryError(
             f"run {run_label(run_num)} of {tree.experiment!r} has no Metadata at "
             f"{store.uri_of(tree.run(run_num).metadata)}"
@@ -165,6 +172,7 @@ def compare_runs(store: Store, tree: ExperimentTree, a: int, b: int) -> dict:
             }
     changes = settings_changes(_settings(store, tree, a, first), _settings(store, tree, b, second))
     return {
+        "code": code_changes(store, tree, a, b),
         "runs": [run_label(a), run_label(b)],
         "comparable": why is None,
         "why": why,
@@ -178,6 +186,16 @@ def compare_runs(store: Store, tree: ExperimentTree, a: int, b: int) -> dict:
             for n, r, o in ((a, first, second), (b, second, first))
         },
     }
+
+
+def code_changes(store: Store, tree: ExperimentTree, a: int, b: int) -> list[str] | None:
+    """The files of the two runs' code/ that differ (the user's modules by name, this
+    project's steps/ as one), by the sha256 each run's manifest holds; None when either run's
+    code is not in the store."""
+    first, second = (shipped_files(store, tree.run(n).code) for n in (a, b))
+    if first is None or second is None:
+        return None
+    return files_that_differ(first, second, f"run {run_label(a)}", f"run {run_label(b)}")
 
 
 def _data(record: dict) -> str:

@@ -69,6 +69,8 @@ class Metadata(BaseModel):
     failure_reason: str | None = None
     start_time: str | None = None
     end_time: str | None = None
+    # Seconds its driver ran it, every part of a resumed run summed (a part whose driver died
+    # unrecorded aside).
     time_taken: float | None = None
     memory_usage: float | None = None  # the largest peak of any job, MB
     raw_file_size: int | None = None

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipeline import metadata as md
+from pipeline.code_bundle import STEPS, files_that_differ, shipped_files, user_files
 from pipeline.config import ConfigError, Settings
 from pipeline.errors import PipelineError, log
 from pipeline.history import settings_changes
@@ -369,6 +370,7 @@ def resumed_run(
             f"({'; '.join(others)}); resume with those, or start a new run (only "
             f"{', '.join(k.removeprefix('[training] ') for k in RESHAPING)} may change)"
         )
+    check_code(settings, store, run)
     if reshaped:
         log.info(
             f"resuming run {run.label} on another job shape ({'; '.join(reshaped)}): training "
@@ -398,6 +400,24 @@ def resumed_run(
     base = md.Metadata(**{**keep, **again, "resumed_at": resumed_at})
     log.info(f"resuming run {run.label} ({record['status']}): {', '.join(remaining)} left")
     return run, base, remaining, sources
+
+
+def check_code(settings: Settings, store: Store, run: RunTree) -> None:
+    """A resumed run runs the code it started with (its code/): user code edited since, a
+    fix of what made it fail say, would not be applied, so the resume is refused naming
+    the files, as changed settings are."""
+    shipped = shipped_files(store, run.code)
+    if shipped is None:  # no job started: the code is shipped when it resumes
+        return
+    shipped.pop(STEPS)
+    differ = files_that_differ(shipped, user_files(settings), f"run {run.label}", "yours")
+    if differ:
+        raise PipelineError(
+            f"--resume {run.run_num}: your code differs from the code run {run.label} started "
+            f"with ({'; '.join(differ)}), and a resumed run runs the code it started with "
+            f"({store.uri_of(run.code)}); put it back to resume, or start a new run, which "
+            "reuses the data steps whose inputs did not change"
+        )
 
 
 def check_checkpoints(store: Store, run: RunTree, record: dict, resume: str) -> None:

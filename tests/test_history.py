@@ -24,7 +24,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 @pytest.fixture(scope="module")
 def three_runs(tmp_path_factory):
     """Run 1: two models on the reviews. Run 2: the same data, one more epoch. Run 3: other
-    reviews (another snapshot)."""
+    reviews (another snapshot), and its user functions edited."""
     tmp = tmp_path_factory.mktemp("history")
     write_module(tmp, "reviews_history", REVIEWS)
     write_reviews(tmp / "raw")
@@ -42,6 +42,7 @@ def three_runs(tmp_path_factory):
     records = [run(None, "2", models="tiny, small"), run(None, "3")]
     shutil.rmtree(tmp / "raw")
     write_reviews(tmp / "raw", n=60, seed=11)
+    write_module(tmp, "reviews_history", REVIEWS + "\nEDITED = True\n")
     records.append(run(None, "3"))
     return tmp, records
 
@@ -68,6 +69,19 @@ def test_runs_lists_every_run(three_runs, capsys):
     assert f"small {accuracy:.4f}" in out
 
 
+def test_a_runs_pages_in_a_local_store_are_named_where_they_lie(three_runs, caplog):
+    """A run ends naming the experiment's page as a file to open; `smpipe report` copies pages
+    only out of S3."""
+    from pipeline.driver import write_run_report
+
+    tmp, _ = three_runs
+    store = LocalStore(tmp / "store")
+    caplog.set_level("INFO", logger="smpipe")
+    write_run_report(store, TREE.run(3), str(tmp / "settings.ini"))
+    assert f"every run: {store.root / TREE.experiment_html}\n" in caplog.text + "\n"
+    assert "copies it here" not in caplog.text
+
+
 def test_compare_on_the_same_data_and_refused_on_other_data(three_runs, capsys):
     tmp, records = three_runs
     assert cli.main(["compare", str(tmp / "settings.ini"), "1", "2"]) == 0
@@ -77,8 +91,10 @@ def test_compare_on_the_same_data_and_refused_on_other_data(three_runs, capsys):
     assert "F1 positive" in out  # per-label F1 of both runs
     assert "[training] EPOCHS: 2 -> 3" in out  # the settings that differ
     assert "only run 0001 tested small" in out
+    assert "runs 0001 and 0002 ran with the same user code" in out
 
-    # Run 3 was tested on other reviews: no metric is set against run 1's.
+    # Run 3 was tested on other reviews: no metric is set against run 1's. Its user functions
+    # differ, by a line, and are named; smpipe's own steps/ did not change.
     assert cli.main(["compare", str(tmp / "settings.ini"), "1", "3"]) == 1
     captured = capsys.readouterr()
     assert (
@@ -86,6 +102,13 @@ def test_compare_on_the_same_data_and_refused_on_other_data(three_runs, capsys):
         and records[2]["data_snapshot_hash"][:12] in captured.err
     )
     assert "macro_f1" not in captured.out and "[training] EPOCHS: 2 -> 3" in captured.out
+    differ = "files of their code/ that differ (run 0001 -> run 0003):"
+    assert f"{differ}\n  reviews_history.py: changed\n" in captured.out
+    assert "steps/" not in captured.out
+    # A run that is not there is said as one, with the runs that are.
+    assert cli.main(["compare", str(tmp / "settings.ini"), "1", "9"]) != 0
+    said = capsys.readouterr().err
+    assert "no run 0009 of 'reviews' in " in said and "(runs 0001-0003)" in said
 
 
 @pytest.mark.browser

@@ -164,7 +164,8 @@ def test_ctrl_c_stops_the_jobs_with_stop_requests_and_marks_the_run_interrupted(
     build-your-own-processing-container's "SIGINT and SIGKILL"; a driver that merely died
     would end it with SIGTERM), the job's processes end, the run is marked interrupted
     (SIGTERM on the local backend: tests/reliability/test_lifecycle.py). A --resume with other
-    settings is then refused, each change named, and nothing runs."""
+    settings is then refused, each change named, and nothing runs; so is one with edited user
+    code."""
     settings = slow_settings(tmp_path, "emulated")
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -187,6 +188,15 @@ def test_ctrl_c_stops_the_jobs_with_stop_requests_and_marks_the_run_interrupted(
     assert "--resume 1: the settings differ from the ones run 0001 started with" in error
     assert "([data] SEED: 42 -> 7; [data] TEST_FRACTION: 0.1 -> 0.2; " in error
     assert "[data] TRAIN_FRACTION: 0.8 -> 0.7)" in error
+    # The same settings, the user functions edited since (a fix, say): the resume would run
+    # the run's own code/, not the edit, and is refused naming the file.
+    same = slow_settings(tmp_path, "emulated")
+    edited = (tmp_path / "reviews_slow.py").read_text() + "\nFIXED = True\n"
+    write_module(tmp_path, "reviews_slow", edited)
+    assert cli.main(["run", str(same), "--resume", "1"]) == 1
+    error = capsys.readouterr().err
+    assert "--resume 1: your code differs from the code run 0001 started with" in error
+    assert "(reviews_slow.py: changed)" in error and "start a new run" in error
     assert json.loads((tmp_path / "store" / TREE.run(1).metadata).read_text()) == record
 
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 
 import psutil
 import pytest
@@ -148,6 +149,12 @@ def test_a_stopped_driver_stops_its_job_and_resume_continues_the_run(
     assert "reconcile, prepare" not in again.output.split("left")[0]  # only what was left ran
     assert "resumed from" in again.output
     assert done["steps"]["reconcile"] == first["steps"]["reconcile"]  # kept, not rerun
+    # Its time is both parts' (`smpipe runs` shows it): the first, and the resumed one.
+    # (Metadata's times are whole seconds.)
+    seconds = [datetime.fromisoformat(done[k][-1] if k == "resumed_at" else done[k]).timestamp()
+               for k in ("resumed_at", "end_time")]  # fmt: skip
+    resumed = seconds[1] - seconds[0]
+    assert done["time_taken"] == pytest.approx(first["time_taken"] + resumed, abs=3.0)
     assert not (tmp_path / "store" / ExperimentTree("test-exp").run(2).prefix).exists()
     assert job_folders(tmp) == []
 
