@@ -16,7 +16,13 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from pipeline.config_checks import across_sections, lora_keys_unused, sagemaker_limits
-from pipeline.config_file import ConfigError, apply_env, read_ini, render_redacted
+from pipeline.config_file import (
+    ConfigError,
+    apply_env,
+    over_every_model,
+    read_ini,
+    render_redacted,
+)
 from pipeline.config_sections import (
     NAME_RE,
     SECTIONS,
@@ -120,6 +126,8 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
     problems += apply_env(
         raw, dict(os.environ) if env is None else env, [*SECTIONS, *FREE_SECTIONS], overrides
     )
+    for line in over_every_model(raw, overrides):
+        log.info(line)
     problems += _unknown_sections(raw)
     parsed = _sections(raw, problems)
     # [training.<model>] and [tuning.hyperparameters.<model>] of a model not in MODEL_NAMES
@@ -165,7 +173,7 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
         source=str(path),
         base_dir=str(path.resolve().parent),
         applied_ini=render_redacted(raw),
-        overrides=tuple(sorted(overrides.values())),
+        overrides=tuple(sorted(set(overrides.values()))),
     )
 
 

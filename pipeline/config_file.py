@@ -158,6 +158,25 @@ def apply_env(
     return problems
 
 
+def over_every_model(
+    raw: dict[str, dict[str, str]], applied: dict[tuple[str, str], str]
+) -> list[str]:
+    """An override of [training] or [tuning.hyperparameters] KEY is the latest word for every
+    model: the file's [training.<model>] KEY (or [tuning.hyperparameters.<model>] KEY) gives
+    way to it too, unless a variable of its own sets that one. So the docs' example
+    SMPIPE__TRAINING__EPOCHS=1 trains every model one epoch. Each value given way, said."""
+    said = []
+    for (section, key), var in sorted(applied.items()):
+        if section not in ("training", HP):
+            continue
+        for each in sorted(s for s in raw if s.startswith(section + ".")):
+            if key in raw[each] and (each, key) not in applied:
+                value = raw[each].pop(key)
+                applied[each, key] = var
+                said.append(f"{var} overrides [{each}] {key.upper()} = {value} of the file too")
+    return said
+
+
 def render_redacted(raw: dict[str, dict[str, str]]) -> str:
     """The settings as they were applied (file + environment overrides), secrets blanked."""
     out = configparser.ConfigParser(interpolation=None, delimiters=("=",))

@@ -381,6 +381,31 @@ def test_an_unknown_key_gets_a_did_you_mean_and_names_the_variable_that_set_it(t
         load_settings(tuned, env={})
 
 
+def test_an_override_of_training_reaches_every_model_and_says_so(tmp_path, caplog):
+    """SMPIPE__TRAINING__EPOCHS=1, the docs' example, trains every model one epoch, the file's
+    [training.bow] EPOCHS given way too and said; a model's own variable still sets it."""
+    path = write_settings(tmp_path / "settings.ini", str(tmp_path / "store"),
+                          models={"MODEL_NAMES": "bow, minilm"},
+                          **{"training.bow": {"EPOCHS": "4", "LEARNING_RATE": "0.01"},
+                             "tuning.hyperparameters.bow": {"LEARNING_RATE": "0.01"}})  # fmt: skip
+    caplog.set_level("INFO", logger="smpipe")
+    settings = load_settings(path, env={"SMPIPE__TRAINING__EPOCHS": "1"})
+    epochs = lambda s: [s.model_training.get(m, s.training).epochs for m in ("bow", "minilm")]  # noqa: E731
+    assert epochs(settings) == [1, 1]
+    assert settings.model_training["bow"].learning_rate == 0.01  # not overridden: kept
+    assert (
+        "SMPIPE__TRAINING__EPOCHS overrides [training.bow] EPOCHS = 4 of the file too"
+        in caplog.text
+    )
+    assert settings.overrides == ("SMPIPE__TRAINING__EPOCHS",)
+    env = {"SMPIPE__TRAINING__EPOCHS": "1", "SMPIPE__TRAINING_BOW__EPOCHS": "3",
+           "SMPIPE__TUNING_HYPERPARAMETERS__LEARNING_RATE": "0.02"}  # fmt: skip
+    settings = load_settings(path, env=env)
+    assert epochs(settings) == [3, 1]
+    assert settings.tuning_constants["learning_rate"] == "0.02"  # a training job's string
+    assert "learning_rate" not in settings.model_tuning_constants.get("bow", {})
+
+
 def test_the_sagemaker_backends_missing_settings_give_an_example_and_the_next_step(tmp_path):
     path = write_settings(tmp_path / "settings.ini", str(tmp_path / "store"),
                           experiment={"BACKEND": "sagemaker"})  # fmt: skip
