@@ -174,6 +174,8 @@ def main() -> None:
     (snapshot_dir / "snapshot.json").write_text(json.dumps(info, indent=2))
 
     print(f"reconciled {len(dataset)} rows, labels {label_counts}")
+    for line in unmeant(dataset, labels):
+        print(f"warning: {line}")
     for reason, count in dropped_counts.items():
         if count:
             print(f"dropped {count} ({reason}): {', '.join(info['dropped'][reason][:10])}")
@@ -189,6 +191,28 @@ def main() -> None:
             "raw_format": ",".join(f"{ext}:{n}" for ext, n in sorted(formats.items())),
         },
     )
+
+
+def unmeant(dataset: datasets.Dataset, labels: list[str]) -> list[str]:
+    """What the snapshot keeps as reconcile returned it, which a user may not mean: ids that
+    name more than one row, labels with spaces around them (a class of their own, and a
+    column of predict's output named so)."""
+    said = []
+    if "id" in dataset.column_names:
+        ids = collections.Counter(map(str, dataset["id"]))
+        twice = [i for i, n in ids.items() if n > 1]
+        if twice:
+            said.append(
+                f"{len(twice)} id(s) name more than one row each ({', '.join(twice[:10])}): "
+                "inference's predictions.csv and predict's output tell rows apart by id"
+            )
+    spaced = [label for label in labels if label != label.strip()]
+    if spaced:
+        said.append(
+            f"labels with spaces around them, each a class of its own: {spaced} (reconcile "
+            "may strip them)"
+        )
+    return said
 
 
 def reconcile_new(raw_dir: str, module: str, out: str) -> None:

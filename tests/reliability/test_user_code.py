@@ -78,6 +78,23 @@ def test_nan_and_none_labels_are_blank_not_a_class(store, tmp_path):
     assert snapshot["dropped"] == {"blank_label": ["b", "c", "f"]}
 
 
+def test_ids_given_twice_and_labels_with_spaces_are_said(store, tmp_path):
+    """Kept as reconcile returned them (they may be meant), and said in the job's log."""
+    job, result = reconcile_job(store, tmp_path, """
+        import datasets
+
+        def reconcile(raw_dir):
+            rows = {"id": [1, 2, 2, 3], "text": list("wxyz"), "label": [" tech ", "tech", "tech", "sport"]}
+            return datasets.Dataset.from_dict(rows), {}
+    """)  # fmt: skip
+    assert result.status == "Completed", result.failure_reason
+    snapshot = json.loads(store.get_bytes(job.outputs["snapshot"] + "snapshot.json"))
+    assert snapshot["label_counts"] == {" tech ": 1, "sport": 1, "tech": 2}
+    said = store.get_bytes(result.log_key).decode()
+    assert "warning: 1 id(s) name more than one row each (2): " in said
+    assert "warning: labels with spaces around them, each a class of its own: [' tech ']" in said
+
+
 @pytest.mark.parametrize(
     ("body", "says"),
     [
