@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from pipeline.search_space import Tunable, merged_space
-from pipeline.service_model import shape
+from pipeline.service_model import job_name_part, shape
 from steps.hyperparameters import TABLE, Hyperparameter, wire
 from steps.runtime.names import env_key
 
@@ -140,13 +140,11 @@ class Models(Section):
             raise ValueError(f"model names repeat: {value}")
         # A model's name also names environment variables (SM_CHANNEL_..., SM_HP_...), upper
         # case, where '-' and '_' are one character: two names must not meet there.
-        # Nor in job names, where every run of other characters is one '-', none at either end
-        # (pipeline/jobs.py `_clean`, which imports this module): "0" and "0-" name one job.
+        # Nor in job names (job_name_part): "0" and "0-" name one job.
         keys, parts = {}, {}
         for name in value:
             keys.setdefault(env_key(name), []).append(name)
-            part = re.sub(r"[^a-zA-Z0-9]+", "-", name).strip("-")
-            parts.setdefault(part, []).append(name)
+            parts.setdefault(job_name_part(name), []).append(name)
         clashes = [names for names in (*keys.values(), *parts.values()) if len(names) > 1]
         clashes = [list(c) for c in dict.fromkeys(tuple(c) for c in clashes)]
         if clashes:

@@ -18,6 +18,7 @@ from typing import Literal
 from pipeline.config import Data, Training
 from pipeline.player.exits import Status
 from pipeline.search_space import Tunable, most_epochs, parameter_ranges
+from pipeline.service_model import job_name_part
 from steps.runtime.names import (
     CHECKPOINT_DIR,
     ENTRYPOINT,
@@ -49,10 +50,6 @@ def _setting(section, key: str):
     return section.model_fields[key].default
 
 
-def _clean(part: str) -> str:
-    return re.sub(r"-+", "-", re.sub(r"[^a-zA-Z0-9]+", "-", part)).strip("-")
-
-
 def job_name(
     experiment: str,
     run: str,
@@ -75,8 +72,8 @@ def job_name(
     botocore's sagemaker service-2.json): a name with a capital letter carries the hash too, so
     experiments `News` and `news` never ask for the same name."""
     stamp = stamp or time.strftime("%H%M%S", time.gmtime())
-    flexible = [_clean(p) for p in (experiment, *detail)]
-    fixed = [_clean(run), _clean(step), stamp]
+    flexible = [job_name_part(p) for p in (experiment, *detail)]
+    fixed = [job_name_part(run), job_name_part(step), stamp]
 
     def joined(suffix: str = "") -> str:
         parts = [flexible[0], *fixed[:2], *flexible[1:], fixed[2], suffix]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import functools
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,14 @@ class Violation:
     def __str__(self) -> str:
         value = _shown(self.value)
         return f"Value {value} at '{self.path}' failed to satisfy constraint: {self.constraint}"
+
+
+def job_name_part(text: str) -> str:
+    """`text` as a part of a job's name: a job name is letters, digits and '-' between them
+    (TrainingJobName, ProcessingJobName: pattern "[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}" in
+    botocore's sagemaker service-2.json), so every run of other characters is one '-', and
+    none is left at either end. Two names whose parts meet name one job."""
+    return re.sub(r"-+", "-", re.sub(r"[^a-zA-Z0-9]+", "-", text)).strip("-")
 
 
 def _shown(value: Any) -> str:
