@@ -54,9 +54,10 @@ def test_run_numbers_that_name_no_run_are_refused(two_runs, capsys):
     assert "'0' is not a run number" in capsys.readouterr().err
     assert cli.main(["report", str(two_runs), "99"]) == 1
     err = capsys.readouterr().err
-    assert "no run 0099 of 'test-exp'" in err and "(runs 1-2)" in err
+    assert "no run 0099 of 'test-exp'" in err and "(runs 0001-0002)" in err
     assert cli.main(["compare", str(two_runs), "1", "7"]) == 1
-    assert "run 0007 of 'test-exp' has no Metadata" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no run 0007 of 'test-exp'" in err and "(runs 0001-0002)" in err
 
 
 @pytest.mark.parametrize("command", ["run", "plan"])

@@ -235,7 +235,7 @@ def report_command(args) -> int:
     """experiment.html, every run, or with a run number that run's report.html: written again
     from the store and said where a browser opens it."""
     from pipeline.history import HistoryError
-    from pipeline.paths import ExperimentTree
+    from pipeline.paths import ExperimentTree, run_label
     from pipeline.report import where_to_open, write_experiment_page, write_report
     from pipeline.runs import existing_run_nums
 
@@ -252,7 +252,7 @@ def report_command(args) -> int:
     if args.run_num not in runs:
         raise HistoryError(
             f"no run {args.run_num:04d} of {settings.experiment.name!r} in {store.uri} "
-            f"(runs {runs[0]}-{runs[-1]})"
+            f"(runs {run_label(runs[0])}-{run_label(runs[-1])})"
         )
     key = write_report(store, tree, args.run_num)
     print(f"report of run {args.run_num:04d}: {where_to_open(store, key)}")
