@@ -123,11 +123,7 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
     path = Path(path)
     raw, problems = read_ini(path)
     overrides: dict[tuple[str, str], str] = {}
-    problems += apply_env(
-        raw, dict(os.environ) if env is None else env, [*SECTIONS, *FREE_SECTIONS], overrides
-    )
-    for line in over_every_model(raw, overrides):
-        log.info(line)
+    problems += _overridden(raw, dict(os.environ) if env is None else env, overrides)
     problems += _unknown_sections(raw)
     parsed = _sections(raw, problems)
     # [training.<model>] and [tuning.hyperparameters.<model>] of a model not in MODEL_NAMES
@@ -175,6 +171,15 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
         applied_ini=render_redacted(raw),
         overrides=tuple(sorted(set(overrides.values()))),
     )
+
+
+def _overridden(raw: dict, env: dict[str, str], overrides: dict) -> list[str]:
+    """The environment's SMPIPE__ variables applied (config_file.apply_env); each per-model
+    value of the file an override of every model's gave way, said."""
+    problems = apply_env(raw, env, [*SECTIONS, *FREE_SECTIONS], overrides)
+    for line in over_every_model(raw, overrides):
+        log.info(line)
+    return problems
 
 
 def _per_model_tuning(raw: dict, problems: list[str]) -> tuple[dict, dict]:

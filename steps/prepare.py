@@ -239,18 +239,11 @@ def fast_definition(backend) -> str:
             backend.enable_padding(**padding)
 
 
-def encode_for(
-    dataset: datasets.Dataset,
-    functions,
-    model_name: str,
-    max_length: int,
-    given: list[str] | None = None,
-):
+def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length: int, given=None):
     """The user's encode over every row, in batches, checked; the model's columns prefixed with
     its name plus `<model>__length`, what training needs to pad them (keys, padding values),
-    and how its rows were encoded: which tokenizer, and which of the columns `given`
-    (reconcile's, label and id aside; by default every column but those) encode reads
-    (columns_read). One pass over the rows, each check beside the part of
+    and how its rows were encoded: which tokenizer, and which of the columns `given` encode
+    reads (columns_read). One pass over the rows, each check beside the part of
     the encoding it protects. Rows are cut to `max_length` tokens here, once ([data]
     MAX_SEQUENCE_LENGTH, recorded in encoding.json: steps/prepared_files.py): training and
     inference read them whole. `<model>__length` is tokens per row, padding excluded."""
@@ -304,24 +297,28 @@ def encode_for(
     dataset = dataset.with_format(None)
     info = padding_info(dataset, tokenizer, keys, model_name)
     report_and_check(dataset, model_name, keys, max_length, where, dropped)
-    if given is None:
-        given = [c for c in dataset.column_names if c not in ("label", "label_id", "id")]
-    probe = clip(dataset.select_columns(given)[:PROBE_ROWS], limits)
-    reads = columns_read(user_encode, probe, keys, where)
+    reads = columns_read(user_encode, dataset, given, limits, keys, where)
     return dataset, info, {"tokenizer": identity, "reads": reads}
 
 
 PROBE_ROWS = 8  # rows encode is given, each column left out in turn, to learn what it reads
 
 
-def columns_read(user_encode, batch: dict, keys: list[str], where: str) -> list[str]:
-    """The columns of `batch` that encode reads, which predict must be given (steps/predict.py):
-    each column left out in turn, a column is read when encode then raises or returns anything
-    else. An unused column (an html page, a pandas index) is then not asked of predict's
-    INPUT, whatever it holds. When encode cannot encode the rows whole, every column is."""
-    if not batch:
+def columns_read(
+    user_encode, dataset, given: list[str] | None, limits: dict, keys: list[str], where: str
+) -> list[str]:
+    """The columns `given` (reconcile's, label and id aside; by default every column but
+    those) that encode reads, which predict must be given (steps/predict.py): on the first
+    PROBE_ROWS rows, cut as encode had them, each column left out in turn, a column is read
+    when encode then raises or returns anything else. An unused column (an html page, a
+    pandas index) is then not asked of predict's INPUT, whatever it holds. When encode cannot
+    encode the rows whole, every column is."""
+    if given is None:
+        given = [c for c in dataset.column_names if c not in ("label", "label_id", "id")]
+    if not given:
         return []
-    rows = len(next(iter(batch.values())))
+    batch = clip(dataset.select_columns(given)[:PROBE_ROWS], limits)
+    rows = len(batch[given[0]])
 
     def encoded(columns: dict) -> dict:
         out, _, _ = check_encoded(user_encode(columns), rows, keys, where)
