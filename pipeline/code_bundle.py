@@ -51,7 +51,11 @@ def ship_run_code(store: Store, run_code: str, prefix: str) -> None:
         upload_dir(store, Path(tmp, "code"), prefix)
 
 
-IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc")
+# Never shipped, nor told apart by a resume: bytecode, and what editors and file browsers
+# leave beside code (backups, swap files, notebook checkpoints, Finder's records).
+IGNORED = shutil.ignore_patterns(
+    "__pycache__", "*.pyc", "*~", ".*.swp", ".*.swo", ".ipynb_checkpoints", ".DS_Store"
+)
 STEPS = "steps/"  # this project's own code, in every run's code/
 
 

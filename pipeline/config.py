@@ -123,7 +123,10 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
     path = Path(path)
     raw, problems = read_ini(path)
     overrides: dict[tuple[str, str], str] = {}
-    problems += _overridden(raw, dict(os.environ) if env is None else env, overrides)
+    problems += apply_env(
+        raw, dict(os.environ) if env is None else env, [*SECTIONS, *FREE_SECTIONS], overrides
+    )
+    given_way = over_every_model(raw, overrides)  # said by the run (pipeline/driver.py)
     problems += _unknown_sections(raw)
     parsed = _sections(raw, problems)
     # [training.<model>] and [tuning.hyperparameters.<model>] of a model not in MODEL_NAMES
@@ -170,16 +173,8 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
         base_dir=str(path.resolve().parent),
         applied_ini=render_redacted(raw),
         overrides=tuple(sorted(set(overrides.values()))),
+        given_way=tuple(given_way),
     )
-
-
-def _overridden(raw: dict, env: dict[str, str], overrides: dict) -> list[str]:
-    """The environment's SMPIPE__ variables applied (config_file.apply_env); each per-model
-    value of the file an override of every model's gave way, said."""
-    problems = apply_env(raw, env, [*SECTIONS, *FREE_SECTIONS], overrides)
-    for line in over_every_model(raw, overrides):
-        log.info(line)
-    return problems
 
 
 def _per_model_tuning(raw: dict, problems: list[str]) -> tuple[dict, dict]:

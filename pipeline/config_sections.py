@@ -104,6 +104,11 @@ class Experiment(Section):
             raise ValueError("must be a local directory or s3://bucket[/prefix]")
         if value.startswith("s3://") and not value[5:].split("/")[0]:
             raise ValueError(f"{value!r} names no bucket")
+        if "://" in value and not value.startswith("s3://"):
+            raise ValueError(
+                f"{value!r}: a store is a local directory, written as a path (such as "
+                f"{value.split('://', 1)[1] or '/data/smpipe'}), or s3://bucket[/prefix]"
+            )
         return value
 
 
@@ -331,6 +336,9 @@ class Settings(BaseModel):
     source: str = ""  # the file it came from
     applied_ini: str = ""  # the file as applied (environment overrides in), secrets redacted
     overrides: tuple[str, ...] = ()  # the SMPIPE__ variables that changed it
+    # Each per-model value of the file an override of every model's gave way (config_file.py
+    # `over_every_model`), in words.
+    given_way: tuple[str, ...] = ()
     base_dir: str = ""  # relative local paths resolve against the settings file's folder
 
     def store_uri(self) -> str:

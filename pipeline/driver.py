@@ -97,6 +97,8 @@ def run_pipeline(
     reaches this process, and so none of the jobs it starts."""
     if settings.overrides:  # what the file does not say: the run's settings.ini records it
         log.info(f"settings from {settings.source}, overridden by {', '.join(settings.overrides)}")
+    for line in settings.given_way:
+        log.info(line)
     reaches = check_user_functions(settings, steps)
     tree = ExperimentTree(settings.experiment.name)
     # A resumed run is held from the moment its record is read: no prune removes what it

@@ -92,6 +92,9 @@ class Metadata(BaseModel):
     # reconcile/prepare: computed or reused, the key and what it hashes (pipeline/cache.py)
     data_steps: dict[str, dict] = Field(default_factory=dict)
     resumed_at: list[str] = Field(default_factory=list)  # each --resume of the run
+    # What the jobs of steps a --resume ran again had used before (their sections are then
+    # replaced): paid for all the same, so counted in `cost`.
+    billing_before_resume: list[dict] = Field(default_factory=list)
     # The bytes of checkpoints removed when the run completed (pipeline/prune.py); None while
     # they are kept: the run did not complete, KEEP_CHECKPOINTS_AFTER_RUN, or the store refused.
     checkpoints_removed_bytes: int | None = None
@@ -188,7 +191,7 @@ def merge(store: Store, run: RunTree, base: Metadata) -> Metadata:
         record.registered = sections["register"].details.get("registered")
     peaks = [s.memory_usage for s in sections.values() if s.memory_usage is not None]
     record.memory_usage = max(peaks) if peaks else None
-    billing = [b for s in sections.values() for b in s.billing]
+    billing = [*base.billing_before_resume, *(b for s in sections.values() for b in s.billing)]
     record.cost = run_cost(billing, base.prices, base.backend)
     text = redact(json.dumps(record.model_dump(), indent=2), base._secrets)
     store.put_bytes(run.metadata, text.encode())

@@ -396,6 +396,11 @@ def resumed_run(
     keep = {k: v for k, v in record.items() if k in md.Metadata.model_fields and k != "steps"}
     resumed_at = [*record.get("resumed_at", []), md.iso(time.time())]
     again = {"status": "running", "failure_reason": None, "end_time": None}
+    # The steps run again lose their sections, not what their jobs cost.
+    again["billing_before_resume"] = [
+        *record.get("billing_before_resume", []),
+        *(b for n in remaining for b in record.get("steps", {}).get(n, {}).get("billing", [])),
+    ]
     again["checkpoints_left"] = None  # counted again when it stops
     base = md.Metadata(**{**keep, **again, "resumed_at": resumed_at})
     log.info(f"resuming run {run.label} ({record['status']}): {', '.join(remaining)} left")

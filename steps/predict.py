@@ -214,8 +214,8 @@ def progress(done: int, total: int, malformed_rows: int, started: float) -> str:
     rate = done / seconds
     eta = (total - done) / rate if rate else 0.0
     return (
-        f"predicted {done:,} of {total:,} rows ({100 * done / max(total, 1):.0f}%), "
-        f"{rate:.1f} rows/s, ETA {eta:.0f} s; {malformed_rows:,} malformed"
+        f"{done:,} of {total:,} rows done ({100 * done / max(total, 1):.0f}%), "
+        f"{rate:.1f} rows/s, ETA {eta:.0f} s; {malformed_rows:,} of them malformed (no prediction)"
     )
 
 

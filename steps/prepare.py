@@ -308,35 +308,48 @@ def columns_read(
     user_encode, dataset, given: list[str] | None, limits: dict, keys: list[str], where: str
 ) -> list[str]:
     """The columns `given` (reconcile's, label and id aside; by default every column but
-    those) that encode reads, which predict must be given (steps/predict.py): on the first
-    PROBE_ROWS rows, cut as encode had them, each column left out in turn, a column is read
-    when encode then raises or returns anything else. An unused column (an html page, a
-    pandas index) is then not asked of predict's INPUT, whatever it holds. When encode cannot
-    encode the rows whole, every column is."""
+    those) that encode reads, which predict must be given (steps/predict.py). Each column on
+    rows that hold a value in it (the first PROBE_ROWS, cut as encode had them: a blank says
+    nothing of an encode that reads the column only when it has text), left out: it is read
+    when encode then raises or returns anything else. A column without a value anywhere is
+    not. An unused column (an html page, a pandas index) is then not asked of predict's
+    INPUT, whatever it holds; one encode cannot encode whole is."""
     if given is None:
         given = [c for c in dataset.column_names if c not in ("label", "label_id", "id")]
-    if not given:
-        return []
-    batch = clip(dataset.select_columns(given)[:PROBE_ROWS], limits)
-    rows = len(batch[given[0]])
-
-    def encoded(columns: dict) -> dict:
-        out, _, _ = check_encoded(user_encode(columns), rows, keys, where)
-        return {k: v.to_pylist() for k, v in out.items()}
-
-    try:
-        whole = encoded(batch)
-    except (RuntimeError, ValueError, TypeError):
-        return list(batch)
+    table = dataset.with_format("arrow")
     reads = []
-    for column in batch:
+    for column in given:
+        rows = np.flatnonzero(has_value(table[column]))[:PROBE_ROWS]
+        if not len(rows):
+            continue
+        batch = clip(dataset.select(rows).select_columns(given)[:], limits)
         try:
-            same = encoded({k: v for k, v in batch.items() if k != column}) == whole
-        except (RuntimeError, ValueError, TypeError):  # KeyError, inside `call`
+            whole = probe(user_encode, batch, len(rows), keys, where)
+        except (RuntimeError, ValueError, TypeError):
+            reads.append(column)
+            continue
+        try:
+            without = {k: v for k, v in batch.items() if k != column}
+            same = probe(user_encode, without, len(rows), keys, where) == whole
+        except (RuntimeError, ValueError, TypeError):  # a KeyError, inside `call`
             same = False
         if not same:
             reads.append(column)
     return reads
+
+
+def has_value(values: pa.ChunkedArray) -> np.ndarray:
+    """Which rows hold a value: not null, and for text not blank."""
+    present = pc.is_valid(values)
+    if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+        present = pc.and_(present, pc.greater(pc.utf8_length(pc.utf8_trim_whitespace(values)), 0))
+    return np.asarray(pc.fill_null(present, False))
+
+
+def probe(user_encode, batch: dict, rows: int, keys: list[str], where: str) -> dict:
+    """encode's output for `batch`, checked, as plain lists."""
+    out, _, _ = check_encoded(user_encode(batch), rows, keys, where)
+    return {k: v.to_pylist() for k, v in out.items()}
 
 
 def first_refused(user_encode, batch, rows: int, indices: list[int]) -> str:

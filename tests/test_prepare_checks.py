@@ -177,3 +177,18 @@ def test_the_columns_encode_reads_are_found_for_predict():
         for encode in (by_tokenizer, pair, either)
     }
     assert found == {"by_tokenizer": ["text"], "pair": ["html", "text"], "either": ["html"]}
+
+
+def test_a_column_encode_reads_only_when_it_has_text_is_found_on_rows_that_have_it():
+    """A note blank in the first rows and there later, read through batch.get as the docs of
+    an optional column write it: found, from the rows that hold one."""
+    notes = [""] * 12 + ["see also"] * 3
+    data = datasets.Dataset.from_dict({"text": [f"text {i}" for i in range(15)], "note": notes,
+                                       "blank": [None] * 15, "label_id": [0] * 15})  # fmt: skip
+
+    def noted(batch, tok, model_name, max_length):
+        notes = batch.get("note") or [""] * len(batch["text"])
+        texts = [f"{t} {n}".strip() for t, n in zip(batch["text"], notes, strict=True)]
+        return tok(texts, truncation=True, max_length=max_length)
+
+    assert encode_for(data, functions(noted), "m", MAX_LENGTH)[2]["reads"] == ["text", "note"]

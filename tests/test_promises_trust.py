@@ -200,6 +200,28 @@ def test_ctrl_c_stops_the_jobs_with_stop_requests_and_marks_the_run_interrupted(
     assert json.loads((tmp_path / "store" / TREE.run(1).metadata).read_text()) == record
 
 
+def test_what_editors_leave_beside_a_package_of_user_functions_is_neither_shipped_nor_told(
+    tmp_path,
+):
+    """A backup, a swap file, notebook checkpoints, Finder's record: not code, so not shipped
+    with the run's code/, and no reason to refuse a --resume; a data file of the package is."""
+    from pipeline.code_bundle import user_files
+    from pipeline.config import load_settings
+
+    package = tmp_path / "mine"
+    (package / ".ipynb_checkpoints").mkdir(parents=True)
+    (package / "__init__.py").write_text(REVIEWS)
+    (package / "vocab.json").write_text("{}")
+    for junk in ("__init__.py~", ".__init__.py.swp", ".DS_Store", ".ipynb_checkpoints/a.py"):
+        (package / junk).write_text("not code")
+    path = write_settings(tmp_path / "settings.ini", str(tmp_path / "store"),
+                          experiment={"USER_FUNCTIONS": "mine"})  # fmt: skip
+    assert sorted(user_files(load_settings(path, env={}))) == [
+        "mine/__init__.py",
+        "mine/vocab.json",
+    ]
+
+
 def test_a_run_whose_driver_is_silent_for_ten_minutes_is_abandoned(tmp_path):
     """The heartbeat rule, on a driver that may live on another machine (its pid cannot be
     asked): silent for SILENT_FOR seconds, and it is taken for gone."""

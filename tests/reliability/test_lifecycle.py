@@ -155,6 +155,7 @@ def test_a_stopped_driver_stops_its_job_and_resume_continues_the_run(
                for k in ("resumed_at", "end_time")]  # fmt: skip
     resumed = seconds[1] - seconds[0]
     assert done["time_taken"] == pytest.approx(first["time_taken"] + resumed, abs=3.0)
+
     assert not (tmp_path / "store" / ExperimentTree("test-exp").run(2).prefix).exists()
     assert job_folders(tmp) == []
 
@@ -370,3 +371,48 @@ def test_a_run_stopped_with_only_inference_left_resumes_to_the_end(tmp_path, dem
     )
     assert resumed["status"] == "completed"
     assert resumed["holdout_performance"]["bow"]["macro_f1"] >= 0
+
+
+# The demo's bow twice over, the second failing its first step while FLAG is there.
+FAILS_WHILE_FLAGGED = """
+import os
+
+from user_functions import encode, load_tokenizer, ordered_input_keys, reconcile  # noqa: F401
+from user_functions.baseline import BagOfEmbeddings
+
+
+class Flagged(BagOfEmbeddings):
+    def forward(self, input_ids, attention_mask):
+        if os.path.exists(FLAG):
+            raise RuntimeError("bow2 fails while FLAG is there")
+        return super().forward(input_ids, attention_mask)
+
+
+def load_model(model_name, id2label, label2id):
+    kind = Flagged if model_name == "bow2" else BagOfEmbeddings
+    return kind(load_tokenizer(model_name).vocab_size, len(id2label))
+"""
+
+
+def test_a_resumed_runs_cost_counts_the_jobs_of_its_parts_before(tmp_path, demo_raw):
+    """bow trains and bow2 fails; the resume trains bow2 alone and writes the train step's
+    section again: what the first part's training jobs used is counted all the same."""
+    from pipeline.config import load_settings
+    from pipeline.driver import PipelineError, parse_steps, run_pipeline
+
+    flag = tmp_path / "flag"
+    flag.write_text("")
+    (tmp_path / "flagged.py").write_text(f"FLAG = {str(flag)!r}\n" + FAILS_WHILE_FLAGGED)
+    path = write_settings(tmp_path / "s.ini", str(tmp_path / "store"),
+                          experiment={"USER_FUNCTIONS": "flagged"}, models={"MODEL_NAMES": "bow, bow2"},
+                          data={"RAW_DATA": str(demo_raw)})  # fmt: skip
+    settings = load_settings(path, env={})
+    store = LocalStore(tmp_path / "store")
+    with pytest.raises(PipelineError, match="bow2 fails while FLAG is there"):
+        run_pipeline(settings, store, parse_steps(None), echo=io.StringIO())
+    paid = [b["job"] for b in record(tmp_path)["cost"]["jobs"]]
+    assert [any(f"-train-{m}-" in job for job in paid) for m in ("bow", "bow2")] == [True, True]
+    flag.unlink()
+    resumed = run_pipeline(settings, store, parse_steps(None), echo=io.StringIO(), resume=1)
+    assert resumed["status"] == "completed"
+    assert set(paid) < {b["job"] for b in resumed["cost"]["jobs"]}
