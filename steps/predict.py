@@ -32,7 +32,7 @@ from steps.inference import load_program, run_batches
 from steps.model_files import RECORD, read_record
 from steps.precision import Precision, resolve
 from steps.prepare import capped, check_cut, clip_limits, encode_cut, tokenizer_identity
-from steps.prepared_files import read_encoding
+from steps.prepared_files import read_encoding, recorded_kinds
 from steps.runtime import names
 from steps.runtime.environment import processing_input, processing_output
 from steps.runtime.step import run_step
@@ -69,6 +69,7 @@ class Encoder:
     keys: list[str]
     max_length: int
     where: str
+    kinds: dict[str, str] = field(default_factory=dict)  # the columns read that are not text
     said: set[str] = field(default_factory=set)  # the columns whose cut the log has told
 
     def encode(self, batch: dict[str, list]):
@@ -119,16 +120,21 @@ def load_encoder(name: str, keys: list[str], encoding: dict) -> Encoder:
         )
     tokenizer = capped(tokenizer, encoding["max_length"])  # as prepare gave it to encode
     where = f"{functions.module}.encode (model {name!r})"
-    return Encoder(functions, tokenizer, name, keys, encoding["max_length"], where)
+    kinds = recorded_kinds(encoding, name)
+    return Encoder(functions, tokenizer, name, keys, encoding["max_length"], where, kinds)
 
 
-def malformed(row: dict, text_columns: list[str]) -> str | None:
+def malformed(row: dict, text_columns: list[str], kinds: dict[str, str]) -> str | None:
     """Why a row gets no prediction: the driver could not read it, or a text is missing,
-    not a string, or empty."""
+    not a string, or empty, or a value of another kind (`kinds`: a number, say) is missing."""
     if row["error"]:
         return row["error"]
     for column in text_columns:
         value = row[column]
+        if column in kinds:
+            if value is None:
+                return f"no value in column {column!r}"
+            continue
         if not isinstance(value, str):
             return f"no text in column {column!r}"
         if not value.strip():
@@ -143,7 +149,9 @@ def encode_rows(
     positions, and why each other row cannot be. A batch encode refuses is encoded again row
     by row, so one bad text costs its row only; when no row can be, encode itself is wrong
     and the job fails with its error."""
-    errors = {i: why for i, row in enumerate(rows) if (why := malformed(row, text_columns))}
+    errors = {
+        i: why for i, row in enumerate(rows) if (why := malformed(row, text_columns, encoder.kinds))
+    }
     good = [i for i in range(len(rows)) if i not in errors]
 
     def batch_of(indices: list[int]) -> dict[str, list]:

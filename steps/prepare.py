@@ -27,7 +27,7 @@ from sklearn.model_selection import train_test_split
 
 from steps.arguments import PREPARE, parse
 from steps.batching import check_encoded, length_column, pad_value, write_inputs
-from steps.prepared_files import encoding_record, write_encoding
+from steps.prepared_files import encoding_record, kind_of, write_encoding
 from steps.reconcile import label_order
 from steps.runtime import names
 from steps.runtime.environment import processing_input, processing_output
@@ -298,7 +298,14 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
     info = padding_info(dataset, tokenizer, keys, model_name)
     report_and_check(dataset, model_name, keys, max_length, where, dropped)
     reads = columns_read(user_encode, dataset, given, limits, keys, where)
-    return dataset, info, {"tokenizer": identity, "reads": reads}
+    return dataset, info, {"tokenizer": identity, "reads": reads, "kinds": kinds(dataset, reads)}
+
+
+def kinds(dataset: datasets.Dataset, columns: list[str]) -> dict[str, str]:
+    """Each of `columns` that does not hold text -> its kind (steps/prepared_files.py)."""
+    features = dataset.features
+    found = {c: kind_of(str(getattr(features[c], "dtype", features[c]))) for c in columns}
+    return {c: kind for c, kind in found.items() if kind != "text"}
 
 
 PROBE_ROWS = 8  # rows encode is given, each column left out in turn, to learn what it reads

@@ -3,7 +3,8 @@ length from it, and the driver compares it with the settings before reusing the 
 
     labels/encoding.json  {"max_length": 128,
                            "models": {"minilm": {"tokenizer": {"name_or_path", "class", "sha256"},
-                                                 "reads": ["text"]}}}
+                                                 "reads": ["text", "n_words"],
+                                                 "kinds": {"n_words": "int"}}}}
 
 Light on imports: the driver reads it too.
 """
@@ -49,6 +50,51 @@ def recorded_reads(record: dict, model: str) -> list[str] | None:
     before they were."""
     reads = ((record.get("models") or {}).get(model) or {}).get("reads")
     return list(reads) if isinstance(reads, list) else None
+
+
+# What predict gives encode of a column that is not text, by the kind its values had in the
+# run's data: whole numbers, numbers, true or false.
+GIVEN_KINDS = ("int", "float", "bool")
+
+
+def kind_of(dtype: str) -> str:
+    """A column's kind, from its datasets dtype: text, int, float, bool, or the dtype itself
+    (a list, say), which predict cannot give."""
+    if dtype in ("string", "large_string", "string_view"):
+        return "text"
+    if dtype.startswith(("int", "uint")):
+        return "int"
+    if dtype.startswith(("float", "double", "half")):
+        return "float"
+    return "bool" if dtype == "bool" else dtype
+
+
+def recorded_kinds(record: dict, model: str) -> dict[str, str]:
+    """The columns `model`'s encode reads that are not text -> their kind (kind_of)."""
+    return dict(((record.get("models") or {}).get(model) or {}).get("kinds") or {})
+
+
+def as_kind(value, kind: str) -> tuple[object, str | None]:
+    """(`value` as `kind`: int, float or bool, None for a blank; None) or (None, why not): a
+    number in JSON or Parquet, or its text in CSV, "3", "3.0", "true"."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None, None
+    text = value.strip().lower() if isinstance(value, str) else None
+    if kind == "bool":
+        if isinstance(value, bool) or text in ("true", "false"):
+            return (value if text is None else text == "true"), None
+        return None, f"{value!r}, not true or false"
+    try:
+        number = float(text) if text is not None else value
+        if isinstance(number, bool) or not isinstance(number, int | float):
+            raise ValueError
+    except ValueError:
+        return None, f"{value!r}, not a number"
+    if kind == "float":
+        return float(number), None
+    if float(number).is_integer():
+        return int(number), None
+    return None, f"{value!r}, not a whole number"
 
 
 def read_encoding(directory: Path) -> dict:

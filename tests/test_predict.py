@@ -533,10 +533,48 @@ def test_inputs_are_read_as_datasets_reads_them(tmp_path):
     ]
 
 
+def test_a_column_encode_read_as_a_number_is_given_as_one_from_every_format(tmp_path):
+    """`n`, a column of whole numbers in the run's data that its encode read (encoding.json's
+    kinds): a number from JSON Lines and Parquet, its text from CSV; a blank is a missing
+    value (the job says so), anything else refused with the reason, in its row."""
+    from pipeline.predict.checks import check_columns
+    from steps.predict import encode_rows
+
+    kinds = {"n": "int"}
+    csv_file = tmp_path / "t.csv"
+    csv_file.write_text("id,text,n\na,x,3\nb,y,3.0\nc,z,\nd,w,many\ne,v,2.5\n")
+    rows = list(read_rows(csv_file, "csv", ["text", "n"], kinds))
+    assert [(r["n"], r["error"]) for r in rows] == [
+        (3, None), (3, None), (None, None), (None, "'n' is 'many', not a number"),
+        (None, "'n' is '2.5', not a whole number")]  # fmt: skip
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text('{"text": "x", "n": 3}\n{"text": "y", "n": "4"}\n{"text": "z", "n": true}\n')
+    assert [(r["n"], r["error"]) for r in read_rows(jsonl, "jsonl", ["text", "n"], kinds)] == [
+        (3, None), (4, None), (None, "'n' is True, not a number")]  # fmt: skip
+    parquet = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"text": ["x", "y"], "n": [1, None]}), parquet)
+    assert [r["n"] for r in read_rows(parquet, "parquet", ["text", "n"], kinds)] == [1, None]
+    assert check_columns(parquet, "parquet", ["text", "n"], kinds) == []
+    pq.write_table(pa.table({"text": ["x"], "n": [[1]]}), parquet)
+    assert check_columns(parquet, "parquet", ["text", "n"], kinds) == [
+        f"INPUT {parquet}: column 'n' holds list<element: int64>, where the run's data held int"
+    ]
+    # The job's parts hold them as numbers; a row without one gets no prediction.
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    write_parts(iter(rows), parts, ["text", "n"], kinds=kinds)
+    table = pq.read_table(parts / "part-00000.parquet")
+    assert table.schema.field("n").type == pa.int64() and table.column("n")[0].as_py() == 3
+    encoder = Refusing()
+    encoder.kinds = kinds
+    _, good, errors = encode_rows(encoder, table.to_pylist(), ["text", "n"])
+    assert good == [0, 1] and errors[2] == "no value in column 'n'"
+
+
 class Refusing:
     """An encode that refuses any text holding "boom" (or every text), as a user's may."""
 
-    name, keys = "m", ["input_ids"]
+    name, keys, kinds = "m", ["input_ids"], {}
 
     def __init__(self, everything: bool = False):
         self.everything = everything

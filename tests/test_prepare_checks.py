@@ -192,3 +192,15 @@ def test_a_column_encode_reads_only_when_it_has_text_is_found_on_rows_that_have_
         return tok(texts, truncation=True, max_length=max_length)
 
     assert encode_for(data, functions(noted), "m", MAX_LENGTH)[2]["reads"] == ["text", "note"]
+
+
+def test_the_kind_of_a_column_encode_reads_that_is_not_text_is_recorded():
+    """Predict gives it back as that kind: a number, read from CSV's text or JSON's number."""
+    data = datasets.Dataset.from_dict({"text": ["a b", "c d e"], "n": [2, 3], "label_id": [0, 1]})
+
+    def counted(batch, tok, model_name, max_length):
+        texts = [f"{t} ({n} words)" for t, n in zip(batch["text"], batch["n"], strict=True)]
+        return tok(texts, truncation=True, max_length=max_length)
+
+    encoded = encode_for(data, functions(counted), "m", MAX_LENGTH)[2]
+    assert (encoded["reads"], encoded["kinds"]) == (["text", "n"], {"n": "int"})

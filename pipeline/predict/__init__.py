@@ -149,8 +149,8 @@ def checked(
     INPUT's format, encoding and columns, and every file predict writes (OUTPUT, OUTPUT.json:
     not INPUT, not a file of the user's, their folder writable)."""
     chosen, problems = choose(settings, store, run_num, model)
-    columns = chosen.text_columns if chosen else None
-    kind, out_kind, file_problems, previous = check_files(source, output, columns, raw)
+    columns, kinds = (chosen.text_columns, chosen.kinds) if chosen else (None, None)
+    kind, out_kind, file_problems, previous = check_files(source, output, columns, raw, kinds)
     if problems or file_problems:
         raise PredictError(problems + file_problems, "smpipe predict")
     return chosen, kind, out_kind, previous
@@ -168,7 +168,10 @@ def upload_and_run(p: Predicting, echo, make_backend, record: dict):
             if p.kind == RAW:
                 rows, record["reconcile"] = raw_rows(p.store, p.chosen, p.source, Path(tmp))
                 read_as = "parquet"
-            sizes = upload_texts(p.store, rows, read_as, p.chosen.text_columns, p.prediction)
+            chosen = p.chosen
+            sizes = upload_texts(
+                p.store, rows, read_as, chosen.text_columns, p.prediction, chosen.kinds
+            )
         if not sizes:
             raise PredictError([f"INPUT {p.source} holds no rows"], "smpipe predict")
         log.info(f"{sum(sizes):,} rows in {len(sizes)} part(s)")
@@ -187,7 +190,7 @@ def raw_rows(store: Store, chosen: Chosen, source: Path, tmp: Path) -> tuple[Pat
     whose = f"the rows {chosen.user_functions}.reconcile returned for {source}"
     problems = [
         p.replace(f"INPUT {rows}", whose)
-        for p in check_columns(rows, "parquet", chosen.text_columns)
+        for p in check_columns(rows, "parquet", chosen.text_columns, chosen.kinds)
     ]
     if problems:
         raise PredictError(problems, "smpipe predict --raw")

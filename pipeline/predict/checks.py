@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import configparser
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import ConfigError, Settings
@@ -30,7 +30,13 @@ from pipeline.store import (
     is_complete,
 )
 from steps.model_files import EXPORTS
-from steps.prepared_files import ENCODING, parse_encoding, recorded_reads
+from steps.prepared_files import (
+    ENCODING,
+    GIVEN_KINDS,
+    parse_encoding,
+    recorded_kinds,
+    recorded_reads,
+)
 
 
 class PredictError(ConfigError):
@@ -50,6 +56,7 @@ class Chosen:
     snapshot: str | None  # that data's snapshot hash
     text_columns: list[str]  # what its encode was given of each row, id and label aside
     user_functions: str  # the run's USER_FUNCTIONS
+    kinds: dict[str, str] = field(default_factory=dict)  # those not text -> int, float, bool
 
 
 def read_json(store: Store, key: str) -> dict | None:
@@ -111,22 +118,25 @@ def snapshot_columns(store: Store, data: DataTree) -> list[str] | None:
     return None
 
 
-def columns_given(store: Store, data: DataTree | None, model: str) -> list[str]:
-    """The columns predict gives the model's encode: those prepare found it reads
-    (steps/prepare.py `columns_read`); for data prepared before that was recorded, every column
-    reconcile returned, label and id aside; for data whose snapshot is not found, `text`, the
-    column the contract's encode reads."""
+def columns_given(
+    store: Store, data: DataTree | None, model: str
+) -> tuple[list[str], dict[str, str]]:
+    """The columns predict gives the model's encode, and the kind of those that are not text:
+    those prepare found it reads (steps/prepare.py `columns_read`); for data prepared before
+    that was recorded, every column reconcile returned, label and id aside, as text; for data
+    whose snapshot is not found, `text`, the column the contract's encode reads."""
     if data is None:
-        return [TEXT]
+        return [TEXT], {}
     where = data.split("labels") + ENCODING
     try:
-        reads = recorded_reads(parse_encoding(store.get_bytes(where)), model)
+        record = parse_encoding(store.get_bytes(where))
     except (NotFound, ValueError):
-        reads = None
+        record = {}
+    reads = recorded_reads(record, model)
     if reads is not None:
-        return reads
+        return reads, recorded_kinds(record, model)
     columns = snapshot_columns(store, data) or [TEXT]
-    return [c for c in columns if c not in ("label", "id")]
+    return [c for c in columns if c not in ("label", "id")], {}
 
 
 def run_user_functions(store: Store, run: RunTree, default: str) -> str:
@@ -172,20 +182,28 @@ def choose(
             f"model {name!r} of run {run.label} was trained on data {version}, whose labels/ "
             "(how its texts were encoded) is no longer complete"
         )
-    text_columns = columns_given(store, data, name)
+    text_columns, kinds = columns_given(store, data, name)
     if not text_columns:
         problems.append(f"model {name!r} of run {run.label} was trained on encoding no column")
+    problems += [
+        f"model {name!r} of run {run.label}: its encode reads column {c!r}, which holds {kind}; "
+        "predict gives encode text, numbers and true or false"
+        for c, kind in kinds.items()
+        if kind not in GIVEN_KINDS
+    ]
     functions = run_user_functions(store, run, settings.experiment.user_functions)
     snapshot = lineage.get("data_snapshot_hash", record.get("data_snapshot_hash"))
-    chosen = Chosen(run, name, why, model_key, version, data, snapshot, text_columns, functions)
+    chosen = Chosen(run, name, why, model_key, version, data, snapshot, text_columns, functions,
+                    kinds)  # fmt: skip
     return chosen, problems
 
 
 def check_files(
-    source: Path, output: Path, columns: list[str] | None, raw: bool = False
+    source: Path, output: Path, columns: list[str] | None, raw: bool = False, kinds=None
 ) -> tuple[str | None, str | None, list[str], bytes | None]:
     """INPUT's and OUTPUT's formats, every problem with either (INPUT's columns checked
-    against `columns`, the text columns of the run's data, when they are known; raw data's
+    against `columns`, those the run's encode read, of `kinds` where not text, when they are
+    known; raw data's
     once reconcile has made its rows) and with the files predict writes
     (files.check_targets), and the record of an earlier predict into OUTPUT that this
     one replaces."""
@@ -200,7 +218,7 @@ def check_files(
     elif kind in ("csv", "tsv", "jsonl") and (why := unreadable(source, kind)):
         problems.append(why)
     elif columns is not None:
-        problems += check_columns(source, kind, columns)
+        problems += check_columns(source, kind, columns, kinds)
     out_kind = format_of(output) if not output.is_dir() else None
     previous = None
     if output.is_dir():
@@ -213,11 +231,14 @@ def check_files(
     return kind, out_kind, problems, previous
 
 
-def check_columns(source: Path, kind: str, columns: list[str]) -> list[str]:
-    """INPUT has every text column the run's encode was given, each able to hold text."""
+def check_columns(source: Path, kind: str, columns: list[str], kinds=None) -> list[str]:
+    """INPUT has every column the run's encode read, each able to hold what it held: text, or
+    the kind `kinds` gives (a number: a Parquet column of numbers or of text, read row by row)."""
+    kinds = kinds or {}
+    said = [f"{c} ({kinds[c]})" if c in kinds else c for c in columns]
     rule = (
         f"predict gives the run's encode the columns it read of the run's data "
-        f"({', '.join(columns)}); an `id` column, if there, names the rows"
+        f"({', '.join(said)}); an `id` column, if there, names the rows"
     )
     try:
         found, not_text = input_columns(source, kind)
@@ -242,6 +263,18 @@ def check_columns(source: Path, kind: str, columns: list[str]) -> list[str]:
     problems += [
         f"INPUT {source}: column {c!r} holds {not_text[c]}, not text"
         for c in columns
-        if c in not_text
+        if c in not_text and c not in kinds
+    ]
+    problems += [
+        f"INPUT {source}: column {c!r} holds {not_text[c]}, where the run's data held {kinds[c]}"
+        for c in columns
+        if c in not_text and c in kinds and not holds(not_text[c], kinds[c])
     ]
     return problems
+
+
+def holds(parquet_type: str, kind: str) -> bool:
+    """Whether a Parquet column of `parquet_type` (not text) can give values of `kind`."""
+    if kind == "bool":
+        return parquet_type == "bool"
+    return parquet_type.startswith(("int", "uint", "float", "double", "halffloat"))

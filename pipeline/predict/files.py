@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.store import FILE_MODE, file_sha256
+from steps.prepared_files import as_kind
 
 # Rows per part: prepare encodes the run's data in batches of this many (datasets' map,
 # batch_size=1000), and the job reads, predicts and writes one part at a time.
@@ -165,20 +166,38 @@ def parquet_rows(path: Path) -> int:
 # -- reading rows ---------------------------------------------------------------------------
 
 
-def read_rows(path: Path, kind: str, columns: list[str]) -> Iterator[dict]:
-    """Each row as {"id", "error", <column>...}: values are text or None, the id None where
-    the input has none; `error` says why a row could not be read (a CSV line with too many or
-    too few fields, a line that is not a JSON object, bytes that are not UTF-8, a value that is
-    not text): the job gives that row no prediction, and OUTPUT's `error` column says why."""
+def read_rows(
+    path: Path, kind: str, columns: list[str], kinds: dict[str, str] | None = None
+) -> Iterator[dict]:
+    """Each row as {"id", "error", <column>...}: values are text or None (those of a column of
+    `kinds`: of its kind, from a number or its text; as_kind), the id None where the input
+    has none; `error` says why a row could not be read (a CSV line with too many or too few
+    fields, a line that is not a JSON object, bytes that are not UTF-8, a value that is not
+    text, or not of its kind): the job gives that row no prediction, and OUTPUT's `error`
+    column says why."""
+    kinds = kinds or {}
+    texts = [c for c in columns if c not in kinds]
     readers = {
         "csv": lambda: _csv_rows(path, columns, ","),
         "tsv": lambda: _csv_rows(path, columns, "\t"),
-        "jsonl": lambda: _jsonl_rows(path, columns),
+        "jsonl": lambda: _jsonl_rows(path, columns, texts),
         "parquet": lambda: _parquet_rows(path, columns),
         FOLDER: lambda: _folder_rows(path),
     }
     empty = dict.fromkeys(columns)  # a row that could not be read has no values
-    return ({**empty, **row} for row in readers[kind]())
+    return (of_kinds({**empty, **row}, kinds) for row in readers[kind]())
+
+
+def of_kinds(row: dict, kinds: dict[str, str]) -> dict:
+    """The row with the values of `kinds`' columns as their kind, or its `error` saying which
+    value is not."""
+    if row["error"]:
+        return row
+    for column, kind in kinds.items():
+        row[column], why = as_kind(row[column], kind)
+        if why:
+            return {**row, "error": f"{column!r} is {why}", **dict.fromkeys(kinds)}
+    return row
 
 
 def _row(id_, error: str | None, values: dict) -> dict:
@@ -215,7 +234,7 @@ def _csv_rows(path: Path, columns: list[str], delimiter: str) -> Iterator[dict]:
             yield _row(id_, error, values)
 
 
-def _jsonl_rows(path: Path, columns: list[str]) -> Iterator[dict]:
+def _jsonl_rows(path: Path, columns: list[str], texts: list[str]) -> Iterator[dict]:
     with open(path, "rb") as f:
         for line, raw in enumerate(f, 1):
             if not raw.strip():  # a blank line: no row
@@ -234,7 +253,8 @@ def _jsonl_rows(path: Path, columns: list[str]) -> Iterator[dict]:
             id_ = row.get("id")
             id_ = id_ if id_ is None or isinstance(id_, str) else json.dumps(id_)
             values = {c: row.get(c) for c in columns}
-            wrong = {c: v for c, v in values.items() if v is not None and not isinstance(v, str)}
+            wrong = {c: values[c] for c in texts if values[c] is not None}
+            wrong = {c: v for c, v in wrong.items() if not isinstance(v, str)}
             error = None
             if wrong:
                 said = ", ".join(f"{c!r} is a {json_type(v)}" for c, v in wrong.items())
@@ -272,14 +292,21 @@ def _folder_rows(path: Path) -> Iterator[dict]:
             yield _row(name, f"{name}.txt cannot be read ({e.strerror or e})", {})
 
 
-def write_parts(rows: Iterator[dict], folder: Path, columns: list[str], every=None) -> list[int]:
+ARROW_KINDS = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_()}
+
+
+def write_parts(
+    rows: Iterator[dict], folder: Path, columns: list[str], every=None, kinds=None
+) -> list[int]:
     """The rows as parquet parts of PART_ROWS rows and PART_CHARS characters of text at most in
-    `folder` (row, id, error, columns); the rows in each part. `every(rows so far)` is
-    called after each part. Rows are numbered from 0 in the input's order; a row's id is its
-    `id` column's value when the input has one, else that number."""
+    `folder` (row, id, error, columns: text, or of their kind in `kinds`); the rows in each
+    part. `every(rows so far)` is called after each part. Rows are numbered from 0 in the
+    input's order; a row's id is its `id` column's value when the input has one, else that
+    number."""
+    kinds = kinds or {}
     schema = pa.schema(
         [("row", pa.int64()), ("id", pa.string()), ("error", pa.string())]
-        + [(c, pa.string()) for c in columns]
+        + [(c, ARROW_KINDS[kinds[c]] if c in kinds else pa.string()) for c in columns]
     )
     sizes: list[int] = []
     chunk: list[dict] = []

@@ -60,9 +60,15 @@ def predict_job(
 
 
 def upload_texts(
-    store: Store, source: Path, kind: str, columns: list[str], prediction: PredictionTree
+    store: Store,
+    source: Path,
+    kind: str,
+    columns: list[str],
+    prediction: PredictionTree,
+    kinds: dict[str, str] | None = None,
 ) -> list[int]:
-    """INPUT as parquet parts in the store; the rows of each part."""
+    """INPUT as parquet parts in the store; the rows of each part (`kinds`: the columns that
+    are not text, files.read_rows)."""
 
     told = [0]  # parts end at PART_ROWS rows or PART_CHARS characters: a line per 100,000 rows
 
@@ -72,7 +78,8 @@ def upload_texts(
             log.info(f"read {rows:,} rows of {source}")
 
     with tempfile.TemporaryDirectory(prefix="smpipe-predict-input-") as tmp:
-        sizes = write_parts(read_rows(source, kind, columns), Path(tmp), columns, tell)
+        rows = read_rows(source, kind, columns, kinds)
+        sizes = write_parts(rows, Path(tmp), columns, tell, kinds)
         if sizes:
             upload_dir(store, tmp, prediction.input)
     return sizes
