@@ -123,10 +123,7 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
     path = Path(path)
     raw, problems = read_ini(path)
     overrides: dict[tuple[str, str], str] = {}
-    problems += apply_env(
-        raw, dict(os.environ) if env is None else env, [*SECTIONS, *FREE_SECTIONS], overrides
-    )
-    given_way = over_every_model(raw, overrides)  # said by the run (pipeline/driver.py)
+    given_way = _apply_environment(raw, os.environ if env is None else env, overrides, problems)
     problems += _unknown_sections(raw)
     parsed = _sections(raw, problems)
     # [training.<model>] and [tuning.hyperparameters.<model>] of a model not in MODEL_NAMES
@@ -175,6 +172,14 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
         overrides=tuple(sorted(set(overrides.values()))),
         given_way=tuple(given_way),
     )
+
+
+def _apply_environment(raw: dict, env, overrides: dict, problems: list[str]) -> list[str]:
+    """The environment's SMPIPE__ variables applied to `raw` (config_file.apply_env), their
+    problems added to `problems`; each per-model value of the file an override of every
+    model's gave way, in words (said by the run: pipeline/driver.py)."""
+    problems += apply_env(raw, dict(env), [*SECTIONS, *FREE_SECTIONS], overrides)
+    return over_every_model(raw, overrides)
 
 
 def _per_model_tuning(raw: dict, problems: list[str]) -> tuple[dict, dict]:

@@ -95,10 +95,7 @@ def run_pipeline(
     and every request as SageMaker would check it (pipeline/plan.py). The user functions are
     checked in a process of their own (pipeline/user_check.py): nothing their import does
     reaches this process, and so none of the jobs it starts."""
-    if settings.overrides:  # what the file does not say: the run's settings.ini records it
-        log.info(f"settings from {settings.source}, overridden by {', '.join(settings.overrides)}")
-    for line in settings.given_way:
-        log.info(line)
+    say_overrides(settings)
     reaches = check_user_functions(settings, steps)
     tree = ExperimentTree(settings.experiment.name)
     # A resumed run is held from the moment its record is read: no prune removes what it
@@ -299,6 +296,15 @@ def kept_small(settings: Settings, store: Store, run: RunTree) -> None:
         f"run {run.label} holds {human_bytes(size)}; experiment {tree.experiment!r} holds "
         f"{human_bytes(everything)} in {len(runs)} runs{hint}"
     )
+
+
+def say_overrides(settings: Settings) -> None:
+    """What the file does not say (the run's settings.ini records it): the SMPIPE__ variables
+    that changed it, and each per-model value an override of every model's gave way."""
+    if settings.overrides:
+        log.info(f"settings from {settings.source}, overridden by {', '.join(settings.overrides)}")
+    for line in settings.given_way:
+        log.info(line)
 
 
 def set_up(
