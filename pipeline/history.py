@@ -188,13 +188,14 @@ def compare_runs(store: Store, tree: ExperimentTree, a: int, b: int) -> dict:
     }
 
 
-def code_changes(store: Store, tree: ExperimentTree, a: int, b: int) -> list[str] | None:
+def code_changes(store: Store, tree: ExperimentTree, a: int, b: int) -> list[str] | str:
     """The files of the two runs' code/ that differ (the user's modules by name, this
-    project's steps/ as one), by the sha256 each run's manifest holds; None when either run's
-    code is not in the store."""
+    project's steps/ as one), by the sha256 each run's manifest holds; or why they cannot be
+    told: a run whose code is not in the store."""
     first, second = (shipped_files(store, tree.run(n).code) for n in (a, b))
     if first is None or second is None:
-        return None
+        gone = [run_label(n) for n, files in ((a, first), (b, second)) if files is None]
+        return f"the code of run {' and '.join(gone)} is not in the store"
     return files_that_differ(first, second, f"run {run_label(a)}", f"run {run_label(b)}")
 
 

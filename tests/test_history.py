@@ -109,6 +109,14 @@ def test_compare_on_the_same_data_and_refused_on_other_data(three_runs, capsys):
     assert cli.main(["compare", str(tmp / "settings.ini"), "1", "9"]) != 0
     said = capsys.readouterr().err
     assert "no run 0009 of 'reviews' in " in said and "(runs 0001-0003)" in said
+    # A run whose code is gone from the store is named.
+    manifest = LocalStore(tmp / "store").root / TREE.run(2).code / "_MANIFEST.json"
+    manifest.rename(manifest.with_name("aside"))
+    try:
+        assert cli.main(["compare", str(tmp / "settings.ini"), "1", "2"]) == 0
+    finally:
+        manifest.with_name("aside").rename(manifest)
+    assert "the code of run 0002 is not in the store" in capsys.readouterr().out
 
 
 @pytest.mark.browser

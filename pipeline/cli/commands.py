@@ -189,11 +189,11 @@ def compare_command(args) -> int:
         ("settings", "settings that differ", result["settings"]),
         ("user code", "files of their code/ that differ", result["code"]),
     ):
-        if lines:
+        if isinstance(lines, str):  # why the code cannot be compared
+            console.print(lines)
+        elif lines:
             console.print(f"{differ} (run {a} -> run {b}):")
             console.print("\n".join(f"  {line}" for line in lines))
-        elif lines is None:
-            console.print(f"the code of run {a} or {b} is no longer in the store")
         else:
             console.print(f"runs {a} and {b} ran with the same {what}")
     if not result["comparable"]:
