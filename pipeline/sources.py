@@ -429,8 +429,11 @@ def check_checkpoints(store: Store, run: RunTree, record: dict, resume: str) -> 
     """Training goes on from the checkpoints the run left: any that are gone since it stopped
     (removed by hand, or by a lifecycle rule) stop the resume, which would otherwise train
     those models from step 1 without a word; what each model starts from is said."""
-    left = record.get("checkpoints_left") or {}
-    now = checkpoint_files(store, run)
+    # A model trained whole before the run stopped is not trained again: its checkpoints wait.
+    trained = ((record.get("steps") or {}).get("train") or {}).get("details") or {}
+    done = set(trained.get("model_artifacts") or {})
+    left = {f: n for f, n in (record.get("checkpoints_left") or {}).items() if f not in done}
+    now = {f: n for f, n in checkpoint_files(store, run).items() if f not in done}
     gone = sorted(folder for folder, files in left.items() if files and not now.get(folder))
     if gone:
         raise PipelineError(

@@ -199,7 +199,7 @@ def unmeant(dataset: datasets.Dataset, labels: list[str]) -> list[str]:
     column of predict's output named so)."""
     said = []
     if "id" in dataset.column_names:
-        ids = collections.Counter(map(str, dataset["id"]))
+        ids = collections.Counter(str(i) for i in dataset["id"] if i is not None)
         twice = [i for i, n in ids.items() if n > 1]
         if twice:
             said.append(

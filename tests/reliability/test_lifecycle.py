@@ -394,9 +394,10 @@ def load_model(model_name, id2label, label2id):
 """
 
 
-def test_a_resumed_runs_cost_counts_the_jobs_of_its_parts_before(tmp_path, demo_raw):
+def test_a_resumed_runs_cost_counts_the_jobs_of_its_parts_before(tmp_path, demo_raw, caplog):
     """bow trains and bow2 fails; the resume trains bow2 alone and writes the train step's
-    section again: what the first part's training jobs used is counted all the same."""
+    section again: what the first part's training jobs used is counted all the same. bow's
+    checkpoints, kept while the run had not completed, are not said to be gone on from."""
     from pipeline.config import load_settings
     from pipeline.driver import PipelineError, parse_steps, run_pipeline
 
@@ -405,14 +406,19 @@ def test_a_resumed_runs_cost_counts_the_jobs_of_its_parts_before(tmp_path, demo_
     (tmp_path / "flagged.py").write_text(f"FLAG = {str(flag)!r}\n" + FAILS_WHILE_FLAGGED)
     path = write_settings(tmp_path / "s.ini", str(tmp_path / "store"),
                           experiment={"USER_FUNCTIONS": "flagged"}, models={"MODEL_NAMES": "bow, bow2"},
-                          data={"RAW_DATA": str(demo_raw)})  # fmt: skip
+                          data={"RAW_DATA": str(demo_raw)},
+                          training={"CHECKPOINT_EVERY_STEPS": "2", "EPOCHS": "2"})  # fmt: skip
     settings = load_settings(path, env={})
     store = LocalStore(tmp_path / "store")
     with pytest.raises(PipelineError, match="bow2 fails while FLAG is there"):
         run_pipeline(settings, store, parse_steps(None), echo=io.StringIO())
     paid = [b["job"] for b in record(tmp_path)["cost"]["jobs"]]
     assert [any(f"-train-{m}-" in job for job in paid) for m in ("bow", "bow2")] == [True, True]
+    assert record(tmp_path)["checkpoints_left"]["bow"] > 0
     flag.unlink()
+    caplog.set_level("INFO", logger="smpipe")
     resumed = run_pipeline(settings, store, parse_steps(None), echo=io.StringIO(), resume=1)
     assert resumed["status"] == "completed"
+    assert "bow: trained before this run was resumed" in caplog.text
+    assert "bow goes on from its checkpoints" not in caplog.text
     assert set(paid) < {b["job"] for b in resumed["cost"]["jobs"]}
