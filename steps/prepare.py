@@ -324,12 +324,13 @@ def columns_read(
     if given is None:
         given = [c for c in dataset.column_names if c not in ("label", "label_id", "id")]
     table = dataset.with_format("arrow")
+    shown = given + ["id"] * ("id" in dataset.column_names)  # predict gives encode ids too
     reads = []
     for column in given:
         rows = np.flatnonzero(has_value(table[column]))[:PROBE_ROWS]
         if not len(rows):
             continue
-        batch = clip(dataset.select(rows).select_columns(given)[:], limits)
+        batch = clip(dataset.select(rows).select_columns(shown)[:], limits)
         try:
             whole = probe(user_encode, batch, len(rows), keys, where)
         except (RuntimeError, ValueError, TypeError):
