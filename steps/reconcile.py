@@ -128,7 +128,10 @@ def check_result(result, module: str, labelled: bool = True) -> tuple[datasets.D
             )
         )
     if len(dataset) == 0:
-        raise ValueError(f"{where} returned no rows")
+        said = [f"{len(ids)} as {reason}" for reason, ids in dropped.items() if len(ids)]
+        raise ValueError(
+            f"{where} returned no rows" + (f" (it dropped {', '.join(said)})" if said else "")
+        )
     return dataset, dropped
 
 

@@ -132,6 +132,21 @@ def test_a_list_of_dropped_ids_where_the_contract_has_a_dict_is_named(store, tmp
     assert "its second value is list" in result.failure_reason
 
 
+def test_a_reconcile_that_drops_every_row_says_what_it_dropped(store, tmp_path):
+    job, result = reconcile_job(store, tmp_path, """
+        import datasets
+
+        def reconcile(raw_dir):
+            empty = datasets.Dataset.from_dict({"text": [], "label": []})
+            return empty, {"article_without_label": ["a", "b"], "empty_article": []}
+    """)  # fmt: skip
+    assert result.status == "Failed"
+    assert (
+        "odd_functions.reconcile returned no rows (it dropped 2 as article_without_label)"
+        in result.failure_reason
+    )
+
+
 def test_a_datasetdict_of_one_split_is_its_rows_and_of_several_is_refused(store, tmp_path):
     """`load_dataset("csv", data_files=...)` returns a DatasetDict of one split, "train", as
     the datasets docs show: reconcile may return it. The user's own splits are refused, naming
