@@ -102,8 +102,17 @@ class Experiment(Section):
     def _store(cls, value: str) -> str:
         if not value:
             raise ValueError("must be a local directory or s3://bucket[/prefix]")
-        if value.startswith("s3://") and not value[5:].split("/")[0]:
+        bucket = value[5:].split("/")[0] if value.startswith("s3://") else None
+        if bucket == "":
             raise ValueError(f"{value!r} names no bucket")
+        # Letters, digits, '.', '-' ("Bucket names can consist only of lowercase letters,
+        # numbers, periods (.), and hyphens (-)"; buckets made in us-east-1 before March 2018
+        # may hold capitals and '_' too: AWS's "General purpose bucket naming rules").
+        if bucket and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9]", bucket):
+            raise ValueError(
+                f"{value!r}: {bucket!r} is not a bucket's name (letters, digits, '.' and '-', "
+                "beginning and ending with a letter or digit)"
+            )
         if "://" in value and not value.startswith("s3://"):
             raise ValueError(
                 f"{value!r}: a store is a local directory, written as a path (such as "
@@ -343,6 +352,7 @@ class Settings(BaseModel):
 
     def store_uri(self) -> str:
         store = self.experiment.store
+        store = os.path.expanduser(store)  # as a shell would: the file is read by none
         if store.startswith("s3://") or os.path.isabs(store):
             return store
         return str(Path(self.base_dir, store).resolve())
@@ -350,6 +360,7 @@ class Settings(BaseModel):
     def raw_data_uri(self) -> str:
         """[data] RAW_DATA as a URI or absolute folder; empty when the store's raw/ is used."""
         raw = self.data.raw_data
+        raw = os.path.expanduser(raw)
         if not raw or "://" in raw or os.path.isabs(raw):
             return raw
         return str(Path(self.base_dir, raw).resolve())

@@ -65,6 +65,24 @@ def not_shipped(settings: Settings) -> str | None:
     )
 
 
+def demo_in_use(settings: Settings) -> str | None:
+    """Said when USER_FUNCTIONS is found not beside the settings file but in smpipe's own
+    folder: the run then ships smpipe's demo functions, which a project whose own module is
+    missing did not mean (a settings.ini copied elsewhere)."""
+    from pipeline.code_bundle import PROJECT_ROOT, user_code
+
+    module = settings.experiment.user_functions
+    path = user_code(settings).get(module.split(".")[0])
+    if path is None or path.resolve().parent != PROJECT_ROOT:
+        return None  # found beside the settings file (smpipe's own settings.ini among them)
+    if Path(settings.base_dir).resolve() == PROJECT_ROOT:
+        return None
+    return (
+        f"note: [experiment] USER_FUNCTIONS = {module} is not beside {settings.source}: the run "
+        f"ships smpipe's own demo functions, {path}; put yours beside the settings file"
+    )
+
+
 def check_user_functions(
     settings: Settings, steps: list[str] | None = None
 ) -> dict[str, tuple[str, str | None]]:
@@ -81,6 +99,10 @@ def check_user_functions(
     unshipped = not_shipped(settings)
     if unshipped:
         raise UserFunctionError([unshipped], module)
+    if demo := demo_in_use(settings):
+        from pipeline.errors import log
+
+        log.info(demo)
     trains = steps is not None and "train" in steps
     kept = passed_before(settings, trains)
     if kept.exists() and not os.environ.get(CHECK_AGAIN):  # this very check passed before

@@ -65,6 +65,10 @@ BROKEN = {
         ["[models] MODEL_NAMES: name at least one model"],
     ),
     "unknown section": ({"trainer": {"EPOCHS": "1"}}, ["[trainer]: unknown section"]),
+    "a store's bucket with a wildcard": (
+        {"experiment": {"STORE": "s3://bu*cket/x"}},
+        ["[experiment] STORE", "'bu*cket' is not a bucket's name"],
+    ),
     "a store's URI of another scheme": (
         {"experiment": {"STORE": "file:///tmp/x"}},
         ["[experiment] STORE", "a store is a local directory, written as a path (such as /tmp/x)"],
@@ -426,3 +430,12 @@ def test_the_sagemaker_backends_missing_settings_give_an_example_and_the_next_st
     assert "ROLE_ARN = arn:aws:iam::123456789012:role/smpipe-jobs (`smpipe iam" in said
     assert "IMAGE_URI = 123456789012.dkr.ecr.us-east-1.amazonaws.com/smpipe:latest" in said
     assert said.count("--backend emulated") == 1
+
+
+def test_a_store_and_raw_data_under_home_are_read_as_a_shell_reads_them(tmp_path, monkeypatch):
+    """`STORE = ~/smpipe` is the home folder's, not a folder named `~` beside the settings."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    path = write_settings(tmp_path / "settings.ini", "~/smpipe", data={"RAW_DATA": "~/raw"})
+    settings = load_settings(path, env={})
+    assert settings.store_uri() == str(tmp_path / "home" / "smpipe")
+    assert settings.raw_data_uri() == str(tmp_path / "home" / "raw")

@@ -419,6 +419,38 @@ def test_an_interrupted_study_resumes_with_its_finished_trials(tmp_path, monkeyp
     assert record["status"] == "completed" and record["model_artifacts"]["tiny"]
 
 
+@pytest.mark.slow
+def test_a_resumed_random_study_draws_new_values_for_the_trials_left(tmp_path, monkeypatch):
+    """Trials told again do not advance a seeded sampler: a resumed study seeded as before drew
+    its first trial's values again for the next (seen: trial 3 = trial 1). It is seeded past
+    the trials it is told."""
+    from tests.conftest import ROOT, wait_at_gate
+    from tests.jobs.gate import GATE_VARIABLE
+    from tests.reliability.test_lifecycle import Driver
+
+    path = tuning_settings(tmp_path, MAX_JOBS="3", MAX_PARALLEL_JOBS="1")
+    write_module(tmp_path, "reviews_gated", GATED)
+    shutil.copy(ROOT / "tests/jobs/gate.py", tmp_path / "stop_gate.py")
+    write_settings(path, str(tmp_path / "store"), experiment={"USER_FUNCTIONS": "reviews_gated", "NAME": "reviews", "JOB": "tune"},
+                   data={"RAW_DATA": str(tmp_path / "raw"), "MAX_SEQUENCE_LENGTH": "12"}, models={"MODEL_NAMES": "tiny"},
+                   tuning={"STRATEGY": "Random", "MAX_JOBS": "3", "MAX_PARALLEL_JOBS": "1", "EARLY_STOPPING": "Off"},
+                   **{"tuning.hyperparameters": {"LEARNING_RATE": "0.001->0.1 log", "EPOCHS": "2", "BATCH_SIZE": None}})  # fmt: skip
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv(GATE_VARIABLE, f"{tmp_path / 'gates'}:epoch2:-002")
+    driver = Driver(path, tmp, "--steps", "reconcile,prepare,train")
+    wait_at_gate(tmp_path / "gates", "epoch2", lambda: driver.proc.poll() is None)
+    driver.proc.send_signal(signal.SIGTERM)
+    assert driver.finish() == 130, driver.output
+    again = Driver(path, tmp, "--resume", "1")
+    assert again.finish() == 0, again.output
+    trials_json = tmp_path / "store/reviews/runs/0001/tuning/tiny/trials.json"
+    rates = [
+        t["hyperparameters"]["learning_rate"] for t in json.loads(trials_json.read_text())["trials"]
+    ]
+    assert len(rates) == 3 and len(set(rates)) == 3, rates
+
+
 # The reviews model with a hidden layer between its bag of embeddings and its head: a linear
 # layer for LoRA's adapters (PEFT adapts no EmbeddingBag).
 REVIEWS_HIDDEN = REVIEWS.replace(

@@ -15,7 +15,7 @@ from pipeline.config import load_settings
 from pipeline.driver import PipelineError, parse_steps, run_pipeline
 from pipeline.store import LocalStore
 from steps.user_code import UserFunctionError, load_user_functions
-from tests.conftest import write_settings
+from tests.conftest import ROOT, write_settings
 
 # Another task entirely: reviews in one JSON-lines file, a 'review' text field, three labels,
 # a hashing tokenizer, and a model whose inputs are called token_ids and mask.
@@ -369,3 +369,16 @@ def test_a_forward_that_returns_a_dict_of_logits_is_read_as_a_model_output_is():
     assert logits_of((logits,)) is logits
     with pytest.raises(TypeError, match=r"returned dict from forward\(\); expected the logits"):
         logits_of({"scores": logits})
+
+
+def test_the_demos_functions_taken_for_a_project_without_its_own_are_said(tmp_path):
+    """A settings.ini copied where no user_functions/ is runs smpipe's own demo functions: said,
+    with where they come from; a project's own module beside its settings is not."""
+    from pipeline.user_check import demo_in_use
+
+    path = write_settings(tmp_path / "settings.ini", str(tmp_path / "store"))
+    said = demo_in_use(load_settings(path, env={}))
+    assert said and f"is not beside {path}" in said and str(ROOT / "user_functions") in said
+    write_module(tmp_path, "mine", REVIEWS)
+    path = write_settings(path, str(tmp_path / "store"), experiment={"USER_FUNCTIONS": "mine"})
+    assert demo_in_use(load_settings(path, env={})) is None

@@ -94,7 +94,11 @@ def run_local_tuning(backend: TrialRunner, job: TuningJob, store: Store, run: Ru
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial is reported once, by us
     model_name = job.trial.hyperparameters["model_name"]
-    sampler, pruner, n_trials = search(job, int(job.trial.hyperparameters.get("seed", 0)))
+    trials = Trials(store, run, model_name)
+    # A resumed study's sampler is seeded past the trials it is told again (`reseed`): told
+    # trials do not advance a seeded sampler's draws, which would repeat the first trials'.
+    seed = int(job.trial.hyperparameters.get("seed", 0)) + len(trials.records)
+    sampler, pruner, n_trials = search(job, seed)
     direction = "maximize" if job.objective_type == "Maximize" else "minimize"
     # Named after the run and model, not at random: Hyperband puts each trial in a bracket by
     # a checksum of the study's name and the trial's number ("Please specify study_name to
@@ -107,7 +111,6 @@ def run_local_tuning(backend: TrialRunner, job: TuningJob, store: Store, run: Ru
         study_name=f"{run.experiment}-{run.label}-{model_name}",
     )
     spaces = distributions(job.ranges)
-    trials = Trials(store, run, model_name)
     started = time.time()
     remaining = n_trials - reseed(study, spaces, trials)
 
