@@ -491,7 +491,9 @@ class Workspace:
         if metadata.exists():
             return json.loads(metadata.read_text())
         # Refused before it began (settings, user functions): said once, for every check.
-        said = log.read_text(errors="replace").strip()[-2000:]
+        said = log.read_text(errors="replace").strip()
+        said = said[said.find("error:") :] if "error:" in said else said  # the lines before: notes
+        said = said[-2000:]
         return {"steps": {}, "failure_reason": f"smpipe run exited {done.returncode}: {said}"}
 
     def write_settings(self) -> None:

@@ -110,8 +110,8 @@ class Experiment(Section):
         # may hold capitals and '_' too: AWS's "General purpose bucket naming rules").
         if bucket and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9]", bucket):
             raise ValueError(
-                f"{value!r}: {bucket!r} is not a bucket's name (letters, digits, '.' and '-', "
-                "beginning and ending with a letter or digit)"
+                f"{value!r} names no bucket: {bucket!r} is not a bucket's name (letters, "
+                "digits, '.' and '-', beginning and ending with a letter or digit)"
             )
         if "://" in value and not value.startswith("s3://"):
             raise ValueError(
