@@ -372,29 +372,40 @@ def load_model(model_name, id2label, label2id):
 )
 
 
-@pytest.mark.slow
-def test_an_interrupted_study_resumes_with_its_finished_trials(tmp_path, monkeypatch):
+def stopped_in_trial_2(tmp_path, monkeypatch, strategy: str, max_jobs: str, **hps: str):
+    """A study of the gated reviews model, one trial at a time, stopped (SIGTERM to its
+    driver) while trial 2 waits in its second epoch, its first done and checkpointed (the
+    resumed one finds it stopped there once, and goes on). The settings and the folder the
+    driver ran in, for its --resume."""
     from tests.conftest import ROOT, wait_at_gate
     from tests.jobs.gate import GATE_VARIABLE
     from tests.reliability.test_lifecycle import Driver
 
-    path = tuning_settings(tmp_path, STRATEGY="Grid", MAX_JOBS="2", MAX_PARALLEL_JOBS="1")
+    path = tuning_settings(tmp_path)
     write_module(tmp_path, "reviews_gated", GATED)
     shutil.copy(ROOT / "tests/jobs/gate.py", tmp_path / "stop_gate.py")
     write_settings(path, str(tmp_path / "store"), experiment={"USER_FUNCTIONS": "reviews_gated", "NAME": "reviews", "JOB": "tune"},
                    data={"RAW_DATA": str(tmp_path / "raw"), "MAX_SEQUENCE_LENGTH": "12"}, models={"MODEL_NAMES": "tiny"},
-                   tuning={"STRATEGY": "Grid", "MAX_JOBS": "2", "MAX_PARALLEL_JOBS": "1", "EARLY_STOPPING": "Off"},
-                   **{"tuning.hyperparameters": {"LEARNING_RATE": "0.05,0.02", "EPOCHS": "3", "BATCH_SIZE": None}})  # fmt: skip
+                   tuning={"STRATEGY": strategy, "MAX_JOBS": max_jobs, "MAX_PARALLEL_JOBS": "1", "EARLY_STOPPING": "Off"},
+                   **{"tuning.hyperparameters": {**hps, "BATCH_SIZE": None}})  # fmt: skip
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    trials_json = tmp_path / "store/reviews/runs/0001/tuning/tiny/trials.json"
-    # The second trial, its first epoch done and checkpointed, waits in its next step for the
-    # stop (the resumed one finds it stopped there once, and goes on).
     monkeypatch.setenv(GATE_VARIABLE, f"{tmp_path / 'gates'}:epoch2:-002")
     driver = Driver(path, tmp, "--steps", "reconcile,prepare,train")
     wait_at_gate(tmp_path / "gates", "epoch2", lambda: driver.proc.poll() is None)
     driver.proc.send_signal(signal.SIGTERM)
     assert driver.finish() == 130, driver.output
+    return path, tmp
+
+
+@pytest.mark.slow
+def test_an_interrupted_study_resumes_with_its_finished_trials(tmp_path, monkeypatch):
+    from tests.reliability.test_lifecycle import Driver
+
+    path, tmp = stopped_in_trial_2(
+        tmp_path, monkeypatch, "Grid", "2", LEARNING_RATE="0.05,0.02", EPOCHS="3"
+    )
+    trials_json = tmp_path / "store/reviews/runs/0001/tuning/tiny/trials.json"
     before = {t["number"]: t for t in json.loads(trials_json.read_text())["trials"]}
     assert [before[n]["status"] for n in sorted(before)] == ["Completed", "Interrupted"]
     assert [len(before[n]["epochs"]) for n in sorted(before)] == [3, 1]
@@ -424,24 +435,11 @@ def test_a_resumed_random_study_draws_new_values_for_the_trials_left(tmp_path, m
     """Trials told again do not advance a seeded sampler: a resumed study seeded as before drew
     its first trial's values again for the next (seen: trial 3 = trial 1). It is seeded past
     the trials it is told."""
-    from tests.conftest import ROOT, wait_at_gate
-    from tests.jobs.gate import GATE_VARIABLE
     from tests.reliability.test_lifecycle import Driver
 
-    path = tuning_settings(tmp_path, MAX_JOBS="3", MAX_PARALLEL_JOBS="1")
-    write_module(tmp_path, "reviews_gated", GATED)
-    shutil.copy(ROOT / "tests/jobs/gate.py", tmp_path / "stop_gate.py")
-    write_settings(path, str(tmp_path / "store"), experiment={"USER_FUNCTIONS": "reviews_gated", "NAME": "reviews", "JOB": "tune"},
-                   data={"RAW_DATA": str(tmp_path / "raw"), "MAX_SEQUENCE_LENGTH": "12"}, models={"MODEL_NAMES": "tiny"},
-                   tuning={"STRATEGY": "Random", "MAX_JOBS": "3", "MAX_PARALLEL_JOBS": "1", "EARLY_STOPPING": "Off"},
-                   **{"tuning.hyperparameters": {"LEARNING_RATE": "0.001->0.1 log", "EPOCHS": "2", "BATCH_SIZE": None}})  # fmt: skip
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    monkeypatch.setenv(GATE_VARIABLE, f"{tmp_path / 'gates'}:epoch2:-002")
-    driver = Driver(path, tmp, "--steps", "reconcile,prepare,train")
-    wait_at_gate(tmp_path / "gates", "epoch2", lambda: driver.proc.poll() is None)
-    driver.proc.send_signal(signal.SIGTERM)
-    assert driver.finish() == 130, driver.output
+    path, tmp = stopped_in_trial_2(
+        tmp_path, monkeypatch, "Random", "3", LEARNING_RATE="0.001->0.1 log", EPOCHS="2"
+    )
     again = Driver(path, tmp, "--resume", "1")
     assert again.finish() == 0, again.output
     trials_json = tmp_path / "store/reviews/runs/0001/tuning/tiny/trials.json"
