@@ -66,7 +66,7 @@ def assemble(folder: Path, modules: Iterable[Path]) -> None:
 
 
 def copy_modules(folder: Path, modules: Iterable[Path]) -> None:
-    """The user's `modules` (files, or packages' folders) in `folder`, without bytecode."""
+    """The user's `modules` (files, or packages' folders) in `folder`, but for IGNORED."""
     for path in modules:
         if path.is_dir():
             shutil.copytree(path, folder / path.name, ignore=IGNORED)

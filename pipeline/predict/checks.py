@@ -193,8 +193,9 @@ def choose(
     ]
     functions = run_user_functions(store, run, settings.experiment.user_functions)
     snapshot = lineage.get("data_snapshot_hash", record.get("data_snapshot_hash"))
-    chosen = Chosen(run, name, why, model_key, version, data, snapshot, text_columns, functions,
-                    kinds)  # fmt: skip
+    chosen = Chosen(
+        run, name, why, model_key, version, data, snapshot, text_columns, functions, kinds
+    )
     return chosen, problems
 
 
