@@ -72,6 +72,11 @@ class Backend(Protocol):
         every backend), which the tune stage saves."""
         ...
 
+    def resumed(self) -> None:
+        """The run was resumed (`--resume`): before its first job, what the driver before
+        this one left running is stopped and waited for."""
+        ...
+
     def stop(self) -> None:
         """Stop every job still running (each may checkpoint); safe from any thread."""
         ...

@@ -229,6 +229,8 @@ def execute(
     base.image = getattr(ctx.backend, "image_record", None)  # a test's stand-in may hold none
     try:
         with running_backend(ctx.backend):  # its jobs stopped before any ending is recorded
+            if base.resumed_at:
+                ctx.backend.resumed()
             for stage, stage_jobs in planned:
                 stage.run(ctx, stage_jobs)
     except JobFailed as e:

@@ -392,7 +392,8 @@ def resumed_run(
     if done & {"train", "tune"}:  # inference, left, tests the models this run trained
         sources.models = run.models
     else:
-        check_checkpoints(store, run, record, resume=f"--resume {run_num}")
+        tuned_there = settings.experiment.job == "tune" and settings.experiment.backend != "local"
+        check_checkpoints(store, run, record, f"--resume {run_num}", tuned_there)
     keep = {k: v for k, v in record.items() if k in md.Metadata.model_fields and k != "steps"}
     resumed_at = [*record.get("resumed_at", []), md.iso(time.time())]
     again = {"status": "running", "failure_reason": None, "end_time": None}
@@ -425,10 +426,19 @@ def check_code(settings: Settings, store: Store, run: RunTree) -> None:
         )
 
 
-def check_checkpoints(store: Store, run: RunTree, record: dict, resume: str) -> None:
+def check_checkpoints(
+    store: Store, run: RunTree, record: dict, resume: str, tuned_on_sagemaker: bool = False
+) -> None:
     """Training goes on from the checkpoints the run left: any that are gone since it stopped
     (removed by hand, or by a lifecycle rule) stop the resume, which would otherwise train
     those models from step 1 without a word; what each model starts from is said."""
+    if tuned_on_sagemaker:
+        # SageMaker restarts no trial (pipeline/backends/resuming.py): nothing to go on from.
+        log.info(
+            f"resuming run {run.label}: each tuning job not completed starts again, "
+            "warm-started from the run's tuning jobs that ended where SageMaker still holds them"
+        )
+        return
     # A model trained whole before the run stopped is not trained again: its checkpoints wait.
     trained = ((record.get("steps") or {}).get("train") or {}).get("details") or {}
     done = set(trained.get("model_artifacts") or {})

@@ -74,12 +74,24 @@ def from_study(job: TuningJob, journal: list[dict], sampler: str, pruner: str) -
 def from_tuning_job(job: TuningJob, described: dict, summaries: list[dict]) -> dict:
     """A SageMaker tuning job's record: its trials from ListTrainingJobsForHyperParameterTuningJob
     (a HyperParameterTrainingJobSummary each), numbered in the order they were created, and
-    the best from DescribeHyperParameterTuningJob's BestTrainingJob (the same shape).
+    the best from DescribeHyperParameterTuningJob's (`best_of`: the same shape).
     `described` is {} when SageMaker refused the job."""
     trials = [summary_trial(s, n) for n, s in enumerate(in_creation_order(summaries), 1)]
-    named = (described.get("BestTrainingJob") or {}).get("TrainingJobName")
+    named = best_of(described).get("TrainingJobName")
     best = next((t for t in trials if t["job_name"] == named), None)
     return _record(job, trials, best)
+
+
+def best_of(described: dict) -> dict:
+    """A DescribeHyperParameterTuningJob answer's best trial: OverallBestTrainingJob where it
+    is warm-started with WarmStartType IdenticalDataAndAlgorithm ("the best objective metric
+    value of all training jobs launched by this tuning job and all parent jobs", botocore's
+    sagemaker service-2.json), else BestTrainingJob; {} when it has none."""
+    warm = (described.get("WarmStartConfig") or {}).get("WarmStartType")
+    overall = (
+        described.get("OverallBestTrainingJob") if warm == "IdenticalDataAndAlgorithm" else None
+    )
+    return overall or described.get("BestTrainingJob") or {}
 
 
 def in_creation_order(summaries: list[dict]) -> list[dict]:

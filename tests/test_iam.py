@@ -278,6 +278,10 @@ def aws_calls(paths: list[Path]) -> set[str]:
                     break
             else:
                 raise AssertionError(f"{path}: {method} is no call of a client smpipe uses")
+        if "get_paginator(" in text and "KINDS" in text:  # List<Jobs> by kind (resuming.py)
+            from pipeline.jobs import KINDS
+
+            wanted |= {f"sagemaker:List{k.resource}s" for k in KINDS.values()}
         if "_call(" in text and "KINDS" in text:  # the backend's Create/Describe/Stop by kind
             from pipeline.jobs import KINDS
 

@@ -273,6 +273,10 @@ class LocalBackend:
         result.billing = [{**b, "tuning_job": job.name} for b in self.billed[before:]]
         return result
 
+    def resumed(self) -> None:
+        """Nothing is left running: a local job ends with the driver that started it, however
+        it ends (pipeline/player/processes.py: each job follows DRIVER_PID_VARIABLE)."""
+
     def stop(self) -> None:
         self.containers.stop()
 

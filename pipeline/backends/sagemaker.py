@@ -27,7 +27,9 @@ from pipeline.backends.following import (
     log_tail,
 )
 from pipeline.backends.lost_create import ours_after_all
+from pipeline.backends.resuming import ended_tuning_jobs, left_running, warm_start
 from pipeline.cost import spot_savings
+from pipeline.errors import PipelineError
 from pipeline.jobs import (
     KINDS,
     JobResult,
@@ -92,21 +94,27 @@ class Trials:
     (steps/runtime/variables.py), and that folder is removed once the trial has ended: nothing
     resumes an ended trial, and the trials that start later copy in only what is still running."""
 
-    def __init__(self, backend: SageMakerBackend, job: TuningJob) -> None:
+    def __init__(self, backend: SageMakerBackend, job: TuningJob, parents=()) -> None:
         self.backend, self.job = backend, job
+        # The tuning jobs a resumed run's one is warm-started from (pipeline/backends/
+        # resuming.py): their trials are this model's too, tidied and weighed alike.
+        self.names = [job.name, *parents]
         self.tidied: set[str] = set()
 
     def summaries(self) -> list[dict]:
-        client, found, token = self.backend.client, [], None
-        while True:
-            args = {"HyperParameterTuningJobName": self.job.name, "MaxResults": 100}
-            page = client.list_training_jobs_for_hyper_parameter_tuning_job(
-                **args, **({"NextToken": token} if token else {})
-            )
-            found += page.get("TrainingJobSummaries", [])
-            token = page.get("NextToken")
-            if not token:
-                return tuning_record.in_creation_order(found)
+        client, found = self.backend.client, []
+        for name in self.names:
+            token = None
+            while True:
+                args = {"HyperParameterTuningJobName": name, "MaxResults": 100}
+                page = client.list_training_jobs_for_hyper_parameter_tuning_job(
+                    **args, **({"NextToken": token} if token else {})
+                )
+                found += page.get("TrainingJobSummaries", [])
+                token = page.get("NextToken")
+                if not token:
+                    break
+        return tuning_record.in_creation_order(found)
 
     def tidy(self, _described: dict) -> list[dict]:
         """Remove the checkpoints of every trial that has ended; return every trial."""
@@ -176,6 +184,7 @@ class SageMakerBackend:
         self._active: dict[str, str] = {}  # job name -> kind, for stop()
         self.pools = WarmPools(client, self.say)
         self._lock = threading.Lock()
+        self.resumed_run = False  # `resumed`
 
     @property
     def image_record(self) -> dict:
@@ -251,13 +260,18 @@ class SageMakerBackend:
         request = self.request(job)
         if keep_alive_refused(job):
             self.say(job.name, keep_alive_refused(job))
-        trials = Trials(self, job)
+        if self.resumed_run:
+            request = self._warm_started(job, request)
+        parents = (request.get("WarmStartConfig") or {}).get("ParentHyperParameterTuningJobs", [])
+        trials = Trials(self, job, [p["HyperParameterTuningJobName"] for p in parents])
         followed = self._submit_and_wait("tuning", job.name, request, on_poll=trials.tidy)
         described = followed.described
         summaries = trials.tidy(described) if described else []  # none: no job was created
         result = self._result("tuning", job.name, followed)
-        result.billing = trials_billed(self, job.name, summaries or [])
-        best = described.get("BestTrainingJob") or {}
+        # Its own trials: a parent's were billed with the run's earlier attempt.
+        own = [s for s in summaries or [] if s.get("TuningJobName", job.name) == job.name]
+        result.billing = trials_billed(self, job.name, own)
+        best = tuning_record.best_of(described)
         result.details = tuning_record.from_tuning_job(job, described, summaries or [])
         if result.status == "Completed" and not best:
             result.status = "Failed"
@@ -282,6 +296,37 @@ class SageMakerBackend:
         if result.status == "Completed":  # unpacked into the run tree: kept once, there
             trials.remove_archives(keep=None)
         return result
+
+    def resumed(self) -> None:
+        """The run was resumed: its jobs that SageMaker still runs, which the driver before
+        this one could not stop, are stopped and waited for (pipeline/backends/resuming.py),
+        and its tuning jobs are warm-started."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        self.resumed_run = True
+        try:
+            left = left_running(self, self.store.uri_of(self.run.prefix), self.run.label)
+        except (ClientError, BotoCoreError) as e:
+            raise PipelineError(
+                f"--resume {self.run.run_num}: the run's jobs that SageMaker may still run "
+                f"could not be listed ({e}); a resumed run would start its jobs beside them"
+            ) from None
+        for kind, name in left:
+            self.say(name, f"{kind} job still running from before the run was resumed: stopping it")
+            self.stop_job(name, kind)
+            following = Following(self, kind, name, time.time())
+            following.logs_off = True  # its log so far is SageMaker's, read where it is
+            self.say(name, f"ended {following.to_the_end().status}")
+
+    def _warm_started(self, job: TuningJob, request: dict) -> dict:
+        """A resumed run's tuning job: the checkpoints of the trials its earlier tuning jobs
+        left are removed (nothing resumes a trial), and their results warm-start it."""
+        for key in self.store.list_keys(job.trial.checkpoint_prefix):
+            self.store.delete(key)
+        parents = ended_tuning_jobs(self, job.name, self.run.label, request)
+        request, said = warm_start(request, parents)
+        self.say(job.name, said)
+        return request
 
     def stop(self) -> None:
         """Stop every job this backend started that has not ended (Ctrl-C, SIGTERM)."""

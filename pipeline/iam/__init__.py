@@ -288,9 +288,14 @@ def _job_statements(settings: Settings, where: Where, kinds: list[str]) -> list[
 
 
 def _listing_and_registry(settings: Settings, where: Where, kinds: list[str]) -> list[dict]:
-    """A tuning job's trials listed; the run's winner registered, `registry`, `approve`."""
+    """The run's jobs and a tuning job's trials listed; the run's winner registered,
+    `registry`, `approve`."""
     statements = []
-    listing = ["sagemaker:ListTrainingJobsForHyperParameterTuningJob"] if "tuning" in kinds else []
+    # A resumed run lists the jobs of every kind its earlier driver may have left running
+    # (pipeline/backends/resuming.py), whatever kinds this run sends.
+    listing = [f"sagemaker:List{KINDS[k].resource}s" for k in sorted(KINDS)]
+    if "tuning" in kinds:
+        listing.append("sagemaker:ListTrainingJobsForHyperParameterTuningJob")
     group = settings.registry.model_package_group
     if group:  # pipeline/registry/
         listing.append("sagemaker:ListModelPackages")
@@ -311,10 +316,9 @@ def _listing_and_registry(settings: Settings, where: Where, kinds: list[str]) ->
                 + [where.arn("sagemaker", f"model-package/{n}/*") for n in names],
             )
         )
-    if listing:
-        # A List action is granted on "*": it names no single job or package, and a resource
-        # type the action does not take would deny it.
-        statements.append(statement("ListTrialsAndVersions", listing, "*"))
+    # A List action is granted on "*": it names no single job or package, and a resource
+    # type the action does not take would deny it.
+    statements.append(statement("ListJobsTrialsAndVersions", listing, "*"))
     return statements
 
 

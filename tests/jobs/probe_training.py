@@ -57,7 +57,12 @@ def main():
     (env.checkpoint_dir / f"ckpt-rank{rank}.txt").write_text("state")
     if rank == 0:
         (env.output_data_dir / "report.json").write_text(json.dumps({"ok": True}))
-        print("validation:f1=0.750000")
+        # A trial's objective, where a tuning job searches it as a hyperparameter.
+        print(f"validation:f1={float(env.hyperparameters.get('f1', 0.75)):.6f}")
+    if env.hyperparameters.get("sleep"):  # a trial that a tuning job may be stopped in
+        import time
+
+        time.sleep(float(env.hyperparameters["sleep"]))
     if world > 1:
         dist.destroy_process_group()
     if env.hyperparameters.get("fail"):

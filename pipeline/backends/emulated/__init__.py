@@ -19,12 +19,14 @@ table lists them, and what is not played). By concern:
                       only when its instance is taken back (`Emulator.reclaim`)
     tuning.py         the tuning service: trials drawn from the request's ParameterRanges,
                       each a training job with `_tuning_objective_metric`, its objective read
-                      with the request's metric regexes, the best one reported; a trial is
-                      created through the control plane's callback
+                      with the request's metric regexes, the best one reported (with a
+                      warm start's, the best of its parents' too); a trial is created
+                      through the control plane's callback
     control_plane.py  SageMaker's control plane as hooks on the client's calls (`Emulator`):
                       a job started once moto accepts it, a name used before refused
-                      (ResourceInUse), the Stop* calls, a tuning job's trials listed, a
-                      model package's ClientToken, warm pools expired before anyone looks
+                      (ResourceInUse), a warm start's unknown parents refused, the Stop*
+                      calls, a tuning job's trials listed, a model package's ClientToken,
+                      warm pools expired before anyone looks
     adapter.py        the backend the driver holds (`EmulatedBackend`, `emulated_backend`)
 
 Each module imports only modules listed above it, never this package.

@@ -34,6 +34,9 @@ class EmulatedBackend:
     def run_tuning(self, job: TuningJob) -> JobResult:
         return self.sagemaker.run_tuning(job)
 
+    def resumed(self) -> None:
+        self.sagemaker.resumed()
+
     def stop(self) -> None:
         self.sagemaker.stop()
 

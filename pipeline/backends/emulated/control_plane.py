@@ -122,6 +122,9 @@ class Emulator:
             events.register(f"after-call.sagemaker.{api.create}", self._created)
             # moto has no Stop* calls: SageMaker's part, played here.
             events.register(f"before-call.sagemaker.{api.stop}", self._stop)
+        events.register(
+            f"before-call.sagemaker.{KINDS['tuning'].create}", self._refuse_unknown_parents
+        )
         # A warm pool's time runs out between calls: it is Terminated before anyone looks.
         pools = self.records.pools
         for operation in ("DescribeTrainingJob", "ListTrainingJobs"):
@@ -183,6 +186,24 @@ class Emulator:
 
     def _refuse_used_name(self, model, params, **_):
         return refuse_used_name(self.account.jobs, model.name, _body(params))
+
+    def _refuse_unknown_parents(self, params, **_):
+        """A warm start names parent tuning jobs whose results it starts from: one the account
+        does not hold is refused. The service model lists no error of its own for it
+        (CreateHyperParameterTuningJob's are ResourceInUse and ResourceLimitExceeded), so it
+        is played as the ValidationException every SageMaker call may answer."""
+        warm = _body(params).get("WarmStartConfig") or {}
+        held = {n.lower() for n in self.account.jobs.hyper_parameter_tuning_jobs}
+        missing = [
+            p["HyperParameterTuningJobName"]
+            for p in warm.get("ParentHyperParameterTuningJobs", [])
+            if p["HyperParameterTuningJobName"].lower() not in held
+        ]
+        if not missing:
+            return None
+        return error_response(
+            400, "ValidationException", f"Parent tuning jobs not found: {', '.join(missing)}"
+        )
 
     def _stop(self, model, params, **_):
         name = next(iter(_body(params).values()))

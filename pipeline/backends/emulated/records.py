@@ -168,7 +168,8 @@ class JobRecords:
         if reason:
             job.failure_reason = reason
 
-    def best(self, tuning: str, summary: dict) -> None:
-        """A tuning job's BestTrainingJob (and OverallBestTrainingJob)."""
+    def best(self, tuning: str, summary: dict, overall: dict | None) -> None:
+        """A tuning job's BestTrainingJob, and its OverallBestTrainingJob (None: not
+        warm-started)."""
         job = self.jobs.hyper_parameter_tuning_jobs[tuning]
-        job.best_training_job = job.OverallBestTrainingJob = summary
+        job.best_training_job, job.OverallBestTrainingJob = summary, overall

@@ -92,15 +92,37 @@ class TuningService:
         parallel = config["ResourceLimits"]["MaxParallelTrainingJobs"]
         with ThreadPoolExecutor(max_workers=parallel) as pool:
             trials = list(pool.map(lambda one: self._trial(name, request, *one), drawn))
+        # BestTrainingJob: "the training job that completed with the best current
+        # HyperParameterTuningJobObjective" (botocore's sagemaker service-2.json), so a
+        # stopped tuning job reports one too.
+        best = self._best(name, trials, objective_metric(request))
+        if best is not None:
+            self.records.best(name, best, self._overall(request, best))
         if self.records.stop_requested(name):
             self.records.ended(name, "Stopped")
             return
-        best = self._best(name, trials, objective_metric(request))
         if best is None:
             self.records.ended(name, "Failed", "No training job succeeded with an objective metric")
             return
-        self.records.best(name, best)
         self.records.ended(name, "Completed")
+
+    def _overall(self, request: dict, best: dict) -> dict | None:
+        """OverallBestTrainingJob, for a tuning job warm-started with WarmStartType
+        IdenticalDataAndAlgorithm only: "the best objective metric value of all training jobs
+        launched by this tuning job and all parent jobs", its own best "compared to the best
+        training jobs from the parent tuning jobs" (OverallBestTrainingJob and
+        HyperParameterTuningJobWarmStartConfig, botocore's sagemaker service-2.json)."""
+        warm = request.get("WarmStartConfig") or {}
+        if warm.get("WarmStartType") != "IdenticalDataAndAlgorithm":
+            return None
+        tuning_jobs = self.records.jobs.hyper_parameter_tuning_jobs
+        parents = [p["HyperParameterTuningJobName"] for p in warm["ParentHyperParameterTuningJobs"]]
+        bests = [best, *(tuning_jobs[p].best_training_job for p in parents)]
+        sign = 1 if objective_metric(request)["Type"] == "Maximize" else -1
+        scored = [b for b in bests if b]
+        return max(
+            scored, key=lambda b: sign * b["FinalHyperParameterTuningJobObjectiveMetric"]["Value"]
+        )
 
     def _trial(self, name: str, request: dict, index: int, values: dict) -> tuple[str, dict]:
         """One trial of the tuning job `name`, created unless the job was stopped, and waited

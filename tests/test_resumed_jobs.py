@@ -1,0 +1,214 @@
+"""A resumed run on SageMaker (pipeline/backends/resuming.py), played by the emulator: the jobs
+its earlier driver left running are stopped before anything starts, and none of another run's;
+a tuning job stopped mid-search warm-starts the resumed one, which runs only the trials left
+and takes the best of all of them. Small probe jobs (tests/jobs/) through the real entrypoint."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+
+import pytest
+
+from pipeline.backends.emulated import Emulator
+from pipeline.jobs import TuningJob, request_for
+from pipeline.search_space import Categorical
+from tests.test_emulator import RUN, backend, probe_training
+
+
+@pytest.fixture
+def emulator(store):
+    emulator = Emulator(store, "us-east-1")
+    yield emulator
+    emulator.close()
+
+
+@pytest.fixture
+def store(bucket):
+    from pipeline.store import S3Store
+    from tests.conftest import ship_code
+
+    store = S3Store(f"s3://{bucket}")
+    ship_code(store)
+    return store
+
+
+@pytest.fixture
+def inputs(store, tmp_path):
+    from pipeline.store import upload_dir
+
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train/rows.txt").write_text("1\n2\n")
+    upload_dir(store, tmp_path / "train", "data/train/")
+
+
+def searching_f1(name: str) -> TuningJob:
+    """A tuning job of the run RUN whose trials report the f1 they are given, one at a time,
+    each lasting a second: one can be stopped between trials."""
+    trial = probe_training(
+        name,
+        hyperparameters={"model_name": "probe", "epochs": "1", "sleep": "1"},
+        checkpoint_prefix=RUN.prefix + "checkpoints/probe/",
+        sagemaker_output=RUN.prefix + "jobs/training/",
+        model_prefix=RUN.prefix + "models/probe/",
+    )
+    f1s = Categorical(("0.51", "0.62", "0.73", "0.84", "0.95"))
+    return TuningJob(name=name, trial=trial, ranges={"f1": f1s}, strategy="Random",
+                     objective_metric="validation:f1", objective_type="Maximize",
+                     max_jobs=4, max_parallel_jobs=1)  # fmt: skip
+
+
+def described(emulator, name: str) -> dict:
+    """The tuning job's DescribeHyperParameterTuningJob, once it is created."""
+    from botocore.exceptions import ClientError
+
+    deadline = time.time() + 60
+    while True:
+        try:
+            return emulator.client.describe_hyper_parameter_tuning_job(
+                HyperParameterTuningJobName=name
+            )
+        except ClientError:
+            assert time.time() < deadline, f"{name} was never created"
+            time.sleep(0.2)
+
+
+def test_a_stopped_tuning_job_warm_starts_the_resumed_one_with_the_trials_left(
+    store, emulator, inputs
+):
+    first = searching_f1(f"probe-{RUN.label}-tune-probe-090000")
+    stopping = backend(emulator)
+    ran = threading.Thread(target=stopping.run_tuning, args=(first,))
+    ran.start()
+    deadline = time.time() + 120
+    while described(emulator, first.name)["TrainingJobStatusCounters"]["Completed"] < 1:
+        assert time.time() < deadline, "the first trial never completed"
+        time.sleep(0.2)
+    stopping.stop()  # the driver stopped (Ctrl-C) in the tuning job's second trial
+    ran.join()
+    parent = described(emulator, first.name)
+    assert parent["HyperParameterTuningJobStatus"] == "Stopped"
+    done = parent["TrainingJobStatusCounters"]["Completed"]
+    assert 1 <= done < 4
+
+    echo = io.StringIO()
+    resumed = backend(emulator, echo)
+    resumed.resumed()  # nothing of the run is left running
+    again = searching_f1(f"probe-{RUN.label}-tune-probe-091500")
+    result = resumed.run_tuning(again)
+
+    assert result.status == "Completed", result.failure_reason
+    sent = emulator.records.requests[again.name]
+    assert sent["WarmStartConfig"] == {
+        "ParentHyperParameterTuningJobs": [{"HyperParameterTuningJobName": first.name}],
+        "WarmStartType": "IdenticalDataAndAlgorithm",
+    }
+    assert sent["HyperParameterTuningJobConfig"]["ResourceLimits"] == {
+        "MaxNumberOfTrainingJobs": 4 - done,
+        "MaxParallelTrainingJobs": 1,
+    }
+    said = echo.getvalue()
+    assert f"warm-started from {first.name} ({done} trials completed there)" in said
+    assert f"{4 - done} of 4 trials left to run" in said
+    # The record holds every trial of the model, the first tuning job's too, and the best of
+    # them all is the one adopted: the first job's, where it found the best f1.
+    trials = result.details["trials"]
+    mine = [t for t in trials if t["job_name"].startswith(again.name)]
+    assert len(mine) == 4 - done and len(trials) > len(mine)
+    best = result.details["best"]
+    assert best["objective"] == max(t["objective"] for t in trials if t["objective"] is not None)
+    seen = json.loads(store.get_bytes(again.trial.model_prefix + "seen-rank0.json"))
+    assert seen["job_name"] == best["job_name"]
+    # Nothing of any trial stays: no archive, no checkpoint; only the new trials are billed.
+    assert store.list_keys(again.trial.sagemaker_output) == []
+    assert store.list_keys(again.trial.checkpoint_prefix) == []
+    assert {b["job"].rsplit("-", 2)[0] for b in result.billing} == {again.name}
+
+
+def test_a_resumed_tuning_job_with_no_ended_one_in_the_account_runs_every_trial(
+    store, emulator, inputs
+):
+    """An emulated account lasts one driver: the resumed run's finds no earlier tuning job,
+    says so, and runs all its trials, the earlier trials' checkpoints removed first."""
+    store.put_bytes(RUN.prefix + "checkpoints/probe/gone-trial-001/ckpt.txt", b"state")
+    echo = io.StringIO()
+    resumed = backend(emulator, echo)
+    resumed.resumed()
+    job = searching_f1(f"probe-{RUN.label}-tune-probe-093000")
+    job.max_jobs, job.trial.hyperparameters["sleep"] = 2, "0"
+    result = resumed.run_tuning(job)
+    assert result.status == "Completed", result.failure_reason
+    assert "WarmStartConfig" not in emulator.records.requests[job.name]
+    assert "no earlier tuning job of this model ended in this account: all trials run" in (
+        echo.getvalue()
+    )
+    assert len(result.details["trials"]) == 2
+    assert store.list_keys(job.trial.checkpoint_prefix) == []
+
+
+def test_a_warm_start_from_a_tuning_job_the_account_lacks_is_refused(emulator, store):
+    from botocore.exceptions import ClientError
+
+    job = searching_f1(f"probe-{RUN.label}-tune-probe-094500")
+    request = request_for(job, "smpipe:emulated", "arn:aws:iam::123456789012:role/r", store.uri_of)
+    request["WarmStartConfig"] = {
+        "ParentHyperParameterTuningJobs": [{"HyperParameterTuningJobName": "never-made"}],
+        "WarmStartType": "IdenticalDataAndAlgorithm",
+    }
+    with pytest.raises(ClientError, match="never-made"):
+        emulator.client.create_hyper_parameter_tuning_job(**request)
+
+
+def test_a_resumed_run_stops_the_jobs_its_driver_left_running_and_no_other(store, emulator, inputs):
+    """A driver that died left its training job running: the resumed run stops it (it
+    checkpoints on the SIGTERM) and waits for its end before anything starts. A job of the
+    same run number writing elsewhere (another store's run) is not touched."""
+    ours = probe_training(
+        f"probe-{RUN.label}-train-probe-100000",
+        hyperparameters={"model_name": "probe", "hang": "1"},
+        sagemaker_output=RUN.prefix + "jobs/training/",
+    )
+    theirs = probe_training(
+        f"other-{RUN.label}-train-probe-100000",
+        hyperparameters={"model_name": "probe", "hang": "1"},
+        sagemaker_output="elsewhere/jobs/training/",
+    )
+    dead = backend(emulator)
+    for job in (ours, theirs):
+        emulator.client.create_training_job(**dead.request(job))
+    echo = io.StringIO()
+    backend(emulator, echo).resumed()
+
+    def status(name: str) -> str:
+        answer = emulator.client.describe_training_job(TrainingJobName=name)
+        return answer["TrainingJobStatus"]
+
+    try:
+        assert status(ours.name) == "Stopped"
+        assert status(theirs.name) == "InProgress"
+        said = echo.getvalue()
+        assert f"[{ours.name}] training job still running from before the run was resumed" in said
+        assert f"[{ours.name}] ended Stopped" in said
+        assert theirs.name not in said
+    finally:
+        emulator.client.stop_training_job(TrainingJobName=theirs.name)
+
+
+def test_a_resume_that_cannot_list_the_runs_jobs_stops_before_any_job_starts(emulator, store):
+    """Without sagemaker:ListTrainingJobs the resumed run cannot tell what still runs: it
+    stops, saying why, rather than start its jobs beside them."""
+    from pipeline.backends.emulated.control_plane import error_response
+    from pipeline.errors import PipelineError
+
+    denied = "User is not authorized to perform: sagemaker:ListTrainingJobs"
+    emulator.client.meta.events.register(
+        "before-call.sagemaker.ListTrainingJobs",
+        lambda **_: error_response(400, "AccessDeniedException", denied),
+    )
+    with pytest.raises(PipelineError) as refused:
+        backend(emulator).resumed()
+    said = str(refused.value)
+    assert said.startswith(f"--resume {RUN.run_num}: the run's jobs that SageMaker may still run")
+    assert denied in said and "would start its jobs beside them" in said
