@@ -10,6 +10,7 @@ import logging
 import sys
 import typing
 import uuid
+from datetime import UTC, datetime
 
 import boto3
 import pytest
@@ -228,3 +229,52 @@ class Racing(LocalStore):
         if key == self.key and not self.exists(key):
             super().create(key, json.dumps({"version": 2, "token": "another driver"}).encode())
         return super().create(key, data)
+
+
+def test_an_emulated_accounts_registry_outlives_each_command(tmp_path, aws_env):
+    """An emulated account lasts one command (its moto ends with it); with a local STORE its
+    model registry does not: what a run registered, `smpipe registry` in a later process
+    lists, with its first CreationTime, and `smpipe approve` approves, kept for the next."""
+    from pipeline.backends.emulated import open_emulated_store
+    from pipeline.backends.emulated.account import REGISTRY_KEY, AccountRegistry, moto_records
+    from tests.test_init import smpipe
+
+    path, settings = reviews_settings(
+        tmp_path, str(tmp_path / "store"), experiment={"BACKEND": "emulated"}
+    )
+    store = open_emulated_store(settings)  # this process's moto: a driver's account
+    client = boto3.client("sagemaker", region_name="us-east-1")
+    group = settings.registry.model_package_group
+    client.create_model_package_group(ModelPackageGroupName=group)
+    made = client.create_model_package(
+        ModelPackageGroupName=group,
+        ModelPackageDescription="run 0001: tiny, test macro-F1 0.9",
+        InferenceSpecification={
+            "Containers": [{"Image": "smpipe:emulated", "ModelDataUrl": "s3://b/model.tar.gz"}]
+        },
+        ModelApprovalStatus="PendingManualApproval",
+        ClientToken="registered-once",
+    )
+    assert store.exists(REGISTRY_KEY)  # kept as the package was made
+    # Registered long ago, as a later command must still say.
+    package = moto_records("us-east-1").model_packages[made["ModelPackageArn"]]
+    package.creation_time = datetime(2026, 1, 2, 3, 4, tzinfo=UTC)
+    AccountRegistry(store, "us-east-1").keep()
+
+    listed = smpipe("registry", str(path), cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert "PendingManualApproval" in listed.stdout and "run 0001: tiny" in listed.stdout
+    assert "2026-01-02 03:04" in listed.stdout
+    approved = smpipe("approve", str(path), "1", cwd=tmp_path)
+    assert approved.returncode == 0, approved.stderr
+    assert f"version 1 of model package group {group!r} is Approved" in approved.stdout
+    again = smpipe("registry", str(path), cwd=tmp_path)
+    assert "Approved" in again.stdout and "PendingManualApproval" not in again.stdout
+    kept = json.loads(store.get_bytes(REGISTRY_KEY))
+    [package] = next(g for g in kept if g["request"]["ModelPackageGroupName"] == group)["packages"]
+    assert package["client_token"] == "registered-once"
+    assert package["request"]["ModelApprovalStatus"] == "Approved"
+    local = smpipe("registry", str(path), "--backend", "local", cwd=tmp_path)
+    said = " ".join(local.stdout.split())  # as the terminal's width wrapped it
+    assert f"no versions of model package group {group!r} in the local backend's registry" in said
+    assert "--backend sagemaker or emulated lists another's" in said

@@ -209,11 +209,16 @@ def registry_command(args) -> int:
     from pipeline.registry import versions
     from pipeline.tables import console, versions_table
 
-    settings, store = open_experiment(args.settings)
+    settings, store = open_experiment(args.settings, backend=args.backend)
     group = settings.registry.model_package_group
     rows = versions(settings, store)
     if not rows:
-        console().print(f"no versions of model package group {group!r} yet")
+        backend = settings.experiment.backend
+        others = " or ".join(b for b in ("local", "sagemaker", "emulated") if b != backend)
+        console().print(
+            f"no versions of model package group {group!r} in the {backend} backend's registry "
+            f"yet (each backend keeps its own: --backend {others} lists another's)"
+        )
         return 0
     title = f"model package group {group!r} ({settings.experiment.backend})"
     console().print(versions_table(title, rows))
@@ -223,7 +228,7 @@ def registry_command(args) -> int:
 def approve_command(args) -> int:
     from pipeline.registry import APPROVED, REJECTED, set_status
 
-    settings, store = open_experiment(args.settings)
+    settings, store = open_experiment(args.settings, backend=args.backend)
     row = set_status(settings, store, args.version, REJECTED if args.reject else APPROVED)
     group = settings.registry.model_package_group
     said = f"{row['approval_status']}: {row['description']}"

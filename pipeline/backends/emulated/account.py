@@ -6,6 +6,7 @@ and the store the jobs see.
 from __future__ import annotations
 
 import os
+from datetime import datetime
 
 from pipeline.backends import moto_server
 from pipeline.store import Store, aws_config
@@ -48,6 +49,14 @@ def job_plumbing(endpoint: str) -> dict[str, str]:
     }
 
 
+def moto_records(region: str):
+    """moto's records of the account's SageMaker resources in `region` (its backend)."""
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.sagemaker.models import sagemaker_backends
+
+    return sagemaker_backends[DEFAULT_ACCOUNT_ID][region]
+
+
 class Account:
     """The emulated account of `region`, as the emulator reaches it: SageMaker and CloudWatch
     Logs clients of the moto server (`client`, `logs`), and moto's own records of the
@@ -57,13 +66,11 @@ class Account:
 
     def __init__(self, region: str) -> None:
         import boto3
-        from moto.core import DEFAULT_ACCOUNT_ID
-        from moto.sagemaker.models import sagemaker_backends
 
         self.region = region
         self.client = boto3.client("sagemaker", region_name=region, config=aws_config())
         self.logs = boto3.client("logs", region_name=region, config=aws_config())
-        self.jobs = sagemaker_backends[DEFAULT_ACCOUNT_ID][region]
+        self.jobs = moto_records(region)
 
     def secrets(self):
         """A Secrets Manager client of the account."""
@@ -102,16 +109,136 @@ class S3View:
 def open_emulated_store(settings) -> Store:
     """Start the embedded moto and open the store the emulated jobs see: a local STORE as a
     bucket of its own (the files stay in the folder), an s3:// STORE as moto's bucket of that
-    name (it lives as long as the driver does)."""
+    name (it lives as long as the driver does). With a local STORE the account's model
+    registry outlives the command (`AccountRegistry`)."""
     from pipeline.store import S3Store, open_store
 
-    start_moto(settings.experiment.region)
+    region = settings.experiment.region
+    start_moto(region)
     uri = settings.store_uri()
     if not uri.startswith("s3://"):
-        return S3View(open_store(uri))
+        store = S3View(open_store(uri))
+        AccountRegistry(store, region).restore_and_keep()
+        return store
+    KEEPER.clear()  # moto's bucket ends with the process, the registry with it
     store = S3Store(uri, settings.experiment.region)
     try:
         store.client.create_bucket(Bucket=store.bucket)
     except store.client.exceptions.BucketAlreadyOwnedByYou:
         pass
     return store
+
+
+# Where the emulated account's model registry is kept between commands: in the store's folder,
+# beside the experiments, as the account's own (not any experiment's); no experiment's name
+# starts with "_" (config_sections.NAME_RE).
+REGISTRY_KEY = "_emulated-account/model-registry.json"
+# The calls that change a registry (moto's SageMaker handlers of the same names), and who keeps
+# this process's account's: the store opened last (a command opens one).
+CHANGES = ("create_model_package_group", "create_model_package", "update_model_package")
+KEEPER: list[AccountRegistry] = []
+
+
+class AccountRegistry:
+    """The emulated account's model package groups and versions, kept in the store between
+    commands: a SageMaker account keeps its registry, and `smpipe registry` and `approve` after
+    an emulated run must find what the run registered, though its moto ended with it. Each
+    group and package is kept as the Create* request its Describe* answer repeats
+    (CreateModelPackage's members in botocore's sagemaker service-2.json), with what no
+    request holds: its CreationTime, its ClientToken and when it last changed; restored in the
+    order they were made, so each keeps its version. Kept after every call that changes the
+    registry, whoever makes it (the run's register step, `smpipe approve`)."""
+
+    def __init__(self, store: Store, region: str) -> None:
+        self.store, self.region = store, region
+
+    def restore_and_keep(self) -> None:
+        KEEPER.clear()  # restoring changes the registry: no other store's is kept with it
+        self.restore()
+        KEEPER.append(self)
+        _observe_changes()
+
+    def keep(self) -> None:
+        import json
+
+        jobs = moto_records(self.region)
+        groups = [self._group(jobs, g) for _, g in sorted(jobs.model_package_groups.items())]
+        self.store.put_bytes(REGISTRY_KEY, json.dumps(groups, indent=2).encode())
+
+    def _group(self, jobs, group) -> dict:
+        name = group.model_package_group_name
+        made = [p for p in jobs.model_packages.values() if p.model_package_group_name == name]
+        packages = []
+        for package in sorted(made, key=lambda p: p.model_package_version):
+            changed = package.last_modified_time
+            packages.append(
+                {
+                    "request": as_request("CreateModelPackage", package.gen_response_object()),
+                    "creation_time": package.creation_time.isoformat(),
+                    "last_modified_time": changed.isoformat() if changed else None,
+                    "client_token": package.client_token,
+                }
+            )
+        request = as_request("CreateModelPackageGroup", group.gen_response_object())
+        return {"request": request, "packages": packages}
+
+    def restore(self) -> None:
+        import json
+
+        from pipeline.store import NotFound
+
+        try:
+            groups = json.loads(self.store.get_bytes(REGISTRY_KEY))
+        except NotFound:
+            return
+        account = Account(self.region)
+        for group in groups:
+            if group["request"]["ModelPackageGroupName"] in account.jobs.model_package_groups:
+                continue  # restored already by this process
+            account.client.create_model_package_group(**group["request"])
+            for kept in group["packages"]:
+                arn = account.client.create_model_package(**kept["request"])["ModelPackageArn"]
+                package = account.jobs.model_packages[arn]
+                changed = kept["last_modified_time"]
+                package.creation_time = datetime.fromisoformat(kept["creation_time"])
+                package.last_modified_time = datetime.fromisoformat(changed) if changed else None
+                package.client_token = kept["client_token"]
+
+
+def _observe_changes() -> None:
+    """After each of moto's SageMaker calls in CHANGES that succeeds, the registry of the
+    store opened last is kept (once per process: moto's handlers are wrapped in place)."""
+    import functools
+    import sys
+
+    from moto.sagemaker.responses import SageMakerResponse
+
+    for name in CHANGES:
+        handler = getattr(SageMakerResponse, name)
+        if getattr(handler, "smpipe_kept", False):
+            continue
+
+        @functools.wraps(handler)
+        def kept(self, *args, _handler=handler, **kwargs):
+            answer = _handler(self, *args, **kwargs)
+            for keeper in list(KEEPER):
+                try:
+                    keeper.keep()
+                except Exception as e:  # noqa: BLE001 - the call succeeded; say what was not kept
+                    where = keeper.store.folder_of(REGISTRY_KEY)
+                    said = f"the emulated account's registry could not be kept at {where}: {e}"
+                    print(f"warning: {said}", file=sys.stderr)
+            return answer
+
+        kept.smpipe_kept = True
+        setattr(SageMakerResponse, name, kept)
+
+
+def as_request(operation: str, described: dict) -> dict:
+    """The members of a Describe* answer that `operation`'s request takes."""
+    from pipeline.service_model import service_model
+
+    members = service_model().operation_model(operation).input_shape.members
+    kept = {k: v for k, v in described.items() if k in members and v is not None}
+    kept.pop("ModelPackageName", None)  # a version is made in its group, by the group's name
+    return kept
