@@ -353,8 +353,10 @@ def test_a_failing_step_ends_in_one_paragraph(tmp_path, demo_raw):
 
 
 def test_stop_ends_the_emulated_job(staged, bucket, tmp_path):
+    # Enough epochs that the stop, asked once the driver has read step 2 off the log (it
+    # polls), lands while the job trains: three took about a second, and sometimes ended first.
     settings = emulated_settings(tmp_path, bucket, models={"MODEL_NAMES": "bow"},
-                                 training={"USE_DISTRIBUTED": "false", "INSTANCE_COUNT": "1", "EPOCHS": "3"})  # fmt: skip
+                                 training={"USE_DISTRIBUTED": "false", "INSTANCE_COUNT": "1", "EPOCHS": "40"})  # fmt: skip
 
     class StopAt(io.StringIO):
         backend = None
