@@ -346,6 +346,11 @@ def test_trials_get_the_objective_and_leave_only_the_best(store, emulator, input
     assert seen["hyperparameters"]["_tuning_objective_metric"] == "validation:f1"
     assert seen["hyperparameters"]["learning_rate"] in (0.1, 0.2)
     assert store.list_keys("ckpt/tune-probe/") == []  # every trial ended: its folder went
+    # Each trial's log is kept in the run tree, as a local trial's is; the tuning job's own is
+    # its progress (SageMaker logs nothing for it).
+    for trial in trials:
+        assert "validation:f1=0.750000" in store.get_bytes(RUN.log(trial["job_name"])).decode()
+    assert "Completed (trials: Completed 2)" in store.get_bytes(RUN.log(job.name)).decode()
     # The best trial's model is unpacked where the export job reads it (`seen` above came from
     # there), and kept there only: no trial's archive stays.
     assert best.startswith("tune-probe-") and store.list_keys("sm/") == []

@@ -185,7 +185,10 @@ class Following:
         counters = described.get("TrainingJobStatusCounters")
         if self.kind == "tuning" and counters:
             extra += " (trials: " + ", ".join(f"{k} {v}" for k, v in counters.items() if v) + ")"
-        self.backend.say(self.name, f"{state[0]}{extra}, {time.time() - self.start:.0f}s")
+        line = f"{state[0]}{extra}, {time.time() - self.start:.0f}s"
+        self.backend.say(self.name, line)
+        if self.kind not in LOG_GROUPS:  # a tuning job logs nothing: its log is its progress
+            self.log.append(line)
         self.shown, self.last_shown = state, time.time()
 
     def read_logs(self) -> None:

@@ -25,6 +25,7 @@ from pipeline.backends.following import (
     Followed,
     Following,
     log_tail,
+    read_log,
 )
 from pipeline.backends.lost_create import ours_after_all
 from pipeline.backends.resuming import ended_tuning_jobs, left_running, warm_start
@@ -138,6 +139,21 @@ class Trials:
         for name in self.tidied - {keep}:
             for key in store.list_keys(f"{output}{name}/"):
                 store.delete(key)
+
+    def keep_logs(self, summaries: list[dict]) -> None:
+        """Each trial's CloudWatch log kept in the run tree, as a local trial's is (a trial's
+        log is a training job's: logging-cloudwatch.html); one kept before stays."""
+        backend = self.backend
+        for summary in summaries:
+            name, lines = summary["TrainingJobName"], []
+            if backend.store.exists(backend.run.log(name)):
+                continue
+            try:
+                read_log(backend.logs, "training", name, {}, lines, lambda *_: None)
+            except Exception as e:  # noqa: BLE001 - the trial's outcome stands without its log
+                backend.say(self.job.name, f"could not keep the log of trial {name}: {e}")
+                continue
+            backend.store.put_bytes(backend.run.log(name), ("\n".join(lines) + "\n").encode())
 
     def failures(self, summaries: list[dict]) -> str:
         """Why trials failed, each with the last lines of its log (three trials at most)."""
@@ -271,6 +287,7 @@ class SageMakerBackend:
         # Its own trials: a parent's were billed with the run's earlier attempt.
         own = [s for s in summaries or [] if s.get("TuningJobName", job.name) == job.name]
         result.billing = trials_billed(self, job.name, own)
+        trials.keep_logs(summaries or [])
         best = tuning_record.best_of(described)
         result.details = tuning_record.from_tuning_job(job, described, summaries or [])
         if result.status == "Completed" and not best:
