@@ -10,7 +10,7 @@ import logging
 import sys
 import typing
 import uuid
-from datetime import UTC, datetime
+from datetime import datetime
 
 import boto3
 import pytest
@@ -190,6 +190,12 @@ def test_the_local_registry_lists_and_approves(tmp_path, capsys):
     assert cli.main(["approve", str(path), "1"]) == 0
     assert "is Approved" in capsys.readouterr().out
     assert cli.main(["approve", str(path), "1", "--reject"]) == 0
+    capsys.readouterr()
+    # Rejecting it again changes nothing, says so, and writes no record.
+    assert cli.main(["approve", str(path), "1", "--reject"]) == 0
+    assert f"version 1 of model package group {group!r} is already Rejected" in (
+        capsys.readouterr().out
+    )
     [kept] = local_versions(store, tree, group)
     assert kept["approval_status"] == "Rejected"
     assert [h["approval_status"] for h in kept["history"]] == [
@@ -234,9 +240,11 @@ class Racing(LocalStore):
 def test_an_emulated_accounts_registry_outlives_each_command(tmp_path, aws_env):
     """An emulated account lasts one command (its moto ends with it); with a local STORE its
     model registry does not: what a run registered, `smpipe registry` in a later process
-    lists, with its first CreationTime, and `smpipe approve` approves, kept for the next."""
+    lists, with its first CreationTime, and `smpipe approve` approves, kept for the next. A
+    command keeps only what it changed: a run that registers while another approves loses
+    neither."""
     from pipeline.backends.emulated import open_emulated_store
-    from pipeline.backends.emulated.account import REGISTRY_KEY, AccountRegistry, moto_records
+    from pipeline.backends.emulated.account import KEEPER, REGISTRY, moto_records
     from tests.test_init import smpipe
 
     path, settings = reviews_settings(
@@ -245,21 +253,26 @@ def test_an_emulated_accounts_registry_outlives_each_command(tmp_path, aws_env):
     store = open_emulated_store(settings)  # this process's moto: a driver's account
     client = boto3.client("sagemaker", region_name="us-east-1")
     group = settings.registry.model_package_group
+
+    def register(run: str, token: str) -> str:
+        return client.create_model_package(
+            ModelPackageGroupName=group,
+            ModelPackageDescription=f"run {run}: tiny, test macro-F1 0.9",
+            InferenceSpecification={
+                "Containers": [{"Image": "smpipe:emulated", "ModelDataUrl": "s3://b/m.tar.gz"}]
+            },
+            ModelApprovalStatus="PendingManualApproval",
+            ClientToken=token,
+        )["ModelPackageArn"]
+
     client.create_model_package_group(ModelPackageGroupName=group)
-    made = client.create_model_package(
-        ModelPackageGroupName=group,
-        ModelPackageDescription="run 0001: tiny, test macro-F1 0.9",
-        InferenceSpecification={
-            "Containers": [{"Image": "smpipe:emulated", "ModelDataUrl": "s3://b/model.tar.gz"}]
-        },
-        ModelApprovalStatus="PendingManualApproval",
-        ClientToken="registered-once",
-    )
-    assert store.exists(REGISTRY_KEY)  # kept as the package was made
-    # Registered long ago, as a later command must still say.
-    package = moto_records("us-east-1").model_packages[made["ModelPackageArn"]]
-    package.creation_time = datetime(2026, 1, 2, 3, 4, tzinfo=UTC)
-    AccountRegistry(store, "us-east-1").keep()
+    first = register("0001", "registered-once")
+    version = f"{REGISTRY}{group}/0001.json"
+    assert store.exists(f"{REGISTRY}{group}/group.json") and store.exists(version)
+    # Registered long ago, as a later command must still say (moto keeps UTC, with no zone).
+    moto_records("us-east-1").model_packages[first].creation_time = datetime(2026, 1, 2, 3, 4)
+    [keeper] = KEEPER  # this command's, which wrote version 1
+    keeper.keep()
 
     listed = smpipe("registry", str(path), cwd=tmp_path)
     assert listed.returncode == 0, listed.stderr
@@ -268,12 +281,19 @@ def test_an_emulated_accounts_registry_outlives_each_command(tmp_path, aws_env):
     approved = smpipe("approve", str(path), "1", cwd=tmp_path)
     assert approved.returncode == 0, approved.stderr
     assert f"version 1 of model package group {group!r} is Approved" in approved.stdout
+    # Meanwhile this process (a run) registers version 2: it keeps that, not its own view of 1.
+    register("0002", "registered-later")
     again = smpipe("registry", str(path), cwd=tmp_path)
-    assert "Approved" in again.stdout and "PendingManualApproval" not in again.stdout
-    kept = json.loads(store.get_bytes(REGISTRY_KEY))
-    [package] = next(g for g in kept if g["request"]["ModelPackageGroupName"] == group)["packages"]
-    assert package["client_token"] == "registered-once"
-    assert package["request"]["ModelApprovalStatus"] == "Approved"
+    rows = [line for line in again.stdout.splitlines() if "run 000" in line]
+    assert len(rows) == 2, again.stdout + again.stderr
+    assert "Approved" in rows[0] and "PendingManualApproval" in rows[1], again.stdout
+    kept = json.loads(store.get_bytes(version))
+    assert kept["client_token"] == "registered-once"
+    assert kept["request"]["ModelApprovalStatus"] == "Approved"
+    # A stray file in the registry's folder is named and skipped.
+    store.put_bytes(f"{REGISTRY}{group}/0003.json", b"{not json")
+    listed = smpipe("registry", str(path), cwd=tmp_path)
+    assert listed.returncode == 0 and "0003.json: not a record of the registry" in listed.stderr
     local = smpipe("registry", str(path), "--backend", "local", cwd=tmp_path)
     said = " ".join(local.stdout.split())  # as the terminal's width wrapped it
     assert f"no versions of model package group {group!r} in the local backend's registry" in said

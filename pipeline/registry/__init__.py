@@ -135,8 +135,9 @@ def versions(settings: Settings, store: Store, client=None) -> list[dict]:
 
 
 def set_status(settings: Settings, store: Store, version: int, status: str, client=None) -> dict:
-    """Version `version` of the group approved, rejected or pending again; the row it now is.
-    Approving a version whose model is no longer there is refused."""
+    """Version `version` of the group approved, rejected or pending again; the row it now is,
+    `changed` False where it had that status already (then nothing is written). Approving a
+    version whose model is no longer there is refused."""
     group = group_of(settings)
     registry = registry_for(settings, store, client)
     rows = registry.versions()
@@ -146,6 +147,8 @@ def set_status(settings: Settings, store: Store, version: int, status: str, clie
         raise PipelineError(
             f"registry: no version {version} in model package group {group!r} ({there})"
         )
+    if row["approval_status"] == status:  # nothing to change: no record, no call
+        return {**row, "changed": False}
     gone = registry.missing_model(row) if status == APPROVED else None
     if gone is not None:
         raise PipelineError(
@@ -153,4 +156,4 @@ def set_status(settings: Settings, store: Store, version: int, status: str, clie
             f"complete ({gone}): approving it would approve a model that cannot be served. "
             "--reject it, or register the model again"
         )
-    return registry.set_status(row, status)
+    return {**registry.set_status(row, status), "changed": True}

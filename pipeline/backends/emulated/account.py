@@ -5,10 +5,13 @@ and the store the jobs see.
 
 from __future__ import annotations
 
+import json
 import os
-from datetime import datetime
+import re
+from datetime import UTC, datetime
 
 from pipeline.backends import moto_server
+from pipeline.errors import log
 from pipeline.store import Store, aws_config
 
 EMULATED_BUCKET = "smpipe-emulated"
@@ -131,8 +134,11 @@ def open_emulated_store(settings) -> Store:
 
 # Where the emulated account's model registry is kept between commands: in the store's folder,
 # beside the experiments, as the account's own (not any experiment's); no experiment's name
-# starts with "_" (config_sections.NAME_RE).
-REGISTRY_KEY = "_emulated-account/model-registry.json"
+# starts with "_" (config_sections.NAME_RE). A group's record and each version's are objects of
+# their own (`<group>/group.json`, `<group>/0001.json`), so two commands at once (a run that
+# registers, an `approve`) each keep what they changed.
+REGISTRY = "_emulated-account/model-registry/"
+VERSION_FILE = re.compile(r"^\d{4,}\.json$")
 # The calls that change a registry (moto's SageMaker handlers of the same names), and who keeps
 # this process's account's: the store opened last (a command opens one).
 CHANGES = ("create_model_package_group", "create_model_package", "update_model_package")
@@ -147,10 +153,13 @@ class AccountRegistry:
     (CreateModelPackage's members in botocore's sagemaker service-2.json), with what no
     request holds: its CreationTime, its ClientToken and when it last changed; restored in the
     order they were made, so each keeps its version. Kept after every call that changes the
-    registry, whoever makes it (the run's register step, `smpipe approve`)."""
+    registry, whoever makes it (the run's register step, `smpipe approve`): only what this
+    command changed is written, and a new version is created only where no other command took
+    its number meanwhile (each command's account is its own: that one is said, not kept)."""
 
     def __init__(self, store: Store, region: str) -> None:
         self.store, self.region = store, region
+        self.known: dict[str, bytes] = {}  # key -> what this command read or wrote there
 
     def restore_and_keep(self) -> None:
         KEEPER.clear()  # restoring changes the registry: no other store's is kept with it
@@ -158,51 +167,93 @@ class AccountRegistry:
         KEEPER.append(self)
         _observe_changes()
 
-    def keep(self) -> None:
-        import json
-
-        jobs = moto_records(self.region)
-        groups = [self._group(jobs, g) for _, g in sorted(jobs.model_package_groups.items())]
-        self.store.put_bytes(REGISTRY_KEY, json.dumps(groups, indent=2).encode())
-
-    def _group(self, jobs, group) -> dict:
-        name = group.model_package_group_name
-        made = [p for p in jobs.model_packages.values() if p.model_package_group_name == name]
-        packages = []
-        for package in sorted(made, key=lambda p: p.model_package_version):
-            changed = package.last_modified_time
-            packages.append(
-                {
-                    "request": as_request("CreateModelPackage", package.gen_response_object()),
-                    "creation_time": package.creation_time.isoformat(),
-                    "last_modified_time": changed.isoformat() if changed else None,
-                    "client_token": package.client_token,
-                }
-            )
-        request = as_request("CreateModelPackageGroup", group.gen_response_object())
-        return {"request": request, "packages": packages}
-
     def restore(self) -> None:
-        import json
-
-        from pipeline.store import NotFound
-
-        try:
-            groups = json.loads(self.store.get_bytes(REGISTRY_KEY))
-        except NotFound:
-            return
         account = Account(self.region)
-        for group in groups:
-            if group["request"]["ModelPackageGroupName"] in account.jobs.model_package_groups:
+        keys = self.store.list_keys(REGISTRY)
+        for name in sorted({key[len(REGISTRY) :].split("/")[0] for key in keys}):
+            if name in account.jobs.model_package_groups:
                 continue  # restored already by this process
+            group = self._read(f"{REGISTRY}{name}/group.json")
+            if group is None:
+                continue
             account.client.create_model_package_group(**group["request"])
-            for kept in group["packages"]:
+            self.known[f"{REGISTRY}{name}/group.json"] = _text(self._group(account.jobs, name))
+            versions = [k for k in keys if VERSION_FILE.match(k.rsplit("/", 1)[-1])]
+            for key in sorted(k for k in versions if k.startswith(f"{REGISTRY}{name}/")):
+                kept = self._read(key)
+                if kept is None:
+                    continue
                 arn = account.client.create_model_package(**kept["request"])["ModelPackageArn"]
                 package = account.jobs.model_packages[arn]
                 changed = kept["last_modified_time"]
-                package.creation_time = datetime.fromisoformat(kept["creation_time"])
-                package.last_modified_time = datetime.fromisoformat(changed) if changed else None
+                package.creation_time = moto_time(kept["creation_time"])
+                package.last_modified_time = moto_time(changed) if changed else None
                 package.client_token = kept["client_token"]
+                self.known[key] = _text(self._package(package))
+
+    def _read(self, key: str) -> dict | None:
+        """A record the registry's folder holds; one that is missing or cannot be read (a
+        stray file, a truncated record) is named and skipped."""
+        from pipeline.store import NotFound
+
+        try:
+            record = json.loads(self.store.get_bytes(key))
+            if not isinstance(record, dict) or not isinstance(record.get("request"), dict):
+                raise ValueError("it holds no request")
+            return record
+        except (NotFound, ValueError) as e:
+            why = "missing" if isinstance(e, NotFound) else str(e)
+            log.warning(
+                f"{self.store.folder_of(key)}: not a record of the registry ({why}); skipped"
+            )
+            return None
+
+    def keep(self) -> None:
+        jobs = moto_records(self.region)
+        for name in sorted(jobs.model_package_groups):
+            self._write(f"{REGISTRY}{name}/group.json", _text(self._group(jobs, name)))
+            made = [p for p in jobs.model_packages.values() if p.model_package_group_name == name]
+            for package in made:
+                key = f"{REGISTRY}{name}/{package.model_package_version:04d}.json"
+                self._write(key, _text(self._package(package)))
+
+    def _write(self, key: str, data: bytes) -> None:
+        if self.known.get(key) == data:
+            return  # not changed by this command
+        if key in self.known:  # this command's own version, changed (an approval)
+            self.store.put_bytes(key, data)
+        elif not self.store.create(key, data) and self.store.get_bytes(key) != data:
+            log.warning(
+                f"{self.store.folder_of(key)}: another command kept this version of the emulated "
+                "account's registry meanwhile (each command's account is its own); this "
+                "command's is not kept"
+            )
+        self.known[key] = data
+
+    @staticmethod
+    def _group(jobs, name: str) -> dict:
+        described = jobs.model_package_groups[name].gen_response_object()
+        return {"request": as_request("CreateModelPackageGroup", described)}
+
+    @staticmethod
+    def _package(package) -> dict:
+        changed = package.last_modified_time
+        return {
+            "request": as_request("CreateModelPackage", package.gen_response_object()),
+            "creation_time": package.creation_time.isoformat(),
+            "last_modified_time": changed.isoformat() if changed else None,
+            "client_token": package.client_token,
+        }
+
+
+def moto_time(text: str) -> datetime:
+    """An ISO time as moto keeps its records' times: UTC, with no zone (moto's utcnow)."""
+    time = datetime.fromisoformat(text)
+    return time.astimezone(UTC).replace(tzinfo=None) if time.tzinfo else time
+
+
+def _text(record: dict) -> bytes:
+    return json.dumps(record, indent=2, sort_keys=True).encode()
 
 
 def _observe_changes() -> None:
@@ -225,7 +276,7 @@ def _observe_changes() -> None:
                 try:
                     keeper.keep()
                 except Exception as e:  # noqa: BLE001 - the call succeeded; say what was not kept
-                    where = keeper.store.folder_of(REGISTRY_KEY)
+                    where = keeper.store.folder_of(REGISTRY)
                     said = f"the emulated account's registry could not be kept at {where}: {e}"
                     print(f"warning: {said}", file=sys.stderr)
             return answer
