@@ -151,7 +151,7 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
         )
         for m in (parsed["models"].model_names if "models" in parsed else [])
     }
-    problems += across_sections(parsed, spaces, model_tunables, metrics)
+    problems += across_sections(parsed, spaces, model_tunables, metrics, str(path))
     if names is not None and "training" in parsed:
         effective = {m: model_training.get(m, parsed["training"]) for m in names}
         problems += lora_keys_unused(parsed["training"], effective, raw, spaces)

@@ -12,6 +12,7 @@ and the ranges its own section sets (`own`); a section with problems of its own 
 from __future__ import annotations
 
 import math
+import shlex
 
 from pydantic import BaseModel
 
@@ -28,10 +29,12 @@ def across_sections(
     spaces: dict[str, tuple[str, dict[str, Tunable]]],
     own: dict[str, dict[str, Tunable]],
     metrics: dict[str, str],
+    source: str = "settings.ini",
 ) -> list[str]:
     """What no one section can check alone, as one flat list of rules, each a few lines (the
     backend's and the tuning job's apart). `spaces`: each model's section and searched ranges,
-    `own`: the ranges its own section sets."""
+    `own`: the ranges its own section sets; `source`: the settings file, as the commands a
+    problem suggests name it."""
     problems: list[str] = []
     if "data" in parsed:
         d = parsed["data"]
@@ -41,7 +44,7 @@ def across_sections(
                 "[data] TRAIN_FRACTION + VALIDATION_FRACTION + TEST_FRACTION must sum to 1 "
                 f"(got {total:g})"
             )
-    problems += _sagemaker_needs(parsed)
+    problems += _sagemaker_needs(parsed, shlex.quote(source))
     problems += _tuning_needs(parsed, spaces, own)
     if "tuning" in parsed and parsed["tuning"].objective_metric not in metrics:
         problems.append(
@@ -113,7 +116,7 @@ def lora_keys_unused(
     return problems
 
 
-def _sagemaker_needs(parsed: dict[str, BaseModel]) -> list[str]:
+def _sagemaker_needs(parsed: dict[str, BaseModel], source: str) -> list[str]:
     """What the sagemaker backend needs of the other sections."""
     problems: list[str] = []
     if not ("experiment" in parsed and parsed["experiment"].backend == "sagemaker"):
@@ -128,7 +131,7 @@ def _sagemaker_needs(parsed: dict[str, BaseModel]) -> list[str]:
         problems.append(
             "[experiment] ROLE_ARN: the sagemaker backend needs the IAM role its jobs run as, "
             "e.g. ROLE_ARN = arn:aws:iam::123456789012:role/smpipe-jobs (`smpipe iam "
-            "settings.ini` prints the policy it needs)"
+            f"{source}` prints the policy it needs)"
         )
     if not e.image_uri:
         problems.append(
@@ -140,7 +143,7 @@ def _sagemaker_needs(parsed: dict[str, BaseModel]) -> list[str]:
     if problems:  # the next step, said once
         problems[-1] += (
             "; to try the sagemaker backend's requests and jobs here first, with no AWS: "
-            "`smpipe run settings.ini --backend emulated`"
+            f"`smpipe run {source} --backend emulated`"
         )
     tracking = parsed.get("tracking")
     if tracking and tracking.wandb_mode == "online" and not tracking.wandb_secret_id:

@@ -344,7 +344,7 @@ class Settings(BaseModel):
     metric_definitions: dict[str, str] = {}
     source: str = ""  # the file it came from
     applied_ini: str = ""  # the file as applied (environment overrides in), secrets redacted
-    overrides: tuple[str, ...] = ()  # the SMPIPE__ variables that changed it
+    overrides: tuple[str, ...] = ()  # what changed it: SMPIPE__ variables, --backend, --image
     # Each per-model value of the file an override of every model's gave way (config_file.py
     # `over_every_model`), in words.
     given_way: tuple[str, ...] = ()

@@ -13,3 +13,8 @@ log = logging.getLogger("smpipe")
 
 class PipelineError(RuntimeError):
     """A step failed or a run cannot start; the message is one paragraph for the user."""
+
+
+def counted(number: int, noun: str) -> str:
+    """'1 file', '3 files': a count said to the user as a sentence says it."""
+    return f"{number:,} {noun}{'' if number == 1 else 's'}"

@@ -92,6 +92,7 @@ def _row(store: Store, tree: ExperimentTree, run_num: int, record: dict | None) 
         "seconds": record.get("time_taken"),
         "started": record.get("start_time"),
         "cost": record.get("cost"),  # pipeline/cost.py run_cost
+        "pruned": bool(record.get("pruned")),  # its weights and checkpoints gone (prune.py)
     }
 
 
@@ -139,6 +140,13 @@ def compare_runs(store: Store, tree: ExperimentTree, a: int, b: int) -> dict:
     """Two runs side by side: each model's test metrics and per-label F1 in both, and the
     settings that differ. Metrics are only set against each other when both runs were tested
     on the same data snapshot; otherwise `comparable` is False and `why` says so."""
+    runs = existing_run_nums(store, tree)
+    if a not in runs and b not in runs and a != b:  # both said at once
+        there = f"runs {run_label(runs[0])}-{run_label(runs[-1])}" if runs else "no runs"
+        raise HistoryError(
+            f"no runs {run_label(a)} and {run_label(b)} of {tree.experiment!r} in {store.uri} "
+            f"({there})"
+        )
     first, second = read_record(store, tree, a), read_record(store, tree, b)
     snapshots = [r.get("data_snapshot_hash") for r in (first, second)]
     why = None

@@ -6,6 +6,7 @@ at the start of every run) with what SageMaker would bill at most.
 from __future__ import annotations
 
 import json
+import shlex
 
 from pipeline import cost, registry, service_model
 from pipeline.backend import identity
@@ -77,7 +78,10 @@ def log_plan(
         for line in lines:
             log.info(line)
     if brief:
-        log.info("(`smpipe plan settings.ini` says each job's inputs, outputs and costs)")
+        log.info(
+            f"(`smpipe plan {shlex.quote(settings.source)}` says each job's inputs, outputs "
+            "and costs)"
+        )
 
 
 def prices_for(jobs: list[Job], settings: Settings, store: Store, pricing=None) -> dict:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pipeline.errors import log
+from pipeline.errors import counted, log
 from pipeline.history import human_bytes, run_rows
 from pipeline.paths import ExperimentTree, RawVersion, RunTree, raw_version_digest
 from pipeline.registry.records import registered_models
@@ -55,7 +55,8 @@ def remove_checkpoints(store: Store, run: RunTree) -> int | None:
     if sizes:
         log.info(
             f"removed the checkpoints of run {run.label}: {human_bytes(removed)} freed "
-            f"({len(sizes)} files; [training] KEEP_CHECKPOINTS_AFTER_RUN = true keeps them)"
+            f"({counted(len(sizes), 'file')}; [training] KEEP_CHECKPOINTS_AFTER_RUN = true "
+            "keeps them)"
         )
     return removed
 
@@ -405,7 +406,9 @@ def prune_experiment(settings, store: Store, keep: int, remove: bool) -> list[st
             removals.remove(removal)
             continue
         what = ", ".join(f"{where} {human_bytes(n)}" for where, n in removal.groups.items())
-        did = f"{verb} {human_bytes(removal.bytes)} in {len(removal.files)} files: {what}"
+        did = (
+            f"{verb} {human_bytes(removal.bytes)} in {counted(len(removal.files), 'file')}: {what}"
+        )
         lines.append(
             f"run {removal.run.label} ({removal.status}, {human_bytes(removal.run_bytes)}): "
             + (did if removal.files else "nothing to remove")

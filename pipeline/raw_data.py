@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.errors import PipelineError, log
+from pipeline.errors import PipelineError, counted, log
 from pipeline.paths import ExperimentTree, RawVersion
 from pipeline.runs import held
 from pipeline.store import MANIFEST, NotFound, Store, file_sha256, is_complete
@@ -89,10 +89,13 @@ def data_files(folder: Path) -> tuple[dict[str, Path], list[str]]:
 
 def folder_problems(folder: Path) -> list[str]:
     """Why `folder` cannot be raw data, each problem naming the folder or its file."""
-    files, problems = data_files(folder) if folder.is_dir() else ({}, [])
+    if not folder.exists():
+        return [f"{folder}: no such folder"]
+    if not folder.is_dir():
+        return [f"{folder} is a file: raw data is a folder of files"]
+    files, problems = data_files(folder)
     if not files and not problems:
-        hidden = " (hidden files are not data)" if folder.is_dir() else ""
-        return [f"{folder} is not a folder with files in it{hidden}"]
+        return [f"{folder} is not a folder with files in it (hidden files are not data)"]
     return [f"{folder}/{problem}" for problem in problems]
 
 
@@ -420,8 +423,8 @@ def upload_version(store: Store, raw: LocalRaw) -> int:
     store.create(version.prefix + MANIFEST, json.dumps(manifest, indent=2).encode())
     size = sum(raw.found[rel].size for rel in sent)
     log.info(
-        f"uploaded {len(sent)} raw files ({size:,} bytes) from {raw.folder} as raw version "
-        f"{version.digest[:12]}"
+        f"uploaded {counted(len(sent), 'raw file')} ({size:,} bytes) from {raw.folder} as raw "
+        f"version {version.digest[:12]}"
         + (f", {len(copied)} unchanged ones copied from earlier versions" if copied else "")
         + f": {store.uri_of(version.files)}"
     )

@@ -17,7 +17,7 @@ from pathlib import Path
 from pipeline import metadata as md
 from pipeline.code_bundle import STEPS, files_that_differ, shipped_files, user_files
 from pipeline.config import ConfigError, Settings
-from pipeline.errors import PipelineError, log
+from pipeline.errors import PipelineError, counted, log
 from pipeline.history import settings_changes
 from pipeline.paths import SPLITS, DataTree, ExperimentTree, RunTree, labels_of, run_label
 from pipeline.raw_data import (
@@ -298,8 +298,8 @@ def say_raw_version(store: Store, raw: LocalRaw) -> None:
     else:
         size = sum(c.size for c in raw.found.values())
         log.info(
-            f"raw data: {named}, new: its {len(raw.files)} files ({size:,} bytes) are uploaded "
-            f"to {store.uri_of(version.files)} before the run starts"
+            f"raw data: {named}, new: {counted(len(raw.files), 'file')} ({size:,} bytes) to "
+            f"upload to {store.uri_of(version.files)} before the run starts"
         )
 
 
@@ -452,7 +452,10 @@ def check_checkpoints(
             "start a new run"
         )
     for folder, files in sorted(now.items()):
-        log.info(f"resuming run {run.label}: {folder} goes on from its checkpoints ({files} files)")
+        log.info(
+            f"resuming run {run.label}: {folder} goes on from its checkpoints "
+            f"({counted(files, 'file')})"
+        )
 
 
 def stopped_record(store: Store, run: RunTree) -> dict:
@@ -461,7 +464,11 @@ def stopped_record(store: Store, run: RunTree) -> dict:
     try:
         record = json.loads(store.get_bytes(run.metadata))
     except NotFound:
-        raise PipelineError(f"{resume}: no run {run.label} at {store.uri_of(run.prefix)}") from None
+        runs = existing_run_nums(store, ExperimentTree(run.experiment))
+        there = f"runs {run_label(runs[0])}-{run_label(runs[-1])}" if runs else "no runs yet"
+        raise PipelineError(
+            f"{resume}: no run {run.label} at {store.uri_of(run.prefix)} ({there})"
+        ) from None
     if record.get("status") == "running":
         if silent_driver(store, run.heartbeat) is None:
             raise PipelineError(f"{resume}: run {run.label} is still running (its driver is alive)")

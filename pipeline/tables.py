@@ -36,7 +36,7 @@ def runs_table(title: str, rows: list[dict]) -> Table:
         took = f"{row['seconds']:.0f}s" if row["seconds"] is not None else ""
         table.add_row(
             row["run"],
-            row["status"] or "",
+            (row["status"] or "") + (", pruned" if row.get("pruned") else ""),
             "\n".join(f"{key} {value}" for key, value in row["settings"].items()),
             "\n".join(f"{m} {row['macro_f1'][m]:.4f}" for m in ranked) or ", ".join(row["models"]),
             "\n".join(

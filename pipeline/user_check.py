@@ -61,7 +61,7 @@ def not_shipped(settings: Settings) -> str | None:
     return (
         f"[experiment] USER_FUNCTIONS = {module}: no {top}.py or {top}/ beside the settings "
         f"file ({settings.base_dir}) nor in {PROJECT_ROOT}, where a run takes the code its "
-        f"jobs import{found}: put it (or a link to it) beside settings.ini"
+        f"jobs import{found}: put it (or a link to it) beside {Path(settings.source).name}"
     )
 
 

@@ -414,9 +414,12 @@ def test_an_override_of_training_reaches_every_model_and_says_so(tmp_path):
     # `smpipe plan` says it, as the user sees it, first (the plan itself is then refused here
     # for want of raw data).
     env = {**os.environ, "SMPIPE__TRAINING__EPOCHS": "1"}
-    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "plan", str(path)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "plan", str(path), "--backend", "local"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     said = "SMPIPE__TRAINING__EPOCHS overrides [training.bow] EPOCHS = 4 of the file too"
+    assert said in done.stdout + done.stderr
+    # An option is said as the user gave it, not as the variable that carries it.
+    said = "overridden by --backend local, SMPIPE__TRAINING__EPOCHS"
     assert said in done.stdout + done.stderr
 
 
@@ -430,6 +433,8 @@ def test_the_sagemaker_backends_missing_settings_give_an_example_and_the_next_st
     assert "ROLE_ARN = arn:aws:iam::123456789012:role/smpipe-jobs (`smpipe iam" in said
     assert "IMAGE_URI = 123456789012.dkr.ecr.us-east-1.amazonaws.com/smpipe:latest" in said
     assert said.count("--backend emulated") == 1
+    # The commands it suggests name this settings file, whatever its name.
+    assert f"`smpipe run {path} --backend emulated`" in said and f"`smpipe iam {path}`" in said
 
 
 def test_a_store_and_raw_data_under_home_are_read_as_a_shell_reads_them(tmp_path, monkeypatch):

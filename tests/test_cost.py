@@ -9,6 +9,7 @@ import io
 import json
 import logging
 import re
+import shlex
 import subprocess
 import sys
 import threading
@@ -484,5 +485,9 @@ def test_a_run_opens_with_a_line_a_job_and_the_most_it_can_cost(tmp_path, caplog
     assert headers(brief) == headers(full) and len(headers(brief)) == len(jobs)
     assert any(line.startswith("most this plan can cost: $") for line in brief)
     assert not any(": at most $" in line for line in brief)
-    assert brief[-1] == "(`smpipe plan settings.ini` says each job's inputs, outputs and costs)"
+    # The settings file named as the user named it.
+    said = (
+        f"(`smpipe plan {shlex.quote(settings.source)}` says each job's inputs, outputs and costs)"
+    )
+    assert brief[-1] == said
     assert len(brief) <= len(jobs) + 3

@@ -224,8 +224,5 @@ def test_a_missing_raw_data_folder_is_named_before_anything_is_written(tmp_path)
         cwd=ROOT,
     )
     assert done.returncode == 2  # a settings problem
-    assert (
-        f"[data] RAW_DATA: {tmp_path / 'no_such_folder'} is not a folder with files in it"
-        in done.stderr
-    )
+    assert f"[data] RAW_DATA: {tmp_path / 'no_such_folder'}: no such folder" in done.stderr
     assert not list((tmp_path / "store").rglob("*.json"))

@@ -218,7 +218,10 @@ def test_prune_removes_only_bulky_files_and_records_it(store_at, tmp_path, capsy
     left = size_of(store, runs[0])
     assert left < whole - sum(BULKY.values()) + 1000
     assert cli.main(["runs", str(path)]) == 0
-    assert f" {human_bytes(left)} " in capsys.readouterr().out
+    listed = capsys.readouterr().out
+    assert f" {human_bytes(left)} " in listed
+    # The pruned run is marked so in its status, the others not.
+    assert listed.count("completed, pruned") == 1 and listed.count("completed") == 3
     assert cli.main(["prune", str(path), "--keep", "2", "--yes"]) == 0
     assert "nothing to prune" in capsys.readouterr().out
 

@@ -7,6 +7,7 @@ the errors it raises are answered by main() (__init__.py). Tables are drawn with
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import sys
 from contextlib import contextmanager
@@ -37,6 +38,13 @@ def open_experiment(
     if image:
         env["SMPIPE__EMULATED__IMAGE"] = image
     settings = load_settings(path, env)
+    # Said as the user gave them, not as the variables that carry them.
+    given = {
+        "SMPIPE__EXPERIMENT__BACKEND": backend and f"--backend {backend}",
+        "SMPIPE__EMULATED__IMAGE": image and f"--image {image}",
+    }
+    named = tuple(given.get(v) or v for v in settings.overrides)
+    settings = settings.model_copy(update={"overrides": named})
     if image and settings.experiment.backend != "emulated":
         raise ConfigError(
             [
@@ -87,8 +95,6 @@ def _interrupt(signum, _frame):
 
 def init_command(args) -> int:
     """A new project, and the commands that run it."""
-    import shlex
-
     from pipeline.project import init_project
 
     name, files = init_project(args.folder)
@@ -115,7 +121,8 @@ def run_command(args) -> int:
             log.warning(
                 f"{store.why}: planned as for an experiment with nothing in it yet (no earlier "
                 "data, runs or cache are read; the store is not needed to plan). `smpipe plan "
-                "settings.ini --backend emulated --show-requests` shows the very requests offline"
+                f"{shlex.quote(args.settings)} --backend emulated --show-requests` shows the "
+                "very requests offline"
             )
         record = run_pipeline(
             settings,
@@ -138,6 +145,7 @@ def upload_command(args) -> int:
     that holds this very content (sizes and sha256) is left as it is; one that holds other
     content is refused, naming each file that differs (pipeline/raw_data.py). --if-empty
     asks for nothing more: a raw/ with data is compared all the same."""
+    from pipeline.errors import counted
     from pipeline.paths import ExperimentTree
     from pipeline.raw_data import unfinished_upload, upload_raw
 
@@ -155,7 +163,9 @@ def upload_command(args) -> int:
             "sizes and sha256)"
         )
     else:
-        print(f"uploaded {uploaded} files from {args.folder} to {store.uri_of(tree.raw)}")
+        print(
+            f"uploaded {counted(uploaded, 'file')} from {args.folder} to {store.uri_of(tree.raw)}"
+        )
     return 0
 
 
@@ -231,7 +241,8 @@ def approve_command(args) -> int:
     settings, store = open_experiment(args.settings, backend=args.backend)
     row = set_status(settings, store, args.version, REJECTED if args.reject else APPROVED)
     group = settings.registry.model_package_group
-    said = f"{row['approval_status']}: {row['description']}"
+    already = "" if row["changed"] else "already "
+    said = f"{already}{row['approval_status']}: {row['description']}"
     print(f"version {row['version']} of model package group {group!r} is {said}")
     return 0
 
