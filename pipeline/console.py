@@ -15,7 +15,7 @@ import threading
 import time
 
 from pipeline import cost
-from pipeline.errors import log
+from pipeline.errors import RESULT, log
 from pipeline.paths import run_label
 
 JOB_LINE = re.compile(r"^\[(?P<job>[^\]]+)\] (?P<text>.*)$")
@@ -231,7 +231,7 @@ def _clock(seconds: float) -> str:
 
 def log_summary(record: dict, run_uri: str) -> None:
     for line in summary_lines(record, run_uri):
-        log.info(line)
+        log.info(line, extra=RESULT)
 
 
 # What an emulated run showed, and what it could not (docs/sagemaker.md's emulator section).

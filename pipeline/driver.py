@@ -22,7 +22,7 @@ from pipeline.backends.choose import hosts_refuse, make_backend
 from pipeline.code_bundle import PROJECT_ROOT, ship_code
 from pipeline.config import ConfigError, Settings
 from pipeline.console import log_summary
-from pipeline.errors import PipelineError, log
+from pipeline.errors import RESULT, PipelineError, log
 from pipeline.jobs import JobFailed
 from pipeline.paths import ExperimentTree, RunTree
 from pipeline.plan import check_requests, log_plan, prices_for
@@ -379,7 +379,7 @@ def write_run_report(store: Store, run: RunTree, settings_file: str) -> None:
     tree = ExperimentTree(run.experiment)
     try:
         key = write_report(store, tree, run.run_num)
-        log.info(f"report: {where_to_open(store, key)}")
+        log.info(f"report: {where_to_open(store, key)}", extra=RESULT)
         page = write_experiment_page(store, tree)
     except Exception as e:  # noqa: BLE001 -- the run's outcome stands either way
         log.warning(f"the pages of run {run.label} could not be written: {type(e).__name__}: {e}")
@@ -389,4 +389,4 @@ def write_run_report(store: Store, run: RunTree, settings_file: str) -> None:
     here = store.folder_of(page) or store.uri_of(page)
     if "://" in here:
         here = f"{here} (`smpipe report {settings_file}` copies it here)"
-    log.info(f"every run: {here}")
+    log.info(f"every run: {here}", extra=RESULT)

@@ -9,6 +9,9 @@ from __future__ import annotations
 import logging
 
 log = logging.getLogger("smpipe")
+# A line that says what a run produced (its summary, its report, its registered version): `extra`
+# of log calls that --quiet still shows.
+RESULT = {"result": True}
 
 
 class PipelineError(RuntimeError):

@@ -186,7 +186,7 @@ def reconcile(raw_dir):
 
 def test_quiet_shows_the_summary_only_and_verbose_every_line_warnings_too(tmp_path, capsys):
     """A run's terminal: job lines without the warnings dependencies print (which stay in
-    the job's log); -v every line, warnings included; -q the summary alone."""
+    the job's log); -v every line, warnings included; -q the summary and where its pages are."""
     write_module(tmp_path, "reviews_noisy", NOISY)
     write_reviews(tmp_path / "raw", n=30)
     path = write_settings(tmp_path / "settings.ini", str(tmp_path / "store"),
@@ -205,7 +205,13 @@ def test_quiet_shows_the_summary_only_and_verbose_every_line_warnings_too(tmp_pa
     tree = ExperimentTree("reviews")
     record = json.loads((tmp_path / "store" / tree.run(3).metadata).read_text())
     assert record["status"] == "completed"
-    assert shown["-q"] == "\n".join(summary_lines(record, record["artifact_uri"])) + "\n"
+    # -q: the summary, then where its pages are (what the run produced, nothing of its going).
+    summary = "\n".join(summary_lines(record, record["artifact_uri"]))
+    report, page = (
+        tmp_path / "store" / tree.run(3).report_html,
+        tmp_path / "store" / tree.experiment_html,
+    )
+    assert shown["-q"] == f"{summary}\nreport: {report}\nevery run: {page}\n"
     assert "run 0003 completed in" in shown["-q"]
     # What the terminal left out is in the job's log.
     logs = (tmp_path / "store" / tree.run(1).logs).glob("*reconcile*.log")

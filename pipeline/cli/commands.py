@@ -77,8 +77,11 @@ def displayed(verbose: bool, quiet: bool):
 
     display = Display(sys.stdout, verbose=verbose)
     before = (log.handlers, log.propagate, log.level)
-    log.handlers, log.propagate = [display.handler()], False
-    log.setLevel(logging.WARNING if quiet else logging.INFO)
+    handler = display.handler()
+    if quiet:  # what went wrong, and what the run produced (errors.RESULT)
+        handler.addFilter(lambda r: r.levelno >= logging.WARNING or getattr(r, "result", False))
+    log.handlers, log.propagate = [handler], False
+    log.setLevel(logging.INFO)
     try:
         with open(os.devnull, "w") as devnull:
             yield devnull if quiet else display
@@ -108,7 +111,6 @@ def init_command(args) -> int:
 
 
 def run_command(args) -> int:
-    from pipeline.console import summary_lines
     from pipeline.driver import parse_steps, run_pipeline
     from pipeline.errors import log
     from pipeline.store import Unreached
@@ -124,7 +126,7 @@ def run_command(args) -> int:
                 f"{shlex.quote(args.settings)} --backend emulated --show-requests` shows the "
                 "very requests offline"
             )
-        record = run_pipeline(
+        run_pipeline(
             settings,
             store,
             steps,
@@ -134,8 +136,6 @@ def run_command(args) -> int:
             use_cache=not args.no_cache,
             echo=echo,
         )
-    if args.quiet and record:
-        print("\n".join(summary_lines(record, record["artifact_uri"])))
     return 0
 
 

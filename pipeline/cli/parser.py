@@ -128,7 +128,8 @@ def loudness(run: argparse.ArgumentParser) -> None:
         "-q",
         "--quiet",
         action="store_true",
-        help="only what went wrong and the summary; job output stays in the job logs",
+        help="only what went wrong, the summary and where the report and registered version "
+        "are; job output stays in the job logs",
     )
     loud.add_argument(
         "-v",

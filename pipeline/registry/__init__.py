@@ -13,7 +13,7 @@ import uuid
 
 from pipeline import metadata as md
 from pipeline.config import ConfigError, Settings
-from pipeline.errors import PipelineError, log
+from pipeline.errors import RESULT, PipelineError, log
 from pipeline.paths import ExperimentTree, RunTree, model_folder
 from pipeline.registry.packages import ModelPackages
 from pipeline.registry.protocol import APPROVED, PENDING, REJECTED, Registry
@@ -111,7 +111,8 @@ def register(
     registered = registry.register(entry, run, record.get("git_sha"))
     log.info(
         f"registered {model} of run {run.label} as version {registered['version']} of "
-        f"{group!r} ({registered['approval_status']}): {registry.where(registered)}"
+        f"{group!r} ({registered['approval_status']}): {registry.where(registered)}",
+        extra=RESULT,
     )
     return registered
 
