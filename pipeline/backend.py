@@ -56,6 +56,10 @@ class Backend(Protocol):
     # `image`): name, id, digest and lock where the backend resolved it before the first job
     # (the emulated backend's image), the request's image on sagemaker, None for processes.
     image_record: dict | None
+    # The jobs whose bill it could not read (kind and name each): stopped with the driver
+    # before SageMaker said it, or not readable by a resume. Local jobs bill nothing: none
+    # (what one stopped so used is not measured).
+    unbilled: list[dict]
 
     def run_processing(self, job: ProcessingJob) -> JobResult:
         """Run a processing job; its outputs land at job.outputs, each sealed with a manifest."""
@@ -72,9 +76,11 @@ class Backend(Protocol):
         every backend), which the tune stage saves."""
         ...
 
-    def resumed(self) -> None:
+    def resumed(self, unbilled: list[dict]) -> list[dict]:
         """The run was resumed (`--resume`): before its first job, what the driver before
-        this one left running is stopped and waited for."""
+        this one left running is stopped and waited for. Returns the billing records of the
+        `unbilled` jobs (Metadata's unbilled_jobs) that can now be read; those that cannot
+        stay in `unbilled`."""
         ...
 
     def stop(self) -> None:

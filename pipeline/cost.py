@@ -308,12 +308,16 @@ def plan_lines(priced: list[tuple[str, dict]]) -> list[str]:
 # -- what a run cost ----------------------------------------------------------------------------
 
 
-def run_cost(billing: list[dict], basis: dict | None, backend: str) -> dict | None:
+def run_cost(
+    billing: list[dict], basis: dict | None, backend: str, unbilled: list[dict] = ()
+) -> dict | None:
     """The run's cost from its jobs' billing records: priced line by line on SageMaker
     (emulated too: its billing fields are played as AWS documents them), from the instance
     type and count and the seconds DescribeTrainingJob bills, or a processing job's start and
-    end; locally the CPU-seconds and peak memory of the job's processes, never dollars."""
-    if not billing:
+    end; locally the CPU-seconds and peak memory of the job's processes, never dollars.
+    `unbilled`: jobs stopped with the driver whose bill was not read (Metadata's
+    unbilled_jobs): the total is then at least what is priced."""
+    if not billing and not unbilled:
         return None
     if backend == "local":
         cpu = [b["cpu_seconds"] for b in billing if b.get("cpu_seconds") is not None]
@@ -338,9 +342,10 @@ def run_cost(billing: list[dict], basis: dict | None, backend: str) -> dict | No
         lines.append({**b, **priced})
     return {
         "measure": "USD",
-        "usd": None if missing else round(total, 6),
+        "usd": None if missing or unbilled else round(total, 6),
         "priced_usd": round(total, 6),
         "unpriced": sorted(missing),
+        "unbilled": [u["job"] for u in unbilled],
         "billable_instance_seconds": sum(
             (b.get("billable_seconds") or 0) * b["instance_count"] for b in billing
         ),
@@ -359,6 +364,16 @@ def as_text(cost: dict | None) -> str:
         memory = f", peak memory {peak:,.0f} MB" if peak is not None else ""
         return f"used: {used}{memory} (local backend: this machine, nothing billed)"
     seconds = cost["billable_instance_seconds"]
+    if cost.get("unbilled"):
+        unpriced = (
+            f"; {'; '.join(cost['unpriced'])} (set [cost] PRICES)" if cost["unpriced"] else ""
+        )
+        return (
+            f"cost: at least ${cost['priced_usd']:,.4f} ({seconds:,} billable instance-seconds); "
+            f"not counted: {', '.join(cost['unbilled'])}, stopped with the run before their bill "
+            "could be read (SageMaker bills them all the same: --resume of a stopped run reads "
+            f"it, `aws sagemaker describe-training-job` tells){unpriced}"
+        )
     if cost["usd"] is None:
         return (
             f"cost: unknown, {'; '.join(cost['unpriced'])} (set [cost] PRICES); the priced "
@@ -374,6 +389,8 @@ def short(cost: dict | None) -> str:
     if cost["measure"] == "CPU-seconds":
         cpu = cost.get("cpu_seconds")
         return f"{cpu:,.0f} CPU-s" if cpu is not None else ""
+    if cost.get("unbilled"):
+        return f"≥${cost['priced_usd']:,.4f} (unbilled)"
     if cost["usd"] is None:
         return f"≥${cost['priced_usd']:,.4f} (unpriced)"
     return f"${cost['usd']:,.4f}"

@@ -229,8 +229,9 @@ def execute(
     base.image = getattr(ctx.backend, "image_record", None)  # a test's stand-in may hold none
     try:
         with running_backend(ctx.backend):  # its jobs stopped before any ending is recorded
-            if base.resumed_at:
-                ctx.backend.resumed()
+            if base.resumed_at:  # what its last driver left: jobs running, bills unread
+                base.billing_before_resume += ctx.backend.resumed(base.unbilled_jobs)
+                base.unbilled_jobs = []
             for stage, stage_jobs in planned:
                 stage.run(ctx, stage_jobs)
     except JobFailed as e:
@@ -349,6 +350,8 @@ def ended(ctx: RunContext, started: float, status: str, reason: str | None) -> d
         elif status != "completed":
             base.checkpoints_left = checkpoint_files(ctx.store, ctx.run)
         now = time.time()
+        # (None before a backend is made)
+        base.unbilled_jobs = [*base.unbilled_jobs, *(getattr(ctx.backend, "unbilled", None) or [])]
         base.status, base.failure_reason = status, reason
         earlier = (base.time_taken or 0) if base.resumed_at else 0  # the parts before --resume
         base.end_time, base.time_taken = md.iso(now), round(earlier + now - started, 3)

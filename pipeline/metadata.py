@@ -95,6 +95,9 @@ class Metadata(BaseModel):
     # What the jobs of steps a --resume ran again had used before (their sections are then
     # replaced): paid for all the same, so counted in `cost`.
     billing_before_resume: list[dict] = Field(default_factory=list)
+    # Jobs stopped with the driver (Ctrl-C, SIGTERM) before their bill could be read: kind and
+    # name each. SageMaker bills them all the same; a --resume reads it once they have ended.
+    unbilled_jobs: list[dict] = Field(default_factory=list)
     # The bytes of checkpoints removed when the run completed (pipeline/prune.py); None while
     # they are kept: the run did not complete, KEEP_CHECKPOINTS_AFTER_RUN, or the store refused.
     checkpoints_removed_bytes: int | None = None
@@ -192,7 +195,7 @@ def merge(store: Store, run: RunTree, base: Metadata) -> Metadata:
     peaks = [s.memory_usage for s in sections.values() if s.memory_usage is not None]
     record.memory_usage = max(peaks) if peaks else None
     billing = [*base.billing_before_resume, *(b for s in sections.values() for b in s.billing)]
-    record.cost = run_cost(billing, base.prices, base.backend)
+    record.cost = run_cost(billing, base.prices, base.backend, base.unbilled_jobs)
     text = redact(json.dumps(record.model_dump(), indent=2), base._secrets)
     store.put_bytes(run.metadata, text.encode())
     return record

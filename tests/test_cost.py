@@ -278,6 +278,15 @@ def test_a_price_nobody_knows_is_named_never_guessed(tmp_path, caplog):
     assert cost.as_text(recorded).startswith(
         "cost: unknown, no price for ml.g5.xlarge (training, ap-southeast-2) (set [cost] PRICES)"
     )
+    # A job stopped with the driver before its bill was read: the cost is a lower bound,
+    # said so by name, everywhere it is shown.
+    stopped = [{"kind": "training", "job": "stopped-train"}]
+    basis = cost.price_basis("ap-southeast-2", {"ml.m5.xlarge": 0.36})
+    bound = cost.run_cost(billed[1:], basis, "x", stopped)
+    assert bound["usd"] is None and bound["unbilled"] == ["stopped-train"]
+    assert cost.as_text(bound).startswith("cost: at least $0.0010 (10 billable instance-seconds)")
+    assert "not counted: stopped-train, stopped with the run" in cost.as_text(bound)
+    assert cost.short(bound) == "≥$0.0010 (unbilled)"
     # A price that is not one is refused by key, with what was meant.
     path = write_settings(
         tmp_path / "bad.ini",

@@ -95,7 +95,7 @@ def test_a_stopped_tuning_job_warm_starts_the_resumed_one_with_the_trials_left(
 
     echo = io.StringIO()
     resumed = backend(emulator, echo)
-    resumed.resumed()  # nothing of the run is left running
+    resumed.resumed([])  # nothing of the run is left running
     again = searching_f1(f"probe-{RUN.label}-tune-probe-091500")
     result = resumed.run_tuning(again)
 
@@ -135,7 +135,7 @@ def test_a_resumed_tuning_job_with_no_ended_one_in_the_account_runs_every_trial(
     store.put_bytes(RUN.prefix + "checkpoints/probe/gone-trial-001/ckpt.txt", b"state")
     echo = io.StringIO()
     resumed = backend(emulator, echo)
-    resumed.resumed()
+    resumed.resumed([])
     job = searching_f1(f"probe-{RUN.label}-tune-probe-093000")
     job.max_jobs, job.trial.hyperparameters["sleep"] = 2, "0"
     result = resumed.run_tuning(job)
@@ -179,7 +179,7 @@ def test_a_resumed_run_stops_the_jobs_its_driver_left_running_and_no_other(store
     for job in (ours, theirs):
         emulator.client.create_training_job(**dead.request(job))
     echo = io.StringIO()
-    backend(emulator, echo).resumed()
+    backend(emulator, echo).resumed([])
 
     def status(name: str) -> str:
         answer = emulator.client.describe_training_job(TrainingJobName=name)
@@ -208,7 +208,36 @@ def test_a_resume_that_cannot_list_the_runs_jobs_stops_before_any_job_starts(emu
         lambda **_: error_response(400, "AccessDeniedException", denied),
     )
     with pytest.raises(PipelineError) as refused:
-        backend(emulator).resumed()
+        backend(emulator).resumed([])
     said = str(refused.value)
     assert said.startswith(f"--resume {RUN.run_num}: the run's jobs that SageMaker may still run")
     assert denied in said and "would start its jobs beside them" in said
+
+
+def test_a_job_stopped_with_the_driver_is_billed_when_the_run_is_resumed(store, emulator, inputs):
+    """Ctrl-C while a job runs: the driver asks it to stop and leaves before SageMaker says
+    what it billed. The job is named unbilled (the run's cost is then a lower bound); the
+    resume reads its bill once it has ended."""
+    job = probe_training(
+        f"probe-{RUN.label}-train-probe-110000",
+        hyperparameters={"model_name": "probe", "sleep": "5"},
+        sagemaker_output=RUN.prefix + "jobs/training/",
+    )
+    polls = []
+
+    def ctrl_c(**_):  # Ctrl-C, as it lands while the driver follows the job
+        polls.append(1)
+        if len(polls) == 2:
+            raise KeyboardInterrupt
+
+    events = emulator.client.meta.events
+    events.register("after-call.sagemaker.DescribeTrainingJob", ctrl_c, unique_id="ctrl-c")
+    driver = backend(emulator)
+    with pytest.raises(KeyboardInterrupt):
+        driver.run_training(job)
+    events.unregister("after-call.sagemaker.DescribeTrainingJob", unique_id="ctrl-c")
+    assert driver.unbilled == [{"kind": "training", "job": job.name}]
+
+    bill = backend(emulator).resumed(driver.unbilled)  # waits for it to end, then reads it
+    assert [(b["job"], b["instance_type"]) for b in bill] == [(job.name, "ml.m5.xlarge")]
+    assert bill[0]["billable_seconds"] >= 1

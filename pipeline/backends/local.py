@@ -135,6 +135,7 @@ class LocalBackend:
         self.containers = Containers(ProcessLauncher(starter=self.warm))
         # Every job's JobResult.billing so far: a tuning job bills its trials'.
         self.billed: list[dict] = []
+        self.unbilled: list[dict] = []  # local jobs bill nothing (`Backend.unbilled`)
 
     def say(self, job_name: str, text: str) -> None:
         print(f"[{job_name}] {text}", file=self.echo, flush=True)
@@ -273,9 +274,11 @@ class LocalBackend:
         result.billing = [{**b, "tuning_job": job.name} for b in self.billed[before:]]
         return result
 
-    def resumed(self) -> None:
+    def resumed(self, unbilled: list[dict]) -> list[dict]:
         """Nothing is left running: a local job ends with the driver that started it, however
-        it ends (pipeline/player/processes.py: each job follows DRIVER_PID_VARIABLE)."""
+        it ends (pipeline/player/processes.py: each job follows DRIVER_PID_VARIABLE); nor
+        unbilled (a local job bills nothing)."""
+        return []
 
     def stop(self) -> None:
         self.containers.stop()

@@ -103,18 +103,7 @@ class Trials:
         self.tidied: set[str] = set()
 
     def summaries(self) -> list[dict]:
-        client, found = self.backend.client, []
-        for name in self.names:
-            token = None
-            while True:
-                args = {"HyperParameterTuningJobName": name, "MaxResults": 100}
-                page = client.list_training_jobs_for_hyper_parameter_tuning_job(
-                    **args, **({"NextToken": token} if token else {})
-                )
-                found += page.get("TrainingJobSummaries", [])
-                token = page.get("NextToken")
-                if not token:
-                    break
+        found = [s for name in self.names for s in trial_summaries(self.backend.client, name)]
         return tuning_record.in_creation_order(found)
 
     def tidy(self, _described: dict) -> list[dict]:
@@ -201,6 +190,7 @@ class SageMakerBackend:
         self.pools = WarmPools(client, self.say)
         self._lock = threading.Lock()
         self.resumed_run = False  # `resumed`
+        self.unbilled: list[dict] = []  # jobs stopped with the driver: kind and name each
 
     @property
     def image_record(self) -> dict:
@@ -314,10 +304,11 @@ class SageMakerBackend:
             trials.remove_archives(keep=None)
         return result
 
-    def resumed(self) -> None:
+    def resumed(self, unbilled: list[dict]) -> list[dict]:
         """The run was resumed: its jobs that SageMaker still runs, which the driver before
         this one could not stop, are stopped and waited for (pipeline/backends/resuming.py),
-        and its tuning jobs are warm-started."""
+        and its tuning jobs are warm-started. Returns the bill of the `unbilled` jobs (stopped
+        with that driver), each as its Describe* answer says it now."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         self.resumed_run = True
@@ -334,6 +325,27 @@ class SageMakerBackend:
             following = Following(self, kind, name, time.time())
             following.logs_off = True  # its log so far is SageMaker's, read where it is
             self.say(name, f"ended {following.to_the_end().status}")
+        found = []
+        for job in unbilled:
+            bill = self._bill_of(job["kind"], job["job"])
+            if bill is None:  # still unbilled: the run's cost stays a lower bound
+                self.unbilled.append(job)
+            found += bill or []
+        return found
+
+    def _bill_of(self, kind: str, name: str) -> list[dict] | None:
+        """What a job stopped with the driver billed, now that it has ended (a tuning job's,
+        its trials'); None, said, where it cannot be read (an emulated account's job after
+        its driver ended)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            if kind == "tuning":
+                return trials_billed(self, name, trial_summaries(self.client, name))
+            return billed(kind, self.describe_job(kind, name))
+        except (ClientError, BotoCoreError) as e:
+            self.say(name, f"could not read what it billed: {e}")
+            return None
 
     def _warm_started(self, job: TuningJob, request: dict) -> dict:
         """A resumed run's tuning job: the checkpoints of the trials its earlier tuning jobs
@@ -401,8 +413,10 @@ class SageMakerBackend:
             return following.to_the_end(on_poll)
         except BaseException:
             # The driver is stopping (Ctrl-C, SIGTERM): so does its job, and what it logged
-            # so far is kept with the run.
+            # so far is kept with the run. Its bill is SageMaker's once it has ended: read by
+            # a --resume (`resumed`).
             self.stop_job(name, kind)
+            self.unbilled.append({"kind": kind, "job": name})
             self.store.put_bytes(self.run.log(name), ("\n".join(following.log) + "\n").encode())
             raise
         finally:
@@ -437,6 +451,20 @@ class SageMakerBackend:
             log_key=log_key,
             billing=billed(kind, described),
         )
+
+
+def trial_summaries(client, name: str) -> list[dict]:
+    """ListTrainingJobsForHyperParameterTuningJob of the tuning job `name`, every page."""
+    found, token = [], None
+    while True:
+        args = {"HyperParameterTuningJobName": name, "MaxResults": 100}
+        page = client.list_training_jobs_for_hyper_parameter_tuning_job(
+            **args, **({"NextToken": token} if token else {})
+        )
+        found += page.get("TrainingJobSummaries", [])
+        token = page.get("NextToken")
+        if not token:
+            return found
 
 
 def trials_billed(backend, tuning_job: str, summaries: list[dict]) -> list[dict]:

@@ -34,8 +34,12 @@ class EmulatedBackend:
     def run_tuning(self, job: TuningJob) -> JobResult:
         return self.sagemaker.run_tuning(job)
 
-    def resumed(self) -> None:
-        self.sagemaker.resumed()
+    def resumed(self, unbilled: list[dict]) -> list[dict]:
+        return self.sagemaker.resumed(unbilled)
+
+    @property
+    def unbilled(self) -> list[dict]:
+        return self.sagemaker.unbilled
 
     def stop(self) -> None:
         self.sagemaker.stop()
