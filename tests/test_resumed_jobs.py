@@ -163,8 +163,8 @@ def test_a_warm_start_from_a_tuning_job_the_account_lacks_is_refused(emulator, s
 
 def test_a_resumed_run_stops_the_jobs_its_driver_left_running_and_no_other(store, emulator, inputs):
     """A driver that died left its training job running: the resumed run stops it (it
-    checkpoints on the SIGTERM) and waits for its end before anything starts. A job of the
-    same run number writing elsewhere (another store's run) is not touched."""
+    checkpoints on the SIGTERM), waits for its end before anything starts, and reads its bill.
+    A job of the same run number writing elsewhere (another store's run) is not touched."""
     ours = probe_training(
         f"probe-{RUN.label}-train-probe-100000",
         hyperparameters={"model_name": "probe", "hang": "1"},
@@ -179,7 +179,7 @@ def test_a_resumed_run_stops_the_jobs_its_driver_left_running_and_no_other(store
     for job in (ours, theirs):
         emulator.client.create_training_job(**dead.request(job))
     echo = io.StringIO()
-    backend(emulator, echo).resumed([])
+    bill = backend(emulator, echo).resumed([])
 
     def status(name: str) -> str:
         answer = emulator.client.describe_training_job(TrainingJobName=name)
@@ -192,6 +192,8 @@ def test_a_resumed_run_stops_the_jobs_its_driver_left_running_and_no_other(store
         assert f"[{ours.name}] training job still running from before the run was resumed" in said
         assert f"[{ours.name}] ended Stopped" in said
         assert theirs.name not in said
+        # What it billed is read once it has ended: its dead driver recorded nothing.
+        assert [b["job"] for b in bill] == [ours.name] and bill[0]["billable_seconds"] >= 1
     finally:
         emulator.client.stop_training_job(TrainingJobName=theirs.name)
 

@@ -307,8 +307,8 @@ class SageMakerBackend:
     def resumed(self, unbilled: list[dict]) -> list[dict]:
         """The run was resumed: its jobs that SageMaker still runs, which the driver before
         this one could not stop, are stopped and waited for (pipeline/backends/resuming.py),
-        and its tuning jobs are warm-started. Returns the bill of the `unbilled` jobs (stopped
-        with that driver), each as its Describe* answer says it now."""
+        and its tuning jobs are warm-started. Returns the bill of those jobs and of the
+        `unbilled` ones (stopped with that driver), each as its Describe* answer says it now."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         self.resumed_run = True
@@ -325,6 +325,10 @@ class SageMakerBackend:
             following = Following(self, kind, name, time.time())
             following.logs_off = True  # its log so far is SageMaker's, read where it is
             self.say(name, f"ended {following.to_the_end().status}")
+        # Their bills too: a driver that died recorded none (one stopped with its driver is
+        # named unbilled already).
+        named = {job["job"] for job in unbilled}
+        unbilled = [*unbilled, *({"kind": k, "job": n} for k, n in left if n not in named)]
         found = []
         for job in unbilled:
             bill = self._bill_of(job["kind"], job["job"])
