@@ -3,6 +3,8 @@ its earlier driver left running are stopped before anything starts, and none of 
 a tuning job stopped mid-search warm-starts the resumed one, which runs only the trials left
 and takes the best of all of them. Small probe jobs (tests/jobs/) through the real entrypoint."""
 
+# ruff: noqa: F811 - the tests take the emulator's fixtures, imported by name below
+
 from __future__ import annotations
 
 import io
@@ -12,36 +14,16 @@ import time
 
 import pytest
 
-from pipeline.backends.emulated import Emulator
 from pipeline.jobs import TuningJob, request_for
 from pipeline.search_space import Categorical
-from tests.test_emulator import RUN, backend, probe_training
-
-
-@pytest.fixture
-def emulator(store):
-    emulator = Emulator(store, "us-east-1")
-    yield emulator
-    emulator.close()
-
-
-@pytest.fixture
-def store(bucket):
-    from pipeline.store import S3Store
-    from tests.conftest import ship_code
-
-    store = S3Store(f"s3://{bucket}")
-    ship_code(store)
-    return store
-
-
-@pytest.fixture
-def inputs(store, tmp_path):
-    from pipeline.store import upload_dir
-
-    (tmp_path / "train").mkdir()
-    (tmp_path / "train/rows.txt").write_text("1\n2\n")
-    upload_dir(store, tmp_path / "train", "data/train/")
+from tests.test_emulator import (  # noqa: F401 - the emulator's fixtures, used by name
+    RUN,
+    backend,
+    emulator,
+    inputs,
+    probe_training,
+    store,
+)
 
 
 def searching_f1(name: str) -> TuningJob:
