@@ -208,6 +208,8 @@ for call in calls:
 
 
 def test_approvals_made_at_once_are_all_kept(store_at, tmp_path):
+    """Eight processes approve and reject one version at once: every change is recorded, none
+    lost to another's write."""
     store, uri = store_at
     path = write_settings(tmp_path / "settings.ini", uri, registry={"MODEL_PACKAGE_GROUP": GROUP})
     register_version(store, load_settings(path, env={}), write_run(store, 1, "completed"))
@@ -232,9 +234,13 @@ def test_approvals_made_at_once_are_all_kept(store_at, tmp_path):
     assert [p.returncode for p in processes] == [0] * 8, [err for _, err in ended]
     [version] = local_versions(store, TREE, GROUP)
     history = [h["approval_status"] for h in version["history"]]
-    assert len(history) == 25 and history[0] == registry.PENDING
-    assert history.count(registry.APPROVED) == 12 and history.count(registry.REJECTED) == 12
-    assert version["approval_status"] == history[-1]
+    # Every call that changed the status is kept: 24 calls, each said as a change or as the
+    # status the version had already (which writes nothing), and no change lost.
+    said = "".join(out for out, _ in ended)
+    changed, already = said.count("is Approved") + said.count("is Rejected"), said.count("already")
+    assert changed + already == 24 and len(history) == 1 + changed, said
+    assert history[0] == registry.PENDING and version["approval_status"] == history[-1]
+    assert changed >= 2 and registry.APPROVED in history and registry.REJECTED in history
 
 
 def test_stray_and_broken_registry_files_are_named_and_skipped(tmp_path, capsys, caplog):
