@@ -371,8 +371,8 @@ def as_text(cost: dict | None) -> str:
         return (
             f"cost: at least ${cost['priced_usd']:,.4f} ({seconds:,} billable instance-seconds); "
             f"not counted: {', '.join(cost['unbilled'])}, stopped with the run before their bill "
-            "could be read (SageMaker bills them all the same: --resume of a stopped run reads "
-            f"it, `aws sagemaker describe-training-job` tells){unpriced}"
+            "could be read (SageMaker bills them all the same: a --resume of the run reads it, "
+            f"as their Describe* answer tells){unpriced}"
         )
     if cost["usd"] is None:
         return (
