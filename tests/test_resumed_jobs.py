@@ -225,3 +225,38 @@ def test_a_job_stopped_with_the_driver_is_billed_when_the_run_is_resumed(store, 
     bill = backend(emulator).resumed(driver.unbilled)  # waits for it to end, then reads it
     assert [(b["job"], b["instance_type"]) for b in bill] == [(job.name, "ml.m5.xlarge")]
     assert bill[0]["billable_seconds"] >= 1
+
+
+def test_ctrl_c_while_a_resume_waits_for_a_job_leaves_it_stopping_and_unbilled(
+    store, emulator, inputs
+):
+    """Ctrl-C while the resumed run waits for what its dead driver left running: that job
+    was asked to stop all the same (it ends Stopped), and is named unbilled for the next
+    resume."""
+    ours = probe_training(
+        f"probe-{RUN.label}-train-probe-120000",
+        hyperparameters={"model_name": "probe", "hang": "1"},
+        sagemaker_output=RUN.prefix + "jobs/training/",
+    )
+    emulator.client.create_training_job(**backend(emulator).request(ours))
+    resuming = backend(emulator)
+    original, polls = resuming.describe_job, []
+
+    def describe(kind, name):  # the first finds the job the run's; Ctrl-C lands on the second
+        polls.append(name)
+        if len(polls) == 2:
+            raise KeyboardInterrupt
+        return original(kind, name)
+
+    resuming.describe_job = describe
+    with pytest.raises(KeyboardInterrupt):
+        resuming.resumed([])
+    assert resuming.unbilled == [{"kind": "training", "job": ours.name}]
+    deadline = time.time() + 60
+    while emulator.client.describe_training_job(TrainingJobName=ours.name)[
+        "TrainingJobStatus"
+    ] not in ("Stopped", "Completed", "Failed"):
+        assert time.time() < deadline, "the job was never stopped"
+        time.sleep(0.2)
+    answer = emulator.client.describe_training_job(TrainingJobName=ours.name)
+    assert answer["TrainingJobStatus"] == "Stopped"

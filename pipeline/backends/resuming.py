@@ -45,6 +45,20 @@ def listed(client, kind: str, **filters) -> list[dict]:
     return [s for page in pages for s in page.get(f"{resource}Summaries", [])]
 
 
+def trial_summaries(client, name: str) -> list[dict]:
+    """ListTrainingJobsForHyperParameterTuningJob of the tuning job `name`, every page."""
+    found, token = [], None
+    while True:
+        args = {"HyperParameterTuningJobName": name, "MaxResults": 100}
+        page = client.list_training_jobs_for_hyper_parameter_tuning_job(
+            **args, **({"NextToken": token} if token else {})
+        )
+        found += page.get("TrainingJobSummaries", [])
+        token = page.get("NextToken")
+        if not token:
+            return found
+
+
 def writes_under(kind: str, described: dict, uri: str) -> bool:
     """Whether the job a Describe* answer shows writes under `uri` (the run's folder)."""
     seen = identity(kind, described)

@@ -28,7 +28,12 @@ from pipeline.backends.following import (
     read_log,
 )
 from pipeline.backends.lost_create import ours_after_all
-from pipeline.backends.resuming import ended_tuning_jobs, left_running, warm_start
+from pipeline.backends.resuming import (
+    ended_tuning_jobs,
+    left_running,
+    trial_summaries,
+    warm_start,
+)
 from pipeline.cost import spot_savings
 from pipeline.errors import PipelineError
 from pipeline.jobs import (
@@ -319,16 +324,23 @@ class SageMakerBackend:
                 f"--resume {self.run.run_num}: the run's jobs that SageMaker may still run "
                 f"could not be listed ({e}); a resumed run would start its jobs beside them"
             ) from None
-        for kind, name in left:
-            self.say(name, f"{kind} job still running from before the run was resumed: stopping it")
-            self.stop_job(name, kind)
-            following = Following(self, kind, name, time.time())
-            following.logs_off = True  # its log so far is SageMaker's, read where it is
-            self.say(name, f"ended {following.to_the_end().status}")
         # Their bills too: a driver that died recorded none (one stopped with its driver is
         # named unbilled already).
         named = {job["job"] for job in unbilled}
-        unbilled = [*unbilled, *({"kind": k, "job": n} for k, n in left if n not in named)]
+        found_left = [{"kind": k, "job": n} for k, n in left if n not in named]
+        try:
+            for kind, name in left:
+                self.say(
+                    name, f"{kind} job still running from before the run was resumed: stopping it"
+                )
+                self.stop_job(name, kind)
+                following = Following(self, kind, name, time.time())
+                following.logs_off = True  # its log so far is SageMaker's, read where it is
+                self.say(name, f"ended {following.to_the_end().status}")
+        except BaseException:  # Ctrl-C while waiting: asked to stop all the same, unbilled
+            self.unbilled += found_left
+            raise
+        unbilled = [*unbilled, *found_left]
         found = []
         for job in unbilled:
             bill = self._bill_of(job["kind"], job["job"])
@@ -455,20 +467,6 @@ class SageMakerBackend:
             log_key=log_key,
             billing=billed(kind, described),
         )
-
-
-def trial_summaries(client, name: str) -> list[dict]:
-    """ListTrainingJobsForHyperParameterTuningJob of the tuning job `name`, every page."""
-    found, token = [], None
-    while True:
-        args = {"HyperParameterTuningJobName": name, "MaxResults": 100}
-        page = client.list_training_jobs_for_hyper_parameter_tuning_job(
-            **args, **({"NextToken": token} if token else {})
-        )
-        found += page.get("TrainingJobSummaries", [])
-        token = page.get("NextToken")
-        if not token:
-            return found
 
 
 def trials_billed(backend, tuning_job: str, summaries: list[dict]) -> list[dict]:
