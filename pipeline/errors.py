@@ -18,6 +18,11 @@ class PipelineError(RuntimeError):
     """A step failed or a run cannot start; the message is one paragraph for the user."""
 
 
+class Refused(PipelineError):
+    """What was asked cannot be done as asked (a --resume of a run that cannot go on), said
+    before anything runs: `smpipe` exits 2, as for wrong settings."""
+
+
 def counted(number: int, noun: str) -> str:
     """'1 file', '3 files': a count said to the user as a sentence says it."""
     return f"{number:,} {noun}{'' if number == 1 else 's'}"

@@ -17,7 +17,7 @@ from pathlib import Path
 from pipeline import metadata as md
 from pipeline.code_bundle import STEPS, files_that_differ, shipped_files, user_files
 from pipeline.config import ConfigError, Settings
-from pipeline.errors import PipelineError, counted, log
+from pipeline.errors import PipelineError, Refused, counted, log
 from pipeline.history import settings_changes
 from pipeline.paths import SPLITS, DataTree, ExperimentTree, RunTree, labels_of, run_label
 from pipeline.raw_data import (
@@ -357,7 +357,7 @@ def resumed_run(
     record = stopped_record(store, run)
     planned = record["planned_steps"]
     if steps is not None and steps != planned:
-        raise PipelineError(
+        raise Refused(
             f"--resume continues the steps run {run.label} planned ({','.join(planned)}); "
             "leave out --steps"
         )
@@ -365,7 +365,7 @@ def resumed_run(
     reshaped = [c for c in changed if c.startswith(RESHAPING)]
     if len(reshaped) < len(changed):
         others = [c for c in changed if c not in reshaped]
-        raise PipelineError(
+        raise Refused(
             f"--resume {run_num}: the settings differ from the ones run {run.label} started with "
             f"({'; '.join(others)}); resume with those, or start a new run (only "
             f"{', '.join(k.removeprefix('[training] ') for k in RESHAPING)} may change)"
@@ -380,7 +380,7 @@ def resumed_run(
     done = {name for name, section in steps_done if section.get("status") == "completed"}
     remaining = [s for s in planned if s not in done and not (s == "train" and "tune" in done)]
     if not remaining:
-        raise PipelineError(f"--resume {run_num}: every step of run {run.label} completed already")
+        raise Refused(f"--resume {run_num}: every step of run {run.label} completed already")
     sources = Sources.from_record(record["sources"], tree)
     for step in ("reconcile", "prepare"):
         if step in planned and step in done:
@@ -418,7 +418,7 @@ def check_code(settings: Settings, store: Store, run: RunTree) -> None:
     shipped.pop(STEPS)
     differ = files_that_differ(shipped, user_files(settings), f"run {run.label}", "yours")
     if differ:
-        raise PipelineError(
+        raise Refused(
             f"--resume {run.run_num}: your code differs from the code run {run.label} started "
             f"with ({'; '.join(differ)}), and a resumed run runs the code it started with "
             f"({store.uri_of(run.code)}); put it back to resume, or start a new run, which "
@@ -446,7 +446,7 @@ def check_checkpoints(
     now = {f: n for f, n in checkpoint_files(store, run).items() if f not in done}
     gone = sorted(folder for folder, files in left.items() if files and not now.get(folder))
     if gone:
-        raise PipelineError(
+        raise Refused(
             f"{resume}: the checkpoints run {run.label} left are gone ({', '.join(gone)}, "
             f"under {store.uri_of(run.checkpoints_root)}): resuming would train from step 1; "
             "start a new run"
@@ -466,25 +466,25 @@ def stopped_record(store: Store, run: RunTree) -> dict:
     except NotFound:
         runs = existing_run_nums(store, ExperimentTree(run.experiment))
         there = f"runs {run_label(runs[0])}-{run_label(runs[-1])}" if runs else "no runs yet"
-        raise PipelineError(
+        raise Refused(
             f"{resume}: no run {run.label} at {store.uri_of(run.prefix)} ({there})"
         ) from None
     if record.get("status") == "running":
         if silent_driver(store, run.heartbeat) is None:
-            raise PipelineError(f"{resume}: run {run.label} is still running (its driver is alive)")
+            raise Refused(f"{resume}: run {run.label} is still running (its driver is alive)")
         record["status"] = "abandoned"
     if record.get("status") not in RESUMABLE:
-        raise PipelineError(
+        raise Refused(
             f"{resume}: run {run.label} is {record.get('status')}; only a "
             f"{', '.join(RESUMABLE)} run can be resumed"
         )
     if record.get("pruned"):
-        raise PipelineError(
+        raise Refused(
             f"{resume}: run {run.label} was pruned at {record['pruned'].get('time')} (its "
             "checkpoints and model weights are gone); start a new run"
         )
     if not record.get("planned_steps") or record.get("sources") is None:
-        raise PipelineError(
+        raise Refused(
             f"{resume}: run {run.label} was made by an older driver that did not record its plan"
         )
     return record

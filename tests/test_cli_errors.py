@@ -61,7 +61,7 @@ def test_run_numbers_that_name_no_run_are_refused(two_runs, capsys):
     assert cli.main(["compare", str(two_runs), "7", "9"]) == 1  # both named at once
     err = capsys.readouterr().err
     assert "no runs 0007 and 0009 of 'test-exp'" in err and "(runs 0001-0002)" in err
-    assert cli.main(["run", str(two_runs), "--resume", "9"]) == 1
+    assert cli.main(["run", str(two_runs), "--resume", "9"]) == 2  # refused, as settings are
     err = capsys.readouterr().err
     assert "--resume 9: no run 0009 at " in err and "(runs 0001-0002)" in err
 

@@ -183,7 +183,7 @@ def test_ctrl_c_stops_the_jobs_with_stop_requests_and_marks_the_run_interrupted(
     assert record["status"] == "interrupted"
     fractions = {"TRAIN_FRACTION": "0.7", "TEST_FRACTION": "0.2"}
     changed = slow_settings(tmp_path, "emulated", SEED="7", **fractions)
-    assert cli.main(["run", str(changed), "--resume", "1"]) == 1
+    assert cli.main(["run", str(changed), "--resume", "1"]) == 2  # refused before anything runs
     error = capsys.readouterr().err
     assert "--resume 1: the settings differ from the ones run 0001 started with" in error
     assert "([data] SEED: 42 -> 7; [data] TEST_FRACTION: 0.1 -> 0.2; " in error
@@ -193,7 +193,7 @@ def test_ctrl_c_stops_the_jobs_with_stop_requests_and_marks_the_run_interrupted(
     same = slow_settings(tmp_path, "emulated")
     edited = (tmp_path / "reviews_slow.py").read_text() + "\nFIXED = True\n"
     write_module(tmp_path, "reviews_slow", edited)
-    assert cli.main(["run", str(same), "--resume", "1"]) == 1
+    assert cli.main(["run", str(same), "--resume", "1"]) == 2
     error = capsys.readouterr().err
     assert "--resume 1: your code differs from the code run 0001 started with" in error
     assert "(reviews_slow.py: changed)" in error and "start a new run" in error

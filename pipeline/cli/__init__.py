@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return quiet_exit()
     from pipeline.config import ConfigError
-    from pipeline.errors import PipelineError
+    from pipeline.errors import PipelineError, Refused
     from pipeline.history import HistoryError
     from pipeline.project import ProjectError
     from pipeline.prune import PruneError
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         if not stdout_closed():
             raise
         return quiet_exit()
-    except (ConfigError, UserFunctionError, ProjectError) as e:
+    except (ConfigError, UserFunctionError, ProjectError, Refused) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (PipelineError, StoreError, HistoryError, PruneError) as e:
