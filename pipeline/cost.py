@@ -346,6 +346,14 @@ def run_cost(
         "priced_usd": round(total, 6),
         "unpriced": sorted(missing),
         "unbilled": [u["job"] for u in unbilled],
+        # Where their bill is: SageMaker's Describe* answers; an emulated account's ended
+        # with its driver.
+        "unbilled_bill": (
+            "an emulated account bills nothing, and its records ended with its driver"
+            if backend == "emulated"
+            else "SageMaker bills them all the same: their Describe* answer says what, and a "
+            "--resume of a stopped run reads it"
+        ),
         "billable_instance_seconds": sum(
             (b.get("billable_seconds") or 0) * b["instance_count"] for b in billing
         ),
@@ -371,8 +379,7 @@ def as_text(cost: dict | None) -> str:
         return (
             f"cost: at least ${cost['priced_usd']:,.4f} ({seconds:,} billable instance-seconds); "
             f"not counted: {', '.join(cost['unbilled'])}, stopped with the run before their bill "
-            "could be read (SageMaker bills them all the same: a --resume of the run reads it, "
-            f"as their Describe* answer tells){unpriced}"
+            f"could be read ({cost.get('unbilled_bill', '')}){unpriced}"
         )
     if cost["usd"] is None:
         return (

@@ -350,8 +350,9 @@ def ended(ctx: RunContext, started: float, status: str, reason: str | None) -> d
         elif status != "completed":
             base.checkpoints_left = checkpoint_files(ctx.store, ctx.run)
         now = time.time()
-        # (None before a backend is made)
-        base.unbilled_jobs = [*base.unbilled_jobs, *(getattr(ctx.backend, "unbilled", None) or [])]
+        # (None before a backend is made); each once, a resume's interrupted reading included
+        more = getattr(ctx.backend, "unbilled", None) or []
+        base.unbilled_jobs += [j for j in more if j not in base.unbilled_jobs]
         base.status, base.failure_reason = status, reason
         earlier = (base.time_taken or 0) if base.resumed_at else 0  # the parts before --resume
         base.end_time, base.time_taken = md.iso(now), round(earlier + now - started, 3)

@@ -286,6 +286,11 @@ def test_a_price_nobody_knows_is_named_never_guessed(tmp_path, caplog):
     assert bound["usd"] is None and bound["unbilled"] == ["stopped-train"]
     assert cost.as_text(bound).startswith("cost: at least $0.0010 (10 billable instance-seconds)")
     assert "not counted: stopped-train, stopped with the run" in cost.as_text(bound)
+    assert "their Describe* answer says what" in cost.as_text(bound)
+    # An emulated account's bill ends with its driver: no resume is promised to read it.
+    emulated = cost.run_cost(billed[1:], basis, "emulated", stopped)
+    assert "an emulated account bills nothing" in cost.as_text(emulated)
+    assert "--resume" not in cost.as_text(emulated)
     assert cost.short(bound) == "≥$0.0010 (unbilled)"
     # A price that is not one is refused by key, with what was meant.
     path = write_settings(

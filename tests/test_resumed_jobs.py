@@ -227,36 +227,41 @@ def test_a_job_stopped_with_the_driver_is_billed_when_the_run_is_resumed(store, 
     assert bill[0]["billable_seconds"] >= 1
 
 
-def test_ctrl_c_while_a_resume_waits_for_a_job_leaves_it_stopping_and_unbilled(
+def test_ctrl_c_while_a_resume_waits_leaves_every_job_stopping_and_unbilled(
     store, emulator, inputs
 ):
-    """Ctrl-C while the resumed run waits for what its dead driver left running: that job
-    was asked to stop all the same (it ends Stopped), and is named unbilled for the next
-    resume."""
-    ours = probe_training(
-        f"probe-{RUN.label}-train-probe-120000",
-        hyperparameters={"model_name": "probe", "hang": "1"},
-        sagemaker_output=RUN.prefix + "jobs/training/",
-    )
-    emulator.client.create_training_job(**backend(emulator).request(ours))
+    """Ctrl-C while the resumed run waits for what its dead driver left running: every such
+    job was asked to stop before the first wait (each ends Stopped), and each is named
+    unbilled for the next resume."""
+    left = [
+        probe_training(
+            f"probe-{RUN.label}-train-probe-12000{n}",
+            hyperparameters={"model_name": "probe", "hang": "1"},
+            sagemaker_output=RUN.prefix + "jobs/training/",
+        )
+        for n in (0, 1)
+    ]
+    for job in left:
+        emulator.client.create_training_job(**backend(emulator).request(job))
     resuming = backend(emulator)
     original, polls = resuming.describe_job, []
 
-    def describe(kind, name):  # the first finds the job the run's; Ctrl-C lands on the second
+    def describe(kind, name):  # two find the jobs the run's; Ctrl-C lands on the first wait
         polls.append(name)
-        if len(polls) == 2:
+        if len(polls) == 3:
             raise KeyboardInterrupt
         return original(kind, name)
 
     resuming.describe_job = describe
     with pytest.raises(KeyboardInterrupt):
         resuming.resumed([])
-    assert resuming.unbilled == [{"kind": "training", "job": ours.name}]
+    assert resuming.unbilled == [{"kind": "training", "job": job.name} for job in left]
+
+    def status(name: str) -> str:
+        return emulator.client.describe_training_job(TrainingJobName=name)["TrainingJobStatus"]
+
     deadline = time.time() + 60
-    while emulator.client.describe_training_job(TrainingJobName=ours.name)[
-        "TrainingJobStatus"
-    ] not in ("Stopped", "Completed", "Failed"):
-        assert time.time() < deadline, "the job was never stopped"
+    while {status(job.name) for job in left} - {"Stopped", "Completed", "Failed"}:
+        assert time.time() < deadline, "a job was never stopped"
         time.sleep(0.2)
-    answer = emulator.client.describe_training_job(TrainingJobName=ours.name)
-    assert answer["TrainingJobStatus"] == "Stopped"
+    assert [status(job.name) for job in left] == ["Stopped", "Stopped"]

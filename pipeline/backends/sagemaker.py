@@ -327,26 +327,26 @@ class SageMakerBackend:
         # Their bills too: a driver that died recorded none (one stopped with its driver is
         # named unbilled already).
         named = {job["job"] for job in unbilled}
-        found_left = [{"kind": k, "job": n} for k, n in left if n not in named]
+        waiting = [*unbilled, *({"kind": k, "job": n} for k, n in left if n not in named)]
+        found, read = [], []
         try:
-            for kind, name in left:
+            for kind, name in left:  # every one asked first: none bills on while another drains
                 self.say(
-                    name, f"{kind} job still running from before the run was resumed: stopping it"
+                    name, f"{kind} job still running from before the run was resumed: stopping"
                 )
                 self.stop_job(name, kind)
+            for kind, name in left:
                 following = Following(self, kind, name, time.time())
                 following.logs_off = True  # its log so far is SageMaker's, read where it is
                 self.say(name, f"ended {following.to_the_end().status}")
-        except BaseException:  # Ctrl-C while waiting: asked to stop all the same, unbilled
-            self.unbilled += found_left
+            for job in waiting:
+                bill = self._bill_of(job["kind"], job["job"])
+                read += [job] if bill is not None else []  # else: the cost stays a lower bound
+                found += bill or []
+        except BaseException:  # Ctrl-C: every one was asked to stop; none of them is billed yet
+            self.unbilled += waiting
             raise
-        unbilled = [*unbilled, *found_left]
-        found = []
-        for job in unbilled:
-            bill = self._bill_of(job["kind"], job["job"])
-            if bill is None:  # still unbilled: the run's cost stays a lower bound
-                self.unbilled.append(job)
-            found += bill or []
+        self.unbilled += [job for job in waiting if job not in read]
         return found
 
     def _bill_of(self, kind: str, name: str) -> list[dict] | None:

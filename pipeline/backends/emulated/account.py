@@ -160,6 +160,7 @@ class AccountRegistry:
     def __init__(self, store: Store, region: str) -> None:
         self.store, self.region = store, region
         self.known: dict[str, bytes] = {}  # key -> what this command read or wrote there
+        self.lost: set[str] = set()  # keys another command took first
 
     def restore_and_keep(self) -> None:
         KEEPER.clear()  # restoring changes the registry: no other store's is kept with it
@@ -218,8 +219,8 @@ class AccountRegistry:
                 self._write(key, _text(self._package(package)))
 
     def _write(self, key: str, data: bytes) -> None:
-        if self.known.get(key) == data:
-            return  # not changed by this command
+        if self.known.get(key) == data or key in self.lost:
+            return  # not changed by this command, or another command's (said once)
         if key in self.known:  # this command's own version, changed (an approval)
             self.store.put_bytes(key, data)
         elif not self.store.create(key, data) and self.store.get_bytes(key) != data:
@@ -228,6 +229,8 @@ class AccountRegistry:
                 "account's registry meanwhile (each command's account is its own); this "
                 "command's is not kept"
             )
+            self.lost.add(key)  # never written over, however this command changes it
+            return
         self.known[key] = data
 
     @staticmethod
