@@ -180,20 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("first", type=run_number, metavar="RUN_NUM")
     compare.add_argument("second", type=run_number, metavar="RUN_NUM")
-    listing = command(
-        "registry", "list the versions of [registry] MODEL_PACKAGE_GROUP: status, run, model"
-    )
-    approve = command(
-        "approve", "approve a registered version (SageMaker's ModelApprovalStatus Approved)"
-    )
-    approve.add_argument("version", type=version_number, metavar="VERSION")
-    approve.add_argument("--reject", action="store_true", help="set it Rejected instead")
-    for sub in (listing, approve):  # each backend keeps its own registry
-        sub.add_argument(
-            "--backend",
-            choices=["local", "sagemaker", "emulated"],
-            help="overrides [experiment] BACKEND: the registry of the runs made with it",
-        )
+    registry_options(command)
     report = command(
         "report", "rebuild experiment.html (every run), or with RUN_NUM that run's report.html"
     )
@@ -202,6 +189,24 @@ def build_parser() -> argparse.ArgumentParser:
     command("iam", IAM)  # pipeline/iam/
     predict_options(command("predict", PREDICT))
     return root
+
+
+def registry_options(command) -> None:
+    """`registry` and `approve`; each backend keeps its own registry, so both take --backend."""
+    listing = command(
+        "registry", "list the versions of [registry] MODEL_PACKAGE_GROUP: status, run, model"
+    )
+    approve = command(
+        "approve", "approve a registered version (SageMaker's ModelApprovalStatus Approved)"
+    )
+    approve.add_argument("version", type=version_number, metavar="VERSION")
+    approve.add_argument("--reject", action="store_true", help="set it Rejected instead")
+    for sub in (listing, approve):
+        sub.add_argument(
+            "--backend",
+            choices=["local", "sagemaker", "emulated"],
+            help="overrides [experiment] BACKEND: the registry of the runs made with it",
+        )
 
 
 def init_options(commands) -> None:
