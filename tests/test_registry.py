@@ -294,6 +294,15 @@ def test_an_emulated_accounts_registry_outlives_each_command(tmp_path, aws_env):
     store.put_bytes(f"{REGISTRY}{group}/0003.json", b"{not json")
     listed = smpipe("registry", str(path), cwd=tmp_path)
     assert listed.returncode == 0 and "0003.json: not a record of the registry" in listed.stderr
+    # A version whose record is broken stands in as a Rejected version that says so: the
+    # versions after it keep their numbers, and the record is left as it is.
+    store.put_bytes(version, b'{"request": ')
+    listed = smpipe("registry", str(path), cwd=tmp_path)
+    rows = " ".join(listed.stdout.split())
+    assert "0001.json: not a record of the registry" in listed.stderr
+    assert "│ 1 │ Rejected" in rows and "could not be read" in rows
+    assert "│ 2 │ PendingManualApproval" in rows and "run 0002: tiny" in rows
+    assert store.get_bytes(version) == b'{"request": '
     local = smpipe("registry", str(path), "--backend", "local", cwd=tmp_path)
     said = " ".join(local.stdout.split())  # as the terminal's width wrapped it
     assert f"no versions of model package group {group!r} in the local backend's registry" in said

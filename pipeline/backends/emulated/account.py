@@ -179,18 +179,29 @@ class AccountRegistry:
                 continue
             account.client.create_model_package_group(**group["request"])
             self.known[f"{REGISTRY}{name}/group.json"] = _text(self._group(account.jobs, name))
-            versions = [k for k in keys if VERSION_FILE.match(k.rsplit("/", 1)[-1])]
-            for key in sorted(k for k in versions if k.startswith(f"{REGISTRY}{name}/")):
-                kept = self._read(key)
-                if kept is None:
-                    continue
-                arn = account.client.create_model_package(**kept["request"])["ModelPackageArn"]
-                package = account.jobs.model_packages[arn]
-                changed = kept["last_modified_time"]
-                package.creation_time = moto_time(kept["creation_time"])
-                package.last_modified_time = moto_time(changed) if changed else None
-                package.client_token = kept["client_token"]
-                self.known[key] = _text(self._package(package))
+            files = [k.rsplit("/", 1)[-1] for k in keys if k.startswith(f"{REGISTRY}{name}/")]
+            numbers = [int(f.split(".")[0]) for f in files if VERSION_FILE.match(f)]
+            for number in range(1, max(numbers, default=0) + 1):  # moto numbers them in order
+                self._restore_version(account, name, f"{REGISTRY}{name}/{number:04d}.json")
+
+    def _restore_version(self, account: Account, group: str, key: str) -> None:
+        """One version from its record; where that cannot be read, a Rejected stand-in that
+        says so, so that every later version keeps its number (and the record is left as it
+        is, never written over)."""
+        kept = self._read(key)
+        if kept is None:
+            why = f"its record {self.store.folder_of(key)} could not be read"
+            stand_in = {"ModelPackageDescription": why, "ModelApprovalStatus": "Rejected"}
+            account.client.create_model_package(ModelPackageGroupName=group, **stand_in)
+            self.lost.add(key)
+            return
+        arn = account.client.create_model_package(**kept["request"])["ModelPackageArn"]
+        package = account.jobs.model_packages[arn]
+        changed = kept["last_modified_time"]
+        package.creation_time = moto_time(kept["creation_time"])
+        package.last_modified_time = moto_time(changed) if changed else None
+        package.client_token = kept["client_token"]
+        self.known[key] = _text(self._package(package))
 
     def _read(self, key: str) -> dict | None:
         """A record the registry's folder holds; one that is missing or cannot be read (a
