@@ -46,17 +46,11 @@ def listed(client, kind: str, **filters) -> list[dict]:
 
 
 def trial_summaries(client, name: str) -> list[dict]:
-    """ListTrainingJobsForHyperParameterTuningJob of the tuning job `name`, every page."""
-    found, token = [], None
-    while True:
-        args = {"HyperParameterTuningJobName": name, "MaxResults": 100}
-        page = client.list_training_jobs_for_hyper_parameter_tuning_job(
-            **args, **({"NextToken": token} if token else {})
-        )
-        found += page.get("TrainingJobSummaries", [])
-        token = page.get("NextToken")
-        if not token:
-            return found
+    """ListTrainingJobsForHyperParameterTuningJob of the tuning job `name`, every page
+    (botocore's paginator; 100 a page, the most MaxResults takes)."""
+    paginator = client.get_paginator("list_training_jobs_for_hyper_parameter_tuning_job")
+    pages = paginator.paginate(HyperParameterTuningJobName=name, PaginationConfig={"PageSize": 100})
+    return [s for page in pages for s in page.get("TrainingJobSummaries", [])]
 
 
 def writes_under(kind: str, described: dict, uri: str) -> bool:
