@@ -334,6 +334,35 @@ def test_a_tuning_job_name_used_before_is_refused_in_aws_words(emulator):
     )
 
 
+def test_a_tuning_job_described_while_its_create_is_answered_is_not_moto_s_fake(emulator, store):
+    """moto makes a tuning job Completed, one trial counted, and the emulator sets it going
+    once the create is answered. A Describe from another thread in between waits for that:
+    SageMaker's answer to a job just made is InProgress with nothing counted."""
+    request = backend(emulator).request(tuning_job("tune-race"))
+    events, arrived = emulator.client.meta.events, threading.Event()
+
+    def slow_answer(**_):  # before the emulator takes the job: moto's own is all there is
+        arrived.set()
+        time.sleep(1)
+
+    events.register_first("after-call.sagemaker.CreateHyperParameterTuningJob", slow_answer)
+    creating = threading.Thread(
+        target=emulator.client.create_hyper_parameter_tuning_job, kwargs=request
+    )
+    creating.start()
+    try:
+        assert arrived.wait(30)
+        seen = emulator.client.describe_hyper_parameter_tuning_job(
+            HyperParameterTuningJobName="tune-race"
+        )
+    finally:
+        creating.join()
+        emulator.client.stop_hyper_parameter_tuning_job(HyperParameterTuningJobName="tune-race")
+    assert seen["HyperParameterTuningJobStatus"] == "InProgress"
+    assert seen["TrainingJobStatusCounters"]["Completed"] == 0
+    assert "BestTrainingJob" not in seen
+
+
 def test_trials_get_the_objective_and_leave_only_the_best(store, emulator, inputs):
     job = tuning_job("tune-probe")
     result = backend(emulator).run_tuning(job)

@@ -110,6 +110,8 @@ class Emulator:
         self.tuning = TuningService(self.records, self._train_trial)
         self._threads: dict[str, threading.Thread] = {}
         self._pending = threading.local()  # the Create* request being sent from this thread
+        # The threads whose Create* call is sent and not yet taken (`_created`).
+        self._creating, self._in_flight = threading.Condition(), set()
         self._hook()
 
     def _hook(self) -> None:
@@ -117,6 +119,11 @@ class Emulator:
         events = self.client.meta.events
         events.register("provide-client-params.sagemaker", self._capture)
         for api in KINDS.values():
+            # First of the create's hooks: whatever answers it, `_answered` counts it out.
+            events.register_first(f"before-call.sagemaker.{api.create}", self._sent)
+            events.register(f"after-call-error.sagemaker.{api.create}", self._answered)
+            for reading in (api.describe, f"List{api.resource}s"):
+                events.register(f"before-call.sagemaker.{reading}", self._after_creates)
             # SageMaker refuses a name used before in the account and region; moto overwrites.
             events.register(f"before-call.sagemaker.{api.create}", self._refuse_used_name)
             events.register(f"after-call.sagemaker.{api.create}", self._created)
@@ -130,9 +137,9 @@ class Emulator:
         for operation in ("DescribeTrainingJob", "ListTrainingJobs"):
             events.register(f"before-call.sagemaker.{operation}", lambda **_: pools.expire())
         # Nor ListTrainingJobsForHyperParameterTuningJob.
-        events.register(
-            "before-call.sagemaker.ListTrainingJobsForHyperParameterTuningJob", self._list_trials
-        )
+        listing_trials = "before-call.sagemaker.ListTrainingJobsForHyperParameterTuningJob"
+        events.register(listing_trials, self._after_creates)
+        events.register(listing_trials, self._list_trials)
         # moto makes a new model package for every CreateModelPackage, whatever its ClientToken.
         events.register("before-call.sagemaker.CreateModelPackage", self._same_client_token)
 
@@ -168,7 +175,30 @@ class Emulator:
         if model.name in KIND_CREATED_BY:  # kept until SageMaker (moto) accepts it
             self._pending.request = copy.deepcopy(params)
 
+    def _sent(self, **_):
+        with self._creating:
+            self._in_flight.add(threading.get_ident())
+
+    def _answered(self, **_):
+        with self._creating:
+            self._in_flight.discard(threading.get_ident())
+            self._creating.notify_all()
+
+    def _after_creates(self, **_):
+        """A Describe or List sent while a create is in flight waits until the emulator has
+        taken the new job (`_created`): what moto answers before that is not SageMaker's (a
+        tuning job Completed, one trial counted, the moment it is made)."""
+        with self._creating:
+            me = threading.get_ident()
+            self._creating.wait_for(lambda: not self._in_flight - {me}, timeout=30)
+
     def _created(self, http_response, parsed, model, **_):
+        try:
+            self._take(http_response, parsed, model)
+        finally:
+            self._answered()
+
+    def _take(self, http_response, parsed, model) -> None:
         if http_response.status_code != 200:
             return
         arn = next(v for k, v in parsed.items() if k.endswith("Arn"))
