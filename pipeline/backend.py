@@ -12,6 +12,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from pipeline.errors import log
@@ -29,6 +30,15 @@ EMULATED_ROLE = "arn:aws:iam::123456789012:role/smpipe-emulated"
 
 # What sees each line a training job prints; True stops the job (a pruned trial).
 Watch = Callable[[str], bool]
+
+
+@dataclass(frozen=True)
+class Earlier:
+    """What a resumed run's record says of the drivers before this one (`Backend.resumed`)."""
+
+    started: float  # when the run started (its Metadata start_time): its jobs were made after
+    unbilled: list[dict] = field(default_factory=list)  # stopped with their driver, bill unread
+    counted: set[str] = field(default_factory=set)  # the jobs the run holds a record of
 
 
 def identity(settings: Settings) -> tuple[str, str]:
@@ -76,11 +86,13 @@ class Backend(Protocol):
         every backend), which the tune stage saves."""
         ...
 
-    def resumed(self, unbilled: list[dict]) -> list[dict]:
+    def resumed(self, earlier: Earlier) -> list[dict]:
         """The run was resumed (`--resume`): before its first job, what the driver before
-        this one left running is stopped and waited for. Returns the billing records of the
-        `unbilled` jobs (Metadata's unbilled_jobs) that can now be read; those that cannot
-        stay in `unbilled`."""
+        this one left running is stopped and waited for. Returns the billing records the run
+        lacks that can now be read: the `earlier.unbilled` jobs' (Metadata's unbilled_jobs),
+        and those of the run's jobs it holds no record of (`earlier.counted`:
+        metadata.accounted_jobs), which ended while no driver followed them. Those that cannot
+        be read stay in `unbilled`."""
         ...
 
     def stop(self) -> None:

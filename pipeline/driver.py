@@ -17,7 +17,7 @@ from contextlib import nullcontext
 
 from pipeline import cache, registry
 from pipeline import metadata as md
-from pipeline.backend import running_backend, undisturbed
+from pipeline.backend import Earlier, running_backend, undisturbed
 from pipeline.backends.choose import hosts_refuse, make_backend
 from pipeline.code_bundle import PROJECT_ROOT, ship_code
 from pipeline.config import ConfigError, Settings
@@ -230,7 +230,10 @@ def execute(
     try:
         with running_backend(ctx.backend):  # its jobs stopped before any ending is recorded
             if base.resumed_at:  # what its last driver left: jobs running, bills unread
-                base.billing_before_resume += ctx.backend.resumed(base.unbilled_jobs)
+                counted = md.accounted_jobs(base, md.read_sections(store, run))
+                started = md.seconds(base.start_time) if base.start_time else 0.0
+                earlier = Earlier(started, base.unbilled_jobs, counted)
+                base.billing_before_resume += ctx.backend.resumed(earlier)
                 base.unbilled_jobs = []
             for stage, stage_jobs in planned:
                 stage.run(ctx, stage_jobs)

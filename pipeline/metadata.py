@@ -7,6 +7,7 @@ A field that was not computed stays None: nothing here is ever filled with a gue
 
 from __future__ import annotations
 
+import calendar
 import json
 import platform
 import subprocess
@@ -35,6 +36,11 @@ PACKAGES = (
 
 def iso(ts: float | None) -> str | None:
     return None if ts is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def seconds(iso_time: str) -> float:
+    """The epoch seconds an `iso` time names (to the second it was written with)."""
+    return calendar.timegm(time.strptime(iso_time, "%Y-%m-%dT%H:%M:%SZ"))
 
 
 class StepSection(BaseModel):
@@ -172,6 +178,23 @@ def read_sections(store: Store, run: RunTree) -> dict[str, StepSection]:
     return sections
 
 
+def billing(base: Metadata, sections: dict[str, StepSection]) -> list[dict]:
+    """Every billing record of the run, each once: a step run again by a --resume keeps its
+    earlier section, whose records billing_before_resume holds too, until it writes its own."""
+    records: list[dict] = []
+    for record in [*base.billing_before_resume, *(b for s in sections.values() for b in s.billing)]:
+        if record not in records:
+            records.append(record)
+    return records
+
+
+def accounted_jobs(base: Metadata, sections: dict[str, StepSection]) -> set[str]:
+    """The jobs the run holds a record of: each named in a billing record (a trial's tuning
+    job too) or in a step's section."""
+    named = {b.get(key) for b in billing(base, sections) for key in ("job", "tuning_job")}
+    return (named | {n for s in sections.values() for n in s.job_names}) - {None}
+
+
 def merge(store: Store, run: RunTree, base: Metadata) -> Metadata:
     """Fold every step's section into the run record and write metadata.json."""
     sections = read_sections(store, run)
@@ -194,8 +217,7 @@ def merge(store: Store, run: RunTree, base: Metadata) -> Metadata:
         record.registered = sections["register"].details.get("registered")
     peaks = [s.memory_usage for s in sections.values() if s.memory_usage is not None]
     record.memory_usage = max(peaks) if peaks else None
-    billing = [*base.billing_before_resume, *(b for s in sections.values() for b in s.billing)]
-    record.cost = run_cost(billing, base.prices, base.backend, base.unbilled_jobs)
+    record.cost = run_cost(billing(base, sections), base.prices, base.backend, base.unbilled_jobs)
     text = redact(json.dumps(record.model_dump(), indent=2), base._secrets)
     store.put_bytes(run.metadata, text.encode())
     return record

@@ -94,6 +94,19 @@ def best_of(described: dict) -> dict:
     return overall or described.get("BestTrainingJob") or {}
 
 
+def best_answer(answers: list[dict], objective_type: str) -> dict | None:
+    """Of DescribeHyperParameterTuningJob answers, the one whose best trial (`best_of`) has
+    the best final objective; None when none has a best trial with one."""
+    sign = 1 if objective_type == "Maximize" else -1
+
+    def objective(answer: dict) -> float | None:
+        metric = best_of(answer).get("FinalHyperParameterTuningJobObjectiveMetric") or {}
+        return metric.get("Value")
+
+    scored = [a for a in answers if objective(a) is not None]
+    return max(scored, key=lambda a: sign * objective(a)) if scored else None
+
+
 def in_creation_order(summaries: list[dict]) -> list[dict]:
     """Trials' summaries as they were created (CreationTime, then the name: SageMaker names
     trials <tuning job>-NNN-<8 hex>); ListTrainingJobsForHyperParameterTuningJob sorts by

@@ -305,6 +305,33 @@ def test_a_price_nobody_knows_is_named_never_guessed(tmp_path, caplog):
     assert "did you mean 'ml.g5.xlarge'?" in problem and "'ml.m5.xlarge: free'" in problem
 
 
+def test_a_resumed_steps_earlier_section_is_not_billed_twice(tmp_path):
+    """A --resume moves the billing of the steps it runs again into billing_before_resume; the
+    earlier section stays until the step writes its own. Each record is counted once all the
+    while, and the jobs the run holds a record of are known by name, trials' tuning jobs too."""
+    from pipeline import metadata as md
+
+    train = {"job": "p-r1-train-a", "use": "training", "instance_type": "ml.m5.xlarge",
+             "instance_count": 1, "billable_seconds": 100}  # fmt: skip
+    trial = {**train, "job": "p-r1-tune-a-001-abc", "tuning_job": "p-r1-tune-a"}
+    base = md.Metadata(run_id="r1", model_version=1, experiment_name="p", artifact_uri="x",
+                       backend="sagemaker", billing_before_resume=[train, trial],
+                       prices=cost.price_basis("us-east-1", {"ml.m5.xlarge": 0.36}))  # fmt: skip
+    sections = {
+        "prepare": md.StepSection(step="prepare", job_names=["p-r1-prepare"]),
+        "train": md.StepSection(step="train", job_names=["p-r1-train-a"], billing=[train]),
+    }
+    assert md.billing(base, sections) == [train, trial]
+    folder, run = LocalStore(str(tmp_path)), ExperimentTree("p").run(1)
+    for section in sections.values():
+        md.write_section(folder, run, section)
+    record = md.merge(folder, run, base)
+    assert record.cost["billable_instance_seconds"] == 200  # the earlier train section's once
+    assert md.accounted_jobs(base, sections) == {
+        "p-r1-train-a", "p-r1-tune-a-001-abc", "p-r1-tune-a", "p-r1-prepare"
+    }  # fmt: skip
+
+
 def test_the_emulator_plays_the_billing_fields_and_a_warm_pool_bills(store, emulator, inputs):  # noqa: F811
     backend = emulator.backend(RUN, "", "", io.StringIO())
     first = backend.run_training(probe_training("bill-a", keep_alive_seconds=60))

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from pipeline.backend import Earlier
 from pipeline.jobs import TuningJob, request_for
 from pipeline.search_space import Categorical
 from tests.test_emulator import (  # noqa: F401 - the emulator's fixtures, used by name
@@ -24,6 +25,8 @@ from tests.test_emulator import (  # noqa: F401 - the emulator's fixtures, used 
     probe_training,
     store,
 )
+
+STARTED = time.time()  # the run's start: every job a test makes is made after it
 
 
 def searching_f1(name: str) -> TuningJob:
@@ -77,7 +80,7 @@ def test_a_stopped_tuning_job_warm_starts_the_resumed_one_with_the_trials_left(
 
     echo = io.StringIO()
     resumed = backend(emulator, echo)
-    resumed.resumed([])  # nothing of the run is left running
+    resumed.resumed(Earlier(STARTED))  # nothing of the run is left running
     again = searching_f1(f"probe-{RUN.label}-tune-probe-091500")
     result = resumed.run_tuning(again)
 
@@ -117,7 +120,7 @@ def test_a_resumed_tuning_job_with_no_ended_one_in_the_account_runs_every_trial(
     store.put_bytes(RUN.prefix + "checkpoints/probe/gone-trial-001/ckpt.txt", b"state")
     echo = io.StringIO()
     resumed = backend(emulator, echo)
-    resumed.resumed([])
+    resumed.resumed(Earlier(STARTED))
     job = searching_f1(f"probe-{RUN.label}-tune-probe-093000")
     job.max_jobs, job.trial.hyperparameters["sleep"] = 2, "0"
     result = resumed.run_tuning(job)
@@ -161,7 +164,7 @@ def test_a_resumed_run_stops_the_jobs_its_driver_left_running_and_no_other(store
     for job in (ours, theirs):
         emulator.client.create_training_job(**dead.request(job))
     echo = io.StringIO()
-    bill = backend(emulator, echo).resumed([])
+    bill = backend(emulator, echo).resumed(Earlier(STARTED))
 
     def status(name: str) -> str:
         answer = emulator.client.describe_training_job(TrainingJobName=name)
@@ -192,7 +195,7 @@ def test_a_resume_that_cannot_list_the_runs_jobs_stops_before_any_job_starts(emu
         lambda **_: error_response(400, "AccessDeniedException", denied),
     )
     with pytest.raises(PipelineError) as refused:
-        backend(emulator).resumed([])
+        backend(emulator).resumed(Earlier(STARTED))
     said = str(refused.value)
     assert said.startswith(f"--resume {RUN.run_num}: the run's jobs that SageMaker may still run")
     assert denied in said and "would start its jobs beside them" in said
@@ -222,7 +225,9 @@ def test_a_job_stopped_with_the_driver_is_billed_when_the_run_is_resumed(store, 
     events.unregister("after-call.sagemaker.DescribeTrainingJob", unique_id="ctrl-c")
     assert driver.unbilled == [{"kind": "training", "job": job.name}]
 
-    bill = backend(emulator).resumed(driver.unbilled)  # waits for it to end, then reads it
+    bill = backend(emulator).resumed(
+        Earlier(STARTED, driver.unbilled)
+    )  # waits for it to end, then reads it
     assert [(b["job"], b["instance_type"]) for b in bill] == [(job.name, "ml.m5.xlarge")]
     assert bill[0]["billable_seconds"] >= 1
 
@@ -244,17 +249,20 @@ def test_ctrl_c_while_a_resume_waits_leaves_every_job_stopping_and_unbilled(
     for job in left:
         emulator.client.create_training_job(**backend(emulator).request(job))
     resuming = backend(emulator)
-    original, polls = resuming.describe_job, []
+    describe, stop, stopped = resuming.describe_job, resuming.stop_job, []
 
-    def describe(kind, name):  # two find the jobs the run's; Ctrl-C lands on the first wait
-        polls.append(name)
-        if len(polls) == 3:
+    def stopping(name, kind):
+        stopped.append(name)
+        stop(name, kind)
+
+    def waiting(kind, name):  # Ctrl-C lands on the first wait, once both were asked to stop
+        if len(stopped) == 2:
             raise KeyboardInterrupt
-        return original(kind, name)
+        return describe(kind, name)
 
-    resuming.describe_job = describe
+    resuming.stop_job, resuming.describe_job = stopping, waiting
     with pytest.raises(KeyboardInterrupt):
-        resuming.resumed([])
+        resuming.resumed(Earlier(STARTED))
     assert resuming.unbilled == [{"kind": "training", "job": job.name} for job in left]
 
     def status(name: str) -> str:
@@ -265,3 +273,80 @@ def test_ctrl_c_while_a_resume_waits_leaves_every_job_stopping_and_unbilled(
         assert time.time() < deadline, "a job was never stopped"
         time.sleep(0.2)
     assert [status(job.name) for job in left] == ["Stopped", "Stopped"]
+
+
+def ended(emulator, kind: str, name: str) -> dict:
+    """The job's Describe answer once it has ended."""
+    describe = {
+        "training": lambda: emulator.client.describe_training_job(TrainingJobName=name),
+        "tuning": lambda: described(emulator, name),
+    }[kind]
+    deadline = time.time() + 120
+    while True:
+        answer = describe()
+        status = answer.get("TrainingJobStatus") or answer.get("HyperParameterTuningJobStatus")
+        if status in ("Completed", "Failed", "Stopped"):
+            return answer
+        assert time.time() < deadline, f"{name} never ended"
+        time.sleep(0.2)
+
+
+def test_a_job_that_ended_while_no_driver_followed_it_is_billed_by_the_resume_once(
+    store, emulator, inputs
+):
+    """A driver killed outright (SIGKILL, a machine gone) records nothing of the job it
+    followed, which runs to its end all the same. The resume reads its bill; a job the run
+    holds a record of (`counted`) is not billed again."""
+    jobs = [
+        probe_training(
+            f"probe-{RUN.label}-train-probe-13000{n}",
+            hyperparameters={"model_name": "probe"},
+            sagemaker_output=RUN.prefix + "jobs/training/",
+        )
+        for n in (0, 1)
+    ]
+    for job in jobs:
+        emulator.client.create_training_job(**backend(emulator).request(job))
+        assert ended(emulator, "training", job.name)["TrainingJobStatus"] == "Completed"
+    echo = io.StringIO()
+    bill = backend(emulator, echo).resumed(Earlier(STARTED, counted={jobs[1].name}))
+    assert [b["job"] for b in bill] == [jobs[0].name] and bill[0]["billable_seconds"] >= 1
+    said = echo.getvalue()
+    assert f"[{jobs[0].name}] ended while no driver followed it: its bill read now" in said
+    assert jobs[1].name not in said
+    # Nor is a job made before the run started (by more than the margin for the clocks): the
+    # list asks only for what was made after (CreationTimeAfter).
+    assert backend(emulator).resumed(Earlier(time.time() + 7200)) == []
+
+
+def test_a_tuning_job_that_completed_while_no_driver_followed_it_is_adopted_not_run_again(
+    store, emulator, inputs
+):
+    """The driver died while its tuning job ran, and the job completed its search. The resume
+    bills its trials, and the resumed run's tuning job is not created: the best trial of the
+    completed one is adopted, its model unpacked, every trial's archive removed."""
+    first = searching_f1(f"probe-{RUN.label}-tune-probe-140000")
+    first.max_jobs, first.trial.hyperparameters["sleep"] = 2, "0"
+    emulator.client.create_hyper_parameter_tuning_job(**backend(emulator).request(first))
+    parent = ended(emulator, "tuning", first.name)
+    assert parent["HyperParameterTuningJobStatus"] == "Completed"
+
+    echo = io.StringIO()
+    resumed = backend(emulator, echo)
+    bill = resumed.resumed(Earlier(STARTED))
+    assert len(bill) == 2 and {b["tuning_job"] for b in bill} == {first.name}
+    again = searching_f1(f"probe-{RUN.label}-tune-probe-141500")
+    again.max_jobs, again.trial.hyperparameters["sleep"] = 2, "0"  # the very request
+    result = resumed.run_tuning(again)
+
+    assert result.status == "Completed", result.failure_reason
+    assert again.name not in emulator.records.requests  # nothing searched again
+    said = echo.getvalue()
+    assert f"not searched again: {first.name} completed its search" in said
+    assert result.billing == [] and result.details["tuning_job"] == first.name
+    best = parent["BestTrainingJob"]["TrainingJobName"]
+    assert result.details["best"]["job_name"] == best
+    seen = json.loads(store.get_bytes(again.trial.model_prefix + "seen-rank0.json"))
+    assert seen["job_name"] == best
+    assert store.list_keys(again.trial.sagemaker_output) == []
+    assert "adopted the best trial of" in store.get_bytes(RUN.log(again.name)).decode()

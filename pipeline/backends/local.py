@@ -24,7 +24,7 @@ import weakref
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from pipeline.backend import LOCAL_IMAGE, LOCAL_ROLE, Watch
+from pipeline.backend import LOCAL_IMAGE, LOCAL_ROLE, Earlier, Watch
 from pipeline.backends.local_tuning import run_local_tuning
 from pipeline.jobs import (
     KINDS,
@@ -274,7 +274,7 @@ class LocalBackend:
         result.billing = [{**b, "tuning_job": job.name} for b in self.billed[before:]]
         return result
 
-    def resumed(self, unbilled: list[dict]) -> list[dict]:
+    def resumed(self, earlier: Earlier) -> list[dict]:
         """Nothing is left running: a local job ends with the driver that started it, however
         it ends (pipeline/player/processes.py: each job follows DRIVER_PID_VARIABLE); nor
         unbilled (a local job bills nothing)."""

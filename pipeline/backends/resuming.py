@@ -22,9 +22,14 @@ experiment's run of that number, from every store.
 from __future__ import annotations
 
 import copy
+import time
 
-from pipeline.backends.following import TERMINAL
+from pipeline import tuning_record
+from pipeline.backend import Earlier
+from pipeline.backends.billing import billed, trials_billed
+from pipeline.backends.following import TERMINAL, Followed, Following
 from pipeline.backends.lost_create import identity, not_ours
+from pipeline.errors import PipelineError
 from pipeline.jobs import KINDS
 
 # CreateHyperParameterTuningJob's WarmStartConfig (HyperParameterTuningJobWarmStartConfig,
@@ -63,26 +68,109 @@ def writes_under(kind: str, described: dict, uri: str) -> bool:
     return any(isinstance(w, str) and w.startswith(uri) for w in written)
 
 
-def left_running(backend, run_uri: str, label: str) -> list[tuple[str, str]]:
-    """(kind, name) of each job of the run (`label`, writing under `run_uri`) that SageMaker
-    has not ended. A tuning job's trials are left out: they stop with it."""
-    running: dict[str, str] = {}
+def uncounted(backend, earlier: Earlier) -> list[tuple[str, str, bool]]:
+    """(kind, name, still running) of each job of the run (named with its label, writing
+    under its folder) that the run holds no record of (`earlier.counted`): one left running,
+    and one that ended while no driver followed it. A tuning job's trials are its own: they
+    stop with it, and its bill is theirs."""
+    from datetime import UTC, datetime
+
+    run, counted = backend.run, earlier.counted
+    # Made after the run started, by AWS's clock: within five minutes of ours, or no request
+    # is taken ("a request must reach AWS within five minutes of the time stamp in the
+    # request", IAM User Guide, reference_aws-signing.html); an hour of margin all the same.
+    after = datetime.fromtimestamp(earlier.started - 3600, UTC)
+    listed_jobs: dict[str, tuple[str, bool]] = {}
     tuning: list[str] = []
     for kind in KINDS:
-        for summary in listed(backend.client, kind, NameContains=f"-{label}-"):
+        found = listed(backend.client, kind, NameContains=f"-{run.label}-", CreationTimeAfter=after)
+        for summary in found:
             name = summary[KINDS[kind].name_member]
             tuning += [name] if kind == "tuning" else []
-            if summary[KINDS[kind].status_member] not in TERMINAL:
-                running[name] = kind
+            running = summary[KINDS[kind].status_member] not in TERMINAL
+            if running or name not in counted:
+                listed_jobs[name] = (kind, running)
     found = []
-    for name, kind in running.items():
+    for name, (kind, running) in listed_jobs.items():
         # "This name is the prefix for the names of all training jobs that this tuning job
         # launches" (HyperParameterTuningJobName, botocore's sagemaker service-2.json).
         if kind == "training" and any(name.startswith(f"{t}-") for t in tuning):
             continue
-        if writes_under(kind, backend.describe_job(kind, name), run_uri):
-            found.append((kind, name))
+        if writes_under(kind, backend.describe_job(kind, name), backend.store.uri_of(run.prefix)):
+            found.append((kind, name, running))
     return found
+
+
+def resumed(backend, earlier: Earlier) -> list[dict]:
+    """What a resumed run's earlier driver left on SageMaker (SageMakerBackend.resumed): each
+    job still running asked to stop and waited for, all first, before the run starts a job
+    beside them; then the bill read of every job the run holds no record of
+    (`earlier.counted`): those, the ones that ended while no driver followed them, and the
+    `earlier.unbilled` ones (stopped with their driver). One that cannot be read stays in
+    `backend.unbilled`."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    run, unbilled = backend.run, earlier.unbilled
+    try:
+        found = uncounted(backend, earlier)
+    except (ClientError, BotoCoreError) as e:
+        raise PipelineError(
+            f"--resume {run.run_num}: the run's jobs that SageMaker may still run "
+            f"could not be listed ({e}); a resumed run would start its jobs beside them"
+        ) from None
+    left = [(kind, name) for kind, name, running in found if running]
+    unbilled_names = {job["job"] for job in unbilled}
+    named = unbilled_names | {name for _, name in left}  # said of already
+    waiting = [*unbilled, *({"kind": k, "job": n} for k, n, _ in found if n not in unbilled_names)]
+    bills, read = [], []
+    try:
+        for kind, name in left:  # every one asked first: none bills on while another drains
+            backend.say(name, f"{kind} job still running from before the run was resumed: stopping")
+            backend.stop_job(name, kind)
+        for kind, name in left:
+            following = Following(backend, kind, name, time.time())
+            following.logs_off = True  # its log so far is SageMaker's, read where it is
+            backend.say(name, f"ended {following.to_the_end().status}")
+        for job in waiting:
+            bill = bill_of(backend, job["kind"], job["job"], earlier.counted)
+            read += [job] if bill is not None else []  # else: the cost stays a lower bound
+            bills += bill or []
+            if bill and job["job"] not in named:
+                backend.say(job["job"], "ended while no driver followed it: its bill read now")
+    except BaseException:  # Ctrl-C: every one was asked to stop; none of them is billed yet
+        backend.unbilled += waiting
+        raise
+    backend.unbilled += [job for job in waiting if job not in read]
+    return bills
+
+
+def bill_of(backend, kind: str, name: str, counted: set[str]) -> list[dict] | None:
+    """What a job billed, now that it has ended (a tuning job's: its trials' the run does not
+    hold); None, said, where it cannot be read (an emulated account's job after its driver
+    ended)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        if kind == "tuning":
+            trials = trial_summaries(backend.client, name)
+            fresh = [s for s in trials if s["TrainingJobName"] not in counted]
+            return trials_billed(backend, name, fresh)
+        return billed(kind, backend.describe_job(kind, name))
+    except (ClientError, BotoCoreError) as e:
+        backend.say(name, f"could not read what it billed: {e}")
+        return None
+
+
+def warm_started(backend, job, request: dict) -> tuple[dict | None, list[dict]]:
+    """A resumed run's tuning job (`warm_start`): the checkpoints of the trials its earlier
+    tuning jobs left are removed (nothing resumes a trial), and its request warm-started from
+    them, or None where they searched it all; and the parents it draws on."""
+    for key in backend.store.list_keys(job.trial.checkpoint_prefix):
+        backend.store.delete(key)
+    parents = ended_tuning_jobs(backend, job.name, backend.run.label, request)
+    request, parents, said = warm_start(request, parents)
+    backend.say(job.name, said)
+    return request, parents
 
 
 def ended_tuning_jobs(backend, name: str, label: str, request: dict) -> list[dict]:
@@ -106,28 +194,56 @@ def ended_tuning_jobs(backend, name: str, label: str, request: dict) -> list[dic
     return [d for d in described if not not_ours("tuning", request, d)]
 
 
-def warm_start(request: dict, parents: list[dict]) -> tuple[dict, str]:
+def searched_before(job, parents: list[dict]) -> Followed:
+    """A resumed run's tuning job whose parents searched it all (`warm_start` gave no
+    request): no tuning job is created, and the one among them whose best trial is best is
+    adopted as if it had just ended (its Describe answer untouched; Completed: its trials ran)."""
+    adopted = tuning_record.best_answer(parents, job.objective_type) or parents[0]
+    said = f"adopted the best trial of {adopted['HyperParameterTuningJobName']}: no trial ran again"
+    return Followed("Completed", adopted, time.time(), log=[said])
+
+
+def warm_start(request: dict, parents: list[dict]) -> tuple[dict | None, list[dict], str]:
     """The tuning request warm-started from `parents` (ended_tuning_jobs) with the trials
-    they completed taken off its budget, and what to say of it; the request as it is where
-    it cannot be (no parents; a Grid or Hyperband search)."""
+    they completed taken off its budget, the parents it names, and what to say of it. None
+    where they searched it all (one of them Completed: the search ran to its end; or they
+    completed every trial asked): their best is adopted and no trial runs again. The request as
+    it is, no parent, where it cannot be warm-started (none ended; a Grid or Hyperband search)."""
     config = request["HyperParameterTuningJobConfig"]
     if not parents:
-        return request, "no earlier tuning job of this model ended in this account: all trials run"
-    names = [p["HyperParameterTuningJobName"] for p in parents[:MOST_PARENTS]]
+        return (
+            request,
+            [],
+            "no earlier tuning job of this model ended in this account: all trials run",
+        )
+    done = sum((p.get("TrainingJobStatusCounters") or {}).get("Completed", 0) for p in parents)
+    limits = config["ResourceLimits"]
+    asked = limits.get("MaxNumberOfTrainingJobs")  # a Grid search may leave it out
+    ended = [
+        p["HyperParameterTuningJobName"]
+        for p in parents
+        if p["HyperParameterTuningJobStatus"] == "Completed"
+    ]
+    if ended or (asked and done >= asked):
+        why = f"{ended[0]} completed its search" if ended else f"{done} of {asked} trials completed"
+        return (
+            None,
+            parents,
+            f"not searched again: {why}; the best trial of {_names(parents)} is adopted",
+        )
+    parents = parents[:MOST_PARENTS]
     if config["Strategy"] not in WARM_STRATEGIES:
         only = " and ".join(WARM_STRATEGIES)
-        return request, (
-            f"a {config['Strategy']} search is not warm-started (only {only} are): "
-            f"all trials run again, {', '.join(names)} left as they ended"
+        return (
+            request,
+            [],
+            (
+                f"a {config['Strategy']} search is not warm-started (only {only} are): "
+                f"all trials run again, {_names(parents)} left as they ended"
+            ),
         )
-    done = sum(
-        (p.get("TrainingJobStatusCounters") or {}).get("Completed", 0)
-        for p in parents[:MOST_PARENTS]
-    )
-    limits = config["ResourceLimits"]
-    asked = limits["MaxNumberOfTrainingJobs"]
-    # At least one: MaxNumberOfTrainingJobs' shape has min 1 (botocore's service-2.json).
-    left = max(1, asked - done)
+    done = sum((p.get("TrainingJobStatusCounters") or {}).get("Completed", 0) for p in parents)
+    left = asked - done
     warmed = copy.deepcopy(request)
     warmed_limits = warmed["HyperParameterTuningJobConfig"]["ResourceLimits"]
     warmed_limits["MaxNumberOfTrainingJobs"] = left
@@ -136,11 +252,17 @@ def warm_start(request: dict, parents: list[dict]) -> tuple[dict, str]:
     # tuning jobs", and OverallBestTrainingJob then names the best of all their trials
     # (WarmStartType and OverallBestTrainingJob in botocore's sagemaker service-2.json).
     warmed["WarmStartConfig"] = {
-        "ParentHyperParameterTuningJobs": [{"HyperParameterTuningJobName": n} for n in names],
+        "ParentHyperParameterTuningJobs": [
+            {"HyperParameterTuningJobName": p["HyperParameterTuningJobName"]} for p in parents
+        ],
         "WarmStartType": "IdenticalDataAndAlgorithm",
     }
     said = (
-        f"warm-started from {', '.join(names)} ({done} trials completed there): "
+        f"warm-started from {_names(parents)} ({done} trials completed there): "
         f"{left} of {asked} trials left to run"
     )
-    return warmed, said
+    return warmed, parents, said
+
+
+def _names(parents: list[dict]) -> str:
+    return ", ".join(p["HyperParameterTuningJobName"] for p in parents)

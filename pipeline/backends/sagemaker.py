@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 from pipeline import tuning_record
+from pipeline.backend import Earlier
+from pipeline.backends.billing import billed, trials_billed
 from pipeline.backends.following import (
     PATIENCE_SECONDS,
     TAIL_LINES,
@@ -28,14 +30,7 @@ from pipeline.backends.following import (
     read_log,
 )
 from pipeline.backends.lost_create import ours_after_all
-from pipeline.backends.resuming import (
-    ended_tuning_jobs,
-    left_running,
-    trial_summaries,
-    warm_start,
-)
-from pipeline.cost import spot_savings
-from pipeline.errors import PipelineError
+from pipeline.backends.resuming import resumed, searched_before, trial_summaries, warm_started
 from pipeline.jobs import (
     KINDS,
     JobResult,
@@ -50,48 +45,6 @@ from pipeline.service_model import refused
 from pipeline.store import Store, key_of, seal_prefix, upload_dir
 
 
-def billed(kind: str, described: dict) -> list[dict]:
-    """What a job that ran bills, as its Describe* call reports it (pipeline/cost.py prices
-    it). A training job: BillableTimeInSeconds ("the absolute wall-clock time ... Multiply
-    BillableTimeInSeconds by the number of instances (InstanceCount)") and TrainingTimeInSeconds,
-    spot savings from the two (DescribeTrainingJob, botocore's sagemaker service-2.json).
-    DescribeProcessingJob reports no billable time: a processing job's is estimated as
-    ProcessingEndTime - ProcessingStartTime on each of its instances. A request SageMaker
-    refused, or a job that never started, bills nothing."""
-    if kind == "training" and described.get("ResourceConfig"):
-        resources = described["ResourceConfig"]
-        billable, training = (
-            described.get("BillableTimeInSeconds"),
-            described.get("TrainingTimeInSeconds"),
-        )
-        record = {
-            "job": described["TrainingJobName"],
-            "use": "training",
-            "instance_type": resources["InstanceType"],
-            "instance_count": resources["InstanceCount"],
-            "billable_seconds": billable,
-            "training_seconds": training,
-        }
-        if described.get("EnableManagedSpotTraining"):
-            record["spot_savings_percent"] = spot_savings(billable, training)
-        return [record]
-    cluster = (described.get("ProcessingResources") or {}).get("ClusterConfig")
-    if kind == "processing" and cluster and described.get("ProcessingStartTime"):
-        start, end = described["ProcessingStartTime"], described.get("ProcessingEndTime")
-        seconds = max(1, round((end - start).total_seconds())) if end else None
-        return [
-            {
-                "job": described["ProcessingJobName"],
-                "use": "processing",
-                "instance_type": cluster["InstanceType"],
-                "instance_count": cluster["InstanceCount"],
-                "billable_seconds": seconds,
-                "estimated_from": "ProcessingStartTime to ProcessingEndTime",
-            }
-        ]
-    return []
-
-
 class Trials:
     """A SageMaker tuning job's trials, seen from the driver. Every trial shares the tuning
     job's CheckpointConfig.S3Uri, and SageMaker copies everything under it into each new
@@ -100,15 +53,22 @@ class Trials:
     (steps/runtime/variables.py), and that folder is removed once the trial has ended: nothing
     resumes an ended trial, and the trials that start later copy in only what is still running."""
 
-    def __init__(self, backend: SageMakerBackend, job: TuningJob, parents=()) -> None:
+    def __init__(self, backend: SageMakerBackend, job: TuningJob, names: list[str]) -> None:
         self.backend, self.job = backend, job
-        # The tuning jobs a resumed run's one is warm-started from (pipeline/backends/
-        # resuming.py): their trials are this model's too, tidied and weighed alike.
-        self.names = [job.name, *parents]
+        # The tuning jobs that searched for `job`: itself, and those a resumed run's one draws
+        # on (pipeline/backends/resuming.py); their trials are this model's, tidied and weighed
+        # alike.
+        self.names = names
         self.tidied: set[str] = set()
 
     def summaries(self) -> list[dict]:
-        found = [s for name in self.names for s in trial_summaries(self.backend.client, name)]
+        # Each named after the tuning job that launched it, as SageMaker names it (its
+        # TuningJobName), read from which list it is in where an answer leaves it out.
+        found = [
+            {"TuningJobName": name, **s}
+            for name in self.names
+            for s in trial_summaries(self.backend.client, name)
+        ]
         return tuning_record.in_creation_order(found)
 
     def tidy(self, _described: dict) -> list[dict]:
@@ -267,30 +227,39 @@ class SageMakerBackend:
         at job.trial.model_prefix (where the export job reads it). While it runs, each ended
         trial's checkpoints are removed; when it ends, every trial's model archive too (the
         best one's once it is unpacked). The result's details are the tuning record
-        (pipeline/tuning_record.py), from what SageMaker says of the job and its trials."""
+        (pipeline/tuning_record.py), from what SageMaker says of the job and its trials. A
+        resumed run's tuning job is warm-started from the run's earlier ones, or not created
+        where they searched it all: their best is adopted (pipeline/backends/resuming.py)."""
         request = self.request(job)
         if keep_alive_refused(job):
             self.say(job.name, keep_alive_refused(job))
+        parents: list[dict] = []
         if self.resumed_run:
-            request = self._warm_started(job, request)
-        parents = (request.get("WarmStartConfig") or {}).get("ParentHyperParameterTuningJobs", [])
-        trials = Trials(self, job, [p["HyperParameterTuningJobName"] for p in parents])
-        followed = self._submit_and_wait("tuning", job.name, request, on_poll=trials.tidy)
+            request, parents = warm_started(self, job, request)
+        names = [p["HyperParameterTuningJobName"] for p in parents]
+        if request is None:
+            trials = Trials(self, job, names)
+            followed = searched_before(job, parents)
+        else:
+            trials = Trials(self, job, [job.name, *names])
+            followed = self._submit_and_wait("tuning", job.name, request, on_poll=trials.tidy)
         described = followed.described
         summaries = trials.tidy(described) if described else []  # none: no job was created
         result = self._result("tuning", job.name, followed)
-        # Its own trials: a parent's were billed with the run's earlier attempt.
-        own = [s for s in summaries or [] if s.get("TuningJobName", job.name) == job.name]
+        # Its own trials: a parent's were billed with the run's earlier attempt, or by `resumed`.
+        own = [s for s in summaries if s["TuningJobName"] == job.name]
         result.billing = trials_billed(self, job.name, own)
-        trials.keep_logs(summaries or [])
+        trials.keep_logs(summaries)
         best = tuning_record.best_of(described)
-        result.details = tuning_record.from_tuning_job(job, described, summaries or [])
+        result.details = tuning_record.from_tuning_job(job, described, summaries)
+        searched_by = described.get("HyperParameterTuningJobName", job.name)
+        result.details["tuning_job"] = searched_by
         if result.status == "Completed" and not best:
             result.status = "Failed"
-            result.failure_reason = f"tuning job {job.name} completed with no best training job"
+            result.failure_reason = f"tuning job {searched_by} completed with no best training job"
         if result.status != "Completed":
             result.failure_reason = "; ".join(
-                filter(None, [result.failure_reason, trials.failures(summaries or [])])
+                filter(None, [result.failure_reason, trials.failures(summaries)])
             )
             return result
         trials.remove_archives(keep=best["TrainingJobName"])
@@ -301,7 +270,8 @@ class SageMakerBackend:
         except ClientError as e:
             result.status = "Failed"
             result.failure_reason = (
-                f"the best training job {best['TrainingJobName']} of {job.name} cannot be read: {e}"
+                f"the best training job {best['TrainingJobName']} of {searched_by} cannot be "
+                f"read: {e}"
             )
             return result
         adopt_training_output(self.store, trained, job.trial, result)
@@ -309,69 +279,12 @@ class SageMakerBackend:
             trials.remove_archives(keep=None)
         return result
 
-    def resumed(self, unbilled: list[dict]) -> list[dict]:
-        """The run was resumed: its jobs that SageMaker still runs, which the driver before
-        this one could not stop, are stopped and waited for (pipeline/backends/resuming.py),
-        and its tuning jobs are warm-started. Returns the bill of those jobs and of the
-        `unbilled` ones (stopped with that driver), each as its Describe* answer says it now."""
-        from botocore.exceptions import BotoCoreError, ClientError
-
+    def resumed(self, earlier: Earlier) -> list[dict]:
+        """The run was resumed: what its earlier driver left running is stopped and waited
+        for, and the bills it did not read are read (pipeline/backends/resuming.py); its
+        tuning jobs are warm-started (`run_tuning`)."""
         self.resumed_run = True
-        try:
-            left = left_running(self, self.store.uri_of(self.run.prefix), self.run.label)
-        except (ClientError, BotoCoreError) as e:
-            raise PipelineError(
-                f"--resume {self.run.run_num}: the run's jobs that SageMaker may still run "
-                f"could not be listed ({e}); a resumed run would start its jobs beside them"
-            ) from None
-        # Their bills too: a driver that died recorded none (one stopped with its driver is
-        # named unbilled already).
-        named = {job["job"] for job in unbilled}
-        waiting = [*unbilled, *({"kind": k, "job": n} for k, n in left if n not in named)]
-        found, read = [], []
-        try:
-            for kind, name in left:  # every one asked first: none bills on while another drains
-                self.say(
-                    name, f"{kind} job still running from before the run was resumed: stopping"
-                )
-                self.stop_job(name, kind)
-            for kind, name in left:
-                following = Following(self, kind, name, time.time())
-                following.logs_off = True  # its log so far is SageMaker's, read where it is
-                self.say(name, f"ended {following.to_the_end().status}")
-            for job in waiting:
-                bill = self._bill_of(job["kind"], job["job"])
-                read += [job] if bill is not None else []  # else: the cost stays a lower bound
-                found += bill or []
-        except BaseException:  # Ctrl-C: every one was asked to stop; none of them is billed yet
-            self.unbilled += waiting
-            raise
-        self.unbilled += [job for job in waiting if job not in read]
-        return found
-
-    def _bill_of(self, kind: str, name: str) -> list[dict] | None:
-        """What a job stopped with the driver billed, now that it has ended (a tuning job's,
-        its trials'); None, said, where it cannot be read (an emulated account's job after
-        its driver ended)."""
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
-            if kind == "tuning":
-                return trials_billed(self, name, trial_summaries(self.client, name))
-            return billed(kind, self.describe_job(kind, name))
-        except (ClientError, BotoCoreError) as e:
-            self.say(name, f"could not read what it billed: {e}")
-            return None
-
-    def _warm_started(self, job: TuningJob, request: dict) -> dict:
-        """A resumed run's tuning job: the checkpoints of the trials its earlier tuning jobs
-        left are removed (nothing resumes a trial), and their results warm-start it."""
-        for key in self.store.list_keys(job.trial.checkpoint_prefix):
-            self.store.delete(key)
-        parents = ended_tuning_jobs(self, job.name, self.run.label, request)
-        request, said = warm_start(request, parents)
-        self.say(job.name, said)
-        return request
+        return resumed(self, earlier)
 
     def stop(self) -> None:
         """Stop every job this backend started that has not ended (Ctrl-C, SIGTERM)."""
@@ -467,25 +380,6 @@ class SageMakerBackend:
             log_key=log_key,
             billing=billed(kind, described),
         )
-
-
-def trials_billed(backend, tuning_job: str, summaries: list[dict]) -> list[dict]:
-    """A tuning job bills its training jobs: each trial's DescribeTrainingJob (the
-    summaries ListTrainingJobsForHyperParameterTuningJob gives carry no billable time)."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    records = []
-    for summary in summaries:
-        try:
-            described = backend.client.describe_training_job(
-                TrainingJobName=summary["TrainingJobName"]
-            )
-        except (ClientError, BotoCoreError) as e:
-            trial = summary["TrainingJobName"]
-            backend.say(tuning_job, f"could not read what trial {trial} billed: {e}")
-            continue
-        records += [{**b, "tuning_job": tuning_job} for b in billed("training", described)]
-    return records
 
 
 class WarmPools:

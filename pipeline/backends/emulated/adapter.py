@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+from pipeline.backend import Earlier
 from pipeline.backends.emulated.control_plane import Emulator
 from pipeline.backends.sagemaker import SageMakerBackend
 from pipeline.jobs import JobResult, ProcessingJob, TrainingJob, TuningJob
@@ -34,8 +35,8 @@ class EmulatedBackend:
     def run_tuning(self, job: TuningJob) -> JobResult:
         return self.sagemaker.run_tuning(job)
 
-    def resumed(self, unbilled: list[dict]) -> list[dict]:
-        return self.sagemaker.resumed(unbilled)
+    def resumed(self, earlier: Earlier) -> list[dict]:
+        return self.sagemaker.resumed(earlier)
 
     @property
     def unbilled(self) -> list[dict]:
