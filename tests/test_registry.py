@@ -22,7 +22,7 @@ from pipeline.driver import parse_steps, run_pipeline
 from pipeline.paths import ExperimentTree
 from pipeline.registry.records import local_versions, register_locally
 from pipeline.service_model import shape
-from pipeline.store import LocalStore, S3Store
+from pipeline.store import MANIFEST, LocalStore, S3Store, artifact_key
 from tests.conftest import write_settings
 from tests.test_user_functions import REVIEWS, write_module, write_reviews
 
@@ -207,6 +207,12 @@ def test_the_local_registry_lists_and_approves(tmp_path, capsys):
     assert (
         f"no version 7 in model package group {group!r} (versions 1-1)" in capsys.readouterr().err
     )
+    # Its model pruned away (its manifest gone with it): approving it is refused, naming where.
+    model = artifact_key(store, registered["model_artifact"])
+    store.delete(model + MANIFEST)
+    assert cli.main(["approve", str(path), "1"]) == 1
+    said = " ".join(capsys.readouterr().err.split())
+    assert f"has no model that can be served ({store.uri_of(model)} is no longer complete)" in said
 
     # The same run and model again (a driver that died before Metadata said so): the record it
     # made. Another registration takes the next version, past one another driver just took.
@@ -302,6 +308,12 @@ def test_an_emulated_accounts_registry_outlives_each_command(tmp_path, aws_env):
     assert "0001.json: not a record of the registry" in listed.stderr
     assert "│ 1 │ Rejected" in rows and "could not be read" in rows
     assert "│ 2 │ PendingManualApproval" in rows and "run 0002: tiny" in rows
+    assert store.get_bytes(version) == b'{"request": '
+    # The stand-in names no model: it is never approved.
+    refused = smpipe("approve", str(path), "1", cwd=tmp_path)
+    said = " ".join(refused.stderr.split())
+    assert refused.returncode == 1 and "has no model that can be served" in said
+    assert "it names no model (no ModelDataUrl): its record" in said
     assert store.get_bytes(version) == b'{"request": '
     local = smpipe("registry", str(path), "--backend", "local", cwd=tmp_path)
     said = " ".join(local.stdout.split())  # as the terminal's width wrapped it

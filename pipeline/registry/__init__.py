@@ -138,7 +138,7 @@ def versions(settings: Settings, store: Store, client=None) -> list[dict]:
 def set_status(settings: Settings, store: Store, version: int, status: str, client=None) -> dict:
     """Version `version` of the group approved, rejected or pending again; the row it now is,
     `changed` False where it had that status already (then nothing is written). Approving a
-    version whose model is no longer there is refused."""
+    version with no model that can be served (gone, or none named) is refused."""
     group = group_of(settings)
     registry = registry_for(settings, store, client)
     rows = registry.versions()
@@ -153,8 +153,8 @@ def set_status(settings: Settings, store: Store, version: int, status: str, clie
     gone = registry.missing_model(row) if status == APPROVED else None
     if gone is not None:
         raise PipelineError(
-            f"approve: version {version} of {group!r} points at a model that is no longer "
-            f"complete ({gone}): approving it would approve a model that cannot be served. "
-            "--reject it, or register the model again"
+            f"approve: version {version} of {group!r} has no model that can be served "
+            f"({gone}): approving it would approve what cannot be deployed. --reject it, or "
+            "register the model again"
         )
     return {**registry.set_status(row, status), "changed": True}

@@ -111,8 +111,11 @@ class ModelPackages:
         request = {"ModelPackageName": row["arn"]}
         described = call(self.sagemaker(), "DescribeModelPackage", request)
         archives = [key_of(self.store, url) for url in model_data_urls(described)]
+        if not archives:  # an emulated account's stand-in for a record it could not read
+            said = described.get("ModelPackageDescription")
+            return "it names no model (no ModelDataUrl)" + (f": {said}" if said else "")
         gone = [key for key in archives if key and not self.store.exists(key)]
-        return self.store.uri_of(gone[0]) if gone else None
+        return f"{self.store.uri_of(gone[0])} is gone" if gone else None
 
     def set_status(self, row: dict, status: str) -> dict:
         update = {"ModelPackageArn": row["arn"], "ModelApprovalStatus": status}

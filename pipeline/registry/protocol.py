@@ -36,8 +36,8 @@ class Registry(Protocol):
         ...
 
     def missing_model(self, row: dict) -> str | None:
-        """Where the model of version `row` (one of `versions()`) was, when it can no longer
-        be served from there; None while it can."""
+        """Why version `row` (one of `versions()`) has no model that can be served (where it
+        was, and that it is gone); None while it has one."""
         ...
 
     def set_status(self, row: dict, status: str) -> dict:

@@ -51,7 +51,9 @@ class LocalRegistry:
 
     def missing_model(self, row: dict) -> str | None:
         model = artifact_key(self.store, row["model_artifact"])
-        return None if model and is_complete(self.store, model) else self.store.uri_of(model or "")
+        if model and is_complete(self.store, model):
+            return None
+        return f"{self.store.uri_of(model or '')} is no longer complete"
 
     def set_status(self, row: dict, status: str) -> dict:
         change = {"approval_status": status, "time": md.iso(time.time())}
