@@ -316,7 +316,8 @@ def run_cost(
     type and count and the seconds DescribeTrainingJob bills, or a processing job's start and
     end; locally the CPU-seconds and peak memory of the job's processes, never dollars.
     `unbilled`: jobs stopped with the driver whose bill was not read (Metadata's
-    unbilled_jobs): the total is then at least what is priced."""
+    unbilled_jobs): the total is then at least what is priced; locally, what they used was
+    not measured."""
     if not billing and not unbilled:
         return None
     if backend == "local":
@@ -327,6 +328,7 @@ def run_cost(
             "cpu_seconds": round(sum(cpu), 1) if cpu else None,
             "peak_memory_mb": max(peaks) if peaks else None,
             "jobs": billing,
+            "unmeasured": [u["job"] for u in unbilled],  # stopped with the driver
         }
     basis = basis or {}
     lines, total, missing, sources = [], 0.0, set(), set()
@@ -368,9 +370,14 @@ def as_text(cost: dict | None) -> str:
         return "cost: not recorded"
     if cost["measure"] == "CPU-seconds":
         cpu, peak = cost.get("cpu_seconds"), cost.get("peak_memory_mb")
+        unmeasured = cost.get("unmeasured")
         used = f"{cpu:,.1f} CPU-seconds" if cpu is not None else "CPU-seconds not measured"
+        used = f"at least {used}" if unmeasured and cpu is not None else used
         memory = f", peak memory {peak:,.0f} MB" if peak is not None else ""
-        return f"used: {used}{memory} (local backend: this machine, nothing billed)"
+        said = f"used: {used}{memory} (local backend: this machine, nothing billed)"
+        return said + (
+            f"; not measured: {', '.join(unmeasured)}, stopped with the run" if unmeasured else ""
+        )
     seconds = cost["billable_instance_seconds"]
     if cost.get("unbilled"):
         unpriced = (
@@ -395,7 +402,8 @@ def short(cost: dict | None) -> str:
         return ""
     if cost["measure"] == "CPU-seconds":
         cpu = cost.get("cpu_seconds")
-        return f"{cpu:,.0f} CPU-s" if cpu is not None else ""
+        at_least = "≥" if cost.get("unmeasured") else ""
+        return f"{at_least}{cpu:,.0f} CPU-s" if cpu is not None else ""
     if cost.get("unbilled"):
         return f"≥${cost['priced_usd']:,.4f} (unbilled)"
     if cost["usd"] is None:

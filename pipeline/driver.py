@@ -231,8 +231,8 @@ def execute(
         with running_backend(ctx.backend):  # its jobs stopped before any ending is recorded
             if base.resumed_at:  # what its last driver left: jobs running, bills unread
                 counted = md.accounted_jobs(base, md.read_sections(store, run))
-                started = md.seconds(base.start_time) if base.start_time else 0.0
-                earlier = Earlier(started, base.unbilled_jobs, counted)
+                began = md.seconds(base.start_time) if base.start_time else 0.0
+                earlier = Earlier(began, base.unbilled_jobs, counted)
                 base.billing_before_resume += ctx.backend.resumed(earlier)
                 base.unbilled_jobs = []
             for stage, stage_jobs in planned:

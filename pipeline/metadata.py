@@ -189,10 +189,11 @@ def billing(base: Metadata, sections: dict[str, StepSection]) -> list[dict]:
 
 
 def accounted_jobs(base: Metadata, sections: dict[str, StepSection]) -> set[str]:
-    """The jobs the run holds a record of: each named in a billing record (a trial's tuning
-    job too) or in a step's section."""
+    """The jobs the run holds a bill of: each named in a billing record (a trial's tuning job
+    too). A job a section names without one (given up unreadable, say) is not: a --resume
+    reads its bill."""
     named = {b.get(key) for b in billing(base, sections) for key in ("job", "tuning_job")}
-    return (named | {n for s in sections.values() for n in s.job_names}) - {None}
+    return named - {None}
 
 
 def merge(store: Store, run: RunTree, base: Metadata) -> Metadata:

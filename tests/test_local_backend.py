@@ -236,3 +236,39 @@ def test_a_job_that_runs_past_its_max_runtime_is_stopped(store, tmp_path):
     assert result.status == "Stopped"
     assert result.failure_reason.startswith("MaxRuntimeExceeded: the job was stopped after")
     assert not is_complete(store, "out/m/")
+
+
+def test_a_job_stopped_with_the_driver_is_named_as_not_measured(store, tmp_path):
+    """Ctrl-C while a local job runs: the job is stopped with the driver and no result holds
+    what it used. It is named (`unbilled`, kept by a --resume), and the run's CPU-seconds are
+    said to be a lower bound that names it."""
+    import _thread
+    import threading
+
+    from pipeline import cost
+    from pipeline.backend import Earlier
+
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train/rows.txt").write_text("1\n")
+    upload_dir(store, tmp_path / "train", "data/train/")
+    job = TrainingJob(name="stopped", step="tests.jobs.probe_training", code="code/",
+                      channels={"train": "data/train/"}, hyperparameters={"hang": "1"}, model_prefix="out/m/",
+                      output_prefix="out/o/", checkpoint_prefix="out/c/", sagemaker_output="out/s/")  # fmt: skip
+    local = backend(store, tmp_path)
+    local.containers.grace_seconds = 2
+
+    # Ctrl-C to the driver while the job hangs (the probe's load_model never returns).
+    threading.Timer(3, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        local.run_training(job)
+    assert local.unbilled == [{"kind": "training", "job": "stopped"}]
+    ran = [{"job": "earlier", "use": "local", "cpu_seconds": 4.25, "peak_memory_mb": 300.0}]
+    used = cost.run_cost(ran, None, "local", local.unbilled)
+    assert cost.as_text(used) == (
+        "used: at least 4.2 CPU-seconds, peak memory 300 MB (local backend: this machine, "
+        "nothing billed); not measured: stopped, stopped with the run"
+    )
+    assert cost.short(used) == "≥4 CPU-s"
+    resumed = backend(store, tmp_path)  # a --resume of the run: still not measured, still named
+    assert resumed.resumed(Earlier(0.0, local.unbilled)) == []
+    assert resumed.unbilled == local.unbilled

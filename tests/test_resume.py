@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -673,6 +674,7 @@ def load_model(model_name, id2label, label2id):
 def test_a_run_resumed_with_more_processes_goes_on_from_its_checkpoint(tmp_path, demo_raw):
     """`--resume` after PROCESSES_PER_HOST changed: the driver allows the job's shape to change
     (and nothing else), and the training job loads the one-process checkpoint with two."""
+    from pipeline import metadata as md
     from pipeline.config import load_settings
     from pipeline.driver import parse_steps, run_pipeline
     from pipeline.errors import PipelineError
@@ -698,12 +700,19 @@ def test_a_run_resumed_with_more_processes_goes_on_from_its_checkpoint(tmp_path,
     with pytest.raises(PipelineError, match=r"\[training\] EPOCHS: 1 -> 2\); resume with those"):
         run_pipeline(settings(EPOCHS="2", USE_DISTRIBUTED="true", PROCESSES_PER_HOST="2"),
                      store, parse_steps(None), echo=io.StringIO(), resume=1)  # fmt: skip
+    # The run started a day before it is resumed: its time_taken is the parts' own times
+    # summed, never the day between them.
+    metadata = ExperimentTree(settings().experiment.name).run(1).metadata
+    failed = json.loads(store.get_bytes(metadata))
+    failed["start_time"] = md.iso(time.time() - 86400)
+    store.put_bytes(metadata, json.dumps(failed).encode())
     echo = io.StringIO()
     record = run_pipeline(
         settings(USE_DISTRIBUTED="true", PROCESSES_PER_HOST="2"), store, parse_steps(None),
         echo=echo, resume=1,
     )  # fmt: skip
     assert record["status"] == "completed", echo.getvalue()[-3000:]
+    assert failed["time_taken"] < record["time_taken"] < failed["time_taken"] + 43200
     report = record["steps"]["train"]["details"]["models"]["bow"]
     assert report["processes"] == 2 and report["resumed_from"]["step"] == 4
     assert report["resumed_from"]["written_by"]["processes"] == 1

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from pipeline.backend import Earlier
+from pipeline.backends.resuming import trial_summaries, warm_start
 from pipeline.jobs import TuningJob, request_for
 from pipeline.search_space import Categorical
 from tests.test_emulator import (  # noqa: F401 - the emulator's fixtures, used by name
@@ -333,10 +334,14 @@ def test_a_tuning_job_that_completed_while_no_driver_followed_it_is_adopted_not_
 
     echo = io.StringIO()
     resumed = backend(emulator, echo)
-    bill = resumed.resumed(Earlier(STARTED))
-    assert len(bill) == 2 and {b["tuning_job"] for b in bill} == {first.name}
+    # One trial's bill was named unbilled by a driver before: read once all the same.
+    trials = [s["TrainingJobName"] for s in trial_summaries(emulator.client, first.name)]
+    unread = [{"kind": "training", "job": trials[0]}]
+    bill = resumed.resumed(Earlier(STARTED, unread))
+    assert sorted(b["job"] for b in bill) == sorted(trials) and len(trials) == 2
     again = searching_f1(f"probe-{RUN.label}-tune-probe-141500")
     again.max_jobs, again.trial.hyperparameters["sleep"] = 2, "0"  # the very request
+    store.put_bytes(RUN.log(first.name), b"kept by the driver that followed it\n")
     result = resumed.run_tuning(again)
 
     assert result.status == "Completed", result.failure_reason
@@ -344,9 +349,30 @@ def test_a_tuning_job_that_completed_while_no_driver_followed_it_is_adopted_not_
     said = echo.getvalue()
     assert f"not searched again: {first.name} completed its search" in said
     assert result.billing == [] and result.details["tuning_job"] == first.name
+    assert result.name == first.name  # the job that searched: none named again.name was made
     best = parent["BestTrainingJob"]["TrainingJobName"]
     assert result.details["best"]["job_name"] == best
     seen = json.loads(store.get_bytes(again.trial.model_prefix + "seen-rank0.json"))
     assert seen["job_name"] == best
     assert store.list_keys(again.trial.sagemaker_output) == []
-    assert "adopted the best trial of" in store.get_bytes(RUN.log(again.name)).decode()
+    log = store.get_bytes(RUN.log(first.name)).decode()  # added to what was kept there
+    assert log.startswith("kept by the driver that followed it\n")
+    assert "adopted the best trial of" in log
+
+
+def test_parents_that_completed_with_no_best_trial_are_searched_again_not_adopted(store):
+    """A tuning job that completed with no best trial (every trial failed, say) is no result to
+    adopt: the resumed one searches again, warm-started, at least one trial (the service
+    model's least MaxNumberOfTrainingJobs), never failing the same way on every resume."""
+    job = searching_f1(f"probe-{RUN.label}-tune-probe-150000")
+    request = request_for(job, "smpipe:emulated", "arn:aws:iam::123456789012:role/r", store.uri_of)
+    parent = {"HyperParameterTuningJobName": "earlier", "HyperParameterTuningJobStatus": "Completed",
+              "TrainingJobStatusCounters": {"Completed": 4, "Failed": 0}}  # fmt: skip
+    warmed, parents, said = warm_start(request, [parent])
+    assert warmed is not None and parents == [parent]
+    assert warmed["HyperParameterTuningJobConfig"]["ResourceLimits"]["MaxNumberOfTrainingJobs"] == 1
+    assert "warm-started from earlier (4 trials completed there): 1 of 4 trials left" in said
+    best = {"TrainingJobName": "earlier-001-abcdef12",
+            "FinalHyperParameterTuningJobObjectiveMetric": {"MetricName": "validation:f1", "Value": 0.9}}  # fmt: skip
+    adopted, parents, said = warm_start(request, [{**parent, "BestTrainingJob": best}])
+    assert adopted is None and "not searched again: earlier completed its search" in said

@@ -135,7 +135,9 @@ class LocalBackend:
         self.containers = Containers(ProcessLauncher(starter=self.warm))
         # Every job's JobResult.billing so far: a tuning job bills its trials'.
         self.billed: list[dict] = []
-        self.unbilled: list[dict] = []  # local jobs bill nothing (`Backend.unbilled`)
+        # Jobs stopped with the driver (Ctrl-C) before what they used was measured: the run's
+        # CPU-seconds are then a lower bound (`Backend.unbilled`; a local job bills nothing).
+        self.unbilled: list[dict] = []
 
     def say(self, job_name: str, text: str) -> None:
         print(f"[{job_name}] {text}", file=self.echo, flush=True)
@@ -175,7 +177,7 @@ class LocalBackend:
             return refusal
         root = self.work_root / job.name
         with (
-            self._interruptible(job.name, root),
+            self._interruptible("processing", job.name, root),
             open(self._log_path(job.name), "a", encoding="utf-8") as log,
         ):
             exits = play_processing(
@@ -218,7 +220,7 @@ class LocalBackend:
 
         root = self.work_root / job.name
         with (
-            self._interruptible(job.name, root),
+            self._interruptible("training", job.name, root),
             open(self._log_path(job.name), "a", encoding="utf-8") as log,
         ):
             played = play_training(
@@ -253,12 +255,14 @@ class LocalBackend:
         return result
 
     @contextmanager
-    def _interruptible(self, name: str, root: Path):
+    def _interruptible(self, kind: str, name: str, root: Path):
         """The driver is stopping (Ctrl-C, SIGTERM): the job has been stopped and waited for,
-        and its checkpoints synced; its log goes to the store and its folder goes away."""
+        and its checkpoints synced; its log goes to the store and its folder goes away. What
+        it used is not measured (no JobResult is made): it is named in `unbilled`."""
         try:
             yield
         except BaseException:
+            self.unbilled.append({"kind": kind, "job": name})
             try:
                 self._upload_log(name)
             except StoreError:  # the store is what failed (full, say): the first error stands
@@ -269,15 +273,20 @@ class LocalBackend:
     def run_tuning(self, job: TuningJob) -> JobResult:
         before = len(self.billed)
         # The trials share one environment: its fork server starts beside the first trial.
-        with self.warm.expecting_more() if self.warm else nullcontext():
-            result = run_local_tuning(self, job, self.store, self.run)
+        try:
+            with self.warm.expecting_more() if self.warm else nullcontext():
+                result = run_local_tuning(self, job, self.store, self.run)
+        except BaseException:  # its trials that ended were measured, but no result holds them
+            self.unbilled.append({"kind": "tuning", "job": job.name})
+            raise
         result.billing = [{**b, "tuning_job": job.name} for b in self.billed[before:]]
         return result
 
     def resumed(self, earlier: Earlier) -> list[dict]:
         """Nothing is left running: a local job ends with the driver that started it, however
-        it ends (pipeline/player/processes.py: each job follows DRIVER_PID_VARIABLE); nor
-        unbilled (a local job bills nothing)."""
+        it ends (pipeline/player/processes.py: each job follows DRIVER_PID_VARIABLE). What
+        one stopped with its driver used is not known, now or later: it stays named."""
+        self.unbilled += earlier.unbilled
         return []
 
     def stop(self) -> None:

@@ -68,18 +68,24 @@ def writes_under(kind: str, described: dict, uri: str) -> bool:
     return any(isinstance(w, str) and w.startswith(uri) for w in written)
 
 
+def made_after(earlier: Earlier):
+    """The time the run's jobs were all made after, by AWS's clock: within five minutes of
+    ours, or no request is taken ("a request must reach AWS within five minutes of the time
+    stamp in the request", IAM User Guide, reference_aws-signing.html); an hour of margin all
+    the same. Another run that once had this number (its folder removed, the number taken
+    again) made its jobs before."""
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(earlier.started - 3600, UTC)
+
+
 def uncounted(backend, earlier: Earlier) -> list[tuple[str, str, bool]]:
     """(kind, name, still running) of each job of the run (named with its label, writing
     under its folder) that the run holds no record of (`earlier.counted`): one left running,
     and one that ended while no driver followed it. A tuning job's trials are its own: they
     stop with it, and its bill is theirs."""
-    from datetime import UTC, datetime
-
     run, counted = backend.run, earlier.counted
-    # Made after the run started, by AWS's clock: within five minutes of ours, or no request
-    # is taken ("a request must reach AWS within five minutes of the time stamp in the
-    # request", IAM User Guide, reference_aws-signing.html); an hour of margin all the same.
-    after = datetime.fromtimestamp(earlier.started - 3600, UTC)
+    after = made_after(earlier)
     listed_jobs: dict[str, tuple[str, bool]] = {}
     tuning: list[str] = []
     for kind in KINDS:
@@ -132,7 +138,7 @@ def resumed(backend, earlier: Earlier) -> list[dict]:
             following.logs_off = True  # its log so far is SageMaker's, read where it is
             backend.say(name, f"ended {following.to_the_end().status}")
         for job in waiting:
-            bill = bill_of(backend, job["kind"], job["job"], earlier.counted)
+            bill = bill_of(backend, job["kind"], job["job"], earlier.counted | unbilled_names)
             read += [job] if bill is not None else []  # else: the cost stays a lower bound
             bills += bill or []
             if bill and job["job"] not in named:
@@ -144,16 +150,16 @@ def resumed(backend, earlier: Earlier) -> list[dict]:
     return bills
 
 
-def bill_of(backend, kind: str, name: str, counted: set[str]) -> list[dict] | None:
-    """What a job billed, now that it has ended (a tuning job's: its trials' the run does not
-    hold); None, said, where it cannot be read (an emulated account's job after its driver
-    ended)."""
+def bill_of(backend, kind: str, name: str, known: set[str]) -> list[dict] | None:
+    """What a job billed, now that it has ended (a tuning job's: those of its trials not
+    `known`, which the run holds a record of or names unbilled, each read on its own); None,
+    said, where it cannot be read (an emulated account's job after its driver ended)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
         if kind == "tuning":
             trials = trial_summaries(backend.client, name)
-            fresh = [s for s in trials if s["TrainingJobName"] not in counted]
+            fresh = [s for s in trials if s["TrainingJobName"] not in known]
             return trials_billed(backend, name, fresh)
         return billed(kind, backend.describe_job(kind, name))
     except (ClientError, BotoCoreError) as e:
@@ -167,30 +173,31 @@ def warm_started(backend, job, request: dict) -> tuple[dict | None, list[dict]]:
     them, or None where they searched it all; and the parents it draws on."""
     for key in backend.store.list_keys(job.trial.checkpoint_prefix):
         backend.store.delete(key)
-    parents = ended_tuning_jobs(backend, job.name, backend.run.label, request)
+    parents = ended_tuning_jobs(backend, job.name, backend.earlier, request)
     request, parents, said = warm_start(request, parents)
     backend.say(job.name, said)
     return request, parents
 
 
-def ended_tuning_jobs(backend, name: str, label: str, request: dict) -> list[dict]:
+def ended_tuning_jobs(backend, name: str, earlier: Earlier, request: dict) -> list[dict]:
     """The DescribeHyperParameterTuningJob answers of the tuning jobs this run started before
     with this very request (the same model, data, image, role and static hyperparameters:
     lost_create.not_ours) that have ended Completed or Stopped, newest first."""
     summaries = listed(
         backend.client,
         "tuning",
-        NameContains=f"-{label}-tune-",
+        NameContains=f"-{backend.run.label}-tune-",
+        CreationTimeAfter=made_after(earlier),
         SortBy="CreationTime",
         SortOrder="Descending",
     )
-    earlier = [
+    names = [
         s["HyperParameterTuningJobName"]
         for s in summaries
         if s["HyperParameterTuningJobName"] != name
         and s["HyperParameterTuningJobStatus"] in ("Completed", "Stopped")
     ]
-    described = (backend.describe_job("tuning", n) for n in earlier)
+    described = (backend.describe_job("tuning", n) for n in names)
     return [d for d in described if not not_ours("tuning", request, d)]
 
 
@@ -198,7 +205,7 @@ def searched_before(job, parents: list[dict]) -> Followed:
     """A resumed run's tuning job whose parents searched it all (`warm_start` gave no
     request): no tuning job is created, and the one among them whose best trial is best is
     adopted as if it had just ended (its Describe answer untouched; Completed: its trials ran)."""
-    adopted = tuning_record.best_answer(parents, job.objective_type) or parents[0]
+    adopted = tuning_record.best_answer(parents, job.objective_type)  # warm_start found one
     said = f"adopted the best trial of {adopted['HyperParameterTuningJobName']}: no trial ran again"
     return Followed("Completed", adopted, time.time(), log=[said])
 
@@ -224,7 +231,10 @@ def warm_start(request: dict, parents: list[dict]) -> tuple[dict | None, list[di
         for p in parents
         if p["HyperParameterTuningJobStatus"] == "Completed"
     ]
-    if ended or (asked and done >= asked):
+    # Adopted only where one of them found a best trial: else the search runs again (a
+    # parent that completed with no best would fail every resume the same way).
+    found = tuning_record.best_answer(parents, _objective_type(request))
+    if found and (ended or (asked and done >= asked)):
         why = f"{ended[0]} completed its search" if ended else f"{done} of {asked} trials completed"
         return (
             None,
@@ -243,7 +253,9 @@ def warm_start(request: dict, parents: list[dict]) -> tuple[dict | None, list[di
             ),
         )
     done = sum((p.get("TrainingJobStatusCounters") or {}).get("Completed", 0) for p in parents)
-    left = asked - done
+    # At least one: MaxNumberOfTrainingJobs' shape has min 1 (botocore's service-2.json), and
+    # parents that completed every trial with no best one are searched again.
+    left = max(1, asked - done)
     warmed = copy.deepcopy(request)
     warmed_limits = warmed["HyperParameterTuningJobConfig"]["ResourceLimits"]
     warmed_limits["MaxNumberOfTrainingJobs"] = left
@@ -262,6 +274,10 @@ def warm_start(request: dict, parents: list[dict]) -> tuple[dict | None, list[di
         f"{left} of {asked} trials left to run"
     )
     return warmed, parents, said
+
+
+def _objective_type(request: dict) -> str:
+    return request["HyperParameterTuningJobConfig"]["HyperParameterTuningJobObjective"]["Type"]
 
 
 def _names(parents: list[dict]) -> str:

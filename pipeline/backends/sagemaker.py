@@ -154,7 +154,7 @@ class SageMakerBackend:
         self._active: dict[str, str] = {}  # job name -> kind, for stop()
         self.pools = WarmPools(client, self.say)
         self._lock = threading.Lock()
-        self.resumed_run = False  # `resumed`
+        self.earlier: Earlier | None = None  # what a resumed run's record says (`resumed`)
         self.unbilled: list[dict] = []  # jobs stopped with the driver: kind and name each
 
     @property
@@ -234,7 +234,7 @@ class SageMakerBackend:
         if keep_alive_refused(job):
             self.say(job.name, keep_alive_refused(job))
         parents: list[dict] = []
-        if self.resumed_run:
+        if self.earlier is not None:
             request, parents = warm_started(self, job, request)
         names = [p["HyperParameterTuningJobName"] for p in parents]
         if request is None:
@@ -245,14 +245,15 @@ class SageMakerBackend:
             followed = self._submit_and_wait("tuning", job.name, request, on_poll=trials.tidy)
         described = followed.described
         summaries = trials.tidy(described) if described else []  # none: no job was created
-        result = self._result("tuning", job.name, followed)
+        # Named after the tuning job that searched: none is created where one is adopted.
+        searched_by = described.get("HyperParameterTuningJobName", job.name)
+        result = self._result("tuning", searched_by, followed)
         # Its own trials: a parent's were billed with the run's earlier attempt, or by `resumed`.
         own = [s for s in summaries if s["TuningJobName"] == job.name]
         result.billing = trials_billed(self, job.name, own)
         trials.keep_logs(summaries)
         best = tuning_record.best_of(described)
         result.details = tuning_record.from_tuning_job(job, described, summaries)
-        searched_by = described.get("HyperParameterTuningJobName", job.name)
         result.details["tuning_job"] = searched_by
         if result.status == "Completed" and not best:
             result.status = "Failed"
@@ -283,7 +284,7 @@ class SageMakerBackend:
         """The run was resumed: what its earlier driver left running is stopped and waited
         for, and the bills it did not read are read (pipeline/backends/resuming.py); its
         tuning jobs are warm-started (`run_tuning`)."""
-        self.resumed_run = True
+        self.earlier = earlier
         return resumed(self, earlier)
 
     def stop(self) -> None:
@@ -359,7 +360,9 @@ class SageMakerBackend:
         local backend writes them; a training job's archives: `adopt_training_output`)."""
         status, described = followed.status, followed.described
         log_key = self.run.log(name)
-        self.store.put_bytes(log_key, ("\n".join(followed.log) + "\n").encode())
+        # Added to, never written over: an adopted tuning job's log, kept by an earlier driver.
+        kept = self.store.get_bytes(log_key) if self.store.exists(log_key) else b""
+        self.store.put_bytes(log_key, kept + ("\n".join(followed.log) + "\n").encode())
         reason = None
         if status != "Completed":
             parts = [f"{kind} job {name} ended {status}"]
