@@ -38,7 +38,8 @@ class Earlier:
 
     started: float  # when the run started (its Metadata start_time): its jobs were made after
     unbilled: list[dict] = field(default_factory=list)  # stopped with their driver, bill unread
-    counted: set[str] = field(default_factory=set)  # the jobs the run holds a record of
+    counted: set[str] = field(default_factory=set)  # the jobs the run holds a bill of
+    pools: set[str] = field(default_factory=set)  # the jobs whose warm pool's time it holds
 
 
 def identity(settings: Settings) -> tuple[str, str]:

@@ -230,10 +230,7 @@ def execute(
     try:
         with running_backend(ctx.backend):  # its jobs stopped before any ending is recorded
             if base.resumed_at:  # what its last driver left: jobs running, bills unread
-                counted = md.accounted_jobs(base, md.read_sections(store, run))
-                began = md.seconds(base.start_time) if base.start_time else 0.0
-                earlier = Earlier(began, base.unbilled_jobs, counted)
-                base.billing_before_resume += ctx.backend.resumed(earlier)
+                base.billing_before_resume += ctx.backend.resumed(earlier(store, run, base))
                 base.unbilled_jobs = []
             for stage, stage_jobs in planned:
                 stage.run(ctx, stage_jobs)
@@ -273,6 +270,14 @@ def execute(
     write_run_report(store, run, settings.source)
     kept_small(settings, store, run)
     return record
+
+
+def earlier(store: Store, run: RunTree, base: md.Metadata) -> Earlier:
+    """What a resumed run's record says of the drivers before this one, for its backend."""
+    sections = md.read_sections(store, run)
+    began = md.seconds(base.start_time) if base.start_time else 0.0
+    counted, pools = md.accounted_jobs(base, sections), md.accounted_pools(base, sections)
+    return Earlier(began, base.unbilled_jobs, counted, pools)
 
 
 def kept_small(settings: Settings, store: Store, run: RunTree) -> None:

@@ -196,6 +196,11 @@ def accounted_jobs(base: Metadata, sections: dict[str, StepSection]) -> set[str]
     return named - {None}
 
 
+def accounted_pools(base: Metadata, sections: dict[str, StepSection]) -> set[str]:
+    """The training jobs whose warm pool's kept time the run holds a bill of."""
+    return {b["job"] for b in billing(base, sections) if b.get("use") == "warm pool"}
+
+
 def merge(store: Store, run: RunTree, base: Metadata) -> Metadata:
     """Fold every step's section into the run record and write metadata.json."""
     sections = read_sections(store, run)

@@ -376,3 +376,40 @@ def test_parents_that_completed_with_no_best_trial_are_searched_again_not_adopte
             "FinalHyperParameterTuningJobObjectiveMetric": {"MetricName": "validation:f1", "Value": 0.9}}  # fmt: skip
     adopted, parents, said = warm_start(request, [{**parent, "BestTrainingJob": best}])
     assert adopted is None and "not searched again: earlier completed its search" in said
+
+
+def test_a_warm_pool_kept_for_a_job_whose_next_driver_died_is_billed_by_the_resume(
+    store, emulator, inputs
+):
+    """A driver records a warm pool's kept time when the next training job ends. The first
+    job's pool was reused by the second, whose driver died: the resume reads the time the pool
+    was kept, as training compute, once; a pool the run holds a bill of is not read again."""
+    made = backend(emulator)
+    first = probe_training(
+        f"probe-{RUN.label}-train-probe-160000",
+        keep_alive_seconds=60,
+        sagemaker_output=RUN.prefix + "jobs/training/",
+    )
+    assert made.run_training(first).status == "Completed"
+    time.sleep(1.6)  # the pool waits, billed, for the next job
+    second = probe_training(
+        f"probe-{RUN.label}-train-probe-160100", sagemaker_output=RUN.prefix + "jobs/training/"
+    )
+    emulator.client.create_training_job(**made.request(second))  # its driver dies
+    assert ended(emulator, "training", second.name)["TrainingJobStatus"] == "Completed"
+    kept = emulator.client.describe_training_job(TrainingJobName=first.name)["WarmPoolStatus"]
+    assert kept["ReusedByJob"] == second.name
+
+    echo = io.StringIO()
+    bill = backend(emulator, echo).resumed(Earlier(STARTED, counted={first.name}))
+    assert sorted((b["job"], b["use"]) for b in bill) == [
+        (first.name, "warm pool"),
+        (second.name, "training"),
+    ]
+    pool = next(b for b in bill if b["use"] == "warm pool")
+    assert pool["billable_seconds"] == kept["ResourceRetainedBillableTimeInSeconds"] >= 1
+    assert f"[{first.name}] ended while no driver followed it: its warm pool's kept time" in (
+        echo.getvalue()
+    )
+    counted = Earlier(STARTED, counted={first.name, second.name}, pools={first.name})
+    assert backend(emulator).resumed(counted) == []

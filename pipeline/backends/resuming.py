@@ -81,30 +81,60 @@ def made_after(earlier: Earlier):
 
 def uncounted(backend, earlier: Earlier) -> list[tuple[str, str, bool]]:
     """(kind, name, still running) of each job of the run (named with its label, writing
-    under its folder) that the run holds no record of (`earlier.counted`): one left running,
-    and one that ended while no driver followed it. A tuning job's trials are its own: they
-    stop with it, and its bill is theirs."""
+    under its folder) that the run holds no bill of (`earlier.counted`): one left running,
+    and one that ended while no driver followed it; and ("pool", name, False) for each of its
+    training jobs whose warm pool's kept time it holds no record of (`earlier.pools`: a driver
+    records it when the next training job ends). A tuning job's trials are its own: they stop
+    with it, and its bill is theirs."""
     run, counted = backend.run, earlier.counted
     after = made_after(earlier)
     listed_jobs: dict[str, tuple[str, bool]] = {}
     tuning: list[str] = []
     for kind in KINDS:
-        found = listed(backend.client, kind, NameContains=f"-{run.label}-", CreationTimeAfter=after)
-        for summary in found:
+        summaries = listed(
+            backend.client, kind, NameContains=f"-{run.label}-", CreationTimeAfter=after
+        )
+        for summary in summaries:
             name = summary[KINDS[kind].name_member]
             tuning += [name] if kind == "tuning" else []
             running = summary[KINDS[kind].status_member] not in TERMINAL
             if running or name not in counted:
                 listed_jobs[name] = (kind, running)
+            elif kind == "training" and name not in earlier.pools:
+                listed_jobs[name] = ("pool", False)
     found = []
     for name, (kind, running) in listed_jobs.items():
         # "This name is the prefix for the names of all training jobs that this tuning job
         # launches" (HyperParameterTuningJobName, botocore's sagemaker service-2.json).
-        if kind == "training" and any(name.startswith(f"{t}-") for t in tuning):
+        if kind in ("training", "pool") and any(name.startswith(f"{t}-") for t in tuning):
             continue
-        if writes_under(kind, backend.describe_job(kind, name), backend.store.uri_of(run.prefix)):
+        api = "training" if kind == "pool" else kind
+        described = backend.describe_job(api, name)
+        if kind == "pool" and not pool_bill(described):
+            continue  # none kept, or its time not known yet
+        if writes_under(api, described, backend.store.uri_of(run.prefix)):
             found.append((kind, name, running))
     return found
+
+
+def pool_bill(described: dict) -> list[dict]:
+    """The warm pool a training job left, billed as training compute for the seconds it was
+    kept ("ResourceRetainedBillableTimeInSeconds * InstanceCount", WarmPoolStatus in botocore's
+    sagemaker service-2.json), as SageMakerBackend's WarmPools records it; [] while none is
+    known (none kept, or still Available)."""
+    kept = (described.get("WarmPoolStatus") or {}).get("ResourceRetainedBillableTimeInSeconds")
+    if not kept:
+        return []
+    resources = described["ResourceConfig"]
+    return [
+        {
+            "job": described["TrainingJobName"],
+            "use": "warm pool",
+            "instance_type": resources["InstanceType"],
+            "instance_count": resources["InstanceCount"],
+            "billable_seconds": kept,
+        }
+    ]
 
 
 def resumed(backend, earlier: Earlier) -> list[dict]:
@@ -127,7 +157,8 @@ def resumed(backend, earlier: Earlier) -> list[dict]:
     left = [(kind, name) for kind, name, running in found if running]
     unbilled_names = {job["job"] for job in unbilled}
     named = unbilled_names | {name for _, name in left}  # said of already
-    waiting = [*unbilled, *({"kind": k, "job": n} for k, n, _ in found if n not in unbilled_names)]
+    fresh = [{"kind": k, "job": n} for k, n, _ in found]
+    waiting = [*unbilled, *(job for job in fresh if job not in unbilled)]
     bills, read = [], []
     try:
         for kind, name in left:  # every one asked first: none bills on while another drains
@@ -142,8 +173,9 @@ def resumed(backend, earlier: Earlier) -> list[dict]:
             read += [job] if bill is not None else []  # else: the cost stays a lower bound
             bills += bill or []
             if bill and job["job"] not in named:
-                backend.say(job["job"], "ended while no driver followed it: its bill read now")
-    except BaseException:  # Ctrl-C: every one was asked to stop; none of them is billed yet
+                what = "its warm pool's kept time" if job["kind"] == "pool" else "its bill"
+                backend.say(job["job"], f"ended while no driver followed it: {what} read now")
+    except BaseException:  # Ctrl-C: those asked to stop so far end; none is billed yet
         backend.unbilled += waiting
         raise
     backend.unbilled += [job for job in waiting if job not in read]
@@ -157,6 +189,8 @@ def bill_of(backend, kind: str, name: str, known: set[str]) -> list[dict] | None
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
+        if kind == "pool":
+            return pool_bill(backend.describe_job("training", name))
         if kind == "tuning":
             trials = trial_summaries(backend.client, name)
             fresh = [s for s in trials if s["TrainingJobName"] not in known]
