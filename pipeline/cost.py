@@ -344,10 +344,12 @@ def run_cost(
         lines.append({**b, **priced})
     return {
         "measure": "USD",
-        "usd": None if missing or unbilled else round(total, 6),
+        "usd": None if missing or unbilled else round(total, 6),  # pools among them
         "priced_usd": round(total, 6),
         "unpriced": sorted(missing),
-        "unbilled": [u["job"] for u in unbilled],
+        "unbilled": [u["job"] for u in unbilled if u["kind"] != "pool"],
+        # Warm pools still kept when the run ended: their time was not known yet.
+        "unbilled_pools": [u["job"] for u in unbilled if u["kind"] == "pool"],
         # Where their bill is: SageMaker's Describe* answers; an emulated account's ended
         # with its driver.
         "unbilled_bill": (
@@ -379,15 +381,25 @@ def as_text(cost: dict | None) -> str:
             f"; not measured: {', '.join(unmeasured)}, stopped with the run" if unmeasured else ""
         )
     seconds = cost["billable_instance_seconds"]
-    if cost.get("unbilled"):
+    jobs, pools = cost.get("unbilled"), cost.get("unbilled_pools")
+    if jobs or pools:
         unpriced = (
             f"; {'; '.join(cost['unpriced'])} (set [cost] PRICES)" if cost["unpriced"] else ""
         )
-        return (
-            f"cost: at least ${cost['priced_usd']:,.4f} ({seconds:,} billable instance-seconds); "
-            f"not counted: {', '.join(cost['unbilled'])}, stopped with the run before their bill "
-            f"could be read ({cost.get('unbilled_bill', '')}){unpriced}"
-        )
+        said = [
+            f"cost: at least ${cost['priced_usd']:,.4f} ({seconds:,} billable instance-seconds)"
+        ]
+        if jobs:
+            said.append(
+                f"not counted: {', '.join(jobs)}, stopped with the run before their bill could "
+                f"be read ({cost.get('unbilled_bill', '')})"
+            )
+        if pools:
+            said.append(
+                f"nor the warm pool kept for {', '.join(pools)}, its time not known yet when "
+                "the run ended"
+            )
+        return "; ".join(said) + unpriced
     if cost["usd"] is None:
         return (
             f"cost: unknown, {'; '.join(cost['unpriced'])} (set [cost] PRICES); the priced "
@@ -401,10 +413,11 @@ def short(cost: dict | None) -> str:
     if not cost:
         return ""
     if cost["measure"] == "CPU-seconds":
-        cpu = cost.get("cpu_seconds")
-        at_least = "≥" if cost.get("unmeasured") else ""
-        return f"{at_least}{cpu:,.0f} CPU-s" if cpu is not None else ""
-    if cost.get("unbilled"):
+        cpu, unmeasured = cost.get("cpu_seconds"), cost.get("unmeasured")
+        if cpu is None:
+            return "not measured" if unmeasured else ""
+        return f"{'≥' if unmeasured else ''}{cpu:,.0f} CPU-s"
+    if cost.get("unbilled") or cost.get("unbilled_pools"):
         return f"≥${cost['priced_usd']:,.4f} (unbilled)"
     if cost["usd"] is None:
         return f"≥${cost['priced_usd']:,.4f} (unpriced)"

@@ -292,6 +292,14 @@ def test_a_price_nobody_knows_is_named_never_guessed(tmp_path, caplog):
     assert "an emulated account bills nothing" in cost.as_text(emulated)
     assert "--resume" not in cost.as_text(emulated)
     assert cost.short(bound) == "≥$0.0010 (unbilled)"
+    # A warm pool still kept when the run ended: its time is not known yet, and said so.
+    kept = cost.run_cost(billed[1:], basis, "x", [{"kind": "pool", "job": "train-a"}])
+    assert kept["usd"] is None and kept["unbilled"] == [] and kept["unbilled_pools"] == ["train-a"]
+    assert cost.as_text(kept) == (
+        "cost: at least $0.0010 (10 billable instance-seconds); nor the warm pool kept for "
+        "train-a, its time not known yet when the run ended"
+    )
+    assert cost.short(kept) == "≥$0.0010 (unbilled)"
     # A price that is not one is refused by key, with what was meant.
     path = write_settings(
         tmp_path / "bad.ini",

@@ -363,6 +363,40 @@ def test_a_tuning_job_described_while_its_create_is_answered_is_not_moto_s_fake(
     assert "BestTrainingJob" not in seen
 
 
+def test_a_create_waits_for_a_describe_in_flight_so_it_never_sees_moto_s_fake(emulator, store):
+    """The other order: a Describe sent just before the create, answered after moto made the
+    job, would see moto's fake all the same. The create waits for the reads in flight."""
+    from botocore.exceptions import ClientError
+
+    request = backend(emulator).request(tuning_job("tune-race-2"))
+    events, reading = emulator.client.meta.events, threading.Event()
+
+    def slow_read(**_):  # the Describe is sent, and the create goes meanwhile
+        reading.set()
+        time.sleep(1)
+
+    events.register("before-call.sagemaker.DescribeHyperParameterTuningJob", slow_read)
+    creating = threading.Thread(
+        target=lambda: (
+            reading.wait(30),
+            emulator.client.create_hyper_parameter_tuning_job(**request),
+        )
+    )
+    creating.start()
+    try:
+        seen = emulator.client.describe_hyper_parameter_tuning_job(
+            HyperParameterTuningJobName="tune-race-2"
+        )
+    except ClientError as e:  # not made yet: the create waited
+        seen = {"error": e.response["Error"]["Code"]}
+    finally:
+        creating.join()
+        events.unregister("before-call.sagemaker.DescribeHyperParameterTuningJob", slow_read)
+        emulator.client.stop_hyper_parameter_tuning_job(HyperParameterTuningJobName="tune-race-2")
+    assert seen.get("HyperParameterTuningJobStatus", "InProgress") == "InProgress", seen
+    assert (seen.get("TrainingJobStatusCounters") or {}).get("Completed", 0) == 0, seen
+
+
 def test_trials_get_the_objective_and_leave_only_the_best(store, emulator, inputs):
     job = tuning_job("tune-probe")
     result = backend(emulator).run_tuning(job)

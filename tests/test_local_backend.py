@@ -269,6 +269,8 @@ def test_a_job_stopped_with_the_driver_is_named_as_not_measured(store, tmp_path)
         "nothing billed); not measured: stopped, stopped with the run"
     )
     assert cost.short(used) == "≥4 CPU-s"
+    alone = cost.run_cost([], None, "local", local.unbilled)  # nothing else ran
+    assert cost.short(alone) == "not measured"
     resumed = backend(store, tmp_path)  # a --resume of the run: still not measured, still named
     assert resumed.resumed(Earlier(0.0, local.unbilled)) == []
     assert resumed.unbilled == local.unbilled

@@ -303,6 +303,7 @@ def test_a_job_that_ended_while_no_driver_followed_it_is_billed_by_the_resume_on
             f"probe-{RUN.label}-train-probe-13000{n}",
             hyperparameters={"model_name": "probe"},
             sagemaker_output=RUN.prefix + "jobs/training/",
+            keep_alive_seconds=0,  # no warm pool (a run's last training job keeps none)
         )
         for n in (0, 1)
     ]
@@ -378,38 +379,46 @@ def test_parents_that_completed_with_no_best_trial_are_searched_again_not_adopte
     assert adopted is None and "not searched again: earlier completed its search" in said
 
 
-def test_a_warm_pool_kept_for_a_job_whose_next_driver_died_is_billed_by_the_resume(
-    store, emulator, inputs
-):
+def test_a_warm_pool_no_driver_recorded_is_billed_by_the_resume_once(store, emulator, inputs):
     """A driver records a warm pool's kept time when the next training job ends. The first
-    job's pool was reused by the second, whose driver died: the resume reads the time the pool
-    was kept, as training compute, once; a pool the run holds a bill of is not read again."""
+    job's pool was reused by the second, whose driver died: the resume reads both jobs' bills
+    and the time the pool was kept, as training compute, once. A pool still kept when the run
+    is resumed has no time yet: it is named unbilled, the cost a lower bound."""
     made = backend(emulator)
-    first = probe_training(
-        f"probe-{RUN.label}-train-probe-160000",
-        keep_alive_seconds=60,
-        sagemaker_output=RUN.prefix + "jobs/training/",
-    )
+
+    def job(n: int, **changes):
+        name = f"probe-{RUN.label}-train-probe-16{n:02d}00"
+        return probe_training(name, sagemaker_output=RUN.prefix + "jobs/training/", **changes)
+
+    first, second = job(0, keep_alive_seconds=60), job(1)
     assert made.run_training(first).status == "Completed"
     time.sleep(1.6)  # the pool waits, billed, for the next job
-    second = probe_training(
-        f"probe-{RUN.label}-train-probe-160100", sagemaker_output=RUN.prefix + "jobs/training/"
-    )
     emulator.client.create_training_job(**made.request(second))  # its driver dies
     assert ended(emulator, "training", second.name)["TrainingJobStatus"] == "Completed"
     kept = emulator.client.describe_training_job(TrainingJobName=first.name)["WarmPoolStatus"]
     assert kept["ReusedByJob"] == second.name
 
     echo = io.StringIO()
-    bill = backend(emulator, echo).resumed(Earlier(STARTED, counted={first.name}))
+    bill = backend(emulator, echo).resumed(Earlier(STARTED))  # the dead driver recorded none
     assert sorted((b["job"], b["use"]) for b in bill) == [
+        (first.name, "training"),
         (first.name, "warm pool"),
         (second.name, "training"),
     ]
     pool = next(b for b in bill if b["use"] == "warm pool")
     assert pool["billable_seconds"] == kept["ResourceRetainedBillableTimeInSeconds"] >= 1
-    assert f"[{first.name}] ended while no driver followed it: its warm pool's kept time" in (
-        echo.getvalue()
-    )
+    said = echo.getvalue()
+    assert f"[{first.name}] its warm pool's kept time, recorded by no driver, read now" in said
     counted = Earlier(STARTED, counted={first.name, second.name}, pools={first.name})
     assert backend(emulator).resumed(counted) == []
+
+    third = job(2, keep_alive_seconds=60)
+    assert made.run_training(third).status == "Completed"  # its pool waits for a next job
+    echo, resuming = io.StringIO(), backend(emulator, io.StringIO())
+    resuming.echo = echo
+    counted = Earlier(STARTED, counted={first.name, second.name, third.name}, pools={first.name})
+    assert resuming.resumed(counted) == []
+    assert resuming.unbilled == [{"kind": "pool", "job": third.name}]
+    assert f"[{third.name}] its warm pool is still kept: its time is not known yet" in (
+        echo.getvalue()
+    )

@@ -171,13 +171,34 @@ class LocalBackend:
         reason = "SageMaker would refuse the request: " + "; ".join(problems)
         return request, JobResult(job.name, "Failed", reason, now, now)
 
+    @contextmanager
+    def _measured(self, kind: str, name: str):
+        """A job whose JobResult never reaches the run (the driver stopping: Ctrl-C, SIGTERM,
+        an error) had what it used measured, or not, but no section holds it: it is named in
+        `unbilled`, and the run's CPU-seconds are a lower bound."""
+        try:
+            yield
+        except BaseException:
+            self.unbilled.append({"kind": kind, "job": name})
+            raise
+
     def run_processing(self, job: ProcessingJob) -> JobResult:
+        with self._measured("processing", job.name):
+            return self._run_processing(job)
+
+    def run_training(self, job: TrainingJob, watch: Watch | None = None) -> JobResult:
+        """`watch(line)`, if given, sees every line the job prints; when it returns True the
+        job is stopped (SIGTERM: it checkpoints and exits) and not restarted (TrialRunner)."""
+        with self._measured("training", job.name):
+            return self._run_training(job, watch)
+
+    def _run_processing(self, job: ProcessingJob) -> JobResult:
         request, refusal = self._request(job)
         if refusal:
             return refusal
         root = self.work_root / job.name
         with (
-            self._interruptible("processing", job.name, root),
+            self._interruptible(job.name, root),
             open(self._log_path(job.name), "a", encoding="utf-8") as log,
         ):
             exits = play_processing(
@@ -206,9 +227,7 @@ class LocalBackend:
         self._cleanup(root, result)
         return result
 
-    def run_training(self, job: TrainingJob, watch: Watch | None = None) -> JobResult:
-        """`watch(line)`, if given, sees every line the job prints; when it returns True the
-        job is stopped (SIGTERM: it checkpoints and exits) and not restarted (TrialRunner)."""
+    def _run_training(self, job: TrainingJob, watch: Watch | None) -> JobResult:
         request, refusal = self._request(job)
         if refusal:
             return refusal
@@ -220,7 +239,7 @@ class LocalBackend:
 
         root = self.work_root / job.name
         with (
-            self._interruptible("training", job.name, root),
+            self._interruptible(job.name, root),
             open(self._log_path(job.name), "a", encoding="utf-8") as log,
         ):
             played = play_training(
@@ -255,14 +274,12 @@ class LocalBackend:
         return result
 
     @contextmanager
-    def _interruptible(self, kind: str, name: str, root: Path):
+    def _interruptible(self, name: str, root: Path):
         """The driver is stopping (Ctrl-C, SIGTERM): the job has been stopped and waited for,
-        and its checkpoints synced; its log goes to the store and its folder goes away. What
-        it used is not measured (no JobResult is made): it is named in `unbilled`."""
+        and its checkpoints synced; its log goes to the store and its folder goes away."""
         try:
             yield
         except BaseException:
-            self.unbilled.append({"kind": kind, "job": name})
             try:
                 self._upload_log(name)
             except StoreError:  # the store is what failed (full, say): the first error stands
@@ -273,12 +290,10 @@ class LocalBackend:
     def run_tuning(self, job: TuningJob) -> JobResult:
         before = len(self.billed)
         # The trials share one environment: its fork server starts beside the first trial.
-        try:
+        # Its trials that ended were measured, but no result of it would hold them.
+        with self._measured("tuning", job.name):
             with self.warm.expecting_more() if self.warm else nullcontext():
                 result = run_local_tuning(self, job, self.store, self.run)
-        except BaseException:  # its trials that ended were measured, but no result holds them
-            self.unbilled.append({"kind": "tuning", "job": job.name})
-            raise
         result.billing = [{**b, "tuning_job": job.name} for b in self.billed[before:]]
         return result
 

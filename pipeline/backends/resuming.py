@@ -83,12 +83,12 @@ def uncounted(backend, earlier: Earlier) -> list[tuple[str, str, bool]]:
     """(kind, name, still running) of each job of the run (named with its label, writing
     under its folder) that the run holds no bill of (`earlier.counted`): one left running,
     and one that ended while no driver followed it; and ("pool", name, False) for each of its
-    training jobs whose warm pool's kept time it holds no record of (`earlier.pools`: a driver
+    training jobs that kept a warm pool the run holds no bill of (`earlier.pools`: a driver
     records it when the next training job ends). A tuning job's trials are its own: they stop
     with it, and its bill is theirs."""
     run, counted = backend.run, earlier.counted
     after = made_after(earlier)
-    listed_jobs: dict[str, tuple[str, bool]] = {}
+    entries: list[tuple[str, str, bool]] = []
     tuning: list[str] = []
     for kind in KINDS:
         summaries = listed(
@@ -99,22 +99,30 @@ def uncounted(backend, earlier: Earlier) -> list[tuple[str, str, bool]]:
             tuning += [name] if kind == "tuning" else []
             running = summary[KINDS[kind].status_member] not in TERMINAL
             if running or name not in counted:
-                listed_jobs[name] = (kind, running)
-            elif kind == "training" and name not in earlier.pools:
-                listed_jobs[name] = ("pool", False)
-    found = []
-    for name, (kind, running) in listed_jobs.items():
+                entries.append((kind, name, running))
+            if kind == "training" and not running and name not in earlier.pools:
+                entries.append(("pool", name, False))
+    found, seen = [], {}
+    for kind, name, running in entries:
         # "This name is the prefix for the names of all training jobs that this tuning job
         # launches" (HyperParameterTuningJobName, botocore's sagemaker service-2.json).
         if kind in ("training", "pool") and any(name.startswith(f"{t}-") for t in tuning):
             continue
         api = "training" if kind == "pool" else kind
-        described = backend.describe_job(api, name)
-        if kind == "pool" and not pool_bill(described):
-            continue  # none kept, or its time not known yet
-        if writes_under(api, described, backend.store.uri_of(run.prefix)):
+        if name not in seen:
+            seen[name] = backend.describe_job(api, name)
+        if kind == "pool" and not kept_pool(seen[name]):
+            continue
+        if writes_under(api, seen[name], backend.store.uri_of(run.prefix)):
             found.append((kind, name, running))
     return found
+
+
+def kept_pool(described: dict) -> bool:
+    """Whether a training job kept a warm pool: still Available, or kept for a time
+    (WarmPoolStatus, API_WarmPoolStatus.html)."""
+    status = described.get("WarmPoolStatus") or {}
+    return status.get("Status") == "Available" or bool(pool_bill(described))
 
 
 def pool_bill(described: dict) -> list[dict]:
@@ -172,9 +180,12 @@ def resumed(backend, earlier: Earlier) -> list[dict]:
             bill = bill_of(backend, job["kind"], job["job"], earlier.counted | unbilled_names)
             read += [job] if bill is not None else []  # else: the cost stays a lower bound
             bills += bill or []
-            if bill and job["job"] not in named:
-                what = "its warm pool's kept time" if job["kind"] == "pool" else "its bill"
-                backend.say(job["job"], f"ended while no driver followed it: {what} read now")
+            if job["kind"] == "pool":
+                said = "its warm pool's kept time, recorded by no driver, read now"
+                said = said if bill else "its warm pool is still kept: its time is not known yet"
+                backend.say(job["job"], said)
+            elif bill and job["job"] not in named:
+                backend.say(job["job"], "ended while no driver followed it: its bill read now")
     except BaseException:  # Ctrl-C: those asked to stop so far end; none is billed yet
         backend.unbilled += waiting
         raise
@@ -184,13 +195,15 @@ def resumed(backend, earlier: Earlier) -> list[dict]:
 
 def bill_of(backend, kind: str, name: str, known: set[str]) -> list[dict] | None:
     """What a job billed, now that it has ended (a tuning job's: those of its trials not
-    `known`, which the run holds a record of or names unbilled, each read on its own); None,
-    said, where it cannot be read (an emulated account's job after its driver ended)."""
+    `known`, which the run holds a record of or names unbilled, each read on its own; a
+    "pool": the time a training job's warm pool was kept); None, said, where it cannot be read
+    (an emulated account's job after its driver ended; a pool still kept)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
-        if kind == "pool":
-            return pool_bill(backend.describe_job("training", name))
+        if kind == "pool":  # None while it is kept: its time is not known yet
+            described = backend.describe_job("training", name)
+            return pool_bill(described) or None
         if kind == "tuning":
             trials = trial_summaries(backend.client, name)
             fresh = [s for s in trials if s["TrainingJobName"] not in known]

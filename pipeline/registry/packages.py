@@ -111,7 +111,11 @@ class ModelPackages:
         request = {"ModelPackageName": row["arn"]}
         described = call(self.sagemaker(), "DescribeModelPackage", request)
         archives = [key_of(self.store, url) for url in model_data_urls(described)]
-        if not archives:  # an emulated account's stand-in for a record it could not read
+        containers = (described.get("InferenceSpecification") or {}).get("Containers") or []
+        # One made elsewhere may name an uncompressed model instead (ModelDataSource, in
+        # botocore's sagemaker service-2.json ModelPackageContainerDefinition): not checked.
+        if not archives and not any(c.get("ModelDataSource") for c in containers):
+            # As the emulated account's stand-in for a record it could not read.
             said = described.get("ModelPackageDescription")
             return "it names no model (no ModelDataUrl)" + (f": {said}" if said else "")
         gone = [key for key in archives if key and not self.store.exists(key)]

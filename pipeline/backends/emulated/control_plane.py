@@ -12,6 +12,7 @@ import copy
 import json
 import signal
 import threading
+from collections import Counter
 
 from pipeline.backend import EMULATED_IMAGE, EMULATED_ROLE
 from pipeline.backends.emulated.account import Account
@@ -88,6 +89,45 @@ def refuse_used_name(jobs, operation: str, body: dict):
     return error_response(400, "ResourceInUse", message)
 
 
+class CreatesApart:
+    """No Describe or List is in flight while a create is answered and taken by the emulator,
+    and no create while one of those is: moto makes a job as it answers the create (a tuning
+    job Completed, one trial counted, a training job Completed), and the emulator sets it
+    going only in the create's after-call hook, so a read of another thread between the two
+    would see moto's answer, not SageMaker's. Reads run side by side, a thread never waits
+    for itself, and every wait ends within 30 s (a call whose hooks raised holds no one)."""
+
+    def __init__(self) -> None:
+        self._turn = threading.Condition()
+        self._creating: set[int] = set()
+        self._reading: Counter[int] = Counter()
+
+    def create_sent(self, **_) -> None:
+        me = threading.get_ident()
+        with self._turn:
+            self._turn.wait_for(lambda: not set(self._reading) - {me}, timeout=30)
+            self._creating.add(me)
+
+    def create_done(self, **_) -> None:
+        with self._turn:
+            self._creating.discard(threading.get_ident())
+            self._turn.notify_all()
+
+    def read_sent(self, **_) -> None:
+        me = threading.get_ident()
+        with self._turn:
+            self._turn.wait_for(lambda: not self._creating - {me}, timeout=30)
+            self._reading[me] += 1
+
+    def read_done(self, **_) -> None:
+        me = threading.get_ident()
+        with self._turn:
+            self._reading[me] -= 1
+            if self._reading[me] <= 0:
+                del self._reading[me]
+            self._turn.notify_all()
+
+
 class Emulator:
     """Plays the jobs moto accepts; `backend()` is the SageMaker backend wired to it. Its jobs
     run under `work_root` (a new folder by default), in `image` with `engine` where an image
@@ -110,8 +150,7 @@ class Emulator:
         self.tuning = TuningService(self.records, self._train_trial)
         self._threads: dict[str, threading.Thread] = {}
         self._pending = threading.local()  # the Create* request being sent from this thread
-        # The threads whose Create* call is sent and not yet taken (`_created`).
-        self._creating, self._in_flight = threading.Condition(), set()
+        self._apart = CreatesApart()
         self._hook()
 
     def _hook(self) -> None:
@@ -119,11 +158,15 @@ class Emulator:
         events = self.client.meta.events
         events.register("provide-client-params.sagemaker", self._capture)
         for api in KINDS.values():
-            # First of the create's hooks: whatever answers it, `_answered` counts it out.
-            events.register_first(f"before-call.sagemaker.{api.create}", self._sent)
-            events.register(f"after-call-error.sagemaker.{api.create}", self._answered)
+            # First of each call's hooks, and its end whatever answers it (`_created` ends
+            # a create's).
+            apart = self._apart
+            events.register_first(f"before-call.sagemaker.{api.create}", apart.create_sent)
+            events.register(f"after-call-error.sagemaker.{api.create}", apart.create_done)
             for reading in (api.describe, f"List{api.resource}s"):
-                events.register(f"before-call.sagemaker.{reading}", self._after_creates)
+                events.register_first(f"before-call.sagemaker.{reading}", apart.read_sent)
+                events.register_first(f"after-call.sagemaker.{reading}", apart.read_done)
+                events.register_first(f"after-call-error.sagemaker.{reading}", apart.read_done)
             # SageMaker refuses a name used before in the account and region; moto overwrites.
             events.register(f"before-call.sagemaker.{api.create}", self._refuse_used_name)
             events.register(f"after-call.sagemaker.{api.create}", self._created)
@@ -137,9 +180,11 @@ class Emulator:
         for operation in ("DescribeTrainingJob", "ListTrainingJobs"):
             events.register(f"before-call.sagemaker.{operation}", lambda **_: pools.expire())
         # Nor ListTrainingJobsForHyperParameterTuningJob.
-        listing_trials = "before-call.sagemaker.ListTrainingJobsForHyperParameterTuningJob"
-        events.register(listing_trials, self._after_creates)
-        events.register(listing_trials, self._list_trials)
+        listing_trials = "sagemaker.ListTrainingJobsForHyperParameterTuningJob"
+        events.register_first(f"before-call.{listing_trials}", self._apart.read_sent)
+        events.register_first(f"after-call.{listing_trials}", self._apart.read_done)
+        events.register_first(f"after-call-error.{listing_trials}", self._apart.read_done)
+        events.register(f"before-call.{listing_trials}", self._list_trials)
         # moto makes a new model package for every CreateModelPackage, whatever its ClientToken.
         events.register("before-call.sagemaker.CreateModelPackage", self._same_client_token)
 
@@ -175,28 +220,11 @@ class Emulator:
         if model.name in KIND_CREATED_BY:  # kept until SageMaker (moto) accepts it
             self._pending.request = copy.deepcopy(params)
 
-    def _sent(self, **_):
-        with self._creating:
-            self._in_flight.add(threading.get_ident())
-
-    def _answered(self, **_):
-        with self._creating:
-            self._in_flight.discard(threading.get_ident())
-            self._creating.notify_all()
-
-    def _after_creates(self, **_):
-        """A Describe or List sent while a create is in flight waits until the emulator has
-        taken the new job (`_created`): what moto answers before that is not SageMaker's (a
-        tuning job Completed, one trial counted, the moment it is made)."""
-        with self._creating:
-            me = threading.get_ident()
-            self._creating.wait_for(lambda: not self._in_flight - {me}, timeout=30)
-
     def _created(self, http_response, parsed, model, **_):
         try:
             self._take(http_response, parsed, model)
         finally:
-            self._answered()
+            self._apart.create_done()
 
     def _take(self, http_response, parsed, model) -> None:
         if http_response.status_code != 200:
