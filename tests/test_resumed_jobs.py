@@ -292,6 +292,39 @@ def ended(emulator, kind: str, name: str) -> dict:
         time.sleep(0.2)
 
 
+def test_ctrl_c_while_a_resume_asks_the_first_job_to_stop_stops_the_others_too(
+    store, emulator, inputs
+):
+    """Ctrl-C right after the resume asked the first job left running to stop: the others
+    are asked too, as the driver's own jobs are on Ctrl-C, and none runs on unbilled."""
+    left = [
+        probe_training(
+            f"probe-{RUN.label}-train-probe-12500{n}",
+            hyperparameters={"model_name": "probe", "hang": "1"},
+            sagemaker_output=RUN.prefix + "jobs/training/",
+        )
+        for n in (0, 1)
+    ]
+    for job in left:
+        emulator.client.create_training_job(**backend(emulator).request(job))
+    resuming = backend(emulator)
+    stop, stopped = resuming.stop_job, []
+
+    def stopping(name, kind):
+        stop(name, kind)
+        stopped.append(name)
+        if len(stopped) == 1:
+            raise KeyboardInterrupt  # lands just after the first stop was asked
+
+    resuming.stop_job = stopping
+    with pytest.raises(KeyboardInterrupt):
+        resuming.resumed(Earlier(STARTED))
+    assert stopped == [job.name for job in left]  # each asked once
+    for job in left:
+        assert ended(emulator, "training", job.name)["TrainingJobStatus"] == "Stopped"
+    assert {j["job"] for j in resuming.unbilled} == {job.name for job in left}
+
+
 def test_a_job_that_ended_while_no_driver_followed_it_is_billed_by_the_resume_once(
     store, emulator, inputs
 ):

@@ -167,10 +167,11 @@ def resumed(backend, earlier: Earlier) -> list[dict]:
     named = unbilled_names | {name for _, name in left}  # said of already
     fresh = [{"kind": k, "job": n} for k, n, _ in found]
     waiting = [*unbilled, *(job for job in fresh if job not in unbilled)]
-    bills, read = [], []
+    bills, read, asked = [], [], []
     try:
         for kind, name in left:  # every one asked first: none bills on while another drains
             backend.say(name, f"{kind} job still running from before the run was resumed: stopping")
+            asked.append((kind, name))  # asked once, even if Ctrl-C lands in the call
             backend.stop_job(name, kind)
         for kind, name in left:
             following = Following(backend, kind, name, time.time())
@@ -186,8 +187,11 @@ def resumed(backend, earlier: Earlier) -> list[dict]:
                 backend.say(job["job"], said)
             elif bill and job["job"] not in named:
                 backend.say(job["job"], "ended while no driver followed it: its bill read now")
-    except BaseException:  # Ctrl-C: those asked to stop so far end; none is billed yet
-        backend.unbilled += waiting
+    except BaseException:  # Ctrl-C: each is asked to stop, as the driver's own jobs are
+        for kind, name in left:
+            if (kind, name) not in asked:
+                backend.stop_job(name, kind)
+        backend.unbilled += waiting  # none is billed yet
         raise
     backend.unbilled += [job for job in waiting if job not in read]
     return bills
