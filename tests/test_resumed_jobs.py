@@ -233,15 +233,11 @@ def test_a_job_stopped_with_the_driver_is_billed_when_the_run_is_resumed(store, 
     assert bill[0]["billable_seconds"] >= 1
 
 
-def test_ctrl_c_while_a_resume_waits_leaves_every_job_stopping_and_unbilled(
-    store, emulator, inputs
-):
-    """Ctrl-C while the resumed run waits for what its dead driver left running: every such
-    job was asked to stop before the first wait (each ends Stopped), and each is named
-    unbilled for the next resume."""
+def left_running(emulator, stamp: str) -> list:
+    """Two training jobs of the run that hang, made by a driver that then died."""
     left = [
         probe_training(
-            f"probe-{RUN.label}-train-probe-12000{n}",
+            f"probe-{RUN.label}-train-probe-{stamp}{n}",
             hyperparameters={"model_name": "probe", "hang": "1"},
             sagemaker_output=RUN.prefix + "jobs/training/",
         )
@@ -249,6 +245,16 @@ def test_ctrl_c_while_a_resume_waits_leaves_every_job_stopping_and_unbilled(
     ]
     for job in left:
         emulator.client.create_training_job(**backend(emulator).request(job))
+    return left
+
+
+def test_ctrl_c_while_a_resume_waits_leaves_every_job_stopping_and_unbilled(
+    store, emulator, inputs
+):
+    """Ctrl-C while the resumed run waits for what its dead driver left running: every such
+    job was asked to stop before the first wait (each ends Stopped), and each is named
+    unbilled for the next resume."""
+    left = left_running(emulator, "12000")
     resuming = backend(emulator)
     describe, stop, stopped = resuming.describe_job, resuming.stop_job, []
 
@@ -297,16 +303,7 @@ def test_ctrl_c_while_a_resume_asks_the_first_job_to_stop_stops_the_others_too(
 ):
     """Ctrl-C right after the resume asked the first job left running to stop: the others
     are asked too, as the driver's own jobs are on Ctrl-C, and none runs on unbilled."""
-    left = [
-        probe_training(
-            f"probe-{RUN.label}-train-probe-12500{n}",
-            hyperparameters={"model_name": "probe", "hang": "1"},
-            sagemaker_output=RUN.prefix + "jobs/training/",
-        )
-        for n in (0, 1)
-    ]
-    for job in left:
-        emulator.client.create_training_job(**backend(emulator).request(job))
+    left = left_running(emulator, "12500")
     resuming = backend(emulator)
     stop, stopped = resuming.stop_job, []
 

@@ -274,19 +274,10 @@ def warm_start(request: dict, parents: list[dict]) -> tuple[dict | None, list[di
             [],
             "no earlier tuning job of this model ended in this account: all trials run",
         )
-    done = sum((p.get("TrainingJobStatusCounters") or {}).get("Completed", 0) for p in parents)
     limits = config["ResourceLimits"]
     asked = limits.get("MaxNumberOfTrainingJobs")  # a Grid search may leave it out
-    ended = [
-        p["HyperParameterTuningJobName"]
-        for p in parents
-        if p["HyperParameterTuningJobStatus"] == "Completed"
-    ]
-    # Adopted only where one of them found a best trial: else the search runs again (a
-    # parent that completed with no best would fail every resume the same way).
-    found = tuning_record.best_answer(parents, _objective_type(request))
-    if found and (ended or (asked and done >= asked)):
-        why = f"{ended[0]} completed its search" if ended else f"{done} of {asked} trials completed"
+    why = searched_all(request, parents, asked)
+    if why:
         return (
             None,
             parents,
@@ -325,6 +316,23 @@ def warm_start(request: dict, parents: list[dict]) -> tuple[dict | None, list[di
         f"{left} of {asked} trials left to run"
     )
     return warmed, parents, said
+
+
+def searched_all(request: dict, parents: list[dict], asked: int | None) -> str | None:
+    """Why `parents` searched it all (one ended Completed: its search ran to its end; or they
+    completed every trial asked), where one of them found a best trial; None otherwise: a
+    parent that completed with no best would fail every resume the same way."""
+    done = sum((p.get("TrainingJobStatusCounters") or {}).get("Completed", 0) for p in parents)
+    ended = [
+        p["HyperParameterTuningJobName"]
+        for p in parents
+        if p["HyperParameterTuningJobStatus"] == "Completed"
+    ]
+    if not tuning_record.best_answer(parents, _objective_type(request)):
+        return None
+    if ended:
+        return f"{ended[0]} completed its search"
+    return f"{done} of {asked} trials completed" if asked and done >= asked else None
 
 
 def _objective_type(request: dict) -> str:
