@@ -223,17 +223,18 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
 
 
 def compile_options() -> dict:
-    """Inductor's mix-order reduction (the fused layer-norm backward, on GPUs) fuses only above
-    sizes it checks on the batch's shape (torch/_inductor/scheduler.py, MixOrderReduction.can_fuse:
-    rows x columns >= 5 * 2**20, rows >= 4096), and each check is a guard: as the padded width
-    varies from batch to batch, each side of a threshold compiles the model anew. On an H200
-    (torch 2.11, BERT-base, 128 rows a step, 2026-11-28) the guard "768*s1*s0 >= 5242880" did.
-    Non-strict mode skips those checks, fusing wherever the reduction allows; a torch without
-    the option keeps its defaults."""
+    """Inductor's mix-order reduction (the layer-norm backward fused into one kernel, on GPUs)
+    off. On an H200 (torch 2.11, BERT-base at 512 tokens, 256 rows a step, 2026-11-28) its two
+    kernels took 23% of the compiled step's device time; without it the step's kernels took
+    115 ms instead of 125, and MFU rose from 29.5% to 34.7% (docs/performance.md). Off, it
+    also checks no sizes on the batch's shape (torch/_inductor/scheduler.py,
+    MixOrderReduction.can_fuse: rows x columns >= 5 * 2**20, rows >= 4096), each of which was a
+    guard that compiled the model anew as the padded width crossed it (the same H200, 128
+    rows). A torch without the option keeps its defaults."""
     from torch._inductor import config
 
-    option = "mix_order_reduction_non_strict_mode"
-    return {f"triton.{option}": True} if hasattr(config.triton, option) else {}
+    option = "mix_order_reduction"
+    return {f"triton.{option}": False} if hasattr(config.triton, option) else {}
 
 
 def return_freed_memory() -> None:

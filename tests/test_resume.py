@@ -570,16 +570,17 @@ def test_compile_trains_the_same_model_and_exports_it(tmp_path, channels, warm):
 
 def test_compile_options_name_inductor_settings_this_torch_has():
     """COMPILE's Inductor options (steps/train.py `compile_options`): on the lock's torch, the
-    mix-order reduction's non-strict mode, under the name Inductor's config gives it; a
-    misspelt name would be dropped as "not in this torch", silently."""
+    mix-order reduction off, under the name Inductor's config gives it; a misspelt name would
+    be dropped as "not in this torch", silently."""
     from torch._inductor import config
 
     from steps.train import compile_options
 
     options = compile_options()
-    assert options == {"triton.mix_order_reduction_non_strict_mode": True}
+    assert options == {"triton.mix_order_reduction": False}
+    assert config.triton.mix_order_reduction is True  # Inductor's default, which this changes
     with config.patch(options):  # what torch.compile does with them
-        assert config.triton.mix_order_reduction_non_strict_mode is True
+        assert config.triton.mix_order_reduction is False
 
 
 WIDE = """
