@@ -44,7 +44,11 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 # The driver's kept passes of the user functions' check (pipeline/user_check.py) go in a folder
 # of this session's, not the user's cache: what a test checks does not outlive the suite.
-CHECKS = os.environ.setdefault("SMPIPE_CHECK_CACHE", tempfile.mkdtemp(prefix="smpipe-test-checks-"))
+# Made once, by the process that finds none set: xdist's workers inherit the variable (a
+# mkdtemp in setdefault's argument made one more folder a worker, never removed).
+if "SMPIPE_CHECK_CACHE" not in os.environ:
+    os.environ["SMPIPE_CHECK_CACHE"] = tempfile.mkdtemp(prefix="smpipe-test-checks-")
+CHECKS = os.environ["SMPIPE_CHECK_CACHE"]
 
 
 def pytest_unconfigure(config):
