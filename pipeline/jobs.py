@@ -91,6 +91,23 @@ def job_name(
     return joined(digest)
 
 
+def named_for(name: str, experiment: str, run: str) -> bool:
+    """Whether `name` can be one `job_name` gave a job of this experiment's run: the
+    experiment's part, whole or cut from its end as `job_name` shortens it, then the run's. A
+    tuning job's trials are named after it ("This name is the prefix for the names of all
+    training jobs that this tuning job launches", HyperParameterTuningJobName in botocore's
+    sagemaker service-2.json). Compared without case: SageMaker compares a tuning job's name
+    so."""
+    part, lowered = job_name_part(experiment).lower(), name.lower()
+    marker = f"-{job_name_part(run)}-".lower()
+    at = lowered.find(marker)
+    while at > 0:
+        if part.startswith(lowered[:at]):
+            return True
+        at = lowered.find(marker, at + 1)
+    return False
+
+
 @dataclass
 class ProcessingJob:
     name: str

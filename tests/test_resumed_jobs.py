@@ -150,22 +150,42 @@ def test_a_warm_start_from_a_tuning_job_the_account_lacks_is_refused(emulator, s
 def test_a_resumed_run_stops_the_jobs_its_driver_left_running_and_no_other(store, emulator, inputs):
     """A driver that died left its training job running: the resumed run stops it (it
     checkpoints on the SIGTERM), waits for its end before anything starts, and reads its bill.
-    A job of the same run number writing elsewhere (another store's run) is not touched."""
+    A job of the same run number writing elsewhere (another store's run) is not touched, nor
+    one of another experiment, which is not even described: a role may be refused that."""
+    from pipeline.backends.emulated.control_plane import error_response
+
     ours = probe_training(
         f"probe-{RUN.label}-train-probe-100000",
         hyperparameters={"model_name": "probe", "hang": "1"},
         sagemaker_output=RUN.prefix + "jobs/training/",
     )
     theirs = probe_training(
-        f"other-{RUN.label}-train-probe-100000",
+        f"probe-{RUN.label}-train-probe-100001",
         hyperparameters={"model_name": "probe", "hang": "1"},
         sagemaker_output="elsewhere/jobs/training/",
     )
+    another = probe_training(
+        f"other-{RUN.label}-train-probe-100000",
+        hyperparameters={"model_name": "probe", "hang": "1"},
+        sagemaker_output=f"other/runs/{RUN.label}/jobs/training/",
+    )
     dead = backend(emulator)
-    for job in (ours, theirs):
+    for job in (ours, theirs, another):
         emulator.client.create_training_job(**dead.request(job))
+    # IAM scoped to one experiment's jobs (arn:...:training-job/other-*) refuses the rest.
+    denied = f"not authorized to perform: sagemaker:DescribeTrainingJob on {another.name}"
+
+    def refuse(params, **_):  # params: the request as sent, its JSON body among them
+        if another.name in str(params.get("body")):
+            return error_response(400, "AccessDeniedException", denied)
+        return None
+
+    emulator.client.meta.events.register("before-call.sagemaker.DescribeTrainingJob", refuse)
     echo = io.StringIO()
-    bill = backend(emulator, echo).resumed(Earlier(STARTED))
+    try:
+        bill = backend(emulator, echo).resumed(Earlier(STARTED))
+    finally:
+        emulator.client.meta.events.unregister("before-call.sagemaker.DescribeTrainingJob", refuse)
 
     def status(name: str) -> str:
         answer = emulator.client.describe_training_job(TrainingJobName=name)
@@ -173,15 +193,16 @@ def test_a_resumed_run_stops_the_jobs_its_driver_left_running_and_no_other(store
 
     try:
         assert status(ours.name) == "Stopped"
-        assert status(theirs.name) == "InProgress"
+        assert status(theirs.name) == status(another.name) == "InProgress"
         said = echo.getvalue()
         assert f"[{ours.name}] training job still running from before the run was resumed" in said
         assert f"[{ours.name}] ended Stopped" in said
-        assert theirs.name not in said
+        assert theirs.name not in said and another.name not in said
         # What it billed is read once it has ended: its dead driver recorded nothing.
         assert [b["job"] for b in bill] == [ours.name] and bill[0]["billable_seconds"] >= 1
     finally:
-        emulator.client.stop_training_job(TrainingJobName=theirs.name)
+        for job in (theirs, another):
+            emulator.client.stop_training_job(TrainingJobName=job.name)
 
 
 def test_a_resume_that_cannot_list_the_runs_jobs_stops_before_any_job_starts(emulator, store):

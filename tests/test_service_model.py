@@ -14,10 +14,17 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import ConfigError, load_settings
-from pipeline.jobs import JOB_NAME_LIMIT, JOB_NAME_RE, KINDS, TUNING_JOB_NAME_LIMIT, job_name
+from pipeline.jobs import (
+    JOB_NAME_LIMIT,
+    JOB_NAME_RE,
+    KINDS,
+    TUNING_JOB_NAME_LIMIT,
+    job_name,
+    named_for,
+)
 from pipeline.paths import ExperimentTree
 from pipeline.plan import check_requests
-from pipeline.service_model import as_if_on_s3, check, refused, shape
+from pipeline.service_model import as_if_on_s3, check, job_name_part, refused, shape
 from pipeline.sources import Sources
 from pipeline.stages import build_jobs
 from pipeline.store import LocalStore
@@ -230,6 +237,39 @@ def test_names_that_shorten_alike_stay_distinct():
             assert "0003-tune" in name and "112248" in name
     # A name that fits is written out whole, without a hash.
     assert job_name("bbc", "0003", "train", "bow", stamp="112248") == "bbc-0003-train-bow-112248"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    experiment=st.text(st.sampled_from("abcXYZ019-_. "), min_size=1, max_size=70).filter(
+        lambda e: any(c.isalnum() for c in e)
+    ),
+    other=st.text(st.sampled_from("abcXYZ019-"), min_size=1, max_size=70),
+    run=st.integers(1, 9999),
+    models=st.lists(st.text(st.sampled_from("abc-019"), max_size=40), max_size=2),
+)
+def test_a_run_knows_every_name_it_gives_its_jobs_and_no_other_experiments(
+    experiment, other, run, models
+):
+    """What a resume lists by `-<run>-` (pipeline/backends/resuming.py) is taken for the run's
+    only where `named_for` says so: every name `job_name` gives it, shortened or not, a tuning
+    job's trials among them, and none of another experiment's, unless the names' parts agree
+    as far as the shortened one goes."""
+    label = f"{run:04d}"
+    for limit, case_sensitive in ((TUNING_JOB_NAME_LIMIT, False), (JOB_NAME_LIMIT, True)):
+        name = job_name(
+            experiment, label, "tune", *models, limit=limit, case_sensitive=case_sensitive
+        )
+        assert named_for(name, experiment, label), name
+        assert named_for(f"{name}-003-1f2e3d4c", experiment, label)  # a trial of it
+        assert not named_for(name, experiment, f"{run + 1:04d}")
+        theirs = job_name(other, label, "train", *models, limit=limit)
+        if job_name_part(other)[:1].lower() != job_name_part(experiment)[:1].lower():
+            assert not named_for(theirs, experiment, label), theirs
+    # Parts that agree as far as the shorter goes: the name is no proof, what it writes decides.
+    assert named_for("news-0003-train-bow-112248", "news-v2", "0003")
+    assert not named_for("news-v2-0003-train-bow-112248", "news", "0003")
+    assert not named_for("0003-train-bow-112248", "news", "0003")
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ from pipeline.backends.billing import billed, trials_billed
 from pipeline.backends.following import TERMINAL, Followed, Following
 from pipeline.backends.lost_create import identity, not_ours
 from pipeline.errors import PipelineError
-from pipeline.jobs import KINDS
+from pipeline.jobs import KINDS, named_for
 
 # CreateHyperParameterTuningJob's WarmStartConfig (HyperParameterTuningJobWarmStartConfig,
 # botocore's sagemaker service-2.json): "Minimum number of 1 item. Maximum number of 5 items."
@@ -80,10 +80,10 @@ def made_after(earlier: Earlier):
 
 
 def uncounted(backend, earlier: Earlier) -> list[tuple[str, str, bool]]:
-    """(kind, name, still running) of each job of the run (named with its label, writing
-    under its folder) that the run holds no bill of (`earlier.counted`): one left running,
-    and one that ended while no driver followed it; and ("pool", name, False) for each of its
-    training jobs that kept a warm pool the run holds no bill of (`earlier.pools`: a driver
+    """(kind, name, still running) of each job of the run (named for it, `jobs.named_for`,
+    and writing under its folder) that the run holds no bill of (`earlier.counted`): one left
+    running, and one that ended while no driver followed it; and ("pool", name, False) for each
+    of its training jobs that kept a warm pool the run holds no bill of (`earlier.pools`: a driver
     records it when the next training job ends). A tuning job's trials are its own: they stop
     with it, and its bill is theirs."""
     run, counted = backend.run, earlier.counted
@@ -96,6 +96,8 @@ def uncounted(backend, earlier: Earlier) -> list[tuple[str, str, bool]]:
         )
         for summary in summaries:
             name = summary[KINDS[kind].name_member]
+            if not named_for(name, run.experiment, run.label):
+                continue  # another experiment's run of this number: not described
             tuning += [name] if kind == "tuning" else []
             running = summary[KINDS[kind].status_member] not in TERMINAL
             if running or name not in counted:
@@ -246,6 +248,7 @@ def ended_tuning_jobs(backend, name: str, earlier: Earlier, request: dict) -> li
         s["HyperParameterTuningJobName"]
         for s in summaries
         if s["HyperParameterTuningJobName"] != name
+        and named_for(s["HyperParameterTuningJobName"], backend.run.experiment, backend.run.label)
         and s["HyperParameterTuningJobStatus"] in ("Completed", "Stopped")
     ]
     described = (backend.describe_job("tuning", n) for n in names)
