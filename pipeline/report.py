@@ -293,13 +293,19 @@ def where_to_open(store: Store, key: str, beside: Sequence[str] = ()) -> str:
     (a folder, or the emulated bucket over one); else a copy here of the one in S3, which no
     browser opens by its s3:// URI (the emulated backend's embedded S3 is gone once the
     driver ends), said with the original. The pages at `beside` (those it links to) are
-    copied with it, at the same places relative to it."""
-    import tempfile
+    copied with it, at the same places relative to it. The copies are kept in the user's
+    cache folder (smpipe/reports/<bucket>/<prefix>/<key>, each run's own), where the user
+    opens them after the command; never in the system's temporary folder, where nothing
+    would remove them."""
+    from pipeline.player.environment import user_cache_folder
 
     here = store.folder_of(key) or store.uri_of(key)
     if "://" not in here:
         return here
-    copies = Path(tempfile.gettempdir(), "smpipe-reports")
+
+    def copy_of(each: str) -> Path:  # bucket/prefix/key: another store's pages apart
+        return user_cache_folder("reports", store.uri_of(each).split("://", 1)[-1])
+
     for each in (key, *beside):
-        store.download_file(each, copies / each)
-    return f"{copies / key} (a copy of {here})"
+        store.download_file(each, copy_of(each))
+    return f"{copy_of(key)} (a copy of {here})"

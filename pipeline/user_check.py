@@ -160,8 +160,6 @@ def ask_checking_process(settings: Settings, trains: bool) -> dict:
 # Set (to anything) to check the user functions again although a pass of this very check is
 # kept: after a change outside them (the checkpoint folder load_model reads, say).
 CHECK_AGAIN = "SMPIPE_CHECK_AGAIN"
-# Where the passes are kept, in place of the user's cache folder (the tests' own, say).
-CHECK_CACHE = "SMPIPE_CHECK_CACHE"
 
 
 def installed(package: str) -> str:
@@ -193,7 +191,7 @@ def passed_before(settings: Settings, trains: bool = True) -> Path:
         sys.version,
         *(installed(name) for name in ("torch", "transformers", "peft", "accelerate")),
     )
-    return Path(os.environ.get(CHECK_CACHE) or user_cache_folder("user-check"), f"{key}.json")
+    return user_cache_folder("user-check", f"{key}.json")
 
 
 def model_settings(settings: Settings, trains: bool = True) -> dict[str, dict]:

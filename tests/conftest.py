@@ -42,20 +42,23 @@ if WORKERS > 1:
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-# The driver's kept passes of the user functions' check (pipeline/user_check.py) go in a folder
-# of this session's, not the user's cache: what a test checks does not outlive the suite.
-# Made once, by the process that finds none set: xdist's workers inherit the variable (a
-# mkdtemp in setdefault's argument made one more folder a worker, never removed).
-if "SMPIPE_CHECK_CACHE" not in os.environ:
-    os.environ["SMPIPE_CHECK_CACHE"] = tempfile.mkdtemp(prefix="smpipe-test-checks-")
-CHECKS = os.environ["SMPIPE_CHECK_CACHE"]
+# What smpipe keeps in the user's cache folder (pipeline/player/environment.py
+# `user_cache_folder`: the user functions' check passes, failed local jobs of an S3 store, copies
+# of S3 reports), and what the libraries keep there (datasets' csv cache, matplotlib's fonts),
+# goes in a folder of this session's: what a test leaves does not outlive the suite, nor reach
+# the user's ~/.cache. Made once, by the process that finds none made: xdist's workers inherit
+# the variables (a mkdtemp in setdefault's argument made one more folder a worker).
+if "SMPIPE_TEST_CACHE" not in os.environ:
+    os.environ["SMPIPE_TEST_CACHE"] = tempfile.mkdtemp(prefix="smpipe-test-cache-")
+    os.environ["XDG_CACHE_HOME"] = os.environ["SMPIPE_TEST_CACHE"]
+CACHE = os.environ["SMPIPE_TEST_CACHE"]
 
 
 def pytest_unconfigure(config):
-    if Path(CHECKS).name.startswith("smpipe-test-checks-"):  # this session's own, not one given
+    if not hasattr(config, "workerinput"):  # the session's own process: its workers are done
         import shutil
 
-        shutil.rmtree(CHECKS, ignore_errors=True)
+        shutil.rmtree(CACHE, ignore_errors=True)
     gc.freeze()  # the interpreter's last collection at exit then walks none of it
 
 

@@ -109,14 +109,19 @@ def test_plan_on_the_sagemaker_backend_needs_no_aws(tmp_path, monkeypatch, capsy
     assert "dry run: nothing was launched or written" in said
 
 
-def test_the_report_is_said_where_a_browser_opens_it(two_runs, bucket, capsys):
+def test_the_report_is_said_where_a_browser_opens_it(
+    two_runs, bucket, capsys, monkeypatch, tmp_path
+):
     """A local store's report by its file; one in S3 (or the emulated backend's embedded S3,
-    gone with the driver) as a copy here, beside its s3:// URI."""
+    gone with the driver) as a copy here, beside its s3:// URI, kept in the user's cache
+    folder under the bucket's name (never the system's temporary folder, where nothing would
+    remove it)."""
     from pathlib import Path
 
     from pipeline.report import where_to_open, write_report
     from pipeline.store import S3Store
 
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert cli.main(["report", str(two_runs), "2"]) == 0
     local = capsys.readouterr().out.strip().removeprefix("report of run 0002: ")
     assert Path(local).is_file() and "<html" in Path(local).read_text().lower()
@@ -128,3 +133,4 @@ def test_the_report_is_said_where_a_browser_opens_it(two_runs, bucket, capsys):
     copy, _, original = said.partition(" (a copy of ")
     assert original == f"{store.uri_of(key)})"
     assert Path(copy).read_bytes() == store.get_bytes(key)
+    assert Path(copy) == tmp_path / "cache" / "smpipe" / "reports" / bucket / "root" / key

@@ -319,3 +319,59 @@ def test_an_emulated_accounts_registry_outlives_each_command(tmp_path, aws_env):
     said = " ".join(local.stdout.split())  # as the terminal's width wrapped it
     assert f"no versions of model package group {group!r} in the local backend's registry" in said
     assert "--backend sagemaker or emulated lists another's" in said
+
+
+def test_two_calls_that_change_an_emulated_registry_at_once_keep_both(tmp_path, aws_env, caplog):
+    """moto's server answers each request in a thread of its own: a run's register and an
+    approve at the same moment keep the registry one after the other. The gap is widened: the
+    first keep's write of the new version takes a while, and the approval's keep starts
+    meanwhile; it must take that write for its own command's, not another command's."""
+    import threading
+    import time
+
+    from pipeline.backends.emulated import open_emulated_store
+    from pipeline.backends.emulated.account import KEEPER, REGISTRY, moto_records
+
+    path, settings = reviews_settings(
+        tmp_path, str(tmp_path / "store"), experiment={"BACKEND": "emulated"}
+    )
+    store = open_emulated_store(settings)
+    group = settings.registry.model_package_group
+    client = boto3.client("sagemaker", region_name="us-east-1")
+    client.create_model_package_group(ModelPackageGroupName=group)
+    [keeper] = KEEPER
+    version = f"{REGISTRY}{group}/0001.json"
+
+    class Slow:  # the store, whose first write of a version takes a while
+        def __init__(self, inner):
+            self.inner = inner
+
+        def create(self, key: str, data: bytes) -> bool:
+            time.sleep(0.5)
+            return self.inner.create(key, data)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    keeper.store = Slow(keeper.store)
+    KEEPER.clear()  # the calls below keep nothing themselves: the test's threads do
+    try:
+        arn = client.create_model_package(
+            ModelPackageGroupName=group,
+            InferenceSpecification={
+                "Containers": [{"Image": "smpipe:emulated", "ModelDataUrl": "s3://b/m.tar.gz"}]
+            },
+            ModelApprovalStatus="PendingManualApproval",
+        )["ModelPackageArn"]
+        registering = threading.Thread(target=keeper.keep)
+        registering.start()
+        time.sleep(0.2)  # inside the register's write
+        moto_records("us-east-1").model_packages[arn].model_approval_status = "Approved"
+        with caplog.at_level(logging.WARNING):
+            keeper.keep()  # the approve's
+        registering.join()
+    finally:
+        KEEPER[:] = [keeper]
+    assert "another command kept this version" not in caplog.text
+    kept = json.loads(store.get_bytes(version))
+    assert kept["request"]["ModelApprovalStatus"] == "Approved"

@@ -151,19 +151,13 @@ def test_a_datasetdict_of_one_split_is_its_rows_and_of_several_is_refused(store,
     """`load_dataset("csv", data_files=...)` returns a DatasetDict of one split, "train", as
     the datasets docs show: reconcile may return it. The user's own splits are refused, naming
     them: the pipeline makes its own."""
-    job, result = reconcile_job(store, tmp_path, """
-        import csv
-        import tempfile
-        from pathlib import Path
-
+    rows = tmp_path / "rows.csv"  # a file of the user's, which load_dataset reads
+    rows.write_text("id,text,label\n1,u,a\n2,v,b\n")
+    job, result = reconcile_job(store, tmp_path, f"""
         import datasets
 
         def reconcile(raw_dir):
-            rows = Path(tempfile.mkdtemp()) / "rows.csv"
-            with open(rows, "w", newline="") as f:
-                csv.writer(f).writerows([["id", "text", "label"], [1, "u", "a"], [2, "v", "b"]])
-            cache = str(rows.parent / "cache")  # not the home's cache of datasets
-            return datasets.load_dataset("csv", data_files=str(rows), cache_dir=cache), {}
+            return datasets.load_dataset("csv", data_files={str(rows)!r}), {{}}
     """)  # fmt: skip
     assert result.status == "Completed", result.failure_reason
     snapshot = json.loads(store.get_bytes(job.outputs["snapshot"] + "snapshot.json"))

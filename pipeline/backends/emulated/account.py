@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from datetime import UTC, datetime
 
 from pipeline.backends import moto_server
@@ -161,6 +162,10 @@ class AccountRegistry:
         self.store, self.region = store, region
         self.known: dict[str, bytes] = {}  # key -> what this command read or wrote there
         self.lost: set[str] = set()  # keys another command took first
+        # moto's server answers each request in a thread of its own: two calls that change the
+        # registry at once (a run's register beside an approve) keep it one after the other,
+        # else each would take the other's first write of a version for another command's.
+        self._keeping = threading.Lock()
 
     def restore_and_keep(self) -> None:
         KEEPER.clear()  # restoring changes the registry: no other store's is kept with it
@@ -221,13 +226,16 @@ class AccountRegistry:
             return None
 
     def keep(self) -> None:
-        jobs = moto_records(self.region)
-        for name in sorted(jobs.model_package_groups):
-            self._write(f"{REGISTRY}{name}/group.json", _text(self._group(jobs, name)))
-            made = [p for p in jobs.model_packages.values() if p.model_package_group_name == name]
-            for package in made:
-                key = f"{REGISTRY}{name}/{package.model_package_version:04d}.json"
-                self._write(key, _text(self._package(package)))
+        with self._keeping:
+            jobs = moto_records(self.region)
+            for name in sorted(jobs.model_package_groups):
+                self._write(f"{REGISTRY}{name}/group.json", _text(self._group(jobs, name)))
+                made = [
+                    p for p in jobs.model_packages.values() if p.model_package_group_name == name
+                ]
+                for package in made:
+                    key = f"{REGISTRY}{name}/{package.model_package_version:04d}.json"
+                    self._write(key, _text(self._package(package)))
 
     def _write(self, key: str, data: bytes) -> None:
         if self.known.get(key) == data or key in self.lost:
