@@ -91,18 +91,37 @@ def job_name(
     return joined(digest)
 
 
+# What `job_name` ends a name it shortened with: the stamp, then the whole name's hash.
+SHORTENED = re.compile(rf"-\d{{6}}-[0-9a-f]{{{DIGEST_LENGTH}}}$")
+
+
 def named_for(name: str, experiment: str, run: str) -> bool:
     """Whether `name` can be one `job_name` gave a job of this experiment's run: the
-    experiment's part, whole or cut from its end as `job_name` shortens it, then the run's. A
-    tuning job's trials are named after it ("This name is the prefix for the names of all
-    training jobs that this tuning job launches", HyperParameterTuningJobName in botocore's
-    sagemaker service-2.json). Compared without case: SageMaker compares a tuning job's name
-    so."""
+    experiment's part, then the run's. The part may be cut from its end only in a name
+    `job_name` shortened: one at its limit (or one under: a cut takes a hyphen with it) that
+    ends in the stamp and the hash. A tuning job's trials are named after it ("This name is the
+    prefix for the names of all training jobs that this tuning job launches",
+    HyperParameterTuningJobName in botocore's sagemaker service-2.json): a trial of a shortened
+    one begins with such a name. Another experiment whose part begins ours (`news` beside
+    `news-v2`) is then known by its name, unless its own was shortened into ours: its folder
+    decides (pipeline/backends/resuming.py).
+
+    Compared without case: SageMaker compares a tuning job's name so ("The name is not case
+    sensitive", ibid.), and has lowercased the names in its ARNs, which an IAM policy scoped
+    to an experiment's jobs matches (boto/boto3#4606, aws/sagemaker-experiments#172)."""
     part, lowered = job_name_part(experiment).lower(), name.lower()
     marker = f"-{job_name_part(run)}-".lower()
+    limits = (JOB_NAME_LIMIT, TUNING_JOB_NAME_LIMIT)
+    cut = any(
+        SHORTENED.search(lowered[:n])
+        for limit in limits
+        for n in (limit - 1, limit)
+        if len(lowered) >= n
+    )
     at = lowered.find(marker)
     while at > 0:
-        if part.startswith(lowered[:at]):
+        head = lowered[:at]
+        if head == part or (cut and part.startswith(head)):
             return True
         at = lowered.find(marker, at + 1)
     return False

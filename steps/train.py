@@ -225,8 +225,9 @@ def set_up(hp: dict, env: TrainingEnv) -> Job:
 def compile_options() -> dict:
     """Inductor's mix-order reduction (the layer-norm backward fused into one kernel, on GPUs)
     off. On an H200 (torch 2.11, BERT-base at 512 tokens, 256 rows a step, 2026-11-28) its two
-    kernels took 23% of the compiled step's device time; without it the step's kernels took
-    115 ms instead of 125, and MFU rose from 29.5% to 34.7% (docs/performance.md). Off, it
+    kernels (fused wherever allowed: its non-strict mode) took 23% of the compiled step's device
+    time; without it the step's kernels took 115 ms instead of 125, and MFU rose from 29.5% to
+    34.7% (docs/performance.md). Off, it
     also checks no sizes on the batch's shape (torch/_inductor/scheduler.py,
     MixOrderReduction.can_fuse: rows x columns >= 5 * 2**20, rows >= 4096), each of which was a
     guard that compiled the model anew as the padded width crossed it (the same H200, 128

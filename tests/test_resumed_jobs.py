@@ -164,15 +164,15 @@ def test_a_resumed_run_stops_the_jobs_its_driver_left_running_and_no_other(store
         hyperparameters={"model_name": "probe", "hang": "1"},
         sagemaker_output="elsewhere/jobs/training/",
     )
-    another = probe_training(
-        f"other-{RUN.label}-train-probe-100000",
+    another = probe_training(  # experiment `prob`: its part begins ours, `probe`
+        f"prob-{RUN.label}-train-probe-100000",
         hyperparameters={"model_name": "probe", "hang": "1"},
-        sagemaker_output=f"other/runs/{RUN.label}/jobs/training/",
+        sagemaker_output=f"prob/runs/{RUN.label}/jobs/training/",
     )
     dead = backend(emulator)
     for job in (ours, theirs, another):
         emulator.client.create_training_job(**dead.request(job))
-    # IAM scoped to one experiment's jobs (arn:...:training-job/other-*) refuses the rest.
+    # IAM scoped to one experiment's jobs (arn:...:training-job/probe-*) refuses the rest.
     denied = f"not authorized to perform: sagemaker:DescribeTrainingJob on {another.name}"
 
     def refuse(params, **_):  # params: the request as sent, its JSON body among them
@@ -319,25 +319,31 @@ def ended(emulator, kind: str, name: str) -> dict:
         time.sleep(0.2)
 
 
+@pytest.mark.parametrize("sent", [False, True], ids=["before-its-request-left", "after"])
 def test_ctrl_c_while_a_resume_asks_the_first_job_to_stop_stops_the_others_too(
-    store, emulator, inputs
+    store, emulator, inputs, sent
 ):
-    """Ctrl-C right after the resume asked the first job left running to stop: the others
-    are asked too, as the driver's own jobs are on Ctrl-C, and none runs on unbilled."""
-    left = left_running(emulator, "12500")
+    """Ctrl-C while the resume asks the first job left running to stop, before its request
+    left or after: the driver cannot tell which, so that one is asked again, and the others
+    are asked too, as the driver's own jobs are on Ctrl-C; none runs on unbilled."""
+    left = left_running(emulator, "12500" if sent else "12600")
     resuming = backend(emulator)
-    stop, stopped = resuming.stop_job, []
+    stop, stopped, cut = resuming.stop_job, [], []
 
     def stopping(name, kind):
+        if not sent and not cut:
+            cut.append(name)
+            raise KeyboardInterrupt  # lands before the first stop's request left
         stop(name, kind)
         stopped.append(name)
-        if len(stopped) == 1:
+        if sent and len(stopped) == 1:
             raise KeyboardInterrupt  # lands just after the first stop was asked
 
     resuming.stop_job = stopping
     with pytest.raises(KeyboardInterrupt):
         resuming.resumed(Earlier(STARTED))
-    assert stopped == [job.name for job in left]  # each asked once
+    first, *others = [job.name for job in left]
+    assert stopped == [first, first, *others] if sent else [first, *others]
     for job in left:
         assert ended(emulator, "training", job.name)["TrainingJobStatus"] == "Stopped"
     assert {j["job"] for j in resuming.unbilled} == {job.name for job in left}

@@ -239,22 +239,35 @@ def test_names_that_shorten_alike_stay_distinct():
     assert job_name("bbc", "0003", "train", "bow", stamp="112248") == "bbc-0003-train-bow-112248"
 
 
-@settings(max_examples=300, deadline=None)
+EXPERIMENTS = st.text(st.sampled_from("abcXYZ019-_. "), min_size=1, max_size=70).filter(
+    lambda e: any(c.isalnum() for c in e)
+)
+
+
+@st.composite
+def another_experiment(draw, experiment: st.SearchStrategy = EXPERIMENTS) -> tuple[str, str]:
+    """(ours, another's): the other free, or one whose part begins ours, or ours begins its."""
+    ours = draw(experiment)
+    extra = draw(st.text(st.sampled_from("abcXYZ019-"), min_size=1, max_size=30))
+    cut = draw(st.integers(1, max(1, len(ours) - 1)))
+    other = draw(st.sampled_from([extra, ours[:cut], f"{ours}-{extra}", f"{ours}{extra}"]))
+    return ours, other
+
+
+@settings(max_examples=400, deadline=None)
 @given(
-    experiment=st.text(st.sampled_from("abcXYZ019-_. "), min_size=1, max_size=70).filter(
-        lambda e: any(c.isalnum() for c in e)
-    ),
-    other=st.text(st.sampled_from("abcXYZ019-"), min_size=1, max_size=70),
+    pair=another_experiment(),
     run=st.integers(1, 9999),
     models=st.lists(st.text(st.sampled_from("abc-019"), max_size=40), max_size=2),
 )
-def test_a_run_knows_every_name_it_gives_its_jobs_and_no_other_experiments(
-    experiment, other, run, models
-):
+def test_a_run_knows_every_name_it_gives_its_jobs_and_no_other_experiments(pair, run, models):
     """What a resume lists by `-<run>-` (pipeline/backends/resuming.py) is taken for the run's
     only where `named_for` says so: every name `job_name` gives it, shortened or not, a tuning
-    job's trials among them, and none of another experiment's, unless the names' parts agree
-    as far as the shortened one goes."""
+    job's trials among them; and none of another experiment's, whose part begins ours or ours
+    begins its (`news` beside `news-v2`), unless its name was shortened into a beginning of
+    ours. Every name is described by a resume that takes it, which a role scoped to its own
+    experiment's jobs may be refused."""
+    experiment, other = pair
     label = f"{run:04d}"
     for limit, case_sensitive in ((TUNING_JOB_NAME_LIMIT, False), (JOB_NAME_LIMIT, True)):
         name = job_name(
@@ -263,13 +276,36 @@ def test_a_run_knows_every_name_it_gives_its_jobs_and_no_other_experiments(
         assert named_for(name, experiment, label), name
         assert named_for(f"{name}-003-1f2e3d4c", experiment, label)  # a trial of it
         assert not named_for(name, experiment, f"{run + 1:04d}")
-        theirs = job_name(other, label, "train", *models, limit=limit)
-        if job_name_part(other)[:1].lower() != job_name_part(experiment)[:1].lower():
+        if job_name_part(other).lower() == job_name_part(experiment).lower():
+            continue  # one experiment's name to SageMaker, whose names ignore case
+        theirs = job_name(other, label, "train", *models, limit=limit, stamp="112248")
+        whole = job_name(other, label, "train", *models, limit=10_000, stamp="112248")
+        if theirs == whole:  # not shortened: its part is whole, and not ours
             assert not named_for(theirs, experiment, label), theirs
-    # Parts that agree as far as the shorter goes: the name is no proof, what it writes decides.
-    assert named_for("news-0003-train-bow-112248", "news-v2", "0003")
+        elif named_for(theirs, experiment, label):  # shortened into a beginning of ours
+            head = theirs[: theirs.lower().find(f"-{label}-")].lower()
+            assert job_name_part(experiment).lower().startswith(head), theirs
+
+
+def test_another_experiments_name_is_known_unless_shortened_into_ours():
+    """Fixed cases of the rule above: the name is proof where nothing was cut from it."""
+    assert not named_for("news-0003-train-bow-112248", "news-v2", "0003")
     assert not named_for("news-v2-0003-train-bow-112248", "news", "0003")
     assert not named_for("0003-train-bow-112248", "news", "0003")
+    assert not named_for("prob-0003-train-probe-100000", "probe", "0003")
+    assert named_for("PROBE-0003-train-probe-100000", "probe", "0003")  # case: one name
+    # Another experiment's long name cut at 63 characters into a beginning of ours: only its
+    # folder tells them apart.
+    long = "news-classification-of-articles-by-topic-in-the-bbc-corpus"
+    theirs = job_name(long, "0003", "train", "bow", stamp="112248")
+    assert theirs == "news-classification-of-articles-by-0003-train-bow-112248-97ca59"
+    assert named_for(theirs, "news-classification-of-articles-by-bbc", "0003")
+    assert not named_for(theirs, "news-classification-of-articles", "0003")  # longer than ours
+    # A tuning job cut to 32 characters, and its trials; `news` is all its name keeps.
+    tuning = job_name(long, "0003", "tune", "bow", limit=TUNING_JOB_NAME_LIMIT, stamp="112248")
+    assert tuning == "news-0003-tune-bow-112248-a3ed83"
+    assert named_for(tuning, long, "0003") and named_for(f"{tuning}-007-0a1b2c3d", long, "0003")
+    assert named_for(tuning, "news-v2", "0003") and not named_for(tuning, "nexus", "0003")
 
 
 @pytest.mark.parametrize(

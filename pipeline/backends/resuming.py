@@ -14,9 +14,10 @@ warm start instead (`warm_start`): the developer guide names "the previous hyper
 tuning job was stopped early or stopped unexpectedly" among its reasons
 (automatic-model-tuning-warm-start.html).
 
-A job is the run's when its name carries the run's label (jobs.job_name keeps it whole:
-"<experiment>-<run>-<step>-...") and it writes under the run's folder: the account holds every
-experiment's run of that number, from every store.
+A job is the run's when its name is one jobs.job_name gives this experiment's run
+("<experiment>-<run>-<step>-...": jobs.named_for), so that no other experiment's job is
+described, and it writes under the run's folder: the account holds every experiment's run of
+that number, from every store.
 """
 
 from __future__ import annotations
@@ -173,8 +174,8 @@ def resumed(backend, earlier: Earlier) -> list[dict]:
     try:
         for kind, name in left:  # every one asked first: none bills on while another drains
             backend.say(name, f"{kind} job still running from before the run was resumed: stopping")
-            asked.append((kind, name))  # asked once, even if Ctrl-C lands in the call
             backend.stop_job(name, kind)
+            asked.append((kind, name))  # a Ctrl-C in the call may land before its request left
         for kind, name in left:
             following = Following(backend, kind, name, time.time())
             following.logs_off = True  # its log so far is SageMaker's, read where it is
@@ -190,10 +191,10 @@ def resumed(backend, earlier: Earlier) -> list[dict]:
             elif bill and job["job"] not in named:
                 backend.say(job["job"], "ended while no driver followed it: its bill read now")
     except BaseException:  # Ctrl-C: each is asked to stop, as the driver's own jobs are
-        for kind, name in left:
+        backend.unbilled += waiting  # none is billed yet; said first, should another Ctrl-C come
+        for kind, name in left:  # the one whose call was cut, again: asking twice is harmless
             if (kind, name) not in asked:
                 backend.stop_job(name, kind)
-        backend.unbilled += waiting  # none is billed yet
         raise
     backend.unbilled += [job for job in waiting if job not in read]
     return bills
