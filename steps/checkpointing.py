@@ -60,6 +60,11 @@ class OtherMethod(Unresumable):
     processes another way (DISTRIBUTED_STRATEGY)."""
 
 
+class OtherTraining(Unresumable):
+    """The checkpoints were written by a job of other hyperparameters (SAME_ON_RESUME): two
+    jobs given one checkpoint folder (a job cloned with its CheckpointConfig S3Uri)."""
+
+
 @dataclass
 class State:
     """The whole training state, after Composer's State."""
@@ -83,6 +88,8 @@ class State:
     )  # this epoch's loss sum, batches
     best_metric: float | None = None
     best_epoch: int | None = None
+    # The hyperparameters that make this training the one it is (SAME_ON_RESUME), as typed.
+    training: dict = field(default_factory=dict)
 
     @property
     def sharded(self) -> bool:
@@ -130,6 +137,7 @@ class State:
             "sampler": self.sampler.state_dict(),
             "seed": self.seed,
             "run_name": self.run_name,
+            "training": self.training,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -146,6 +154,7 @@ class State:
                     f"the checkpoints were written with {setting} = {written} and this job has "
                     f"{setting} = {mine}: resume with {setting} = {written}, or start a new run"
                 )
+        self.check_same_training(state.get("training") or {})  # none before it was recorded
         # The sampler, then every key and shape, are checked before the model is touched: a
         # foreign checkpoint fails without leaving a half-loaded model behind (the previous one
         # is tried next). With FSDP, the model and optimizer load from the shards after this
@@ -163,6 +172,19 @@ class State:
         if self.sampler.resharded:  # the same optimizer step in this world's micro-batches
             steps = state["batch_in_epoch"] // state["sampler"]["accumulation"]
             self.batch_in_epoch = steps * self.sampler.accumulation
+
+    def check_same_training(self, written: dict) -> None:
+        """Refuse checkpoints whose training had other hyperparameters, naming each."""
+        differ = [k for k in self.training if k in written and written[k] != self.training[k]]
+        if differ:
+            theirs = ", ".join(f"{k} = {written[k]!r}" for k in differ)
+            mine = ", ".join(f"{k} = {self.training[k]!r}" for k in differ)
+            raise OtherTraining(
+                f"the checkpoints were written by another training ({theirs}; this job has "
+                f"{mine}): two jobs were given one checkpoint folder. Give this job a "
+                "checkpoint location of its own (CheckpointConfig S3Uri), or resume with the "
+                "same hyperparameters"
+            )
 
 
 def rng_state() -> dict:

@@ -161,6 +161,21 @@ DEFAULTS = {h.name: h.default for h in TABLE if h.default is not None}
 # The names a tuning job may search over: the ones that change how a model learns (a test
 # checks that each one does).
 TUNABLE = tuple(h.name for h in TABLE if h.tunable)
+# What makes a training the one its checkpoints were written by: the tunable ones change how
+# a model learns (above), and these say what trains, on which rows in which order, for how
+# long. A job resumes only checkpoints written with the same values (steps/checkpointing.py):
+# another's, in a checkpoint folder two jobs share, would hand back that job's model as this
+# one's. The rest may change across a resume (the processes, the precision, checkpointing).
+SAME_ON_RESUME = (
+    "model_name",
+    *TUNABLE,
+    "max_steps",
+    "seed",
+    "finetuning",
+    "lora_dropout",
+    "lora_target_modules",
+    "group_by_length",
+)
 # [training.<model>] may change how one model learns; the rest is shared by every model
 # (one job shape, one checkpointing).
 PER_MODEL = tuple(h.name for h in TABLE if h.per_model)

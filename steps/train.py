@@ -30,7 +30,7 @@ from steps.batching import Batches, read_inputs, read_split
 from steps.best_model import best_model, keep_model
 from steps.export import logits_of
 from steps.finetuning import Finetuning, check_blocks, prepare, skeleton
-from steps.hyperparameters import parse_hyperparameters
+from steps.hyperparameters import LORA_ONLY, SAME_ON_RESUME, parse_hyperparameters
 from steps.metrics import metric_line
 from steps.precision import Precision, low_precision_said, trained_weights_in_fp32
 from steps.prepared_files import read_encoding
@@ -132,6 +132,11 @@ def training_state(accelerator, model, optimizer, scheduler, sampler, hp, env) -
         seed=hp["seed"],
         run_name=env.job_name,
         scaler=accelerator.scaler,
+        training={  # LoRA's own only where it trains: nothing else reads them
+            name: hp[name]
+            for name in SAME_ON_RESUME
+            if hp["finetuning"] == "lora" or name not in LORA_ONLY
+        },
     )
 
 

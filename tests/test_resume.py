@@ -483,22 +483,31 @@ def test_a_job_resumed_with_another_number_of_processes_goes_on_from_the_same_st
     assert all(0 < h["train_loss"] < 5 for h in history), history
 
 
-def test_a_resume_with_another_finetuning_method_is_refused_naming_both(tmp_path, channels, warm):
-    """Checkpoints of full finetuning resumed with FINETUNING = lora (or back): the job stops
-    before its first step and says both, never trains from step 1 on the older checkpoints'
-    failure."""
-    root, env = job_root(tmp_path, channels, {**HPS, "epochs": "1"})
+def test_a_resume_of_another_method_or_training_is_refused_naming_both(tmp_path, channels, warm):
+    """Checkpoints of full finetuning resumed with FINETUNING = lora (or back), or by a job of
+    other hyperparameters given the same checkpoint folder (a job cloned with its
+    CheckpointConfig): the job stops before its first step and says both, never hands back the
+    other training's model as its own, nor trains from step 1 on the checkpoints' failure."""
+    hps = {**HPS, "epochs": "1"}
+    root, env = job_root(tmp_path, channels, hps)
     run_to_end(env, warm=warm)
     assert list((root / "checkpoints").glob("ckpt-*"))
-    (root / "input/config/hyperparameters.json").write_text(json.dumps({**LORA, "epochs": "1"}))
-    proc = start(env, processes=1, warm=warm)
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode != 0
-    assert (
-        "the checkpoints were written with FINETUNING = full and this job has FINETUNING = lora"
-        in out
-    ), out[-3000:]
-    assert "step=1/" not in out
+    config = root / "input/config/hyperparameters.json"
+    for asked, said in (
+        ({**LORA, **hps}, "were written with FINETUNING = full and this job has FINETUNING = lora"),
+        (
+            {**hps, "epochs": "2", "learning_rate": "1e-05"},
+            f"were written by another training (epochs = 1, learning_rate = "
+            f"{float(HPS['learning_rate'])!r}; this job has epochs = 2, learning_rate = 1e-05): "
+            "two jobs were given one checkpoint folder",
+        ),
+    ):
+        config.write_text(json.dumps(asked))
+        proc = start(env, processes=1, warm=warm)
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode != 0
+        assert said in " ".join(out.split()), out[-3000:]
+        assert "step=1/" not in out and "resumed from" not in out
 
 
 CHANGED = {"epochs": "2", "learning_rate": "0.02", "batch_size": "4", "warmup_ratio": "0.4",
