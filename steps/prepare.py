@@ -451,6 +451,29 @@ def check_cut(lengths, max_length: int, where: str) -> None:
         )
 
 
+def empty_texts(dataset: datasets.Dataset, columns: list[str]) -> list[str]:
+    """Each text column encode reads whose rows hold no text (empty or only spaces: a pandas
+    `fillna("")` makes them): such a row is trained and tested on as an empty input, which
+    `smpipe predict` refuses (steps/predict.py); named by id, or by row where there is none."""
+    table = dataset.with_format("arrow")
+    names = table["id"] if "id" in dataset.column_names else None
+    said = []
+    for column in columns:
+        blank = pc.fill_null(
+            pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(table[column])), 0), False
+        )
+        rows = np.flatnonzero(np.asarray(blank))
+        if len(rows):
+            shown = [str(names[int(r)]) if names is not None else f"row {r}" for r in rows[:10]]
+            more = f" and {len(rows) - 10} more" if len(rows) > 10 else ""
+            said.append(
+                f"{len(rows)} row(s) with no text in column {column!r} ({', '.join(shown)}{more}):"
+                " each is trained and tested on as an empty input, which `smpipe predict` "
+                "refuses; reconcile may drop them"
+            )
+    return said
+
+
 def main() -> None:
     args = parse_args()
     functions = load_user_functions(os.environ[names.USER_FUNCTIONS_VARIABLE])
@@ -477,6 +500,9 @@ def main() -> None:
         dataset, inputs[model_name], encoded[model_name] = encode_for(
             dataset, functions, model_name, args.max_length, given
         )
+    read = {c for record in encoded.values() for c in record["reads"] if c not in record["kinds"]}
+    for line in empty_texts(snapshot, sorted(read)):
+        print(f"warning: {line}")
     sizes = {}
     for name, indices in splits.items():
         part = dataset.select(indices)

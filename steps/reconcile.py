@@ -10,11 +10,13 @@ Outputs: snapshot  the reconciled rows (datasets save_to_disk) and snapshot.json
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import math
 import os
 import re
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -135,7 +137,32 @@ def check_result(result, module: str, labelled: bool = True) -> tuple[datasets.D
     return dataset, dropped
 
 
+@contextlib.contextmanager
+def datasets_cache_of_the_job():
+    """datasets' cache, for what the user's reconcile loads, in a folder of the job's removed
+    with it: `load_dataset` writes an Arrow copy of the files it reads, named by their path,
+    which on a local job is new each run, so in the user's ~/.cache/huggingface a copy would be
+    added by every run and never read again (in a container it goes with the container). The
+    job root where a player placed one (removed with it, a killed job's too), else the
+    container's temporary folder. An HF_DATASETS_CACHE the user set is theirs."""
+    if "HF_DATASETS_CACHE" in os.environ:
+        yield
+        return
+    where = os.environ.get(names.ML_ROOT_VARIABLE)  # None in a container: its own /tmp
+    with tempfile.TemporaryDirectory(prefix="datasets-cache-", dir=where) as folder:
+        before, datasets.config.HF_DATASETS_CACHE = datasets.config.HF_DATASETS_CACHE, Path(folder)
+        try:
+            yield
+        finally:
+            datasets.config.HF_DATASETS_CACHE = before
+
+
 def main() -> None:
+    with datasets_cache_of_the_job():
+        reconcile_snapshot()
+
+
+def reconcile_snapshot() -> None:
     parse(RECONCILE)  # none: a stray argument is refused, not ignored
     raw_dir = processing_input("raw")
     snapshot_dir = processing_output("snapshot")
@@ -177,7 +204,8 @@ def main() -> None:
     (snapshot_dir / "snapshot.json").write_text(json.dumps(info, indent=2))
 
     print(f"reconciled {len(dataset)} rows, labels {label_counts}")
-    for line in unmeant(dataset, labels):
+    integers = getattr(feature, "dtype", "").startswith(("int", "uint"))
+    for line in unmeant(dataset, labels, integers):
         print(f"warning: {line}")
     for reason, count in dropped_counts.items():
         if count:
@@ -196,11 +224,19 @@ def main() -> None:
     )
 
 
-def unmeant(dataset: datasets.Dataset, labels: list[str]) -> list[str]:
+def unmeant(dataset: datasets.Dataset, labels: list[str], integers: bool = False) -> list[str]:
     """What the snapshot keeps as reconcile returned it, which a user may not mean: ids that
     name more than one row, labels with spaces around them (a class of their own, and a
-    column of predict's output named so)."""
+    column of predict's output named so), and an integer label -1: a class here, but "no
+    label" to datasets (a ClassLabel's -1, which is dropped here as blank; the GLUE data sets'
+    unlabelled test rows carry it)."""
     said = []
+    if integers and "-1" in labels:
+        rows = collections.Counter(dataset["label"])["-1"]
+        said.append(
+            f"label -1 ({rows} rows) is a class of its own; datasets marks a row with no label "
+            "-1: if these rows have none, reconcile may drop them"
+        )
     if "id" in dataset.column_names:
         ids = collections.Counter(str(i) for i in dataset["id"] if i is not None)
         twice = [i for i, n in ids.items() if n > 1]
@@ -223,10 +259,11 @@ def reconcile_new(raw_dir: str, module: str, out: str) -> None:
     labels or none, in a process of its own; its rows to `out` (parquet), and what it dropped
     to `out`.json. A label it returns is ignored: the model predicts one."""
     functions = load_user_functions(module)
-    dataset, dropped = check_result(
-        call(functions, "reconcile", Path(raw_dir)), functions.module, labelled=False
-    )
-    dataset.remove_columns([c for c in ("label",) if c in dataset.column_names]).to_parquet(out)
+    with datasets_cache_of_the_job():
+        returned = call(functions, "reconcile", Path(raw_dir))
+        dataset, dropped = check_result(returned, functions.module, labelled=False)
+        dataset = dataset.remove_columns([c for c in ("label",) if c in dataset.column_names])
+        dataset.to_parquet(out)
     counts = {reason: len(ids) for reason, ids in dropped.items() if ids}
     listed = {reason: sorted(map(str, ids))[:100] for reason, ids in dropped.items() if ids}
     Path(f"{out}.json").write_text(json.dumps({"dropped": counts, "dropped_ids": listed}))

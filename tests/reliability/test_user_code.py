@@ -95,6 +95,26 @@ def test_ids_given_twice_and_labels_with_spaces_are_said(store, tmp_path):
     assert "warning: labels with spaces around them, each a class of its own: [' tech ']" in said
 
 
+def test_an_integer_label_minus_one_is_kept_as_a_class_and_said(store, tmp_path):
+    """-1 is "no label" to datasets (GLUE's unlabelled rows) but may be a class (sentiment's
+    -1, 0, 1): kept, in its place among the ids, and said; a ClassLabel's -1 is blank."""
+    job, result = reconcile_job(store, tmp_path, """
+        import datasets
+
+        def reconcile(raw_dir):
+            rows = {"id": [1, 2, 3, 4], "text": list("wxyz"), "label": [-1, 0, 1, -1]}
+            return datasets.Dataset.from_dict(rows), {}
+    """)  # fmt: skip
+    assert result.status == "Completed", result.failure_reason
+    snapshot = json.loads(store.get_bytes(job.outputs["snapshot"] + "snapshot.json"))
+    assert snapshot["labels"] == ["-1", "0", "1"]
+    said = " ".join(store.get_bytes(result.log_key).decode().split())
+    assert (
+        "warning: label -1 (2 rows) is a class of its own; datasets marks a row with no label "
+        "-1: if these rows have none, reconcile may drop them" in said
+    )
+
+
 @pytest.mark.parametrize(
     ("body", "says"),
     [
@@ -114,6 +134,40 @@ def test_labels_that_are_not_one_value_per_row_are_refused_naming_reconcile(
     """)  # fmt: skip
     assert result.status == "Failed"
     assert "odd_functions.reconcile" in result.failure_reason and says in result.failure_reason
+    assert not is_complete(store, job.outputs["snapshot"])
+
+
+def test_a_user_function_that_raises_from_another_error_names_the_cause_in_the_jobs_message(
+    store, tmp_path
+):
+    """As datasets' load_dataset("csv") of a cp1252 file does: a wrapper error whose message
+    says nothing, raised from the UnicodeDecodeError that says what is wrong (itself raised
+    while pandas handled its fast path's error). The job's message (ExitMessage, and the
+    terminal) names that cause too, not only the log's traceback."""
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw/news.csv").write_bytes("id,text\n1,café\n".encode("cp1252"))
+    job, result = reconcile_job(store, tmp_path, """
+        from pathlib import Path
+
+        class DatasetGenerationError(Exception):
+            pass
+
+        def reconcile(raw_dir):
+            try:
+                try:  # as pandas does: a fast path's error, handled by the slow path
+                    raise ValueError("Invalid UTF8 sequence at string index 60")
+                except ValueError:
+                    (Path(raw_dir) / "news.csv").read_text(encoding="utf-8")
+            except Exception as e:
+                said = "An error occurred while generating the dataset"
+                raise DatasetGenerationError(said) from e
+    """)  # fmt: skip
+    assert result.status == "Failed"
+    assert (
+        "user function odd_functions.reconcile raised DatasetGenerationError: An error occurred "
+        "while generating the dataset (caused by UnicodeDecodeError: 'utf-8' codec can't decode "
+        "byte 0xe9 in position 13: invalid continuation byte)"
+    ) in result.failure_reason
     assert not is_complete(store, job.outputs["snapshot"])
 
 
@@ -147,10 +201,14 @@ def test_a_reconcile_that_drops_every_row_says_what_it_dropped(store, tmp_path):
     )
 
 
-def test_a_datasetdict_of_one_split_is_its_rows_and_of_several_is_refused(store, tmp_path):
+def test_a_datasetdict_of_one_split_is_its_rows_and_of_several_is_refused(
+    store, tmp_path, monkeypatch
+):
     """`load_dataset("csv", data_files=...)` returns a DatasetDict of one split, "train", as
     the datasets docs show: reconcile may return it. The user's own splits are refused, naming
-    them: the pipeline makes its own."""
+    them: the pipeline makes its own. The Arrow copy load_dataset makes goes with the job,
+    never to the user's cache of datasets (a local job's path is new each run: a copy a run)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the user's cache folder
     rows = tmp_path / "rows.csv"  # a file of the user's, which load_dataset reads
     rows.write_text("id,text,label\n1,u,a\n2,v,b\n")
     job, result = reconcile_job(store, tmp_path, f"""
@@ -162,6 +220,7 @@ def test_a_datasetdict_of_one_split_is_its_rows_and_of_several_is_refused(store,
     assert result.status == "Completed", result.failure_reason
     snapshot = json.loads(store.get_bytes(job.outputs["snapshot"] + "snapshot.json"))
     assert snapshot["label_counts"] == {"a": 1, "b": 1}
+    assert not list((tmp_path / "cache").rglob("*.arrow"))
     job, result = reconcile_job(store, tmp_path, """
         import datasets
 
