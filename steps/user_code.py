@@ -53,6 +53,31 @@ def _signature(name: str, params: tuple[str, ...]) -> str:
     return f"{name}({', '.join(params)})"
 
 
+def signature_problem(fn: Callable, name: str, params: tuple[str, ...]) -> str | None:
+    """Why `fn` cannot be called as the steps call it (`call` below: the contract's
+    arguments, all of them, by position, in order), or None. Parameters after them
+    with defaults, and *args/**kwargs, fit. The names are checked too: each argument given
+    to a named parameter must go to the one of its name, since a swap (label2id where id2label
+    goes) would be called without error and go wrong silently."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or extension Python cannot read: calling tells
+        return None
+    try:
+        bound = signature.bind(*params)
+    except TypeError:
+        bound = None
+    taken = [] if bound is None else list(bound.arguments)
+    kinds = {p.name: p.kind for p in signature.parameters.values()}
+    named = [k for k in taken if kinds[k] != inspect.Parameter.VAR_POSITIONAL]
+    if bound is not None and named == list(params[: len(named)]):
+        return None
+    return (
+        f"has the wrong signature {name}{signature}: expected {_signature(name, params)} "
+        "(called with these arguments, by position; a parameter after them needs a default)"
+    )
+
+
 def load_user_functions(module_name: str, search_path: str | None = None) -> UserFunctions:
     """Import the module and check every function; raise one error listing every problem."""
     if search_path and search_path not in sys.path:
@@ -91,16 +116,9 @@ def load_user_functions(module_name: str, search_path: str | None = None) -> Use
         if not callable(fn):
             problems.append(f"'{module_name}.{name}' is not a function")
             continue
-        got = tuple(
-            p.name
-            for p in inspect.signature(fn).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-        )
-        if got != params:
-            problems.append(
-                f"'{module_name}.{name}' has the wrong signature {_signature(name, got)}: "
-                f"expected {_signature(name, params)}"
-            )
+        problem = signature_problem(fn, name, params)
+        if problem:
+            problems.append(f"'{module_name}.{name}' {problem}")
         found[name] = fn
     if problems:
         raise UserFunctionError(problems, module_name)
@@ -118,9 +136,48 @@ def call(functions: UserFunctions, name: str, *args):
             "a user function must return (or raise), not end the process"
         ) from None
     except Exception as e:
-        raise RuntimeError(
-            f"user function {functions.module}.{name} raised {type(e).__name__}: {e}"
-        ) from e
+        raise RuntimeError(f"user function {functions.module}.{name} raised {raised(e)}") from e
+
+
+# The one-line message goes to the terminal and to the job's 1,024-character failure reason:
+# each text the user's code chose is cut, so that the cause still shows after a long message.
+MESSAGE_LIMIT = 400
+CAUSE_LIMIT = 300
+
+
+def raised(e: BaseException) -> str:
+    """`Type: message` of an exception, and of the innermost error it was raised from when
+    that differs: a library's wrapper (datasets' DatasetGenerationError around a
+    UnicodeDecodeError) says what went wrong only in its cause, which otherwise only the log's
+    traceback shows."""
+    said = f"{type(e).__name__}: {_cut(str(e), MESSAGE_LIMIT)}"
+    root = innermost_cause(e)
+    if root is e:
+        return said
+    cause = f"{type(root).__name__}: {_cut(' '.join(str(root).split()), CAUSE_LIMIT)}"
+    return said if cause == said else f"{said} (caused by {cause})"
+
+
+def innermost_cause(e: BaseException) -> BaseException:
+    """The innermost error `e` was raised from: `raise ... from` (__cause__) as deep as it
+    goes; the error being handled when one was raised (__context__, unless `from None` hid it)
+    only until a `from` is met. Below a named cause, a context is what the library that
+    raised it had handled on the way: pandas reading a cp1252 CSV raises the UnicodeDecodeError
+    that datasets names while handling pyarrow's ArrowInvalid of its fast path."""
+    seen, explicit = {id(e)}, False
+    while True:
+        below = e.__cause__
+        explicit = explicit or below is not None
+        if below is None and not explicit and not e.__suppress_context__:
+            below = e.__context__
+        if below is None or id(below) in seen:  # a chain can loop back on itself
+            return e
+        seen.add(id(below))
+        e = below
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def input_keys(functions: UserFunctions, model_name: str) -> list[str]:

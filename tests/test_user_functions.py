@@ -85,6 +85,58 @@ def test_missing_and_misshapen_functions_are_named(tmp_path):
         load_user_functions("no_such_module", str(tmp_path))
 
 
+def test_functions_with_defaults_or_star_args_are_accepted_since_the_steps_pass_every_argument(
+    tmp_path,
+):
+    """The steps call each function with all of the contract's arguments, by position
+    (steps/user_code.py `call`): parameters after them with defaults, and *args/**kwargs, fit."""
+    source = REVIEWS.replace(
+        "def encode(batch, tokenizer, model_name, max_length):",
+        "def encode(batch, tokenizer, model_name, max_length=128, *, lower=True):",
+    ).replace(
+        "def load_model(model_name, id2label, label2id):",
+        "def load_model(model_name, id2label=None, label2id=None, **options):",
+    )
+    source = source.replace("def load_tokenizer(model_name):", "def load_tokenizer(*args):")
+    source = source.replace("def reconcile(raw_dir):", "def reconcile(raw_dir, /, extra=None):")
+    name = write_module(tmp_path, "defaults_functions", source)
+    functions = load_user_functions(name, str(tmp_path))
+    assert functions.encode.__defaults__ == (128,)
+
+
+def test_every_signature_the_steps_cannot_call_is_refused_quoted_as_written(tmp_path):
+    """One error lists them all, each quoted as Python prints it (its defaults too); a swap of
+    names would be called without error, and is refused as well."""
+    source = REVIEWS.replace(
+        "def encode(batch, tokenizer, model_name, max_length):",
+        "def encode(batch, tokenizer, model_name, max_length=128, extra=None, *, strict):",
+    ).replace(
+        "def load_model(model_name, id2label, label2id):",
+        "def load_model(model_name, label2id, id2label=None):",
+    )
+    source = source.replace("def reconcile(raw_dir):", "def reconcile(**folders):")
+    name = write_module(tmp_path, "refused_functions", source)
+    with pytest.raises(UserFunctionError) as info:
+        load_user_functions(name, str(tmp_path))
+    message = str(info.value)
+    assert "3 problem(s)" in message
+    assert (
+        "'refused_functions.encode' has the wrong signature "
+        "encode(batch, tokenizer, model_name, max_length=128, extra=None, *, strict): "
+        "expected encode(batch, tokenizer, model_name, max_length) (called with these "
+        "arguments, by position; a parameter after them needs a default)"
+    ) in message
+    assert (
+        "'refused_functions.load_model' has the wrong signature "
+        "load_model(model_name, label2id, id2label=None): "
+        "expected load_model(model_name, id2label, label2id)"
+    ) in message
+    assert (
+        "'refused_functions.reconcile' has the wrong signature reconcile(**folders): "
+        "expected reconcile(raw_dir)"
+    ) in message
+
+
 def write_reviews(raw, n=90, seed=3):
     rng = random.Random(seed)
     words = {
@@ -146,6 +198,42 @@ def test_a_user_function_that_raises_fails_its_step_by_name(tmp_path):
     assert record["status"] == "failed" and record["steps"]["prepare"]["status"] == "failed"
     assert "train" not in record["steps"] and record["model_artifacts"] == {}
     assert not store.list_keys("reviews/data/0001/prepared/")  # nothing promoted
+
+
+def test_a_user_functions_error_names_the_error_it_was_raised_from_in_one_bounded_line():
+    """Raised while handling another (no `from`): that one is named; `from None` hides it; a
+    long message is cut so the cause still fits the job's 1,024-character message."""
+    from steps.user_code import UserFunctions, call
+
+    def lookup(raw_dir):
+        try:
+            {}["text"]
+        except KeyError:
+            if raw_dir == "hidden":
+                raise ValueError("no text column") from None
+            raise ValueError("no text column")  # noqa: B904 - the implicit chain is the case
+
+    def long(raw_dir):
+        try:
+            raise OSError("disk\nfull " + "x" * 2000)
+        except OSError as e:
+            raise ValueError("y" * 2000) from e
+
+    def functions(reconcile):
+        return UserFunctions("mine", reconcile, *[None] * 4)
+
+    with pytest.raises(RuntimeError) as info:
+        call(functions(lookup), "reconcile", "raw")
+    said = "user function mine.reconcile raised ValueError: no text column"
+    assert str(info.value) == f"{said} (caused by KeyError: 'text')"
+    with pytest.raises(RuntimeError) as info:
+        call(functions(lookup), "reconcile", "hidden")
+    assert str(info.value) == said
+    with pytest.raises(RuntimeError) as info:
+        call(functions(long), "reconcile", "raw")
+    message = str(info.value)
+    assert len(message) < 800 and "\n" not in message
+    assert "y... (caused by OSError: disk full xxx" in message and message.endswith("x...)")
 
 
 def test_a_module_this_machine_imports_but_no_run_ships_is_refused_naming_both_places(
