@@ -316,7 +316,9 @@ def user_peft_model(model: torch.nn.Module, name: str, module: str) -> dict:
 
 
 # The labels the check's models are built with: the real ones come from reconcile, later.
-CHECK_LABELS = {0: "LABEL_0", 1: "LABEL_1"}
+# Three, not two: a transformers model built without num_labels has two outputs (its
+# config's default), which two would not tell from one built for the labels it is given.
+CHECK_LABELS = {0: "LABEL_0", 1: "LABEL_1", 2: "LABEL_2"}
 # What transformers names a table of learned absolute positions: BERT's, RoBERTa's and
 # DistilBERT's `position_embeddings`, GPT-2's `wpe`, BART's and OPT's `embed_positions`.
 POSITION_TABLES = ("position_embeddings", "wpe", "embed_positions")
@@ -396,6 +398,8 @@ def check_models(functions, settings: dict[str, dict]) -> list[str]:
                     f"got {type(model).__name__} (MODEL_NAMES names {name!r})"
                 )
                 continue
+            if said := fixed_width(model, name, functions.module):
+                print(f"warning: {said}", flush=True)  # the driver's output (user_check.py)
             doing = f"calling {functions.module}.ordered_input_keys({name!r})"
             if hp.get("trains", True):  # a run of data steps alone may hold a stand-in model
                 problems += input_problems(functions, name, model)
@@ -422,6 +426,21 @@ def check_models(functions, settings: dict[str, dict]) -> list[str]:
         except Exception as e:  # noqa: BLE001 - the user's code, or PEFT on what it returned
             problems.append(f"model {name!r}: {doing} raised {type(e).__name__}: {e}")
     return problems
+
+
+def fixed_width(model: torch.nn.Module, name: str, module: str) -> str | None:
+    """What to say of a transformers model built with outputs of its own number whatever labels
+    `load_model` is given (its config's num_labels): `from_pretrained` without num_labels, as
+    a model's card loads it. Its training job fails unless the data has that many labels,
+    after the data steps and the models before it; a model of one's own is found by the job."""
+    width = getattr(getattr(model, "config", None), "num_labels", None)
+    if not isinstance(width, int) or width == len(CHECK_LABELS):
+        return None
+    return (
+        f"{module}.load_model({name!r}, ...) built a model of {width} outputs when given "
+        f"{len(CHECK_LABELS)} labels (its config.num_labels): its training job fails unless the "
+        f"data has {width} labels; pass num_labels=len(id2label) to from_pretrained"
+    )
 
 
 def trained_state(model: torch.nn.Module, method: str) -> dict[str, torch.Tensor]:

