@@ -128,14 +128,16 @@ def ask_checking_process(settings: Settings, trains: bool) -> dict:
     module = settings.experiment.user_functions
     env = check_env()
     # The request and the answer, in a folder the next driver removes if this one is killed
-    # before it can (job_root.py).
+    # before it can (job_root.py). The check runs in it, as every job runs in a folder of its
+    # own (a container's, or a job root here): a relative path in the user's code (`./model`)
+    # then fails here, naming load_model, not in the job after the data steps.
     folder = new_work_root("the user functions' check")
     try:
         request_file, answer_file = folder / "request.json", folder / "answer.json"
         request = {
             "module": module,
             "search_path": settings.base_dir,
-            "sys_path": sys.path,
+            "sys_path": [os.path.abspath(p) for p in sys.path],  # "": the driver's folder
             "env": env,
             "own": {name: str(path) for name, path in user_code(settings).items()},
             "models": model_settings(settings, trains),
@@ -248,6 +250,7 @@ def run_check(request_file: Path, answer_file: Path, env: dict[str, str], deadli
         [sys.executable, "-c", BOOTSTRAP, str(request_file)],
         stdin=subprocess.DEVNULL,
         env=env,
+        cwd=request_file.parent,  # a folder of its own, as a job's: see `ask_checking_process`
         start_new_session=True,  # the terminal's Ctrl-C is the driver's; killed as one below
     )
     return wait_for(child, deadline)
@@ -263,7 +266,7 @@ def forked_check(server, request_file: Path, env: dict[str, str]):
 
     project = str(Path(__file__).resolve().parents[1])
     argv = [sys.executable, "-m", "pipeline.user_check", str(request_file)]
-    child = server.start(argv, {**env, "PYTHONPATH": project}, os.getcwd())
+    child = server.start(argv, {**env, "PYTHONPATH": project}, str(request_file.parent))
     if not isinstance(child, WarmProcess):
         return None
     threading.Thread(target=pass_on, args=(child.stdout,), daemon=True).start()

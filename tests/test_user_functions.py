@@ -288,6 +288,32 @@ def test_a_model_name_load_model_does_not_know_is_refused_before_any_job(tmp_pat
     assert not (tmp_path / "store").exists()
 
 
+def test_a_relative_path_in_load_model_fails_in_the_check_as_it_would_in_the_job(
+    tmp_path, monkeypatch
+):
+    """`from_pretrained("./my_model")`, run from the project's folder: every job runs in a
+    folder of its own, where that path is not the project's, and so does the check, so the run
+    is refused before any job (not in prepare, after reconcile ran), naming load_model."""
+    write_module(tmp_path, "relative_functions", REVIEWS.replace(
+        "    return Tiny(len(id2label))",
+        "    assert Path('my_model').is_dir(), 'no ./my_model here'\n    return Tiny(len(id2label))"))  # fmt: skip
+    (tmp_path / "my_model").mkdir()
+    write_reviews(tmp_path / "raw")
+    path = write_settings(
+        tmp_path / "settings.ini", str(tmp_path / "store"),
+        experiment={"USER_FUNCTIONS": "relative_functions", "NAME": "reviews"},
+        data={"RAW_DATA": str(tmp_path / "raw")}, models={"MODEL_NAMES": "tiny"},
+    )  # fmt: skip
+    monkeypatch.chdir(tmp_path)  # the user's shell, in the project's folder
+    settings = load_settings(path, env={})
+    with pytest.raises(UserFunctionError) as info:
+        run_pipeline(settings, LocalStore(settings.store_uri()), parse_steps(None), echo=sys.stdout)
+    said = str(info.value)
+    assert "relative_functions.load_model('tiny', ...) on the meta device raised" in said, said
+    assert "no ./my_model here" in said
+    assert not (tmp_path / "store").exists()
+
+
 def test_the_positions_a_model_embeds_are_read_from_its_position_table():
     """Learned absolute positions: BERT's table as it is, RoBERTa's less the padding index its
     positions start past, GPT-2's `wpe`, BART's less its offset; none for rotary positions."""
