@@ -158,6 +158,9 @@ HYPERPARAMETERS: dict[str, Hyperparameter] = {h.name: h for h in TABLE}
 
 # What a job that is not given a hyperparameter gets (a request written by hand).
 DEFAULTS = {h.name: h.default for h in TABLE if h.default is not None}
+# What has no default: the driver sets it for every training job (section "run"), and a
+# training job without it cannot start (`parse_hyperparameters(..., required=True)`).
+REQUIRED = tuple(h.name for h in TABLE if h.default is None)
 # The names a tuning job may search over: the ones that change how a model learns (a test
 # checks that each one does).
 TUNABLE = tuple(h.name for h in TABLE if h.tunable)
@@ -210,10 +213,14 @@ def reserved_hyperparameters(raw: dict[str, object]) -> dict[str, object]:
     return {name: value for name, value in raw.items() if is_reserved(name)}
 
 
-def parse_hyperparameters(raw: dict[str, object]) -> dict[str, object]:
+def parse_hyperparameters(raw: dict[str, object], required: bool = False) -> dict[str, object]:
     """Cast the strings SageMaker hands over into their types, within their bounds; refuse
-    unknown names (the reserved ones above are left to `reserved_hyperparameters`)."""
-    problems = []
+    unknown names (the reserved ones above are left to `reserved_hyperparameters`) and, for a
+    training job (`required`), a REQUIRED one missing. ValueError listing every problem."""
+    missing = [name for name in REQUIRED if required and name not in raw]
+    problems = [
+        f"required hyperparameter {name!r} is missing from hyperparameters.json" for name in missing
+    ]
     values: dict[str, object] = dict(DEFAULTS)
     for name, value in raw.items():
         if is_reserved(name):

@@ -30,7 +30,7 @@ from steps.batching import Batches, read_inputs, read_split
 from steps.best_model import best_model, keep_model
 from steps.export import logits_of
 from steps.finetuning import Finetuning, check_blocks, prepare, skeleton
-from steps.hyperparameters import LORA_ONLY, SAME_ON_RESUME, parse_hyperparameters
+from steps.hyperparameters import LORA_ONLY, SAME_ON_RESUME
 from steps.metrics import metric_line
 from steps.precision import Precision, low_precision_said, trained_weights_in_fp32
 from steps.prepared_files import read_encoding
@@ -49,7 +49,7 @@ from steps.training_blocks import (
     loader_for,
     optimizer_for,
 )
-from steps.training_job import Job
+from steps.training_job import Job, job_hyperparameters
 from steps.training_report import (
     OUTSIDE_STEPS,
     peak_memory,
@@ -581,8 +581,7 @@ def training_function(hp: dict, env: TrainingEnv) -> None:
 def main() -> None:
     OUTSIDE_STEPS["start"] = seconds_before_main()
     env = training_env()
-    hp = parse_hyperparameters(env.hyperparameters)
-    training_function(hp, env)
+    training_function(job_hyperparameters(env), env)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from steps import checkpointing as ckpt
 from steps.batching import Batches
 from steps.finetuning import Finetuning
+from steps.hyperparameters import parse_hyperparameters
 from steps.runtime.environment import TrainingEnv
 from steps.sampler import ResumableBatchSampler
 from steps.training_blocks import StopCheck
@@ -57,3 +58,36 @@ class Job:
     tracking: concurrent.futures.Future | None = None  # wandb starting (start_tracking)
     # FSDP: the model on the meta device, on the main process, for the gathered final weights
     frame: torch.nn.Module | None = None
+
+
+# The channels steps/train.py reads: the splits prepare wrote, and its label map and encoding
+# (pipeline/stages.py sends them to every training job, with `code`).
+CHANNELS = ("train", "validation", "labels")
+
+
+def job_hyperparameters(env: TrainingEnv) -> dict:
+    """The job's hyperparameters, cast (steps/hyperparameters.py), once it is known to have
+    what it needs: ValueError listing every problem at once, each naming the hyperparameter or
+    channel, before anything is loaded. SageMaker writes a job's channels, InputDataConfig, to
+    inputdataconfig.json and each one's data to /opt/ml/input/data/<channel>
+    (your-algorithms-training-algo-running-container.html, Input Data Configuration, Training
+    Data); SM_CHANNELS names those inputdataconfig.json lists (steps/runtime/variables.py)."""
+    problems = []
+    try:
+        hp = parse_hyperparameters(env.hyperparameters, required=True)
+    except ValueError as e:
+        problems.append(str(e))
+    missing = [repr(c) for c in CHANNELS if c not in env.channels]
+    if missing:
+        has = ", ".join(sorted(env.channels)) or "none"
+        one = len(missing) == 1
+        problems.append(
+            f"channel{'' if one else 's'} {', '.join(missing)} {'is' if one else 'are'} missing "
+            f"from inputdataconfig.json (the job's channels: {has})"
+        )
+    for channel in CHANNELS:
+        if channel in env.channels and not env.channels[channel].is_dir():
+            problems.append(f"channel {channel!r} has no folder {env.channels[channel]}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return hp

@@ -533,6 +533,27 @@ def test_inputs_are_read_as_datasets_reads_them(tmp_path):
     ]
 
 
+def test_a_byte_order_mark_is_skipped_in_json_lines_as_in_csv(tmp_path):
+    """A UTF-8 BOM (Excel's, Notepad's) before the first JSON object: the first row is read
+    with its own id, as datasets' json loader reads it and as a CSV's is, and its columns and
+    the one-document check see past it; a later line not UTF-8 still costs its row only."""
+    from pipeline.predict.checks import check_files
+
+    jsonl = tmp_path / "bom.jsonl"
+    jsonl.write_bytes(
+        b'\xef\xbb\xbf{"id": "j1", "text": "one"}\r\n\n{"id": "j2", "text": "two"}\n'
+        b'{"text": "caf\xe9"}\n'
+    )
+    rows = list(read_rows(jsonl, "jsonl", ["text"]))
+    assert [(r["id"], r["text"], r["error"]) for r in rows] == [
+        ("j1", "one", None), ("j2", "two", None), (None, None, "line 4 is not UTF-8")]  # fmt: skip
+    assert check_files(jsonl, tmp_path / "out.csv", ["text"])[2] == []
+    document = tmp_path / "doc.jsonl"
+    document.write_bytes(b'\xef\xbb\xbf[{"text": "one"}]\n')
+    [problem] = check_files(document, tmp_path / "out.csv", ["text"])[2]
+    assert "is one JSON document; predict reads JSON Lines" in problem, problem
+
+
 def test_a_column_encode_read_as_a_number_is_given_as_one_from_every_format(tmp_path):
     """`n`, a column of whole numbers in the run's data that its encode read (encoding.json's
     kinds): a number from JSON Lines and Parquet, its text from CSV; a blank is a missing

@@ -48,6 +48,20 @@ SAID = ".csv, .tsv, .jsonl (.json, .ndjson: JSON Lines), .parquet"
 FOLDER = "folder"
 TEXT = "text"  # the column the `text` builder names, the one a folder of files gives
 SURROGATE = re.compile("[\udc80-\udcff]")  # bytes that were not UTF-8 (surrogateescape)
+# What bytes.isspace() counts as blank, and JSON's whitespace with it: a line of only these is no
+# row (str.isspace() would count Unicode's spaces too, which JSON does not).
+BLANK = " \t\n\r\x0b\x0c"
+
+
+def open_text(path: Path, newline: str, errors: str = "surrogateescape"):
+    """INPUT (a CSV, TSV or JSON Lines file) as text: the one place predict decodes one. UTF-8,
+    a byte order mark at its start skipped ("utf-8-sig"; Excel and Notepad write one), as
+    datasets reads each: csv through pandas, which skips it; json, whose loader strips a
+    leading BOM before pyarrow reads the lines (datasets/packaged_modules/json/json.py,
+    `_generate_tables`). Bytes that are not UTF-8 become surrogates (`SURROGATE`), so such a
+    row costs that row only. `newline`: "" for the csv module (its own quoting of line breaks),
+    "\n" for JSON Lines (lines end at LF only, a CR before it is JSON whitespace)."""
+    return open(path, encoding="utf-8-sig", errors=errors, newline=newline)
 
 
 def format_of(path: Path) -> str | None:
@@ -131,7 +145,7 @@ def input_columns(path: Path, kind: str) -> tuple[list[str], dict[str, str]]:
     if kind == FOLDER:
         return ([TEXT] if text_files(path) else []), {}
     if kind in ("csv", "tsv"):
-        with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
+        with open_text(path, "", errors="replace") as f:
             return next(csv.reader(f, delimiter="\t" if kind == "tsv" else ","), []), {}
     if kind == "parquet":
         try:
@@ -140,17 +154,17 @@ def input_columns(path: Path, kind: str) -> tuple[list[str], dict[str, str]]:
             raise ValueError(f"it is not a Parquet file ({e})") from None
         strings = (pa.string(), pa.large_string(), pa.string_view())
         return schema.names, {f.name: str(f.type) for f in schema if f.type not in strings}
-    with open(path, "rb") as f:
+    with open_text(path, "\n") as f:
         # The first character, before the first line is read whole: one JSON document may be
         # one line of gigabytes.
-        while (char := f.read(1)) and char.isspace():
+        while (char := f.read(1)) and char in BLANK:
             pass
-        if char == b"[":
+        if char == "[":
             raise ValueError(
                 "it is one JSON document; predict reads JSON Lines (one object per line), as "
                 "datasets' json loader reads .jsonl"
             )
-        first = char + f.readline() if char else b""
+        first = char + f.readline() if char else ""
     try:
         row = json.loads(first) if first else {}
     except ValueError as e:
@@ -207,7 +221,7 @@ def _row(id_, error: str | None, values: dict) -> dict:
 def _csv_rows(path: Path, columns: list[str], delimiter: str) -> Iterator[dict]:
     # A text may be longer than the csv module's default field limit (131,072 characters).
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
-    with open(path, newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
+    with open_text(path, "") as f:
         reader = csv.reader(f, delimiter=delimiter)
         header = next(reader, [])
         where = {name: i for i, name in enumerate(header)}
@@ -235,15 +249,15 @@ def _csv_rows(path: Path, columns: list[str], delimiter: str) -> Iterator[dict]:
 
 
 def _jsonl_rows(path: Path, columns: list[str], texts: list[str]) -> Iterator[dict]:
-    with open(path, "rb") as f:
-        for line, raw in enumerate(f, 1):
-            if not raw.strip():  # a blank line: no row
+    with open_text(path, "\n") as f:
+        for line, text in enumerate(f, 1):
+            if not text.strip(BLANK):  # a blank line: no row
                 continue
-            try:
-                row = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError:
+            if SURROGATE.search(text):
                 yield _row(None, f"line {line} is not UTF-8", {})
                 continue
+            try:
+                row = json.loads(text)
             except ValueError as e:
                 yield _row(None, f"line {line} is not JSON ({e})", {})
                 continue

@@ -24,11 +24,40 @@ class JobSetupError(RuntimeError):
 def read_config(path: Path) -> dict:
     """One of the JSON files SageMaker writes for the job, or why it cannot be read."""
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except OSError as e:
         raise JobSetupError(f"{path} cannot be read: {e.strerror or e}") from None
     except ValueError as e:
         raise JobSetupError(f"{path} is not valid JSON: {e}") from None
+    # Each is one JSON object: of names to values, channels or host facts
+    # (your-algorithms-training-algo-running-container.html; build-your-own-processing-
+    # container.html for processingjobconfig.json).
+    if not isinstance(config, dict):
+        raise JobSetupError(f"{path} holds a {type(config).__name__}, not a JSON object")
+    return config
+
+
+def resource_config(path: Path) -> tuple[dict, int]:
+    """A training job's resourceconfig.json, and this host's place among the job's hosts:
+    `current_host` is one of `hosts`, the names of every host of the job, sorted
+    (your-algorithms-training-algo-running-container.html, Distributed Training Configuration;
+    torchrun's node_rank is that place). JobSetupError naming the file and every key wrong."""
+    resource = read_config(path)
+    hosts, current = resource.get("hosts"), resource.get("current_host")
+    problems = []
+    if "hosts" not in resource:
+        problems.append("it has no hosts")
+    elif not (isinstance(hosts, list) and hosts and all(isinstance(h, str) for h in hosts)):
+        problems.append(f"hosts is {json.dumps(hosts)}, not a list of host names")
+    if "current_host" not in resource:
+        problems.append("it has no current_host")
+    elif not isinstance(current, str):
+        problems.append(f"current_host is {json.dumps(current)}, not a host name")
+    elif not problems and current not in hosts:
+        problems.append(f"current_host {current!r} is not one of its hosts ({', '.join(hosts)})")
+    if problems:
+        raise JobSetupError(f"{path}: {'; '.join(problems)}")
+    return resource, hosts.index(current)
 
 
 def _deserialize(value: str) -> object:
@@ -45,7 +74,7 @@ def training_variables(root: Path) -> dict[str, str]:
         k: _deserialize(v)
         for k, v in read_config(host_path(root, names.HYPERPARAMETERS_FILE)).items()
     }
-    resource = read_config(host_path(root, names.RESOURCE_CONFIG_FILE))
+    resource, rank = resource_config(host_path(root, names.RESOURCE_CONFIG_FILE))
     input_config = read_config(host_path(root, names.INPUT_DATA_CONFIG_FILE))
     channels = sorted(input_config)
     hosts = resource["hosts"]
@@ -72,7 +101,7 @@ def training_variables(root: Path) -> dict[str, str]:
         names.SM_CURRENT_INSTANCE_TYPE: resource.get("current_instance_type", ""),
         names.SM_HOSTS: hosts,
         names.SM_HOST_COUNT: len(hosts),
-        names.SM_CURRENT_HOST_RANK: hosts.index(resource["current_host"]),
+        names.SM_CURRENT_HOST_RANK: rank,
         names.SM_NETWORK_INTERFACE_NAME: resource.get("network_interface_name", "eth0"),
         names.SM_NUM_CPUS: os.cpu_count() or 1,
         names.SM_NUM_GPUS: gpus,

@@ -487,3 +487,58 @@ def test_a_secret_that_cannot_be_fetched_is_named_in_output_failure(tmp_path, aw
         f"secret 'smpipe/no-such-secret' ({WANDB_SECRET_VARIABLE}) cannot be read from Secrets "
         "Manager in us-east-1: ResourceNotFoundException" in reason
     ), reason
+
+
+def test_a_training_job_missing_a_hyperparameter_or_channel_names_each_in_output_failure(
+    tmp_path,
+):
+    """hyperparameters.json `{}` (the driver always sets model_name) and no `labels` channel:
+    one line naming both, and the channels the job has; a channel inputdataconfig.json names
+    whose folder is not there: named with its folder. Never a bare KeyError."""
+    root = training_root(
+        tmp_path / "a", "resourceconfig.c5-topology.json", "hyperparameters.empty.json"
+    )
+    done = start_entrypoint(root, "train", TRAINING_JOB_NAME="no-labels")
+    assert done.returncode == 1, done.stderr
+    assert (root / "output/failure").read_text() == (
+        "train: ValueError: required hyperparameter 'model_name' is missing from "
+        "hyperparameters.json; channel 'labels' is missing from inputdataconfig.json (the job's "
+        "channels: evaluation, train, validation)"
+    )
+    root = training_root(
+        tmp_path / "b", "resourceconfig.c5-topology.json", "hyperparameters.empty.json"
+    )
+    (root / "input/config/hyperparameters.json").write_text('{"model_name": "bow"}')
+    config = json.loads((root / "input/config/inputdataconfig.json").read_text())
+    config["labels"] = config["validation"]
+    (root / "input/config/inputdataconfig.json").write_text(json.dumps(config))
+    (root / "input/data/labels").mkdir()
+    shutil.rmtree(root / "input/data/validation")
+    done = start_entrypoint(root, "train", TRAINING_JOB_NAME="no-validation-folder")
+    assert done.returncode == 1, done.stderr
+    assert (root / "output/failure").read_text() == (
+        f"train: ValueError: channel 'validation' has no folder {root / 'input/data/validation'}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("resource", "said"),
+    [
+        ({"current_host": "algo-2", "hosts": ["algo-1"]},
+         "current_host 'algo-2' is not one of its hosts (algo-1)"),
+        ({"current_host": "algo-1"}, "it has no hosts"),
+        ({"hosts": "algo-1"}, 'hosts is "algo-1", not a list of host names; it has no current_host'),
+    ],
+)  # fmt: skip
+def test_a_training_job_whose_host_is_not_among_its_hosts_says_so_in_output_failure(
+    tmp_path, resource, said
+):
+    """resourceconfig.json's current_host is one of its hosts, as SageMaker writes it: a file
+    that says otherwise is named, with every key that is wrong, before any step starts."""
+    root = training_root(tmp_path, "resourceconfig.c5-topology.json", "hyperparameters.empty.json")
+    config = root / "input/config/resourceconfig.json"
+    config.write_text(json.dumps(resource))
+    done = start_entrypoint(root, "train", TRAINING_JOB_NAME="wrong-host")
+    assert done.returncode == 1, done.stderr
+    reason = (root / "output/failure").read_text()
+    assert reason == f"the job could not start its step: {config}: {said}", reason
