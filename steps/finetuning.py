@@ -443,6 +443,34 @@ def fixed_width(model: torch.nn.Module, name: str, module: str) -> str | None:
     )
 
 
+def name_classes(model: torch.nn.Module, id2label: dict[int, str], built: str, say: bool) -> None:
+    """A transformers model's config names its classes as the data does (prepare's
+    id2label.json), for whoever loads the config.json it is saved with
+    (pipeline("text-classification") reports config.id2label's names). One built with
+    num_labels alone says LABEL_0...; one that names them otherwise (a map of the user's own,
+    as the transformers tutorial writes one) is said (`say`: the main process): code that reads
+    its classes from that map would mislabel every prediction."""
+    config = getattr(model, "config", None)
+    if len(getattr(config, "id2label", None) or {}) != len(id2label):
+        return  # another number of outputs: the job refuses it (check_output_width)
+    own = {int(k): v for k, v in config.id2label.items()}
+    if say and own != id2label and own != {k: f"LABEL_{k}" for k in own}:
+        print(
+            f"warning: {built} built a model whose config names its classes {shown(own)}; the "
+            f"data's class ids are {shown(id2label)} (id2label.json): it trains and is saved "
+            "with the data's. Pass load_model's id2label and label2id to from_pretrained"
+        )
+    config.id2label = dict(id2label)
+    config.label2id = {label: i for i, label in id2label.items()}
+
+
+def shown(id2label: dict[int, str], at_most: int = 8) -> str:
+    """A class map for a log line: its first `at_most` ids, and how many more."""
+    first = dict(sorted(id2label.items())[:at_most])
+    more = len(id2label) - len(first)
+    return f"{first}" if not more else f"{str(first)[:-1]}, ... and {more} more}}"
+
+
 def trained_state(model: torch.nn.Module, method: str) -> dict[str, torch.Tensor]:
     """What a checkpoint or the best weights hold, on the CPU: the whole state dict when every
     weight trains; with LoRA only what requires a gradient (the adapters and the head, the set

@@ -29,7 +29,7 @@ from steps import checkpointing as ckpt
 from steps.batching import Batches, read_inputs, read_split
 from steps.best_model import best_model, keep_model
 from steps.export import logits_of
-from steps.finetuning import Finetuning, check_blocks, prepare, skeleton
+from steps.finetuning import Finetuning, check_blocks, name_classes, prepare, skeleton
 from steps.hyperparameters import LORA_ONLY, SAME_ON_RESUME
 from steps.metrics import metric_line
 from steps.precision import Precision, low_precision_said, trained_weights_in_fp32
@@ -104,12 +104,7 @@ def user_model(
             f"{functions.module}.load_model({model_name!r}, ...) must return a "
             f"torch.nn.Module, got {type(model).__name__}"
         )
-    config = getattr(model, "config", None)
-    if len(getattr(config, "id2label", None) or {}) == len(id2label):
-        # A transformers model built with num_labels alone names its classes LABEL_0...: the
-        # config.json it is saved with names them as the data does, for whoever loads it
-        # (pipeline("text-classification") reports config.id2label's names).
-        config.id2label, config.label2id = dict(id2label), dict(label2id)
+    name_classes(model, id2label, f"{functions.module}.load_model({model_name!r}, ...)", say)
     model, finetuning = prepare(model, hp, len(id2label), functions.module)
     low = trained_weights_in_fp32(model, precision)
     if low and say:

@@ -638,20 +638,34 @@ def load_model(model_name, id2label, label2id):
 """
 
 
+# The transformers tutorial's way: a class map of the user's own, here in another order.
+OWN_NAMES = NUM_LABELS_ONLY.replace(
+    "num_labels=len(id2label))",
+    "id2label={0: 'c', 1: 'b', 2: 'a'}, label2id={'c': 0, 'b': 1, 'a': 2})",
+)
+
+
+@pytest.mark.parametrize("source", [NUM_LABELS_ONLY, OWN_NAMES], ids=["num-labels", "own-map"])
 def test_a_model_built_with_num_labels_alone_is_saved_naming_the_datas_labels(
-    tmp_path, channels, warm
+    tmp_path, channels, warm, source
 ):
     """Its config says LABEL_0, LABEL_1...: the config.json the job saves names the classes
-    as id2label.json does, for transformers' pipeline and whoever else reads it."""
+    as id2label.json does, for transformers' pipeline and whoever else reads it. A map of the
+    user's own that differs is replaced so too, and said."""
     (tmp_path / "code").mkdir()
-    (tmp_path / "code/plain_head.py").write_text(NUM_LABELS_ONLY)
+    (tmp_path / "code/plain_head.py").write_text(source)
     root, env = job_root(tmp_path / "root", channels, {**HPS, "epochs": "1", "max_steps": "2"})
     env = {**env, "SMPIPE_USER_FUNCTIONS": "plain_head",
            "PYTHONPATH": f"{tmp_path / 'code'}:{ROOT}"}  # fmt: skip
-    run_to_end(env, warm=warm)
+    out = " ".join(run_to_end(env, warm=warm).split())
     config = json.loads((root / "model/config.json").read_text())
     assert config["id2label"] == {"0": "a", "1": "b", "2": "c"}
     assert config["label2id"] == {"a": 0, "b": 1, "c": 2}
+    said = (
+        "warning: plain_head.load_model('bow', ...) built a model whose config names its classes "
+        "{0: 'c', 1: 'b', 2: 'a'}; the data's class ids are {0: 'a', 1: 'b', 2: 'c'}"
+    )
+    assert (said in out) == (source is OWN_NAMES), out[-3000:]
 
 
 # The demo's functions, their model made to fail in the 10th training forward pass of a job
