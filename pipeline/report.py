@@ -306,6 +306,9 @@ def where_to_open(store: Store, key: str, beside: Sequence[str] = ()) -> str:
     def copy_of(each: str) -> Path:  # bucket/prefix/key: another store's pages apart
         return user_cache_folder("reports", store.uri_of(each).split("://", 1)[-1])
 
-    for each in (key, *beside):
-        store.download_file(each, copy_of(each))
+    try:
+        for each in (key, *beside):
+            store.download_file(each, copy_of(each))
+    except OSError as e:  # a cache folder that cannot be written (a read-only home): said
+        return f"{here} (no copy here to open: {e})"
     return f"{copy_of(key)} (a copy of {here})"

@@ -134,3 +134,8 @@ def test_the_report_is_said_where_a_browser_opens_it(
     assert original == f"{store.uri_of(key)})"
     assert Path(copy).read_bytes() == store.get_bytes(key)
     assert Path(copy) == tmp_path / "cache" / "smpipe" / "reports" / bucket / "root" / key
+    # A cache folder that cannot be written: the report is said where it is, and why no copy.
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file"))
+    said = where_to_open(store, key)
+    assert said.startswith(f"{store.uri_of(key)} (no copy here to open: "), said
