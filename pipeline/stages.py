@@ -40,6 +40,7 @@ from steps.model_files import RECORD
 from steps.runtime.names import (
     EXTRA_SECRETS_VARIABLE,
     HF_TOKEN_SECRET_VARIABLE,
+    TRAINING_CHANNELS,
     USER_FUNCTIONS_VARIABLE,
     WANDB_SECRET_VARIABLE,
 )
@@ -183,7 +184,7 @@ class Train:
     name = "train"
 
     def jobs(self, settings: Settings, run: RunTree, sources: Sources) -> list[Job]:
-        channels = {c: sources.prepared.split(c) for c in ("train", "validation", "labels")}
+        channels = {c: sources.prepared.split(c) for c in TRAINING_CHANNELS}
         models = settings.models.model_names
         if settings.experiment.job == "train":
             jobs = [training_job(settings, run, m, channels, "training") for m in models]

@@ -34,7 +34,9 @@ MANIFEST = "meta.json"  # the checkpoint's step, and the files it is made of
 # at the same step, is a checkpoint of its own and sorts after it.
 BEFORE_EPOCH_END = "-before-epoch-end"
 
-# Everything a State serializes, in one place (OBJECTS load through their own state dicts).
+# What every checkpoint's state holds (OBJECTS load through their own state dicts); a
+# checkpoint also records what only later versions wrote, read where it is there: finetuning,
+# strategy, training (`State.state_dict`).
 # The main process writes these to state.pt; each process writes its RNG and its share of
 # `epoch_loss` to rank<N>.pt.
 STATE_FIELDS = (

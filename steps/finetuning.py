@@ -317,7 +317,8 @@ def user_peft_model(model: torch.nn.Module, name: str, module: str) -> dict:
 
 # The labels the check's models are built with: the real ones come from reconcile, later.
 # Three, not two: a transformers model built without num_labels has two outputs (its
-# config's default), which two would not tell from one built for the labels it is given.
+# config's default: "Keep the default value of `num_labels=2`", transformers'
+# configuration_utils.py), which two would not tell from one built for the labels it is given.
 CHECK_LABELS = {0: "LABEL_0", 1: "LABEL_1", 2: "LABEL_2"}
 # What transformers names a table of learned absolute positions: BERT's, RoBERTa's and
 # DistilBERT's `position_embeddings`, GPT-2's `wpe`, BART's and OPT's `embed_positions`.
@@ -386,19 +387,18 @@ def check_models(functions, settings: dict[str, dict]) -> list[str]:
     from accelerate import init_empty_weights
 
     problems = []
-    label2id = {v: k for k, v in CHECK_LABELS.items()}
     for name, hp in settings.items():
         doing = f"calling {functions.module}.load_model({name!r}, ...) on the meta device"
         try:
             with init_empty_weights():
-                model = call(functions, "load_model", name, CHECK_LABELS, label2id)
+                model, given = built_for_the_check(functions, name)
             if not isinstance(model, torch.nn.Module):
                 problems.append(
                     f"{functions.module}.load_model({name!r}, ...) must return a torch.nn.Module, "
                     f"got {type(model).__name__} (MODEL_NAMES names {name!r})"
                 )
                 continue
-            if said := fixed_width(model, name, functions.module):
+            if said := fixed_width(model, name, functions.module, given):
                 print(f"warning: {said}", flush=True)  # the driver's output (user_check.py)
             doing = f"calling {functions.module}.ordered_input_keys({name!r})"
             if hp.get("trains", True):  # a run of data steps alone may hold a stand-in model
@@ -428,17 +428,33 @@ def check_models(functions, settings: dict[str, dict]) -> list[str]:
     return problems
 
 
-def fixed_width(model: torch.nn.Module, name: str, module: str) -> str | None:
+def built_for_the_check(functions, name: str) -> tuple[object, int]:
+    """What load_model builds for CHECK_LABELS, and how many labels it was given; one that
+    refuses three (a head made for two: a binary task's, say) is built for two, as the data
+    may have exactly two."""
+    try:
+        labels = CHECK_LABELS
+        return call(functions, "load_model", name, labels, labels_to_ids(labels)), len(labels)
+    except RuntimeError:  # the user's error (steps/user_code.py `call`)
+        labels = dict(list(CHECK_LABELS.items())[:2])
+        return call(functions, "load_model", name, labels, labels_to_ids(labels)), len(labels)
+
+
+def labels_to_ids(id2label: dict[int, str]) -> dict[str, int]:
+    return {label: i for i, label in id2label.items()}
+
+
+def fixed_width(model: torch.nn.Module, name: str, module: str, given: int) -> str | None:
     """What to say of a transformers model built with outputs of its own number whatever labels
     `load_model` is given (its config's num_labels): `from_pretrained` without num_labels, as
     a model's card loads it. Its training job fails unless the data has that many labels,
     after the data steps and the models before it; a model of one's own is found by the job."""
     width = getattr(getattr(model, "config", None), "num_labels", None)
-    if not isinstance(width, int) or width == len(CHECK_LABELS):
+    if not isinstance(width, int) or width == given:
         return None
     return (
         f"{module}.load_model({name!r}, ...) built a model of {width} outputs when given "
-        f"{len(CHECK_LABELS)} labels (its config.num_labels): its training job fails unless the "
+        f"{given} labels (its config.num_labels): its training job fails unless the "
         f"data has {width} labels; pass num_labels=len(id2label) to from_pretrained"
     )
 
@@ -460,8 +476,7 @@ def name_classes(model: torch.nn.Module, id2label: dict[int, str], built: str, s
             f"data's class ids are {shown(id2label)} (id2label.json): it trains and is saved "
             "with the data's. Pass load_model's id2label and label2id to from_pretrained"
         )
-    config.id2label = dict(id2label)
-    config.label2id = {label: i for i, label in id2label.items()}
+    config.id2label, config.label2id = dict(id2label), labels_to_ids(id2label)
 
 
 def shown(id2label: dict[int, str], at_most: int = 8) -> str:

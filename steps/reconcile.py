@@ -144,8 +144,10 @@ def datasets_cache_of_the_job():
     which on a local job is new each run, so in the user's ~/.cache/huggingface a copy would be
     added by every run and never read again (in a container it goes with the container). The
     job root where a player placed one (removed with it, a killed job's too), else the
-    container's temporary folder. An HF_DATASETS_CACHE the user set is theirs."""
-    if "HF_DATASETS_CACHE" in os.environ:
+    container's temporary folder. A Hub data set it loads is prepared anew each job, as each
+    SageMaker job starts with an empty cache. A cache the user named (HF_DATASETS_CACHE, or
+    HF_HOME, under which datasets keeps its own) is theirs."""
+    if "HF_DATASETS_CACHE" in os.environ or "HF_HOME" in os.environ:
         yield
         return
     where = os.environ.get(names.ML_ROOT_VARIABLE)  # None in a container: its own /tmp
@@ -204,7 +206,7 @@ def reconcile_snapshot() -> None:
     (snapshot_dir / "snapshot.json").write_text(json.dumps(info, indent=2))
 
     print(f"reconciled {len(dataset)} rows, labels {label_counts}")
-    integers = getattr(feature, "dtype", "").startswith(("int", "uint"))
+    integers = not declared and getattr(feature, "dtype", "").startswith(("int", "uint"))
     for line in unmeant(dataset, labels, integers):
         print(f"warning: {line}")
     for reason, count in dropped_counts.items():
@@ -228,7 +230,8 @@ def unmeant(dataset: datasets.Dataset, labels: list[str], integers: bool = False
     """What the snapshot keeps as reconcile returned it, which a user may not mean: ids that
     name more than one row, labels with spaces around them (a class of their own, and a
     column of predict's output named so), and an integer label -1: a class here, but "no
-    label" to datasets (a ClassLabel's -1, which is dropped here as blank; the GLUE data sets'
+    label" to datasets (a ClassLabel's -1, which is dropped here as blank: "You can use -1 to
+    represent unknown/missing labels", datasets' ClassLabel docstring; the GLUE data sets'
     unlabelled test rows carry it)."""
     said = []
     if integers and "-1" in labels:

@@ -17,6 +17,7 @@ from steps.batching import Batches
 from steps.finetuning import Finetuning
 from steps.hyperparameters import parse_hyperparameters
 from steps.runtime.environment import TrainingEnv
+from steps.runtime.names import TRAINING_CHANNELS
 from steps.sampler import ResumableBatchSampler
 from steps.training_blocks import StopCheck
 
@@ -60,11 +61,6 @@ class Job:
     frame: torch.nn.Module | None = None
 
 
-# The channels steps/train.py reads: the splits prepare wrote, and its label map and encoding
-# (pipeline/stages.py sends them to every training job, with `code`).
-CHANNELS = ("train", "validation", "labels")
-
-
 def job_hyperparameters(env: TrainingEnv) -> dict:
     """The job's hyperparameters, cast (steps/hyperparameters.py), once it is known to have
     what it needs: ValueError listing every problem at once, each naming the hyperparameter or
@@ -77,7 +73,7 @@ def job_hyperparameters(env: TrainingEnv) -> dict:
         hp = parse_hyperparameters(env.hyperparameters, required=True)
     except ValueError as e:
         problems.append(str(e))
-    missing = [repr(c) for c in CHANNELS if c not in env.channels]
+    missing = [repr(c) for c in TRAINING_CHANNELS if c not in env.channels]
     if missing:
         has = ", ".join(sorted(env.channels)) or "none"
         one = len(missing) == 1
@@ -85,7 +81,7 @@ def job_hyperparameters(env: TrainingEnv) -> dict:
             f"channel{'' if one else 's'} {', '.join(missing)} {'is' if one else 'are'} missing "
             f"from inputdataconfig.json (the job's channels: {has})"
         )
-    for channel in CHANNELS:
+    for channel in TRAINING_CHANNELS:
         if channel in env.channels and not env.channels[channel].is_dir():
             problems.append(f"channel {channel!r} has no folder {env.channels[channel]}")
     if problems:

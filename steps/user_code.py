@@ -70,7 +70,10 @@ def signature_problem(fn: Callable, name: str, params: tuple[str, ...]) -> str |
     taken = [] if bound is None else list(bound.arguments)
     kinds = {p.name: p.kind for p in signature.parameters.values()}
     named = [k for k in taken if kinds[k] != inspect.Parameter.VAR_POSITIONAL]
-    if bound is not None and named == list(params[: len(named)]):
+    # A parameter of the contract's names that the call does not reach (keyword-only, or
+    # after *args, which swallows its argument) would be left to its default, silently.
+    stranded = [p for p in params if p in kinds and p not in taken]
+    if bound is not None and named == list(params[: len(named)]) and not stranded:
         return None
     return (
         f"has the wrong signature {name}{signature}: expected {_signature(name, params)} "
@@ -139,7 +142,8 @@ def call(functions: UserFunctions, name: str, *args):
         raise RuntimeError(f"user function {functions.module}.{name} raised {raised(e)}") from e
 
 
-# The one-line message goes to the terminal and to the job's 1,024-character failure reason:
+# The one-line message goes to the terminal and to the job's failure reason, which SageMaker
+# holds to 1,024 characters (FailureReason's max in botocore's sagemaker service-2.json):
 # each text the user's code chose is cut, so that the cause still shows after a long message.
 MESSAGE_LIMIT = 400
 CAUSE_LIMIT = 300
@@ -150,7 +154,7 @@ def raised(e: BaseException) -> str:
     that differs: a library's wrapper (datasets' DatasetGenerationError around a
     UnicodeDecodeError) says what went wrong only in its cause, which otherwise only the log's
     traceback shows."""
-    said = f"{type(e).__name__}: {_cut(str(e), MESSAGE_LIMIT)}"
+    said = f"{type(e).__name__}: {_cut(' '.join(str(e).split()), MESSAGE_LIMIT)}"
     root = innermost_cause(e)
     if root is e:
         return said

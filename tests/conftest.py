@@ -50,12 +50,13 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 # the variables (a mkdtemp in setdefault's argument made one more folder a worker).
 if "SMPIPE_TEST_CACHE" not in os.environ:
     os.environ["SMPIPE_TEST_CACHE"] = tempfile.mkdtemp(prefix="smpipe-test-cache-")
-    os.environ["XDG_CACHE_HOME"] = os.environ["SMPIPE_TEST_CACHE"]
 CACHE = os.environ["SMPIPE_TEST_CACHE"]
+os.environ["XDG_CACHE_HOME"] = CACHE
 
 
 def pytest_unconfigure(config):
-    if not hasattr(config, "workerinput"):  # the session's own process: its workers are done
+    # The session's own process, its workers done; and a folder it made, not one it was given.
+    if not hasattr(config, "workerinput") and Path(CACHE).name.startswith("smpipe-test-cache-"):
         import shutil
 
         shutil.rmtree(CACHE, ignore_errors=True)

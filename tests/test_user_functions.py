@@ -115,11 +115,19 @@ def test_every_signature_the_steps_cannot_call_is_refused_quoted_as_written(tmp_
         "def load_model(model_name, label2id, id2label=None):",
     )
     source = source.replace("def reconcile(raw_dir):", "def reconcile(**folders):")
+    # *args takes every argument: model_name, keyword-only after it, would stay None.
+    source = source.replace(
+        "def load_tokenizer(model_name):", "def load_tokenizer(*args, model_name=None):"
+    )
     name = write_module(tmp_path, "refused_functions", source)
     with pytest.raises(UserFunctionError) as info:
         load_user_functions(name, str(tmp_path))
     message = str(info.value)
-    assert "3 problem(s)" in message
+    assert "4 problem(s)" in message
+    assert (
+        "'refused_functions.load_tokenizer' has the wrong signature "
+        "load_tokenizer(*args, model_name=None): expected load_tokenizer(model_name)"
+    ) in message
     assert (
         "'refused_functions.encode' has the wrong signature "
         "encode(batch, tokenizer, model_name, max_length=128, extra=None, *, strict): "
@@ -217,7 +225,7 @@ def test_a_user_functions_error_names_the_error_it_was_raised_from_in_one_bounde
         try:
             raise OSError("disk\nfull " + "x" * 2000)
         except OSError as e:
-            raise ValueError("y" * 2000) from e
+            raise ValueError("a\nlong " + "y" * 2000) from e
 
     def functions(reconcile):
         return UserFunctions("mine", reconcile, *[None] * 4)
@@ -233,6 +241,7 @@ def test_a_user_functions_error_names_the_error_it_was_raised_from_in_one_bounde
         call(functions(long), "reconcile", "raw")
     message = str(info.value)
     assert len(message) < 800 and "\n" not in message
+    assert "raised ValueError: a long yyy" in message
     assert "y... (caused by OSError: disk full xxx" in message and message.endswith("x...)")
 
 

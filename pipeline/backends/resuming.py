@@ -16,7 +16,8 @@ tuning job was stopped early or stopped unexpectedly" among its reasons
 
 A job is the run's when its name is one jobs.job_name gives this experiment's run
 ("<experiment>-<run>-<step>-...": jobs.named_for), so that no other experiment's job is
-described, and it writes under the run's folder: the account holds every experiment's run of
+described (but one whose name was cut to SageMaker's length into a beginning of ours), and
+it writes under the run's folder: the account holds every experiment's run of
 that number, from every store.
 """
 

@@ -55,7 +55,8 @@ BLANK = " \t\n\r\x0b\x0c"
 
 def open_text(path: Path, newline: str, errors: str = "surrogateescape"):
     """INPUT (a CSV, TSV or JSON Lines file) as text: the one place predict decodes one. UTF-8,
-    a byte order mark at its start skipped ("utf-8-sig"; Excel and Notepad write one), as
+    a byte order mark at its start skipped ("utf-8-sig": "some Microsoft tools" write one,
+    Python's codecs docs, Encodings and Unicode), as
     datasets reads each: csv through pandas, which skips it; json, whose loader strips a
     leading BOM before pyarrow reads the lines (datasets/packaged_modules/json/json.py,
     `_generate_tables`). Bytes that are not UTF-8 become surrogates (`SURROGATE`), so such a

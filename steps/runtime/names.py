@@ -94,6 +94,9 @@ SM_OUTPUT_DATA_DIR = "SM_OUTPUT_DATA_DIR"
 SM_OUTPUT_FAILURE = "SM_OUTPUT_FAILURE"
 SM_CHECKPOINT_DIR = "SM_CHECKPOINT_DIR"
 SM_CHANNELS = "SM_CHANNELS"
+# The channels a training job is given (pipeline/stages.py) and reads (steps/train.py): the
+# splits prepare wrote, and its label map and encoding.
+TRAINING_CHANNELS = ("train", "validation", "labels")
 SM_HPS = "SM_HPS"
 SM_HOSTS = "SM_HOSTS"
 SM_CURRENT_HOST = "SM_CURRENT_HOST"

@@ -113,6 +113,19 @@ def test_an_integer_label_minus_one_is_kept_as_a_class_and_said(store, tmp_path)
         "warning: label -1 (2 rows) is a class of its own; datasets marks a row with no label "
         "-1: if these rows have none, reconcile may drop them" in said
     )
+    # A ClassLabel whose class is named "-1" declares it: nothing to say.
+    job, result = reconcile_job(store, tmp_path, """
+        import datasets
+
+        def reconcile(raw_dir):
+            names = datasets.ClassLabel(names=["-1", "0", "1"])
+            rows = {"id": [1, 2, 3], "text": list("xyz"), "label": [0, 1, 2]}
+            features = datasets.Features({"id": datasets.Value("int64"),
+                                          "text": datasets.Value("string"), "label": names})
+            return datasets.Dataset.from_dict(rows, features=features), {}
+    """, name="declared")  # fmt: skip
+    assert result.status == "Completed", result.failure_reason
+    assert "label -1" not in store.get_bytes(result.log_key).decode()
 
 
 @pytest.mark.parametrize(

@@ -228,11 +228,12 @@ class AccountRegistry:
     def keep(self) -> None:
         with self._keeping:
             jobs = moto_records(self.region)
-            for name in sorted(jobs.model_package_groups):
+            # What moto holds, copied first: a call moto answers meanwhile, in its own thread,
+            # adds to these dicts (its change is kept by its own keep, after this one).
+            packages = list(jobs.model_packages.values())
+            for name in sorted(list(jobs.model_package_groups)):
                 self._write(f"{REGISTRY}{name}/group.json", _text(self._group(jobs, name)))
-                made = [
-                    p for p in jobs.model_packages.values() if p.model_package_group_name == name
-                ]
+                made = [p for p in packages if p.model_package_group_name == name]
                 for package in made:
                     key = f"{REGISTRY}{name}/{package.model_package_version:04d}.json"
                     self._write(key, _text(self._package(package)))
