@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import random
+import re
 import sys
 import textwrap
 
@@ -67,11 +68,20 @@ def write_module(folder, name, source):
     return name
 
 
+def signed(source: str, **signatures: str) -> str:
+    """`source` with each named function's parameters written as given."""
+    for name, parameters in signatures.items():
+        pattern = rf"^(\s*)def {name}\(.*\):$"
+        source, found = re.subn(
+            pattern, rf"\1def {name}({parameters}):", source, count=1, flags=re.M
+        )
+        assert found, name
+    return source
+
+
 def test_missing_and_misshapen_functions_are_named(tmp_path):
     broken = REVIEWS.replace("def ordered_input_keys(model_name):", "def input_keys(model_name):")
-    broken = broken.replace(
-        "def encode(batch, tokenizer, model_name, max_length):", "def encode(batch, tokenizer):"
-    )
+    broken = signed(broken, encode="batch, tokenizer")
     name = write_module(tmp_path, "broken_functions", broken)
     with pytest.raises(UserFunctionError) as info:
         load_user_functions(name, str(tmp_path))
@@ -90,15 +100,13 @@ def test_functions_with_defaults_or_star_args_are_accepted_since_the_steps_pass_
 ):
     """The steps call each function with all of the contract's arguments, by position
     (steps/user_code.py `call`): parameters after them with defaults, and *args/**kwargs, fit."""
-    source = REVIEWS.replace(
-        "def encode(batch, tokenizer, model_name, max_length):",
-        "def encode(batch, tokenizer, model_name, max_length=128, *, lower=True):",
-    ).replace(
-        "def load_model(model_name, id2label, label2id):",
-        "def load_model(model_name, id2label=None, label2id=None, **options):",
+    source = signed(
+        REVIEWS,
+        encode="batch, tokenizer, model_name, max_length=128, *, lower=True",
+        load_model="model_name, id2label=None, label2id=None, **options",
+        load_tokenizer="*args",
+        reconcile="raw_dir, /, extra=None",
     )
-    source = source.replace("def load_tokenizer(model_name):", "def load_tokenizer(*args):")
-    source = source.replace("def reconcile(raw_dir):", "def reconcile(raw_dir, /, extra=None):")
     name = write_module(tmp_path, "defaults_functions", source)
     functions = load_user_functions(name, str(tmp_path))
     assert functions.encode.__defaults__ == (128,)
@@ -107,17 +115,13 @@ def test_functions_with_defaults_or_star_args_are_accepted_since_the_steps_pass_
 def test_every_signature_the_steps_cannot_call_is_refused_quoted_as_written(tmp_path):
     """One error lists them all, each quoted as Python prints it (its defaults too); a swap of
     names would be called without error, and is refused as well."""
-    source = REVIEWS.replace(
-        "def encode(batch, tokenizer, model_name, max_length):",
-        "def encode(batch, tokenizer, model_name, max_length=128, extra=None, *, strict):",
-    ).replace(
-        "def load_model(model_name, id2label, label2id):",
-        "def load_model(model_name, label2id, id2label=None):",
-    )
-    source = source.replace("def reconcile(raw_dir):", "def reconcile(**folders):")
-    # *args takes every argument: model_name, keyword-only after it, would stay None.
-    source = source.replace(
-        "def load_tokenizer(model_name):", "def load_tokenizer(*args, model_name=None):"
+    source = signed(
+        REVIEWS,
+        encode="batch, tokenizer, model_name, max_length=128, extra=None, *, strict",
+        load_model="model_name, label2id, id2label=None",
+        reconcile="**folders",
+        # *args takes every argument: model_name, keyword-only after it, would stay None.
+        load_tokenizer="*args, model_name=None",
     )
     name = write_module(tmp_path, "refused_functions", source)
     with pytest.raises(UserFunctionError) as info:
