@@ -31,6 +31,28 @@ def check_name(value: str) -> str:
     return value
 
 
+# $NAME and ${NAME} in a path, as os.path.expandvars reads them.
+VARIABLE = re.compile(r"\$(\w+|\{[^}]*\})")
+
+
+def as_a_shell_reads(path: str) -> str:
+    """A path setting with `~` and environment variables expanded, as a shell would expand
+    them in a command's argument: the file is read by none, and `${HOME}/data` must not
+    become a folder named `${HOME}`."""
+    return os.path.expandvars(os.path.expanduser(path))
+
+
+def check_variables(value: str) -> str:
+    """A path setting whose environment variables are all set (an unset one would be left as
+    it is written, a folder of that name)."""
+    unset = [
+        m.group(0) for m in VARIABLE.finditer(value) if m.group(1).strip("{}") not in os.environ
+    ]
+    if unset:
+        raise ValueError(f"{value!r} names {', '.join(unset)}: not set in the environment")
+    return value
+
+
 class Section(BaseModel):
     # inf and nan are never a setting: a float key is a finite number or an error.
     model_config = ConfigDict(
@@ -118,11 +140,12 @@ class Experiment(Section):
                 f"{value!r}: a store is a local directory, written as a path (such as "
                 f"{value.split('://', 1)[1] or '/data/smpipe'}), or s3://bucket[/prefix]"
             )
-        return value
+        return check_variables(value)
 
 
 class Data(hyperparameters_of("data")):  # SEED
     raw_data: str = ""  # empty: the experiment's raw/ folder in the store
+    _raw_data = field_validator("raw_data")(check_variables)
     train_fraction: float = Field(0.8, gt=0, lt=1)
     validation_fraction: float = Field(0.1, gt=0, lt=1)
     test_fraction: float = Field(0.1, gt=0, lt=1)
@@ -351,16 +374,14 @@ class Settings(BaseModel):
     base_dir: str = ""  # relative local paths resolve against the settings file's folder
 
     def store_uri(self) -> str:
-        store = self.experiment.store
-        store = os.path.expanduser(store)  # as a shell would: the file is read by none
+        store = as_a_shell_reads(self.experiment.store)
         if store.startswith("s3://") or os.path.isabs(store):
             return store
         return str(Path(self.base_dir, store).resolve())
 
     def raw_data_uri(self) -> str:
         """[data] RAW_DATA as a URI or absolute folder; empty when the store's raw/ is used."""
-        raw = self.data.raw_data
-        raw = os.path.expanduser(raw)
+        raw = as_a_shell_reads(self.data.raw_data)
         if not raw or "://" in raw or os.path.isabs(raw):
             return raw
         return str(Path(self.base_dir, raw).resolve())

@@ -438,9 +438,22 @@ def test_the_sagemaker_backends_missing_settings_give_an_example_and_the_next_st
 
 
 def test_a_store_and_raw_data_under_home_are_read_as_a_shell_reads_them(tmp_path, monkeypatch):
-    """`STORE = ~/smpipe` is the home folder's, not a folder named `~` beside the settings."""
+    """`STORE = ~/smpipe` is the home folder's, not a folder named `~` beside the settings;
+    `${DATA}/smpipe` the variable's folder."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     path = write_settings(tmp_path / "settings.ini", "~/smpipe", data={"RAW_DATA": "~/raw"})
     settings = load_settings(path, env={})
     assert settings.store_uri() == str(tmp_path / "home" / "smpipe")
     assert settings.raw_data_uri() == str(tmp_path / "home" / "raw")
+    # Environment variables too, never a folder named `${DATA}`; one not set is named.
+    monkeypatch.setenv("DATA", str(tmp_path / "data"))
+    path = write_settings(tmp_path / "s2.ini", "${DATA}/smpipe", data={"RAW_DATA": "$DATA/raw"})
+    settings = load_settings(path, env={})
+    assert settings.store_uri() == str(tmp_path / "data" / "smpipe")
+    assert settings.raw_data_uri() == str(tmp_path / "data" / "raw")
+    monkeypatch.delenv("DATA")
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, env={})
+    said = str(info.value)
+    assert "[experiment] STORE: '${DATA}/smpipe' names ${DATA}: not set in the environment" in said
+    assert "[data] RAW_DATA: '$DATA/raw' names $DATA: not set in the environment" in said
