@@ -382,6 +382,8 @@ def resumed_run(
     if not remaining:
         raise Refused(f"--resume {run_num}: every step of run {run.label} completed already")
     sources = Sources.from_record(record["sources"], tree)
+    if "reconcile" in remaining:
+        check_raw(store, run, record, sources.raw)
     for step in ("reconcile", "prepare"):
         if step in planned and step in done:
             sources.reused[step] = f"completed by run {run.label}"
@@ -423,6 +425,25 @@ def check_code(settings: Settings, store: Store, run: RunTree) -> None:
             f"with ({'; '.join(differ)}), and a resumed run runs the code it started with "
             f"({store.uri_of(run.code)}); put it back to resume, or start a new run, which "
             "reuses the data steps whose inputs did not change"
+        )
+
+
+def check_raw(store: Store, run: RunTree, record: dict, raw: str) -> None:
+    """A resumed run's reconcile reads the raw data the run started with: a local folder the
+    local backend reads in place, edited since (a fix of what made it fail, say), would be
+    read as it is now and its snapshot cached under the key of what it was. The resume is
+    refused, as edited code is."""
+    from pipeline.cache import raw_digest
+
+    started = ((record.get("data_steps") or {}).get("reconcile") or {}).get("inputs") or {}
+    if not started.get("raw"):
+        return  # not known when it started (raw data the driver cannot list)
+    now = raw_digest(store, raw)
+    if now is not None and now != started["raw"]:
+        raise Refused(
+            f"--resume {run.run_num}: the raw data at {raw} differs from what run {run.label} "
+            "started with (its content digest), and a resumed run reads the data it started "
+            "with; put it back to resume, or start a new run, which reconciles it anew"
         )
 
 

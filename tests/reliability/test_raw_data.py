@@ -410,3 +410,42 @@ def test_prune_removes_the_raw_versions_nothing_reads(tmp_path, capsys):
     for kept in (read, newest):
         assert store.list_keys(kept.files)
     assert store.list_keys(uploading.files)
+
+
+def test_a_resume_after_the_raw_folder_was_edited_is_refused(tmp_path):
+    """Reconcile failed on the data; the user fixes the folder and resumes. The local backend
+    reads the folder in place, so the resumed reconcile would read the edited data and cache
+    its snapshot under the key of what the run started with (a later run of the original
+    data would then reuse the edited one). Refused, as edited code is; a new run reconciles."""
+    from pipeline.errors import PipelineError
+    from tests.test_user_functions import REVIEWS, write_module, write_reviews
+
+    kept = '    kept = [r for r in rows if r.get("stars") is not None]'
+    assert kept in REVIEWS
+    strict = REVIEWS.replace(
+        kept,
+        "    if any(r['review'] == 'broken' for r in rows):\n"
+        "        raise ValueError('a broken review')\n" + kept,
+    )
+    write_module(tmp_path, "strict_reviews", strict)
+    write_reviews(tmp_path / "raw")
+    reviews = tmp_path / "raw/reviews.jsonl"
+    original = reviews.read_text()
+    reviews.write_text(original + json.dumps({"id": "x", "review": "broken", "stars": 5}) + "\n")
+    path = write_settings(
+        tmp_path / "s.ini", str(tmp_path / "store"),
+        experiment={"USER_FUNCTIONS": "strict_reviews", "NAME": "reviews"},
+        data={"RAW_DATA": str(tmp_path / "raw"), "MAX_SEQUENCE_LENGTH": "12"},
+        models={"MODEL_NAMES": "tiny"},
+    )  # fmt: skip
+    settings = load_settings(path, {})
+    store = LocalStore(settings.store_uri())
+    with pytest.raises(PipelineError, match="a broken review"):
+        run_pipeline(settings, store, parse_steps(None), echo=io.StringIO())
+    reviews.write_text(original)  # the fix
+    with pytest.raises(PipelineError) as info:
+        run_pipeline(settings, store, parse_steps(None), echo=io.StringIO(), resume=1)
+    said = str(info.value)
+    assert f"--resume 1: the raw data at {tmp_path / 'raw'} differs from what run 0001 " in said
+    assert "put it back to resume, or start a new run" in said
+    assert not store.exists("reviews/cache/reconcile")  # nothing indexed under the old key
