@@ -12,7 +12,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-from pipeline.errors import PipelineError, log
+from pipeline.errors import Refused, log
 from pipeline.paths import ExperimentTree, RunTree, parse_run_label
 from pipeline.store import NotFound, Store, StoreError
 
@@ -129,7 +129,7 @@ def checkpoint_files(store: Store, run: RunTree) -> dict[str, int]:
 # -- one command at a time on an ended run ------------------------------------------------------
 
 
-class RunBusy(PipelineError):
+class RunBusy(Refused):
     """Another command holds the run's lease."""
 
 

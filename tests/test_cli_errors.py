@@ -64,6 +64,18 @@ def test_run_numbers_that_name_no_run_are_refused(two_runs, capsys):
     assert cli.main(["run", str(two_runs), "--resume", "9"]) == 2  # refused, as settings are
     err = capsys.readouterr().err
     assert "--resume 9: no run 0009 at " in err and "(runs 0001-0002)" in err
+    # A run another command holds (a --resume of it already going): refused, exit 2 too.
+    from pathlib import Path
+
+    from pipeline.runs import lease
+
+    store, tree = LocalStore(Path(two_runs).parent / "store"), ExperimentTree("test-exp")
+    failed = {**json.loads(store.get_bytes(tree.run(2).metadata)), "status": "failed"}
+    store.put_bytes(tree.run(2).metadata, json.dumps(failed).encode())
+    store.put_bytes(tree.run(2).claim, b"{}")  # claimed, as a run's number is
+    with lease(store, tree.run(2), "resumed"):
+        assert cli.main(["run", str(two_runs), "--resume", "2"]) == 2
+    assert "run 0002 is being resumed by" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["run", "plan"])
