@@ -42,9 +42,15 @@ def as_a_shell_reads(path: str) -> str:
     return os.path.expandvars(os.path.expanduser(path))
 
 
-def check_variables(value: str) -> str:
-    """A path setting whose environment variables are all set (an unset one would be left as
-    it is written, a folder of that name)."""
+def check_path(value: str) -> str:
+    """A path setting not in quotes (a value is taken as written: the quotes would be part of
+    the path, a folder named `".`), whose environment variables are all set (an unset one
+    would be left as it is written, a folder of that name)."""
+    if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"":
+        raise ValueError(
+            f"{value!r} is in quotes, which would be part of the path: write it without them "
+            "(a path with spaces needs none)"
+        )
     unset = [
         m.group(0) for m in VARIABLE.finditer(value) if m.group(1).strip("{}") not in os.environ
     ]
@@ -140,12 +146,12 @@ class Experiment(Section):
                 f"{value!r}: a store is a local directory, written as a path (such as "
                 f"{value.split('://', 1)[1] or '/data/smpipe'}), or s3://bucket[/prefix]"
             )
-        return check_variables(value)
+        return check_path(value)
 
 
 class Data(hyperparameters_of("data")):  # SEED
     raw_data: str = ""  # empty: the experiment's raw/ folder in the store
-    _raw_data = field_validator("raw_data")(check_variables)
+    _raw_data = field_validator("raw_data")(check_path)
     train_fraction: float = Field(0.8, gt=0, lt=1)
     validation_fraction: float = Field(0.1, gt=0, lt=1)
     test_fraction: float = Field(0.1, gt=0, lt=1)

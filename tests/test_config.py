@@ -457,3 +457,10 @@ def test_a_store_and_raw_data_under_home_are_read_as_a_shell_reads_them(tmp_path
     said = str(info.value)
     assert "[experiment] STORE: '${DATA}/smpipe' names ${DATA}: not set in the environment" in said
     assert "[data] RAW_DATA: '$DATA/raw' names $DATA: not set in the environment" in said
+    # Quotes, as a path is quoted in a shell: they would be part of it.
+    path = write_settings(tmp_path / "s3.ini", '"./artifacts"', data={"RAW_DATA": "'./raw'"})
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, env={})
+    said = str(info.value)
+    assert "[experiment] STORE: '\"./artifacts\"' is in quotes, which would be part of" in said
+    assert "[data] RAW_DATA: \"'./raw'\" is in quotes" in said
