@@ -391,6 +391,7 @@ def resumed_run(
         sources.reconciled = tree.data(run_num)
     if "prepare" in done:
         sources.prepared, sources.data_version = tree.data(run_num), run_num
+    check_models_whole(store, run, settings.models.model_names)
     if done & {"train", "tune"}:  # inference, left, tests the models this run trained
         sources.models = run.models
     else:
@@ -444,6 +445,28 @@ def check_raw(store: Store, run: RunTree, record: dict, raw: str) -> None:
             f"--resume {run.run_num}: the raw data at {raw} differs from what run {run.label} "
             "started with (its content digest), and a resumed run reads the data it started "
             "with; put it back to resume, or start a new run, which reconciles it anew"
+        )
+
+
+def check_models_whole(store: Store, run: RunTree, models: list[str]) -> None:
+    """A model the run completed is taken as it is (a resume trains it no more): each file its
+    manifest lists must still be there, else inference would fail on every resume, naming a
+    copy of it. One gone (removed by hand, a lifecycle rule) refuses the resume, naming it."""
+    from pipeline.store import read_manifest
+
+    problems = []
+    for model in models:
+        prefix = run.final_model(model)
+        if not is_complete(store, prefix):
+            continue  # not trained yet: the resume trains it
+        there = {key[len(prefix) :] for key in store.list_keys(prefix)}
+        gone = sorted(set(read_manifest(store, prefix)["files"]) - there)
+        if gone:
+            problems.append(f"{store.uri_of(prefix)} lacks {', '.join(gone)}")
+    if problems:
+        raise Refused(
+            f"--resume {run.run_num}: a model run {run.label} completed lost files its "
+            f"manifest lists ({'; '.join(problems)}); put them back to resume, or start a new run"
         )
 
 

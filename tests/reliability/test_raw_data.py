@@ -449,3 +449,40 @@ def test_a_resume_after_the_raw_folder_was_edited_is_refused(tmp_path):
     assert f"--resume 1: the raw data at {tmp_path / 'raw'} differs from what run 0001 " in said
     assert "put it back to resume, or start a new run" in said
     assert not store.exists("reviews/cache/reconcile")  # nothing indexed under the old key
+
+
+def test_a_resume_whose_completed_model_lost_a_file_is_refused_naming_it(tmp_path, monkeypatch):
+    """A run failed in its second model's training; its first model, completed, lost a file
+    (removed by hand, a lifecycle rule). The resume takes a completed model as it is, so
+    inference would fail on every resume: it is refused before any job, naming the file."""
+    from pipeline.errors import PipelineError
+    from tests.test_user_functions import REVIEWS, write_module, write_reviews
+
+    breaking = REVIEWS.replace(
+        "def load_model(model_name, id2label, label2id):\n",
+        "def load_model(model_name, id2label, label2id):\n"
+        "    import os\n"  # in its job (a job root), not in the driver's check
+        "    if model_name == 'bad' and os.environ.get('SMPIPE_ML_ROOT'):\n"
+        "        raise RuntimeError('bad fails in its job')\n",
+    )
+    assert breaking != REVIEWS
+    write_module(tmp_path, "breaking_reviews", breaking)
+    write_reviews(tmp_path / "raw")
+    path = write_settings(
+        tmp_path / "s.ini", str(tmp_path / "store"),
+        experiment={"USER_FUNCTIONS": "breaking_reviews", "NAME": "reviews"},
+        data={"RAW_DATA": str(tmp_path / "raw"), "MAX_SEQUENCE_LENGTH": "12"},
+        models={"MODEL_NAMES": "tiny, bad"},
+    )  # fmt: skip
+    settings = load_settings(path, {})
+    store = LocalStore(settings.store_uri())
+    with pytest.raises(PipelineError, match="bad fails in its job"):
+        run_pipeline(settings, store, parse_steps(None), echo=io.StringIO())
+    model = ExperimentTree("reviews").run(1).final_model("tiny")
+    weights = next(k for k in store.list_keys(model) if not k.endswith(MANIFEST))
+    store.delete(weights)
+    with pytest.raises(PipelineError) as info:
+        run_pipeline(settings, store, parse_steps(None), echo=io.StringIO(), resume=1)
+    said = str(info.value)
+    assert "--resume 1: a model run 0001 completed lost files its manifest lists" in said
+    assert weights.rsplit("/", 1)[-1] in said and "put them back to resume" in said
