@@ -136,6 +136,11 @@ def differing_settings(values: list[dict[tuple[str, str], str]]) -> list[dict[st
     return [{label[key]: v.get(key, UNSET) for key in differ} for v in values]
 
 
+SPLIT_SETTINGS = tuple(
+    f"[data] {key}: " for key in ("SEED", "TRAIN_FRACTION", "VALIDATION_FRACTION", "TEST_FRACTION")
+)
+
+
 def compare_runs(store: Store, tree: ExperimentTree, a: int, b: int) -> dict:
     """Two runs side by side: each model's test metrics and per-label F1 in both, and the
     settings that differ. Metrics are only set against each other when both runs were tested
@@ -149,6 +154,10 @@ def compare_runs(store: Store, tree: ExperimentTree, a: int, b: int) -> dict:
         )
     first, second = read_record(store, tree, a), read_record(store, tree, b)
     snapshots = [r.get("data_snapshot_hash") for r in (first, second)]
+    changes = settings_changes(_settings(store, tree, a, first), _settings(store, tree, b, second))
+    # The test rows are the snapshot's, split by these (steps/prepare.py `stratified_split`):
+    # one snapshot split otherwise is other rows.
+    split = [c for c in changes if c.startswith(SPLIT_SETTINGS)]
     why = None
     if not all(r.get("holdout_performance") for r in (first, second)):
         untested = [
@@ -161,6 +170,12 @@ def compare_runs(store: Store, tree: ExperimentTree, a: int, b: int) -> dict:
             f"run {run_label(a)} was tested on data {_data(first)} and run {run_label(b)} on "
             f"data {_data(second)}: their test sets differ, so a difference in their metrics says "
             "nothing about the models"
+        )
+    elif split and first.get("data_version") != second.get("data_version"):
+        why = (
+            f"run {run_label(a)} was tested on data {_data(first)} and run {run_label(b)} on "
+            f"data {_data(second)}, split otherwise ({'; '.join(split)}): their test sets "
+            "differ, so a difference in their metrics says nothing about the models"
         )
     models: dict[str, dict] = {}
     labels: dict[str, dict] = {}
@@ -178,7 +193,6 @@ def compare_runs(store: Store, tree: ExperimentTree, a: int, b: int) -> dict:
             labels[model] = {
                 label: (f1a.get(label), f1b.get(label)) for label in sorted(set(f1a) | set(f1b))
             }
-    changes = settings_changes(_settings(store, tree, a, first), _settings(store, tree, b, second))
     return {
         "code": code_changes(store, tree, a, b),
         "runs": [run_label(a), run_label(b)],

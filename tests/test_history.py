@@ -3,6 +3,7 @@ other data), and each run's report.html and the experiment's page opened in a re
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 
@@ -223,3 +224,29 @@ def test_the_experiment_page_shows_every_run_with_what_differs_in_chromium(three
         assert "run 0002" in page.locator("header h1").inner_text()
         browser.close()
     assert requests[0] == page_path.as_uri() and all(r.startswith("file://") for r in requests)
+
+
+def test_runs_of_one_snapshot_split_otherwise_are_not_set_against_each_other(tmp_path):
+    """Same snapshot, another [data] SEED: prepare split it into other test rows, so the
+    metrics are of other rows and are not compared. Another MAX_SEQUENCE_LENGTH makes other
+    prepared data of the same rows: compared."""
+    from pipeline.history import compare_runs
+
+    store = LocalStore(tmp_path / "store")
+    settings = {
+        1: "[data]\nSEED = 42\nMAX_SEQUENCE_LENGTH = 128\n",
+        2: "[data]\nSEED = 7\nMAX_SEQUENCE_LENGTH = 128\n",
+        3: "[data]\nSEED = 42\nMAX_SEQUENCE_LENGTH = 64\n",
+    }
+    for n, text in settings.items():
+        run = TREE.run(n)
+        performance = {"tiny": {"accuracy": 0.5, "macro_f1": 0.5, "weighted_f1": 0.5}}
+        record = {"status": "completed", "model_version": n, "data_version": n,
+                  "holdout_performance": performance, "data_snapshot_hash": "abc"}  # fmt: skip
+        store.put_bytes(run.metadata, json.dumps(record).encode())
+        store.put_bytes(run.settings, text.encode())
+    other_split = compare_runs(store, TREE, 1, 2)
+    assert not other_split["comparable"] and other_split["models"] == {}
+    assert "split otherwise ([data] SEED: 42 -> 7): their test sets differ" in other_split["why"]
+    same_rows = compare_runs(store, TREE, 1, 3)
+    assert same_rows["comparable"] and "tiny" in same_rows["models"]
