@@ -15,6 +15,7 @@ from pathlib import Path
 from steps.model_files import RECORD, read_record
 from steps.runtime import names
 from steps.runtime.environment import ml_root
+from steps.runtime.step import own_logs
 
 # The store's manifest of a folder (pipeline/store/manifests.py MANIFEST): the store's, not
 # the model's.
@@ -77,6 +78,7 @@ def log_models(
         run.finish()
         print(f"{name}: logged to wandb as model artifact {name} of run {run.id} ({mode})")
         logged[name] = {"artifact": name, "aliases": aliases, "run": run.id, "project": run.project}
+    own_logs(Path(where))  # its runs ended: links out of the report become copies
     return logged
 
 

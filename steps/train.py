@@ -36,7 +36,7 @@ from steps.precision import Precision, low_precision_said, trained_weights_in_fp
 from steps.prepared_files import read_encoding
 from steps.runtime import names
 from steps.runtime.environment import TrainingEnv, training_env
-from steps.runtime.step import run_step
+from steps.runtime.step import own_logs, run_step
 from steps.tracking import start_tracking, tracked
 from steps.training_blocks import (
     Diverged,
@@ -546,6 +546,8 @@ def leave(job: Job) -> None:
     job.accelerator.wait_for_everyone()
     tracked(job)
     job.accelerator.end_training()
+    if job.accelerator.is_main_process:
+        own_logs(job.env.output_data_dir)
     if job.accelerator.num_processes > 1:
         # The gloo worker thread destroys each finished collective after the caller's wait
         # returns, and needs the GIL to drop the tensors Python made; the process group is

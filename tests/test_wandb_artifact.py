@@ -84,3 +84,27 @@ def test_an_offline_run_logs_each_tested_model_as_an_artifact_of_its_training_ru
     assert summary["test/macro_f1"] == record["holdout_performance"]["tiny"]["macro_f1"]
     # No secret anywhere the run wrote: the wandb runs of training and inference included.
     assert files_holding(Path(store.uri_of(run1.prefix)), SECRETS.values()) == []
+
+
+def test_links_out_of_a_jobs_output_become_copies_of_what_they_held(tmp_path):
+    """wandb links its service's debug log into the run's folder from a file of the user's
+    cache named by the second: two jobs started in one second share it, and one job's output
+    would be sealed while the other still writes it. The output keeps a copy; a link inside
+    the folder stays a link, one that leads nowhere goes."""
+    from steps.runtime.step import own_logs
+
+    shared = tmp_path / "cache/core-debug-20261129-010203.log"
+    shared.parent.mkdir()
+    shared.write_text("this job's lines\n")
+    logs = tmp_path / "output/wandb/offline-run-1/logs"
+    logs.mkdir(parents=True)
+    (logs / "debug-core.log").symlink_to(shared)
+    (logs / "debug.log").write_text("own\n")
+    (logs / "latest.log").symlink_to(logs / "debug.log")
+    (logs / "gone.log").symlink_to(tmp_path / "nowhere.log")
+    own_logs(tmp_path / "output")
+    shared.write_text("this job's lines\nthe other job's\n")  # written on after the seal
+    assert not (logs / "debug-core.log").is_symlink()
+    assert (logs / "debug-core.log").read_text() == "this job's lines\n"
+    assert (logs / "latest.log").is_symlink() and not (logs / "gone.log").exists()
+    assert not (logs / "gone.log").is_symlink()

@@ -134,3 +134,21 @@ def write_step_metadata(directory: Path, section: dict) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     text = json.dumps(section, indent=2, default=str)
     (directory / names.STEP_METADATA_FILE).write_text(text)
+
+
+def own_logs(folder: Path) -> None:
+    """wandb's run folder links its service's debug log (logs/debug-core.log) to a file in the
+    user's cache folder named by the second the service started (wandb-core's
+    core-debug-<time>.log): two jobs started in one second share it, and the other job goes on
+    writing it while this one's output is sealed, whose size and sha256 then disagree, failing
+    the output's check. Once this job's wandb has ended, each link out of `folder` becomes a
+    copy of what it held (one that leads nowhere goes): the job's output holds its own files."""
+    inside = folder.resolve()
+    for link in sorted(p for p in folder.rglob("*") if p.is_symlink()):
+        target = link.resolve()
+        if target.is_relative_to(inside):
+            continue
+        data = target.read_bytes() if target.is_file() else None
+        link.unlink()
+        if data is not None:
+            link.write_bytes(data)
