@@ -26,8 +26,16 @@ class HistoryError(RuntimeError):
 
 
 def read_record(store: Store, tree: ExperimentTree, run_num: int) -> dict:
+    """A run's Metadata; HistoryError naming the run where there is none or it cannot be read
+    (cut short by a partial copy or sync of the store, say): named, never a traceback."""
+    key = tree.run(run_num).metadata
     try:
-        return json.loads(store.get_bytes(tree.run(run_num).metadata))
+        return json.loads(store.get_bytes(key))
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise HistoryError(
+            f"run {run_label(run_num)} of {tree.experiment!r}: its Metadata "
+            f"{store.uri_of(key)} cannot be read ({e})"
+        ) from None
     except NotFound:
         runs = existing_run_nums(store, tree)
         if run_num not in runs:

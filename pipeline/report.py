@@ -64,10 +64,10 @@ TIMING_FIELDS = ("status", "time_taken", "memory_usage", "gpu_usage", "restarts"
 
 def context(store: Store, tree: ExperimentTree, run_num: int) -> dict:
     """What the page shows, read from the run tree; a part the run never made is None."""
+    from pipeline.history import read_record
+
     run = tree.run(run_num)
-    record = _json(store, run.metadata)
-    if record is None:
-        raise NotFound(store.uri_of(run.metadata))
+    record = read_record(store, tree, run_num)  # one that cannot be read is named, and why
     steps = record.get("steps") or {}
     train = steps.get("train") or steps.get("tune") or {}
     trained = (train.get("details") or {}).get("models") or {}

@@ -103,7 +103,7 @@ def newest_models(
     for run_num in reversed(existing_run_nums(store, tree)):
         try:
             record = json.loads(store.get_bytes(tree.run(run_num).metadata))
-        except NotFound:
+        except (NotFound, ValueError, UnicodeDecodeError):  # none yet, or cut short: not read
             continue
         recorded = record.get("model_artifacts") or {}
         keys = {m: artifact_key(store, where) for m, where in recorded.items()}

@@ -151,3 +151,21 @@ def test_the_report_is_said_where_a_browser_opens_it(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file"))
     said = where_to_open(store, key)
     assert said.startswith(f"{store.uri_of(key)} (no copy here to open: "), said
+
+
+def test_a_runs_metadata_cut_short_is_named_never_a_traceback(two_runs, capsys):
+    """A partial copy or sync of the store cut run 1's metadata.json short: `runs` lists the
+    rest, and `report 1` names the file and why, in one line."""
+    from pathlib import Path
+
+    store, tree = LocalStore(Path(two_runs).parent / "store"), ExperimentTree("test-exp")
+    key = tree.run(1).metadata
+    store.put_bytes(key, store.get_bytes(key)[:40])
+    assert cli.main(["runs", str(two_runs)]) == 0
+    out = capsys.readouterr().out
+    assert "0001" in out and "0.7500" in out  # run 2's row, with its metrics
+    assert cli.main(["report", str(two_runs), "1"]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert (
+        f"error: run 0001 of 'test-exp': its Metadata {store.uri_of(key)} cannot be read (" in err
+    )
