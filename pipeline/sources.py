@@ -419,6 +419,13 @@ def check_code(settings: Settings, store: Store, run: RunTree) -> None:
     if shipped is None:  # no job started: the code is shipped when it resumes
         return
     shipped.pop(STEPS)
+    gone = files_gone(store, run.code)
+    if gone:  # the jobs would fail on every resume, naming a copy of it
+        raise Refused(
+            f"--resume {run.run_num}: the code run {run.label} started with lost files its "
+            f"manifest lists ({store.uri_of(run.code)}: {', '.join(gone)}); put them back to "
+            "resume, or start a new run"
+        )
     differ = files_that_differ(shipped, user_files(settings), f"run {run.label}", "yours")
     if differ:
         raise Refused(
@@ -452,22 +459,27 @@ def check_models_whole(store: Store, run: RunTree, models: list[str]) -> None:
     """A model the run completed is taken as it is (a resume trains it no more): each file its
     manifest lists must still be there, else inference would fail on every resume, naming a
     copy of it. One gone (removed by hand, a lifecycle rule) refuses the resume, naming it."""
-    from pipeline.store import read_manifest
-
-    problems = []
-    for model in models:
-        prefix = run.final_model(model)
-        if not is_complete(store, prefix):
-            continue  # not trained yet: the resume trains it
-        there = {key[len(prefix) :] for key in store.list_keys(prefix)}
-        gone = sorted(set(read_manifest(store, prefix)["files"]) - there)
-        if gone:
-            problems.append(f"{store.uri_of(prefix)} lacks {', '.join(gone)}")
+    problems = [
+        f"{store.uri_of(prefix)} lacks {', '.join(gone)}"
+        for prefix in (run.final_model(model) for model in models)
+        if (gone := files_gone(store, prefix))
+    ]
     if problems:
         raise Refused(
             f"--resume {run.run_num}: a model run {run.label} completed lost files its "
             f"manifest lists ({'; '.join(problems)}); put them back to resume, or start a new run"
         )
+
+
+def files_gone(store: Store, prefix: str) -> list[str]:
+    """The files a complete prefix's manifest lists that are no longer there; none where it is
+    not complete (made again by whoever makes it)."""
+    from pipeline.store import read_manifest
+
+    if not is_complete(store, prefix):
+        return []
+    there = {key[len(prefix) :] for key in store.list_keys(prefix)}
+    return sorted(set(read_manifest(store, prefix)["files"]) - there)
 
 
 def check_checkpoints(

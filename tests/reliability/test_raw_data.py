@@ -451,10 +451,12 @@ def test_a_resume_after_the_raw_folder_was_edited_is_refused(tmp_path):
     assert not store.exists("reviews/cache/reconcile")  # nothing indexed under the old key
 
 
-def test_a_resume_whose_completed_model_lost_a_file_is_refused_naming_it(tmp_path, monkeypatch):
-    """A run failed in its second model's training; its first model, completed, lost a file
-    (removed by hand, a lifecycle rule). The resume takes a completed model as it is, so
-    inference would fail on every resume: it is refused before any job, naming the file."""
+def test_a_resume_whose_code_or_completed_model_lost_a_file_is_refused_naming_it(
+    tmp_path, monkeypatch
+):
+    """A run failed in its second model's training; its code/, then its first model,
+    completed, lost a file (removed by hand, a lifecycle rule). The resume takes both as they
+    are, so a job would fail on every resume: it is refused before any job, naming the file."""
     from pipeline.errors import PipelineError
     from tests.test_user_functions import REVIEWS, write_module, write_reviews
 
@@ -478,7 +480,18 @@ def test_a_resume_whose_completed_model_lost_a_file_is_refused_naming_it(tmp_pat
     store = LocalStore(settings.store_uri())
     with pytest.raises(PipelineError, match="bad fails in its job"):
         run_pipeline(settings, store, parse_steps(None), echo=io.StringIO())
-    model = ExperimentTree("reviews").run(1).final_model("tiny")
+    run = ExperimentTree("reviews").run(1)
+    # The run's code/ lost the user module: the jobs would fail on it on every resume.
+    module = next(k for k in store.list_keys(run.code) if k.endswith("breaking_reviews.py"))
+    kept = store.get_bytes(module)
+    store.delete(module)
+    with pytest.raises(PipelineError) as info:
+        run_pipeline(settings, store, parse_steps(None), echo=io.StringIO(), resume=1)
+    said = str(info.value)
+    assert "--resume 1: the code run 0001 started with lost files its manifest lists" in said
+    assert "breaking_reviews.py); put them back to resume" in said
+    store.put_bytes(module, kept)
+    model = run.final_model("tiny")
     weights = next(k for k in store.list_keys(model) if not k.endswith(MANIFEST))
     store.delete(weights)
     with pytest.raises(PipelineError) as info:
