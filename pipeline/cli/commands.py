@@ -96,6 +96,15 @@ def _interrupt(signum, _frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def stop_as_ctrl_c() -> None:
+    """SIGTERM (a stop) and SIGHUP (the terminal the command ran in was closed) end it as
+    Ctrl-C does: its jobs stopped, their checkpoints kept, the run marked interrupted and
+    nothing left behind. SIGHUP's default would kill the driver outright, leaving the run
+    `running`, its jobs' folders in the temporary folder, and no checkpoint to resume from."""
+    for each in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(each, _interrupt)
+
+
 def init_command(args) -> int:
     """A new project, and the commands that run it."""
     from pipeline.project import init_project
@@ -115,7 +124,7 @@ def run_command(args) -> int:
     from pipeline.errors import log
     from pipeline.store import Unreached
 
-    signal.signal(signal.SIGTERM, _interrupt)
+    stop_as_ctrl_c()
     settings, store = open_experiment(args.settings, args.backend, args.image, args.dry_run)
     steps = parse_steps(args.steps)
     with displayed(args.verbose, args.quiet) as echo:
@@ -299,7 +308,7 @@ def predict_command(args) -> int:
     """The job's lines and the driver's through the display, as `run` shows them."""
     from pipeline.predict import predict
 
-    signal.signal(signal.SIGTERM, _interrupt)
+    stop_as_ctrl_c()
     settings, store = open_experiment(args.settings, args.backend, args.image)
     with displayed(args.verbose, args.quiet) as echo:
         record = predict(

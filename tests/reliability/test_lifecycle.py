@@ -126,6 +126,21 @@ def driver_in_training(tmp_path, demo_raw, monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_closed_terminal_stops_the_run_as_ctrl_c_does(tmp_path, demo_raw, monkeypatch):
+    """SIGHUP (the terminal the driver ran in was closed) ends the run as SIGTERM and Ctrl-C
+    do: its job stopped and its checkpoint kept, the run marked interrupted, nothing left in
+    the temporary folder; not a driver killed outright with the run still `running`."""
+    driver, settings, tmp, children = driver_in_training(tmp_path, demo_raw, monkeypatch)
+    driver.proc.send_signal(signal.SIGHUP)
+    assert driver.finish() == 130, driver.output
+    gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
+    assert record(tmp_path)["status"] == "interrupted"
+    assert list((tmp_path / "store" / RUN1.checkpoints("bow")).rglob("CURRENT"))
+    assert job_folders(tmp) == []
+
+
+@pytest.mark.slow
 def test_a_stopped_driver_stops_its_job_and_resume_continues_the_run(
     tmp_path, demo_raw, monkeypatch
 ):
