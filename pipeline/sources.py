@@ -478,8 +478,12 @@ def files_gone(store: Store, prefix: str) -> list[str]:
 
     if not is_complete(store, prefix):
         return []
+    try:
+        listed = read_manifest(store, prefix)["files"]
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError):
+        return []  # a manifest that cannot be read: named by whatever reads the folder
     there = {key[len(prefix) :] for key in store.list_keys(prefix)}
-    return sorted(set(read_manifest(store, prefix)["files"]) - there)
+    return sorted(set(listed) - there)
 
 
 def check_checkpoints(
