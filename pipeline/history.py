@@ -161,30 +161,8 @@ def compare_runs(store: Store, tree: ExperimentTree, a: int, b: int) -> dict:
             f"({there})"
         )
     first, second = read_record(store, tree, a), read_record(store, tree, b)
-    snapshots = [r.get("data_snapshot_hash") for r in (first, second)]
     changes = settings_changes(_settings(store, tree, a, first), _settings(store, tree, b, second))
-    # The test rows are the snapshot's, split by these (steps/prepare.py `stratified_split`):
-    # one snapshot split otherwise is other rows.
-    split = [c for c in changes if c.startswith(SPLIT_SETTINGS)]
-    why = None
-    if not all(r.get("holdout_performance") for r in (first, second)):
-        untested = [
-            run_label(n) for n, r in ((a, first), (b, second)) if not r.get("holdout_performance")
-        ]
-        statuses = ", ".join(str(r.get("status")) for r in (first, second))
-        why = f"run {' and '.join(untested)} tested no model (status {statuses})"
-    elif snapshots[0] != snapshots[1] or None in snapshots:
-        why = (
-            f"run {run_label(a)} was tested on data {_data(first)} and run {run_label(b)} on "
-            f"data {_data(second)}: their test sets differ, so a difference in their metrics says "
-            "nothing about the models"
-        )
-    elif split and first.get("data_version") != second.get("data_version"):
-        why = (
-            f"run {run_label(a)} was tested on data {_data(first)} and run {run_label(b)} on "
-            f"data {_data(second)}, split otherwise ({'; '.join(split)}): their test sets "
-            "differ, so a difference in their metrics says nothing about the models"
-        )
+    why = why_not_comparable((a, first), (b, second), changes)
     models: dict[str, dict] = {}
     labels: dict[str, dict] = {}
     if why is None:
@@ -216,6 +194,31 @@ def compare_runs(store: Store, tree: ExperimentTree, a: int, b: int) -> dict:
             for n, r, o in ((a, first, second), (b, second, first))
         },
     }
+
+
+def why_not_comparable(a: tuple[int, dict], b: tuple[int, dict], changes: list[str]) -> str | None:
+    """Why two runs' (number, Metadata) metrics say nothing against each other, or None: a
+    run that tested no model, or test sets that differ. The test rows are the snapshot's,
+    split by the SPLIT_SETTINGS (steps/prepare.py `stratified_split`): one snapshot split
+    otherwise is other rows."""
+    (n, first), (m, second) = a, b
+    if not all(r.get("holdout_performance") for r in (first, second)):
+        untested = [run_label(k) for k, r in (a, b) if not r.get("holdout_performance")]
+        statuses = ", ".join(str(r.get("status")) for r in (first, second))
+        return f"run {' and '.join(untested)} tested no model (status {statuses})"
+    snapshots = [r.get("data_snapshot_hash") for r in (first, second)]
+    split = [c for c in changes if c.startswith(SPLIT_SETTINGS)]
+    if snapshots[0] != snapshots[1] or None in snapshots:
+        how = ""
+    elif split and first.get("data_version") != second.get("data_version"):
+        how = f", split otherwise ({'; '.join(split)})"
+    else:
+        return None
+    return (
+        f"run {run_label(n)} was tested on data {_data(first)} and run {run_label(m)} on "
+        f"data {_data(second)}{how}: their test sets differ, so a difference in their metrics "
+        "says nothing about the models"
+    )
 
 
 def code_changes(store: Store, tree: ExperimentTree, a: int, b: int) -> list[str] | str:

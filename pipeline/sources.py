@@ -361,15 +361,7 @@ def resumed_run(
             f"--resume continues the steps run {run.label} planned ({','.join(planned)}); "
             "leave out --steps"
         )
-    changed = settings_changes(store.get_bytes(run.settings).decode(), settings.applied_ini)
-    reshaped = [c for c in changed if c.startswith(RESHAPING)]
-    if len(reshaped) < len(changed):
-        others = [c for c in changed if c not in reshaped]
-        raise Refused(
-            f"--resume {run_num}: the settings differ from the ones run {run.label} started with "
-            f"({'; '.join(others)}); resume with those, or start a new run (only "
-            f"{', '.join(k.removeprefix('[training] ') for k in RESHAPING)} may change)"
-        )
+    reshaped = check_settings(settings, store, run)
     check_code(settings, store, run)
     if reshaped:
         log.info(
@@ -409,6 +401,21 @@ def resumed_run(
     base = md.Metadata(**{**keep, **again, "resumed_at": resumed_at})
     log.info(f"resuming run {run.label} ({record['status']}): {', '.join(remaining)} left")
     return run, base, remaining, sources
+
+
+def check_settings(settings: Settings, store: Store, run: RunTree) -> list[str]:
+    """The settings' changes since the run started that only reshape its training job
+    (RESHAPING); any other refuses the resume, naming each."""
+    changed = settings_changes(store.get_bytes(run.settings).decode(), settings.applied_ini)
+    reshaped = [c for c in changed if c.startswith(RESHAPING)]
+    if len(reshaped) < len(changed):
+        others = [c for c in changed if c not in reshaped]
+        raise Refused(
+            f"--resume {run.run_num}: the settings differ from the ones run {run.label} started "
+            f"with ({'; '.join(others)}); resume with those, or start a new run (only "
+            f"{', '.join(k.removeprefix('[training] ') for k in RESHAPING)} may change)"
+        )
+    return reshaped
 
 
 def check_code(settings: Settings, store: Store, run: RunTree) -> None:
