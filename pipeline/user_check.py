@@ -147,7 +147,13 @@ def ask_checking_process(settings: Settings, trains: bool) -> dict:
         status = run_check(request_file, answer_file, env, time.monotonic() + CHECK_SECONDS)
         said = answer_file.read_text() if answer_file.exists() else None
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        # The check ran in this folder: a file its process still wrote as it was killed can
+        # make one pass fail (rmtree's last rmdir), so it is tried again for a moment.
+        for _ in range(40):
+            shutil.rmtree(folder, ignore_errors=True)
+            if not folder.exists():
+                break
+            time.sleep(0.05)
     if status is None:
         raise UserFunctionError(
             [f"importing '{module}' did not finish in {CHECK_SECONDS} s"], module
