@@ -8,14 +8,12 @@ so no lower module asks the chooser above it (pipeline/backends/choose.py) for a
 
 from __future__ import annotations
 
-import signal
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from pipeline.errors import log
+from pipeline.interrupts import undisturbed
 
 if TYPE_CHECKING:
     from pipeline.config import Settings
@@ -141,26 +139,3 @@ def running_backend(backend: Backend) -> Iterator[Backend]:
             backend.close(succeeded=False)
         raise
     backend.close(succeeded=True)
-
-
-@contextmanager
-def undisturbed():
-    """While jobs are stopped and their ending recorded (bounded by the jobs' 120 s grace), a
-    further Ctrl-C or SIGTERM is said, not obeyed: obeyed, it cut the tidying short and left
-    the jobs' networks and work folders until the next run."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def warn(signum, _frame) -> None:
-        log.warning(
-            "still stopping: each job has up to 120 s to save, then it is killed; its "
-            "network and work folder are removed"
-        )
-
-    before = {s: signal.signal(s, warn) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for signum, handler in before.items():  # None: a handler set outside Python
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import re
+import signal
 import sys
 import threading
 import time
 
 from pipeline import cost
 from pipeline.errors import RESULT, log
+from pipeline.interrupts import stop_main
 from pipeline.paths import run_label
 
 JOB_LINE = re.compile(r"^\[(?P<job>[^\]]+)\] (?P<text>.*)$")
@@ -53,6 +55,7 @@ class Display:
         self._buffer = ""
         self._lock = threading.Lock()
         self._live = None
+        self.closed = False  # the stream failed: nothing more is written to it
         if self.live_mode:
             from rich.console import Console
             from rich.live import Live
@@ -144,10 +147,22 @@ class Display:
     # -- drawing ---------------------------------------------------------------------------
 
     def _print(self, text: str) -> None:
-        if self.live_mode:
-            self.console.print(text, markup=False, highlight=False, soft_wrap=True)
-        else:
-            print(text, file=self.stream, flush=True)
+        """`text` on the stream, while it can take it. A pipe whose reader has gone (`smpipe
+        run S | head`, a `less` quit) stops the command as Ctrl-C does, as such a pipe's
+        SIGPIPE ends any other command: the run is marked interrupted and --resume continues
+        it. Any other stream that fails (a closed terminal: SIGHUP stops the run) is only no
+        longer written; the jobs' lines stay in their logs."""
+        if self.closed:
+            return
+        try:
+            if self.live_mode:
+                self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+            else:
+                print(text, file=self.stream, flush=True)
+        except OSError as e:
+            self.closed = True
+            if isinstance(e, BrokenPipeError):
+                stop_main(signal.SIGPIPE)
 
     def _render(self):
         from rich.console import Group

@@ -15,14 +15,15 @@ import sys
 import time
 from contextlib import nullcontext
 
-from pipeline import cache, registry
+from pipeline import cache, interrupts, registry
 from pipeline import metadata as md
-from pipeline.backend import Earlier, running_backend, undisturbed
+from pipeline.backend import Earlier, running_backend
 from pipeline.backends.choose import hosts_refuse, make_backend
 from pipeline.code_bundle import PROJECT_ROOT, ship_code
 from pipeline.config import ConfigError, Settings
 from pipeline.console import log_summary
 from pipeline.errors import RESULT, PipelineError, log
+from pipeline.interrupts import undisturbed, why_stopped
 from pipeline.jobs import JobFailed
 from pipeline.paths import ExperimentTree, RunTree
 from pipeline.plan import check_requests, log_plan, prices_for
@@ -190,24 +191,36 @@ def consult_cache(
 def claim_run(
     settings: Settings, store: Store, tree: ExperimentTree, steps: list[str], sources: Sources
 ) -> tuple[RunTree, md.Metadata]:
-    """A new run_num, its settings and its first Metadata."""
-    run = tree.run(claim_run_num(store, tree))
-    store.put_bytes(run.settings, settings.applied_ini.encode())
-    base = md.Metadata(
-        run_id=f"{settings.experiment.name}/{run.label}",
-        model_version=run.run_num,
-        experiment_name=settings.experiment.name,
-        artifact_uri=store.uri_of(run.prefix),
-        backend=settings.experiment.backend,
-        start_time=md.iso(time.time()),
-        git_sha=md.git_sha(PROJECT_ROOT),  # the code that ran
-        package_versions=md.package_versions(),
-        settings=settings.applied_ini,
-        raw_path=sources.raw,  # a key of this store, or the user's own URI or folder
-        planned_steps=steps,
-        sources=sources.record(),
-    )
-    log.info(f"run {run.label} of {settings.experiment.name!r}: {store.uri_of(run.prefix)}")
+    """A new run_num, its settings and its first Metadata: written before anything is said
+    (a closed stdout stops the run at its next line: pipeline/interrupts.py) and with stops
+    held between the claim and the Metadata, so that no run is left claimed without one."""
+    code, packages = md.git_sha(PROJECT_ROOT), md.package_versions()  # the code that runs
+    with interrupts.held() as came:
+        run = tree.run(claim_run_num(store, tree))
+        store.put_bytes(run.settings, settings.applied_ini.encode())
+        base = md.Metadata(
+            run_id=f"{settings.experiment.name}/{run.label}",
+            model_version=run.run_num,
+            experiment_name=settings.experiment.name,
+            artifact_uri=store.uri_of(run.prefix),
+            backend=settings.experiment.backend,
+            start_time=md.iso(time.time()),
+            git_sha=code,
+            package_versions=packages,
+            settings=settings.applied_ini,
+            raw_path=sources.raw,  # a key of this store, or the user's own URI or folder
+            planned_steps=steps,
+            sources=sources.record(),
+        )
+        base.mask(secret_values({**os.environ, **job_env(settings)}))
+        md.merge(store, run, base)
+        if came:  # stopped as it was claimed: recorded as a stopped run is, resumable
+            stop = interrupts.Stopped(came[0])
+            base.status, base.failure_reason = "interrupted", why_stopped(stop)
+            base.end_time = md.iso(time.time())
+            md.merge(store, run, base)
+    if came:
+        raise stop
     return run, base
 
 
@@ -224,10 +237,11 @@ def execute(
     """Run each planned stage's jobs in order on the backend, then end the run: completed, or
     failed or interrupted with its jobs stopped and the reason recorded."""
     started = time.time()
-    ctx, planned = set_up(settings, store, run, base, steps, sources)
-    ctx.backend = make_backend(settings, store, run, echo)
-    base.image = getattr(ctx.backend, "image_record", None)  # a test's stand-in may hold none
-    try:
+    ctx = RunContext(settings, store, run, sources.with_outputs_of(steps, run), base, None)
+    try:  # from its first line on: a stop or an error anywhere ends the run recorded
+        planned = set_up(ctx, steps, sources)
+        ctx.backend = make_backend(settings, store, run, echo)
+        base.image = getattr(ctx.backend, "image_record", None)  # a test's may hold none
         with running_backend(ctx.backend):  # its jobs stopped before any ending is recorded
             if base.resumed_at:  # what its last driver left: jobs running, bills unread
                 base.billing_before_resume += ctx.backend.resumed(earlier(store, run, base))
@@ -248,9 +262,9 @@ def execute(
             f"The job's log is at {where}; run {run.label} is marked failed at "
             f"{store.uri_of(run.metadata)} and nothing from it is promoted."
         ) from None
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (pipeline/cli/commands.py turns it into this)
+    except KeyboardInterrupt as e:  # Ctrl-C, or another stop (pipeline/interrupts.py)
         with undisturbed():
-            ended(ctx, started, "interrupted", "stopped by the user (SIGINT/SIGTERM)")
+            ended(ctx, started, "interrupted", why_stopped(e))
         log.info(
             f"run {run.label} interrupted: its jobs were stopped and their logs kept; "
             f"--resume {run.run_num} continues it"
@@ -318,19 +332,15 @@ def say_overrides(settings: Settings) -> None:
         log.info(line)
 
 
-def set_up(
-    settings: Settings,
-    store: Store,
-    run: RunTree,
-    base: md.Metadata,
-    steps: list[str],
-    sources: Sources,
-) -> tuple[RunContext, list[tuple[Stage, list[Job]]]]:
-    """The run's first Metadata written, its stages' jobs built and printed, its code shipped."""
+def set_up(ctx: RunContext, steps: list[str], sources: Sources) -> list[tuple[Stage, list[Job]]]:
+    """The run said, its Metadata written, its stages' jobs built and printed, its code
+    shipped."""
+    settings, store, run, base = ctx.settings, ctx.store, ctx.run, ctx.base
+    if not base.resumed_at:
+        log.info(f"run {run.label} of {settings.experiment.name!r}: {store.uri_of(run.prefix)}")
     base.mask(secret_values({**os.environ, **job_env(settings)}))
     log_reused(sources)
     md.merge(store, run, base)
-    ctx = RunContext(settings, store, run, sources.with_outputs_of(steps, run), base, None)
     base.data_version = ctx.sources.data_version
     if ctx.sources.prepared is not None and "prepare" not in steps:  # an earlier run's data
         base.data_snapshot_hash = snapshot_hash(store, ctx.sources.prepared)
@@ -345,7 +355,7 @@ def set_up(
     )
     if not is_complete(store, run.code):  # a resumed run runs the code it started with
         ship_code(settings, store, run.code)
-    return ctx, planned
+    return planned
 
 
 def ended(ctx: RunContext, started: float, status: str, reason: str | None) -> dict:

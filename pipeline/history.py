@@ -13,7 +13,7 @@ from datetime import datetime
 
 from pipeline.code_bundle import files_that_differ, shipped_files
 from pipeline.paths import ExperimentTree, run_label
-from pipeline.runs import existing_run_nums, silent_driver
+from pipeline.runs import existing_run_nums, never_started, silent_driver
 from pipeline.store import NotFound, Store
 from steps.runtime.names import PER_LABEL_FILE
 
@@ -83,8 +83,10 @@ def _row(store: Store, tree: ExperimentTree, run_num: int, record: dict | None) 
     record = record or {"status": "claimed"}
     performance = record.get("holdout_performance") or {}
     status = record.get("status")
-    if status == "running" and silent_driver(store, tree.run(run_num).heartbeat):
+    if status == "running" and silent_driver(store, tree.run(run_num)):
         status = "abandoned"  # the rule the next run applies (pipeline/runs.py)
+    elif status == "claimed" and never_started(store, tree.run(run_num)):
+        status = "abandoned"  # its driver ended before the run had a record: nothing ran
     steps = record.get("steps") or {}
     trained = ((steps.get("train") or steps.get("tune") or {}).get("details") or {}).get("models")
     return {
@@ -100,7 +102,9 @@ def _row(store: Store, tree: ExperimentTree, run_num: int, record: dict | None) 
         "seconds": record.get("time_taken"),
         "started": record.get("start_time"),
         "cost": record.get("cost"),  # pipeline/cost.py run_cost
-        "pruned": bool(record.get("pruned")),  # its weights and checkpoints gone (prune.py)
+        # its weights and checkpoints gone (prune.py), or going: a prune was stopped half way
+        "pruned": bool(record.get("pruned")),
+        "half_pruned": bool((record.get("pruned") or {}).get("unfinished")),
     }
 
 

@@ -64,6 +64,12 @@ class ExperimentTree:
     def runs_root(self) -> str:
         return f"{self.experiment}/runs/"
 
+    def owner_of_models(self, models: str) -> RunTree | None:
+        """The run whose models/ folder the key `models` is; None for another folder."""
+        label = models[len(self.runs_root) :].split("/", 1)[0]
+        owner = self.run(int(label)) if label.isdigit() else None
+        return owner if owner and owner.models == models else None
+
     def data(self, data_version: int | str) -> DataTree:
         """A data version: the run_num of the run that produced it (`0003`), so data is
         versioned like runs and never overwritten. A str is a label used as is: the dry run's

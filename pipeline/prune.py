@@ -17,7 +17,15 @@ from pipeline.errors import counted, log
 from pipeline.history import human_bytes, run_rows
 from pipeline.paths import ExperimentTree, RawVersion, RunTree, raw_version_digest
 from pipeline.registry.records import registered_models
-from pipeline.runs import RunBusy, existing_run_nums, held, holder_gone, lease, silent_driver
+from pipeline.runs import (
+    RunBusy,
+    existing_run_nums,
+    held,
+    holder_gone,
+    lease,
+    never_started,
+    silent_driver,
+)
 from pipeline.store import MANIFEST, NotFound, Store, StoreError, artifact_key
 from steps.model_files import EXPORTS
 
@@ -165,7 +173,7 @@ def read_by(store: Store, tree: ExperimentTree, runs: list[RunTree]) -> list[Ref
             continue  # claimed, its Metadata not written yet: it has read nothing yet
         folder = artifact_key(store, (record.get("sources") or {}).get("models") or "")
         if folder and not folder.startswith(run.prefix):
-            owner = models_owner(tree, folder)
+            owner = tree.owner_of_models(folder)
             tested = sorted(record.get("holdout_performance") or {})
             read = f"run {owner.label}'s models/" if owner else folder
             why = f"run {run.label} tested it (its inference read {read}: --steps inference)"
@@ -176,13 +184,6 @@ def read_by(store: Store, tree: ExperimentTree, runs: list[RunTree]) -> list[Ref
             if key and not key.startswith(run.prefix):
                 found.append((key, f"run {run.label} records it as its model {model!r}"))
     return found
-
-
-def models_owner(tree: ExperimentTree, models: str) -> RunTree | None:
-    """The run whose models/ folder `models` is; None for another folder."""
-    label = models[len(tree.runs_root) :].split("/", 1)[0]
-    owner = tree.run(int(label)) if label.isdigit() else None
-    return owner if owner and owner.models == models else None
 
 
 def predicted(store: Store, runs: list[RunTree]) -> list[Reference]:
@@ -221,7 +222,7 @@ def prune_run(store: Store, removal: Removal, keep: int) -> str | None:
     try:
         with lease(store, removal.run, "pruned"):
             status = json.loads(store.get_bytes(removal.run.metadata)).get("status")
-            if status == "running" and silent_driver(store, removal.run.heartbeat):
+            if status == "running" and silent_driver(store, removal.run):
                 status = "abandoned"  # as run_rows tells it
             if status != removal.status:
                 return f"it is {status} now (it was {removal.status} when prune looked)"
@@ -232,21 +233,27 @@ def prune_run(store: Store, removal: Removal, keep: int) -> str | None:
 
 
 def _remove(store: Store, removal: Removal, keep: int) -> None:
+    """The run is recorded as pruned before anything of it goes, `unfinished` until all of it
+    has: a prune stopped half way (Ctrl-C) leaves a run that nothing resumes or reads as
+    whole, and that the next prune finishes."""
     run = removal.run
+    record = json.loads(store.get_bytes(run.metadata))
+    before = record.get("pruned") or {}
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    record["pruned"] = {**before, "time": now, "keep": keep, "unfinished": True}
+    store.put_bytes(run.metadata, json.dumps(record, indent=2).encode())
     for key in sorted(removal.files, key=lambda k: not k.endswith(MANIFEST)):
         store.delete(key)
     # Failed jobs' folders kept on this machine for an S3 store (in the run itself for a
     # folder store: removed with the files above).
     elsewhere = remove_kept_jobs(store, run)
-    record = json.loads(store.get_bytes(run.metadata))
-    before = record.get("pruned") or {}
     removed = dict(before.get("removed") or {})
     for where, size in removal.groups.items():
         removed[where] = removed.get(where, 0) + size
     if elsewhere:
         removed["failed-jobs/ (this machine)"] = elsewhere
     record["pruned"] = {
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "time": now,
         "keep": keep,
         "removed_files": before.get("removed_files", 0) + len(removal.files),
         "removed_bytes": before.get("removed_bytes", 0) + removal.bytes,
@@ -347,7 +354,11 @@ def raw_versions_read(
             continue
         try:
             record = json.loads(store.get_bytes(tree.run(run_num).metadata))
-        except (NotFound, ValueError, UnicodeDecodeError):
+        except NotFound:
+            if never_started(store, tree.run(run_num)):
+                continue  # its driver ended before the run read anything
+            return None
+        except (ValueError, UnicodeDecodeError):
             return None
         if record.get("pruned"):
             continue

@@ -76,21 +76,49 @@ def heartbeat(store: Store, key: str, every: float = HEARTBEAT_SECONDS):
         thread.join()
 
 
-def silent_driver(store: Store, key: str, now: float | None = None) -> str | None:
+def silent_driver(store: Store, run: RunTree, now: float | None = None) -> str | None:
     """Why the driver of a `running` run is gone, or None while it may be alive: its process
-    no longer exists on this machine, or its heartbeat stopped SILENT_FOR seconds ago."""
+    no longer exists on this machine, or its heartbeat stopped SILENT_FOR seconds ago. Before
+    its first beat, its claim of the run is what it last said."""
+    for key, field, what in ((run.heartbeat, "time", "last heartbeat"),
+                             (run.claim, "claimed_at", "claimed")):  # fmt: skip
+        try:
+            said = json.loads(store.get_bytes(key))
+        except NotFound:
+            continue
+        except ValueError:
+            return None  # half written (a store's copy): not judged
+        known = {"host", "pid", field} <= set(said)
+        return driver_gone(said, said[field], what, now) if known else None
+    return None
+
+
+def never_started(store: Store, run: RunTree, now: float | None = None) -> str | None:
+    """Why a run claimed without a Metadata will never have one, or None while its driver may
+    still write it (driver.claim_run writes it right after the claim; only a driver killed or
+    a store failing in between leaves a run so): the claim's process is gone from this
+    machine, or it claimed the run SILENT_FOR seconds ago."""
+    if store.exists(run.metadata):
+        return None
+    try:
+        claim = json.loads(store.get_bytes(run.claim))
+    except (NotFound, ValueError):  # no such run; a claim half written (a store's copy)
+        return None
+    if not {"host", "pid", "claimed_at"} <= set(claim):  # a claim that says no driver
+        return None
+    return driver_gone(claim, claim["claimed_at"], "claimed", now)
+
+
+def driver_gone(who: dict, since: float, what: str, now: float | None = None) -> str | None:
+    """Why the driver `who` (host and pid) that last said something at `since` is gone."""
     import psutil
 
-    try:
-        beat = json.loads(store.get_bytes(key))
-    except (NotFound, ValueError):
-        return None  # a driver that has not beaten yet (or an older one): not judged
     now = time.time() if now is None else now
-    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(beat["time"]))
-    if beat.get("host") == socket.gethostname() and not psutil.pid_exists(beat["pid"]):
-        return f"its driver (pid {beat['pid']} on {beat['host']}) is gone; last heartbeat {when}"
-    if now - beat["time"] > SILENT_FOR:
-        return f"its driver ({beat['host']}, pid {beat['pid']}) has been silent since {when}"
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since))
+    if who.get("host") == socket.gethostname() and not psutil.pid_exists(who["pid"]):
+        return f"its driver (pid {who['pid']} on {who['host']}) is gone; {what} {when}"
+    if now - since > SILENT_FOR:
+        return f"its driver ({who['host']}, pid {who['pid']}) has been silent since {when}"
     return None
 
 
@@ -105,7 +133,7 @@ def mark_abandoned(store: Store, tree: ExperimentTree) -> None:
             continue
         if record.get("status") != "running":
             continue
-        why = silent_driver(store, run.heartbeat)
+        why = silent_driver(store, run)
         if why is None:
             continue
         record.update(status="abandoned", failure_reason=why, end_time=record.get("end_time"))

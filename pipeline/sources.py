@@ -28,7 +28,7 @@ from pipeline.raw_data import (
     unfinished_upload,
 )
 from pipeline.raw_data import upload_raw as upload_raw  # `smpipe upload`'s, named here too
-from pipeline.runs import checkpoint_files, existing_run_nums, silent_driver
+from pipeline.runs import checkpoint_files, existing_run_nums, never_started, silent_driver
 from pipeline.store import NotFound, Store, artifact_key, is_complete
 from steps.prepared_files import ENCODING, parse_encoding
 
@@ -532,12 +532,20 @@ def stopped_record(store: Store, run: RunTree) -> dict:
         record = json.loads(store.get_bytes(run.metadata))
     except NotFound:
         runs = existing_run_nums(store, ExperimentTree(run.experiment))
+        if run.run_num in runs:  # claimed, and no record yet
+            why = never_started(store, run)
+            raise Refused(
+                f"{resume}: run {run.label} never started ({why}; it has no Metadata): nothing "
+                "ran, so there is nothing to continue; a new run starts afresh"
+                if why
+                else f"{resume}: run {run.label} is starting (its driver is alive)"
+            ) from None
         there = f"runs {run_label(runs[0])}-{run_label(runs[-1])}" if runs else "no runs yet"
         raise Refused(
             f"{resume}: no run {run.label} at {store.uri_of(run.prefix)} ({there})"
         ) from None
     if record.get("status") == "running":
-        if silent_driver(store, run.heartbeat) is None:
+        if silent_driver(store, run) is None:
             raise Refused(f"{resume}: run {run.label} is still running (its driver is alive)")
         record["status"] = "abandoned"
     if record.get("status") not in RESUMABLE:

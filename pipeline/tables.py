@@ -36,7 +36,7 @@ def runs_table(title: str, rows: list[dict]) -> Table:
         took = f"{row['seconds']:.0f}s" if row["seconds"] is not None else ""
         table.add_row(
             row["run"],
-            (row["status"] or "") + (", pruned" if row.get("pruned") else ""),
+            (row["status"] or "") + pruned_note(row),
             "\n".join(f"{key} {value}" for key, value in row["settings"].items()),
             "\n".join(f"{m} {row['macro_f1'][m]:.4f}" for m in ranked) or ", ".join(row["models"]),
             "\n".join(
@@ -51,6 +51,12 @@ def runs_table(title: str, rows: list[dict]) -> Table:
             human_bytes(row["bytes"]),
         )
     return table
+
+
+def pruned_note(row: dict) -> str:
+    if row.get("half_pruned"):
+        return ", half pruned (`smpipe prune` finishes it)"
+    return ", pruned" if row.get("pruned") else ""
 
 
 def versions_table(title: str, rows: list[dict]) -> Table:

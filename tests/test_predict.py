@@ -33,7 +33,7 @@ from pipeline.driver import parse_steps, run_pipeline
 from pipeline.errors import PipelineError
 from pipeline.paths import ExperimentTree
 from pipeline.predict import predict
-from pipeline.predict.checks import Chosen, PredictError, choose
+from pipeline.predict.checks import Chosen, PredictError
 from pipeline.predict.files import read_rows, write_parts
 from pipeline.predict.job import predict_job
 from pipeline.service_model import as_if_on_s3, refused
@@ -402,20 +402,6 @@ def test_every_problem_is_said_before_anything_runs(trained, tmp_path, capsys):
         signal.signal(signal.SIGTERM, handler)
     assert code == 2 and "--model nope: run 0002 trained no model 'nope'" in capsys.readouterr().err
     assert store.list_keys("test-exp/runs/") == before  # nothing uploaded, nothing run
-
-
-def test_a_run_that_did_not_complete_is_refused(tmp_path):
-    store = LocalStore(tmp_path / "store")
-    path = write_settings(tmp_path / "settings.ini", str(tmp_path / "store"))
-    store.put_bytes(
-        TREE.run(1).metadata,
-        json.dumps({"status": "failed", "model_artifacts": {"bow": "x/"}}).encode(),
-    )
-    settings = load_settings(path, env={})
-    assert choose(settings, store, 1, None)[1] == [
-        "--run 1: run 0001 is failed, not completed: predict uses its models"]  # fmt: skip
-    assert choose(settings, store, None, None)[1] == [
-        f"no completed run of 'test-exp' in {store.uri} has trained a model (smpipe runs)"]  # fmt: skip
 
 
 @pytest.mark.slow

@@ -233,13 +233,13 @@ def test_a_run_whose_driver_is_silent_for_ten_minutes_is_abandoned(tmp_path):
     now = time.time()
     beat = {"host": "another-machine", "pid": os.getpid(), "time": now - SILENT_FOR + 5}
     store.put_bytes(run.heartbeat, json.dumps(beat).encode())
-    assert silent_driver(store, run.heartbeat, now) is None
+    assert silent_driver(store, run, now) is None
     mark_abandoned(store, TREE)
     assert json.loads(store.get_bytes(run.metadata))["status"] == "running"
     # Ten minutes without a beat: abandoned, even with a pid that is alive here.
     beat.update(time=now - SILENT_FOR - 5, host=socket.gethostname())
     store.put_bytes(run.heartbeat, json.dumps(beat).encode())
-    assert "has been silent since" in silent_driver(store, run.heartbeat, now)
+    assert "has been silent since" in silent_driver(store, run, now)
     mark_abandoned(store, TREE)
     record = json.loads(store.get_bytes(run.metadata))
     assert record["status"] == "abandoned" and "has been silent since" in record["failure_reason"]

@@ -226,6 +226,38 @@ def test_prune_removes_only_bulky_files_and_records_it(store_at, tmp_path, capsy
     assert "nothing to prune" in capsys.readouterr().out
 
 
+def test_a_prune_stopped_half_way_leaves_the_run_marked_and_the_next_finishes_it(
+    tmp_path, capsys, monkeypatch
+):
+    """Ctrl-C as the first run's model manifest went: the run stayed `completed` with its model
+    half gone, and the message was the one a stopped `run` gives. Now the run is recorded as
+    pruned before anything of it goes, `runs` says it is half pruned, prune says what it left,
+    and the next prune finishes it."""
+    store = LocalStore(tmp_path / "store")
+    path = write_settings(tmp_path / "settings.ini", str(store.root))
+    runs = [write_run(store, n, "completed") for n in (1, 2)]
+    delete = LocalStore.delete
+
+    def stopped_after_the_first(self, key):
+        delete(self, key)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LocalStore, "delete", stopped_after_the_first)
+    assert cli.main(["prune", str(path), "--keep", "1", "--yes"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted: stopped by the user (Ctrl-C); a run it had begun to prune is marked" in err
+    half = json.loads(store.get_bytes(runs[0].metadata))["pruned"]
+    assert half["unfinished"] and half["keep"] == 1
+    assert cli.main(["runs", str(path)]) == 0
+    assert "completed, half pruned (`smpipe prune` finishes it)" in capsys.readouterr().out
+
+    monkeypatch.setattr(LocalStore, "delete", delete)
+    assert cli.main(["prune", str(path), "--keep", "1", "--yes"]) == 0
+    done = json.loads(store.get_bytes(runs[0].metadata))["pruned"]
+    assert "unfinished" not in done and done["keep"] == 1
+    assert not [k for k in store.list_keys(runs[0].prefix) if k[len(runs[0].prefix) :] in BULKY]
+
+
 def test_prune_never_touches_a_run_that_may_be_running(tmp_path):
     store = LocalStore(tmp_path / "store")
     statuses = {1: "running", 2: "failed", 3: None, 4: "completed", 5: "completed"}

@@ -49,16 +49,34 @@ def main(argv: list[str] | None = None) -> int:
     except (PipelineError, StoreError, HistoryError, PruneError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        outcome = (
-            "its job was stopped; OUTPUT and OUTPUT.json are as they were (the run keeps the "
-            "job's log, if it started, with a record saying so)"
-            if args.command == "predict"
-            else "its jobs were stopped; the run is marked interrupted and its completed "
-            "outputs stay"
-        )
-        print(f"interrupted: {outcome}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        return interrupted(args.command, e)
+
+
+# What each command that writes leaves when it is stopped (pipeline/interrupts.py).
+STOPPED = {
+    "run": "its jobs were stopped; a run it had begun is marked interrupted and its completed "
+    "outputs stay (--resume continues it)",
+    "predict": "its job was stopped; OUTPUT and OUTPUT.json are as they were (the run keeps the "
+    "job's log, if it started, with a record saying so)",
+    "prune": "a run it had begun to prune is marked pruned (`smpipe prune` again finishes it); "
+    "every other run is as it was",
+}
+
+
+def interrupted(command: str, error: KeyboardInterrupt) -> int:
+    """Status 130, once it is said on stderr why and what is left: said where it can be (a
+    stop because stdout's reader went away may have taken stderr with it)."""
+    from pipeline.interrupts import why_stopped
+
+    if stdout_closed():
+        quiet_exit()
+    try:
+        left = f"; {STOPPED[command]}" if command in STOPPED else ""
+        print(f"interrupted: {why_stopped(error)}{left}", file=sys.stderr, flush=True)
+    except OSError:
+        pass
+    return 130
 
 
 def flushed(code: int) -> int:

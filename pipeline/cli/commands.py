@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
 import sys
 from contextlib import contextmanager
+
+from pipeline.interrupts import stop_on_signals
 
 
 def open_experiment(
@@ -91,20 +92,6 @@ def displayed(verbose: bool, quiet: bool):
         log.setLevel(before[2])
 
 
-def _interrupt(signum, _frame):
-    # SIGTERM ends the run the way Ctrl-C does: jobs stopped, the run marked interrupted.
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def stop_as_ctrl_c() -> None:
-    """SIGTERM (a stop) and SIGHUP (the terminal the command ran in was closed) end it as
-    Ctrl-C does: its jobs stopped, their checkpoints kept, the run marked interrupted and
-    nothing left behind. SIGHUP's default would kill the driver outright, leaving the run
-    `running`, its jobs' folders in the temporary folder, and no checkpoint to resume from."""
-    for each in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(each, _interrupt)
-
-
 def init_command(args) -> int:
     """A new project, and the commands that run it."""
     from pipeline.project import init_project
@@ -124,7 +111,7 @@ def run_command(args) -> int:
     from pipeline.errors import log
     from pipeline.store import Unreached
 
-    stop_as_ctrl_c()
+    stop_on_signals()
     settings, store = open_experiment(args.settings, args.backend, args.image, args.dry_run)
     steps = parse_steps(args.steps)
     with displayed(args.verbose, args.quiet) as echo:
@@ -308,7 +295,7 @@ def predict_command(args) -> int:
     """The job's lines and the driver's through the display, as `run` shows them."""
     from pipeline.predict import predict
 
-    stop_as_ctrl_c()
+    stop_on_signals()
     settings, store = open_experiment(args.settings, args.backend, args.image)
     with displayed(args.verbose, args.quiet) as echo:
         record = predict(

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import cost
+from pipeline import cost, interrupts
 from pipeline import metadata as md
 from pipeline.backend import running_backend
 from pipeline.backends.choose import make_backend as default_backend
@@ -30,7 +30,6 @@ from pipeline.predict.checks import Chosen, PredictError, check_columns, check_f
 from pipeline.predict.files import (
     check_targets,
     input_sha256,
-    interrupts_held,
     place,
     record_path,
 )
@@ -257,12 +256,12 @@ def left_behind(
     half of it; a store that fails here is said, and the first error stands."""
     status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
     if status == "interrupted":
-        reason = "Ctrl-C or SIGTERM: the job was stopped"
+        reason = f"{interrupts.why_stopped(error)}: the job was stopped"
     elif isinstance(error, PipelineError | ConfigError):
         reason = str(error)
     else:
         reason = f"{type(error).__name__}: {error}"
-    with interrupts_held():
+    with interrupts.held():
         try:
             for key in store.list_keys(prediction.prefix):
                 store.delete(key)

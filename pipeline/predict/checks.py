@@ -91,6 +91,8 @@ def choose_model(record: dict, model: str | None, run: RunTree) -> tuple[str, st
     """The model named, trained in the run; else the run's winner by test macro-F1, as its
     inference step recorded it (steps/inference.py `compare`), or its one model."""
     trained = sorted(record.get("model_artifacts") or {})
+    if not trained:  # an inference-only run (--steps inference) tests another run's models
+        raise PredictError([f"--run {run.run_num}: {trained_none(record, run)}"])
     if model is not None:
         if model not in trained:
             models = ", ".join(trained) or "none"
@@ -105,6 +107,22 @@ def choose_model(record: dict, model: str | None, run: RunTree) -> tuple[str, st
         return trained[0], "the run's one model"
     why = f"its inference step did not compare {', '.join(trained)}"
     raise PredictError([f"run {run.label} records no winner ({why}): name one with --model"])
+
+
+def trained_none(record: dict, run: RunTree) -> str:
+    """Why a run has no model of its own to predict with, and which run has."""
+    tree = ExperimentTree(record.get("experiment_name") or "")
+    tested = sorted(record.get("holdout_performance") or {})
+    # A key of the store, as a run records it; or a URI (an older record, a copied store)
+    folder = ((record.get("sources") or {}).get("models") or "").rstrip("/") + "/"
+    owner = tree.owner_of_models(folder[folder.find(tree.runs_root) :]) if tested else None
+    if owner is None:
+        return f"run {run.label} trained no model"
+    them = "it" if len(tested) == 1 else "them"
+    return (
+        f"run {run.label} trained no model: it tested {', '.join(tested)} of run "
+        f"{owner.label} (--run {owner.run_num} predicts with {them})"
+    )
 
 
 def snapshot_columns(store: Store, data: DataTree) -> list[str] | None:

@@ -14,18 +14,16 @@ import hashlib
 import json
 import os
 import re
-import signal
 import stat
 import sys
 import tempfile
-import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline import interrupts
 from pipeline.store import FILE_MODE, file_sha256
 from steps.prepared_files import as_kind
 
@@ -548,7 +546,7 @@ def place(output: Path, written: Path, record: str, previous: bytes | None) -> l
                 f.write(record)
         except OSError as e:  # named for the file it was to become
             raise OSError(e.errno, e.strerror, str(target)) from None
-        with interrupts_held() as held:
+        with interrupts.held() as held:
             os.replace(staged, target)
             staged = None
             try:
@@ -574,21 +572,3 @@ def put_back(record: Path, previous: bytes | None) -> None:
         os.replace(again, record)
     except OSError:  # the rename's error is the one to say
         pass
-
-
-@contextmanager
-def interrupts_held():
-    """SIGINT and SIGTERM held for a few renames that must all happen or none: the numbers of
-    those that came are in the list yielded. Only the main thread can set handlers
-    (signal.signal); elsewhere nothing is held."""
-    came: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield came
-        return
-    signals = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not None]
-    before = {s: signal.signal(s, lambda signum, _frame: came.append(signum)) for s in signals}
-    try:
-        yield came
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)

@@ -9,6 +9,9 @@ time. Once: a job that finds the file there (the restarted one) does not wait.
 <step> `epoch2`: the first step after the first validation (the first epoch's end, which
 is checkpointed). "<folder>:<step>:<name>": only in a job whose TRAINING_JOB_NAME holds <name>
 (one trial of a study).
+With SMPIPE_TEST_GATE_HOLD=1 too, the job then holds its stop: once the SIGTERM has come it
+writes <folder>/stopping (its pid) and waits for <folder>/release before it goes on, so a
+test can act while the job is being stopped.
 
 The step is counted as train.py counts it: the step the job resumed from (its checkpoint
 folder's CURRENT, none: 0), plus one for every `accumulation` training forward passes of this
@@ -24,6 +27,7 @@ import time
 from pathlib import Path
 
 GATE_VARIABLE = "SMPIPE_TEST_GATE"
+HOLD_VARIABLE = "SMPIPE_TEST_GATE_HOLD"
 PATIENCE_SECONDS = 300  # a test that never signals fails the job, naming the gate
 
 
@@ -64,15 +68,18 @@ class Gate:
         here = marker(self.folder, self.step, rank)
         if here.exists():
             return
-        here.parent.mkdir(parents=True, exist_ok=True)
-        partial = here.with_name(f".{here.name}.{os.getpid()}")
-        partial.write_text(str(os.getpid()))
-        partial.replace(here)  # whole or absent: a test that sees it reads the pid
+        write_whole(here, str(os.getpid()))
         deadline = time.monotonic() + PATIENCE_SECONDS
         while not self.signalled:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{GATE_VARIABLE}: no SIGTERM came at step {self.step}")
             time.sleep(0.01)
+        if os.environ.get(HOLD_VARIABLE):
+            write_whole(Path(self.folder) / "stopping", str(os.getpid()))
+            while not (Path(self.folder) / "release").exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{HOLD_VARIABLE}: no release came at step {self.step}")
+                time.sleep(0.01)
 
     def reached(self) -> bool:
         if self.step == "epoch2":
@@ -88,6 +95,14 @@ class Gate:
                 previous(signum, frame)
 
         signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Whole or absent: a test that sees the file reads the pid."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(text)
+    partial.replace(path)
 
 
 def resumed_step() -> int:

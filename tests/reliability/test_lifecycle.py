@@ -141,6 +141,71 @@ def test_a_closed_terminal_stops_the_run_as_ctrl_c_does(tmp_path, demo_raw, monk
 
 
 @pytest.mark.slow
+def test_a_second_stop_while_the_job_is_stopping_is_said_not_obeyed(
+    tmp_path, demo_raw, monkeypatch
+):
+    """Ctrl-C again (nothing seemed to happen), then SIGTERM and SIGHUP, while the job is
+    still saving its checkpoint. Obeyed, the second Ctrl-C cut the stop short: the driver
+    exited at once, the job ran on, its folder stayed in the temporary folder and its
+    checkpoint never reached the run."""
+    from tests.jobs.gate import HOLD_VARIABLE
+
+    monkeypatch.setenv(HOLD_VARIABLE, "1")
+    driver, settings, tmp, children = driver_in_training(tmp_path, demo_raw, monkeypatch)
+    driver.proc.send_signal(signal.SIGINT)
+    stopping = tmp_path / "gates" / "stopping"
+    while not stopping.exists():  # the job has its SIGTERM, and holds its stop
+        assert driver.proc.poll() is None, driver.output
+        time.sleep(0.02)
+    for again in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        driver.proc.send_signal(again)
+    driver.wait_for("still stopping: each job has up to 120 s to save")
+    time.sleep(1)
+    assert driver.proc.poll() is None, driver.output  # still waiting for its job
+    (tmp_path / "gates" / "release").touch()
+    assert driver.finish() == 130, driver.output
+    assert "interrupted: stopped by the user (Ctrl-C); its jobs were stopped" in driver.output
+    assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert record(tmp_path)["failure_reason"] == "stopped by the user (Ctrl-C)"
+    assert list((tmp_path / "store" / RUN1.checkpoints("bow")).rglob("CURRENT"))
+    assert job_folders(tmp) == []
+
+
+@pytest.mark.slow
+def test_a_closed_output_stops_the_run_as_its_sigpipe_would_and_resume_completes_it(
+    tmp_path, demo_raw
+):
+    """`smpipe run S | head -3`, or `less` quit early: the driver ended with status 1 and no
+    word, leaving a run claimed for good, with no record. Now the run stops as Ctrl-C stops
+    it, its reason recorded, and --resume completes it."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    settings = settings_for(tmp_path, demo_raw)
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "run_pipeline.py"), str(settings)], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    seen = []
+    while not any(line.startswith("run 0001 of") for line in seen):
+        seen.append(proc.stdout.readline())
+        assert seen[-1], "".join(seen)
+    proc.stdout.close()  # the reader goes: the driver's next line finds its pipe closed
+    err = proc.stderr.read()
+    assert proc.wait(300) == 130, err
+    assert "interrupted: the reader of its output went away; its jobs were stopped" in err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    first = record(tmp_path)
+    assert first["status"] == "interrupted", first
+    assert first["failure_reason"] == "the reader of its output went away"
+    assert job_folders(tmp) == []
+
+    again = Driver(settings, tmp, "--resume", "1")
+    assert again.finish() == 0, again.output
+    assert record(tmp_path)["status"] == "completed"
+
+
+@pytest.mark.slow
 def test_a_stopped_driver_stops_its_job_and_resume_continues_the_run(
     tmp_path, demo_raw, monkeypatch
 ):

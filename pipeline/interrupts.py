@@ -1,0 +1,119 @@
+"""How a command that runs jobs (`run`, `predict`) is told to stop, and what it says.
+
+Ctrl-C, SIGTERM (a stop), SIGHUP (the terminal it ran in closed) and a closed output (the
+reader of its stdout gone: `smpipe run S | head`) each end it the same way: as the
+KeyboardInterrupt Ctrl-C raises, so its jobs are stopped, their checkpoints kept and the run
+marked interrupted with the reason (`STOPS`). Once it is stopping, a further signal is said,
+not obeyed: obeyed, a second Ctrl-C cut the stop short and left the job running, its folder in
+the temporary folder and its checkpoint unsynced. The stop is bounded all the same: a job has
+120 s to save, then it is killed (pipeline/player/processes.py).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from pipeline.errors import log
+
+# What each way of being stopped records as the run's reason. SIGPIPE is not a signal the
+# driver takes (Python ignores it, so that a write to any closed pipe raises BrokenPipeError
+# where it happened); the display names it when its own output is closed (`stop_main`).
+STOPS = {
+    signal.SIGINT: "stopped by the user (Ctrl-C)",
+    signal.SIGTERM: "stopped by SIGTERM",
+    signal.SIGHUP: "the terminal it ran in was closed (SIGHUP)",
+    signal.SIGPIPE: "the reader of its output went away",
+}
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STILL_STOPPING = (
+    "still stopping: each job has up to 120 s to save, then it is killed; its network and "
+    "work folder are removed"
+)
+
+_pending: list[int] = []  # the stop `stop_main` sent the main thread, as the signal it names
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop, raised as Ctrl-C's KeyboardInterrupt is (every `except KeyboardInterrupt` ends
+    the run alike), with what stopped it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(STOPS[signum])
+        self.signum = signum
+
+
+def why_stopped(error: BaseException) -> str:
+    """The reason a run records for the KeyboardInterrupt that ended it."""
+    return STOPS[error.signum] if isinstance(error, Stopped) else STOPS[signal.SIGINT]
+
+
+def stop_on_signals() -> None:
+    """From now on in this process, each of SIGNALS stops it once (`Stopped`), and any after
+    it is said (STILL_STOPPING). SIGHUP's default would kill the driver outright, leaving the
+    run `running`, its jobs' folders in the temporary folder and no checkpoint to resume from."""
+    for each in SIGNALS:
+        signal.signal(each, _stop)
+
+
+def _stop(signum, _frame) -> None:
+    for each in SIGNALS:
+        signal.signal(each, _still_stopping)
+    raise Stopped(_pending.pop() if _pending else signum)
+
+
+def _still_stopping(_signum, _frame) -> None:
+    log.warning(STILL_STOPPING)
+
+
+def stop_main(signum: int) -> None:
+    """Stop the command as `signum` would, from whichever thread found the reason: raised here
+    in the main thread, else handed to it as its SIGINT (`_thread.interrupt_main`), named
+    `signum`."""
+    import _thread
+
+    if threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGINT) is _still_stopping:
+            return  # stopping already
+        for each in SIGNALS:
+            if signal.getsignal(each) is _stop:
+                signal.signal(each, _still_stopping)
+        raise Stopped(signum)
+    _pending.append(signum)
+    _thread.interrupt_main(signal.SIGINT)
+
+
+@contextmanager
+def undisturbed() -> Iterator[None]:
+    """While jobs are stopped and their ending recorded (bounded by the jobs' 120 s grace), a
+    further signal is said, not obeyed, however the stop began (an error; a caller of the
+    driver that set no handlers, as a test's)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.signal(s, _still_stopping) for s in SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():  # None: a handler set outside Python
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
+@contextmanager
+def held() -> Iterator[list[int]]:
+    """SIGNALS held for a few renames that must all happen or none: the numbers of
+    those that came are in the list yielded. Only the main thread can set handlers
+    (signal.signal); elsewhere nothing is held."""
+    came: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield came
+        return
+    signals = [s for s in SIGNALS if signal.getsignal(s) is not None]
+    before = {s: signal.signal(s, lambda signum, _frame: came.append(signum)) for s in signals}
+    try:
+        yield came
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
