@@ -15,7 +15,12 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from pipeline.config_checks import across_sections, lora_keys_unused, sagemaker_limits
+from pipeline.config_checks import (
+    across_sections,
+    lora_keys_unused,
+    paths_not_utf8,
+    sagemaker_limits,
+)
 from pipeline.config_file import (
     ConfigError,
     apply_env,
@@ -126,9 +131,6 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
     given_way = _apply_environment(raw, os.environ if env is None else env, overrides, problems)
     problems += _unknown_sections(raw)
     parsed = _sections(raw, problems)
-    # [training.<model>] and [tuning.hyperparameters.<model>] of a model not in MODEL_NAMES
-    # are checked as fully as the others, and not applied: a library of per-model settings
-    # that MODEL_NAMES selects from.
     names = parsed["models"].model_names if "models" in parsed else None
     if names is not None:
         raw = _sections_named_as_listed(raw, names)
@@ -158,7 +160,7 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
     problems += sagemaker_limits(parsed, spaces, model_tunables, metrics)
     if problems:
         raise ConfigError([from_environment(p, overrides) for p in problems], str(path))
-    return Settings(
+    settings = Settings(
         **parsed,
         model_training=model_training,
         tuning_constants=constants,
@@ -172,6 +174,9 @@ def load_settings(path: str | os.PathLike, env: dict[str, str] | None = None) ->
         overrides=tuple(sorted(set(overrides.values()))),
         given_way=tuple(given_way),
     )
+    if problems := paths_not_utf8(settings):
+        raise ConfigError([from_environment(p, overrides) for p in problems], str(path))
+    return settings
 
 
 def _apply_environment(raw: dict, env, overrides: dict, problems: list[str]) -> list[str]:
@@ -258,7 +263,9 @@ def _sections(raw: dict[str, dict[str, str]], problems: list[str]) -> dict[str, 
 
 
 def _per_model(raw: dict, parsed: dict[str, Section], problems: list[str]) -> dict[str, Training]:
-    """[training.<model>]: [training] with the model's per-model keys applied."""
+    """[training.<model>]: [training] with the model's per-model keys applied. Those of a
+    model not in MODEL_NAMES (and [tuning.hyperparameters.<model>]) are checked as fully as
+    the others, and not applied: a library of per-model settings MODEL_NAMES selects from."""
     model_training: dict[str, Training] = {}
     allowed = ", ".join(k.upper() for k in PER_MODEL)
     for model, section in _model_sections(raw, "training").items():

@@ -12,6 +12,7 @@ and the ranges its own section sets (`own`); a section with problems of its own 
 from __future__ import annotations
 
 import math
+import os
 import shlex
 
 from pydantic import BaseModel
@@ -130,8 +131,9 @@ def _sagemaker_needs(parsed: dict[str, BaseModel], source: str) -> list[str]:
     if not e.role_arn.startswith("arn:"):
         problems.append(
             "[experiment] ROLE_ARN: the sagemaker backend needs the IAM role its jobs run as, "
-            "e.g. ROLE_ARN = arn:aws:iam::123456789012:role/smpipe-jobs (`smpipe iam "
-            f"{source}` prints the policy it needs)"
+            "e.g. ROLE_ARN = arn:aws:iam::123456789012:role/smpipe-jobs: create a role that "
+            "sagemaker.amazonaws.com may assume and name it here; then `smpipe iam "
+            f"{source}` prints the policy to attach to it, and the driver's"
         )
     if not e.image_uri:
         problems.append(
@@ -317,3 +319,37 @@ def _as_sentence(constraint: str, shape_name: str) -> str:
     return constraint.replace("Member must", "must", 1).replace(
         "have length less than or equal to", "have at most"
     )
+
+
+def paths_not_utf8(settings) -> list[str]:
+    """Each folder a run records whose path holds bytes that are not UTF-8 (a Linux name may
+    hold any byte; Python reads one that is not UTF-8 as a lone surrogate). Every record is
+    JSON in UTF-8, and S3 keys and SageMaker's requests are UTF-8: such a run failed after
+    its first job with a serializer's traceback."""
+    problems = []
+    for key, path in (
+        ("[experiment] STORE", settings.store_uri()),
+        ("[data] RAW_DATA", settings.raw_data_uri()),
+    ):
+        if not_utf8(path):
+            problems.append(f"{key}: {as_bytes(path)} {NOT_UTF8}")
+    return problems
+
+
+NOT_UTF8 = (
+    "holds bytes that are not UTF-8, and a run's records, S3 keys and SageMaker's requests "
+    "are UTF-8: rename it (or the folder it is in)"
+)
+
+
+def not_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def as_bytes(path: str) -> str:
+    """A path as its bytes read, each that is not UTF-8 escaped: /tmp/caf\\xe9."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")

@@ -19,6 +19,32 @@ def console() -> Console:
     return Console(width=None if sys.stdout.isatty() else 160, markup=False)
 
 
+def fit(console: Console, table: Table):
+    """`table` as it is where the console is wide enough for every cell whole; else each of
+    its rows as a block of lines, a cell a line under its column's name. Squeezed, rich cut
+    every cell short (`0.91…`, `comp…`) and dropped some columns' text entirely."""
+    from rich.console import Group
+    from rich.measure import Measurement
+    from rich.text import Text
+
+    unbounded = console.options.update(max_width=10_000)  # its width with nothing cut
+    if Measurement.get(console, unbounded, table).maximum <= console.width:
+        return table
+    cells = [list(column.cells) for column in table.columns]
+    blocks = [Text(str(table.title), style="bold")] if table.title else []
+    for row in range(table.row_count):
+        block = Table.grid(padding=(0, 2))
+        block.add_column(style="dim", no_wrap=True)
+        block.add_column(overflow="fold")
+        first, *rest = [(column.header, cells[i][row]) for i, column in enumerate(table.columns)]
+        blocks.append(Text.assemble((f"{first[0]} ", "dim"), (str(first[1]), "bold")))
+        for header, cell in rest:
+            if str(cell):
+                block.add_row(str(header), cell)
+        blocks.append(block)
+    return Group(*blocks)
+
+
 def runs_table(title: str, rows: list[dict]) -> Table:
     """One row per run (history.run_rows), newest last: the settings column holds only those
     that differ between the runs."""

@@ -430,7 +430,9 @@ def test_the_sagemaker_backends_missing_settings_give_an_example_and_the_next_st
         load_settings(path, env={})
     said = str(raised.value)
     assert "STORE = s3://my-bucket/smpipe" in said
-    assert "ROLE_ARN = arn:aws:iam::123456789012:role/smpipe-jobs (`smpipe iam" in said
+    # `smpipe iam` needs the role named (its policies name it): said in the order it is done.
+    assert "ROLE_ARN = arn:aws:iam::123456789012:role/smpipe-jobs: create a role that " in said
+    assert "name it here; then `smpipe iam" in said and "prints the policy to attach to it" in said
     assert "IMAGE_URI = 123456789012.dkr.ecr.us-east-1.amazonaws.com/smpipe:latest" in said
     assert said.count("--backend emulated") == 1
     # The commands it suggests name this settings file, whatever its name.
@@ -464,3 +466,24 @@ def test_a_store_and_raw_data_under_home_are_read_as_a_shell_reads_them(tmp_path
     said = str(info.value)
     assert "[experiment] STORE: '\"./artifacts\"' is in quotes, which would be part of" in said
     assert "[data] RAW_DATA: \"'./raw'\" is in quotes" in said
+
+
+def test_a_project_in_a_folder_whose_name_is_not_utf8_is_refused_before_any_job(tmp_path):
+    """`caf\xe9` (latin-1) is a folder name Linux allows. The plan passed, and the run failed
+    after reconcile with a serializer's traceback, leaving a failed run and a data version
+    each time it was tried."""
+    folder = tmp_path / os.fsdecode(b"caf\xe9")
+    folder.mkdir()
+    path = write_settings(folder / "settings.ini", "./artifacts", data={"RAW_DATA": "./raw"})
+    with pytest.raises(ConfigError) as info:
+        load_settings(path, env={})
+    shown = f"{tmp_path}/caf\\xe9"
+    assert info.value.problems == [
+        f"[experiment] STORE: {shown}/artifacts holds bytes that are not UTF-8, and a run's "
+        "records, S3 keys and SageMaker's requests are UTF-8: rename it (or the folder it is in)",
+        f"[data] RAW_DATA: {shown}/raw holds bytes that are not UTF-8, and a run's records, S3 "
+        "keys and SageMaker's requests are UTF-8: rename it (or the folder it is in)",
+    ]
+    # Where the store and the data are elsewhere, the settings file may live there.
+    path = write_settings(folder / "s2.ini", str(tmp_path / "store"), data={"RAW_DATA": ""})
+    assert load_settings(path, env={}).store_uri() == str(tmp_path / "store")

@@ -70,6 +70,26 @@ def test_runs_lists_every_run(three_runs, capsys):
     assert f"small {accuracy:.4f}" in out
 
 
+@pytest.mark.parametrize("width", [80, 40])
+def test_runs_on_a_narrow_terminal_shows_every_value_whole(three_runs, capsys, monkeypatch, width):
+    """At 80 columns rich squeezed the table: `0.91…`, `comp…`, and at 40 every cell empty.
+    A terminal too narrow for the table gets each run as lines, a value a line."""
+    from rich.console import Console
+
+    from pipeline import tables
+
+    tmp, records = three_runs
+    monkeypatch.setattr(tables, "console", lambda: Console(width=width, markup=False))
+    assert cli.main(["runs", str(tmp / "settings.ini")]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and max(len(line) for line in out.splitlines()) <= width
+    for record in records:
+        assert f"run {record['model_version']:04d}" in out
+        for model, performance in record["holdout_performance"].items():
+            assert f"{model} {performance['macro_f1']:.4f}" in out
+    assert out.count("completed") == 3
+
+
 def test_a_runs_pages_in_a_local_store_are_named_where_they_lie(three_runs, caplog):
     """A run ends naming the experiment's page as a file to open; `smpipe report` copies pages
     only out of S3."""

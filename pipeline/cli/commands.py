@@ -168,12 +168,13 @@ def upload_command(args) -> int:
 def runs_command(args) -> int:
     from pipeline.history import run_rows
     from pipeline.paths import ExperimentTree
-    from pipeline.tables import console, runs_table
+    from pipeline.tables import console, fit, runs_table
 
     settings, store = open_experiment(args.settings)
     rows = run_rows(store, ExperimentTree(settings.experiment.name))
     what = f"runs of {settings.experiment.name!r} in {store.uri}"
-    console().print(runs_table(what, rows) if rows else f"no {what}")
+    shown = console()
+    shown.print(fit(shown, runs_table(what, rows)) if rows else f"no {what}")
     return 0
 
 
@@ -187,7 +188,7 @@ def compare_command(args) -> int:
     a, b = result["runs"]
     console = tables.console()
     for table in tables.comparison_tables(result):
-        console.print(table)
+        console.print(tables.fit(console, table))
     for run, models in result["only_in"].items():
         if models and result["comparable"]:
             console.print(f"only run {run} tested {', '.join(models)}")
@@ -213,7 +214,7 @@ def compare_command(args) -> int:
 
 def registry_command(args) -> int:
     from pipeline.registry import versions
-    from pipeline.tables import console, versions_table
+    from pipeline.tables import console, fit, versions_table
 
     settings, store = open_experiment(args.settings, backend=args.backend)
     group = settings.registry.model_package_group
@@ -227,7 +228,8 @@ def registry_command(args) -> int:
         )
         return 0
     title = f"model package group {group!r} ({settings.experiment.backend})"
-    console().print(versions_table(title, rows))
+    shown = console()
+    shown.print(fit(shown, versions_table(title, rows)))
     return 0
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import ConfigError, Settings
+from pipeline.config_checks import NOT_UTF8, as_bytes, not_utf8
 from pipeline.config_file import ini_parser
 from pipeline.paths import DataTree, ExperimentTree, RunTree, run_label
 from pipeline.predict.files import (
@@ -226,7 +227,11 @@ def check_files(
     once reconcile has made its rows) and with the files predict writes
     (files.check_targets), and the record of an earlier predict into OUTPUT that this
     one replaces."""
-    problems = []
+    problems = [
+        f"{name} {as_bytes(str(path.absolute()))} {NOT_UTF8}"
+        for name, path in (("INPUT", source), ("OUTPUT", output))
+        if not_utf8(str(path.absolute()))
+    ]
     kind = RAW if raw else format_of(source) if source.exists() else None
     if raw:
         problems += raw_problems(source)

@@ -1,13 +1,16 @@
-"""Which run and model `smpipe predict` uses (pipeline/predict/checks.py `choose`), read from
-run records written by hand: refused, with why and what would do, before anything runs."""
+"""What `smpipe predict` checks before anything runs (pipeline/predict/checks.py): the run and
+model it uses, read from run records written by hand, and its INPUT and OUTPUT; each refusal
+says why and what would do."""
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 from pipeline.config import load_settings
 from pipeline.paths import ExperimentTree
-from pipeline.predict.checks import choose
+from pipeline.predict.checks import check_files, choose
 from pipeline.store import LocalStore
 from tests.conftest import write_settings
 
@@ -51,3 +54,18 @@ def test_a_run_that_only_tested_names_the_run_whose_models_it_tested(tmp_path):
     assert choose(settings, store, 2, "bow")[1] == said
     # By default, the newest completed run that trained a model: run 0001.
     assert choose(settings, store, None, "bow")[0].run == TREE.run(1)
+
+
+def test_an_input_or_output_whose_name_is_not_utf8_is_refused_by_name(tmp_path):
+    """A Linux file name may hold any byte: `in\xe9.csv` (latin-1). Predict read it, then
+    failed writing its record with a UnicodeEncodeError traceback."""
+    source = tmp_path / os.fsdecode(b"in\xe9.csv")
+    source.write_text("id,text\n1,Shares rose sharply today.\n")
+    output = Path(os.fsdecode(bytes(tmp_path) + b"/out\xe9.csv"))
+    problems = check_files(source, output, ["text"])[2]
+    assert problems == [
+        f"INPUT {tmp_path}/in\\xe9.csv holds bytes that are not UTF-8, and a run's records, S3 "
+        "keys and SageMaker's requests are UTF-8: rename it (or the folder it is in)",
+        f"OUTPUT {tmp_path}/out\\xe9.csv holds bytes that are not UTF-8, and a run's records, "
+        "S3 keys and SageMaker's requests are UTF-8: rename it (or the folder it is in)",
+    ]
