@@ -129,26 +129,36 @@ def apply_env(
     applied: dict[tuple[str, str], str] | None = None,
 ) -> list[str]:
     """SMPIPE__<SECTION>__<KEY> overrides of `sections` (and of the per-model ones); one that
-    names no section is refused, not ignored. `applied` gets (section, key) -> the variable
-    that set it, so a problem with it names the variable and the run says what it overrode."""
+    names no section is refused, not ignored. The name in any case, as pydantic-settings reads
+    an environment by default (`case_sensitive=False`): `smpipe__training__epochs` is no typo
+    to ignore; two that set one key are refused. `applied` gets (section, key) -> the
+    variable that set it, so a problem with it names the variable and the run says what it
+    overrode."""
     names = {s.replace(".", "_"): s for s in sections}
     applied = {} if applied is None else applied
     problems = []
     for var, value in sorted(env.items()):
-        if not var.startswith(ENV_PREFIX):
+        if not var.upper().startswith(ENV_PREFIX):
             continue
         section, sep, key = var[len(ENV_PREFIX) :].lower().partition("__")
+        if section in names:
+            target = names[section]
+        elif section.startswith("training_"):  # SMPIPE__TRAINING_<MODEL>__<KEY>
+            target = "training." + section.removeprefix("training_")
+        elif section.startswith(HP_ENV):  # SMPIPE__TUNING_HYPERPARAMETERS_<MODEL>__<KEY>
+            target = HP + "." + section.removeprefix(HP_ENV)
+        else:
+            target = None
         if not sep or not key or not section:
             problems.append(f"environment {var}: write it as {ENV_PREFIX}<SECTION>__<KEY>")
-        elif section in names:
-            raw.setdefault(names[section], {})[key] = value
-            applied[names[section], key] = var
-        elif section.startswith("training_"):  # SMPIPE__TRAINING_<MODEL>__<KEY>
-            raw.setdefault("training." + section.removeprefix("training_"), {})[key] = value
-            applied["training." + section.removeprefix("training_"), key] = var
-        elif section.startswith(HP_ENV):  # SMPIPE__TUNING_HYPERPARAMETERS_<MODEL>__<KEY>
-            raw.setdefault(HP + "." + section.removeprefix(HP_ENV), {})[key] = value
-            applied[HP + "." + section.removeprefix(HP_ENV), key] = var
+        elif target and (target, key) in applied:
+            problems.append(
+                f"environment {applied[target, key]} and {var} both set [{target}] "
+                f"{key.upper()}: unset one"
+            )
+        elif target:
+            raw.setdefault(target, {})[key] = value
+            applied[target, key] = var
         else:
             allowed = (
                 ", ".join(n.upper() for n in names)

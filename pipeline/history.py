@@ -126,13 +126,35 @@ def settings_values(text: str) -> dict[tuple[str, str], str]:
     return {(s, k): v for s in parser.sections() for k, v in parser.items(s)}
 
 
+# The words pydantic reads as a bool (its `bool` type's strings), by their truth.
+TRUTH = {w: True for w in ("1", "on", "t", "true", "y", "yes")} | {
+    w: False for w in ("0", "off", "f", "false", "n", "no")
+}
+
+
+def as_read(value: str | None) -> object:
+    """A value as the settings read it, so that two spellings of it are one: a number by its
+    value (`0.1` and `.10`, `3e-4` and `0.0003`), a truth by its truth (`true`, `yes`), a list
+    without the spaces around its commas; anything else as written."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    if value.strip().lower() in TRUTH:
+        return TRUTH[value.strip().lower()]
+    return ",".join(part.strip() for part in value.split(","))
+
+
 def settings_changes(before: str, now: str) -> list[str]:
-    """`[section] KEY: old -> new` for every key that differs between two settings files."""
+    """`[section] KEY: old -> new` for every key whose value differs between two settings
+    files, as the settings read it (`as_read`)."""
     old, new = settings_values(before), settings_values(now)
     return [
         f"[{s}] {k.upper()}: {old.get((s, k), UNSET)} -> {new.get((s, k), UNSET)}"
         for s, k in sorted(set(old) | set(new))
-        if old.get((s, k)) != new.get((s, k))
+        if as_read(old.get((s, k))) != as_read(new.get((s, k)))
     ]
 
 
@@ -141,7 +163,7 @@ def differing_settings(values: list[dict[tuple[str, str], str]]) -> list[dict[st
     named `KEY` (or `[section] KEY` where two sections hold the same key): what tells the runs
     apart."""
     keys = sorted({key for v in values for key in v})
-    differ = [key for key in keys if len({v.get(key, UNSET) for v in values}) > 1]
+    differ = [key for key in keys if len({as_read(v.get(key)) for v in values}) > 1]
     names = {k for _, k in differ}
     clash = {k for k in names if sum(k == other for _, other in differ) > 1}
     label = {(s, k): f"[{s}] {k.upper()}" if k in clash else k.upper() for s, k in differ}
@@ -206,10 +228,18 @@ def why_not_comparable(a: tuple[int, dict], b: tuple[int, dict], changes: list[s
     split by the SPLIT_SETTINGS (steps/prepare.py `stratified_split`): one snapshot split
     otherwise is other rows."""
     (n, first), (m, second) = a, b
-    if not all(r.get("holdout_performance") for r in (first, second)):
-        untested = [run_label(k) for k, r in (a, b) if not r.get("holdout_performance")]
-        statuses = ", ".join(str(r.get("status")) for r in (first, second))
-        return f"run {' and '.join(untested)} tested no model (status {statuses})"
+    untested = [(k, r) for k, r in (a, b) if not r.get("holdout_performance")]
+    if untested:
+        runs = " and ".join(run_label(k) for k, _ in untested)
+        statuses = " and ".join(str(r.get("status")) for _, r in untested)
+        said = ("run", "it is") if len(untested) == 1 else ("runs", "they are")
+        return f"{said[0]} {runs} tested no model ({said[1]} {statuses})"
+    tested = [sorted(r["holdout_performance"]) for r in (first, second)]
+    if not set(tested[0]) & set(tested[1]):
+        return (
+            f"runs {run_label(n)} and {run_label(m)} tested no model in common (run "
+            f"{run_label(n)}: {', '.join(tested[0])}; run {run_label(m)}: {', '.join(tested[1])})"
+        )
     snapshots = [r.get("data_snapshot_hash") for r in (first, second)]
     split = [c for c in changes if c.startswith(SPLIT_SETTINGS)]
     if snapshots[0] != snapshots[1] or None in snapshots:

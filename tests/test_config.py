@@ -487,3 +487,18 @@ def test_a_project_in_a_folder_whose_name_is_not_utf8_is_refused_before_any_job(
     # Where the store and the data are elsewhere, the settings file may live there.
     path = write_settings(folder / "s2.ini", str(tmp_path / "store"), data={"RAW_DATA": ""})
     assert load_settings(path, env={}).store_uri() == str(tmp_path / "store")
+
+
+def test_an_override_in_lower_case_applies_and_two_of_one_key_are_refused(tmp_path):
+    """`smpipe__training__epochs=1` overrode nothing, without a word: pydantic-settings reads
+    an environment's names in any case by default, and so do the overrides. Two variables
+    that set one key would leave which wins to their order: refused, naming both."""
+    path = write_settings(tmp_path / "settings.ini", str(tmp_path / "store"))
+    settings = load_settings(path, env={"smpipe__training__epochs": "2"})
+    assert settings.training.epochs == 2 and settings.overrides == ("smpipe__training__epochs",)
+    with pytest.raises(ConfigError) as raised:
+        load_settings(path, env={"SMPIPE__TRAINING__EPOCHS": "3", "smpipe__training__epochs": "2"})
+    assert raised.value.problems == [
+        "environment SMPIPE__TRAINING__EPOCHS and smpipe__training__epochs both set [training] "
+        "EPOCHS: unset one"
+    ]

@@ -270,3 +270,43 @@ def test_runs_of_one_snapshot_split_otherwise_are_not_set_against_each_other(tmp
     assert "split otherwise ([data] SEED: 42 -> 7): their test sets differ" in other_split["why"]
     same_rows = compare_runs(store, TREE, 1, 3)
     assert same_rows["comparable"] and "tiny" in same_rows["models"]
+
+
+def test_a_value_spelled_another_way_is_not_a_change():
+    """`--resume` after `LEARNING_RATE = 0.1` became `.10` (or `3e-4` `0.0003`) was refused
+    as changed settings, and `runs` showed the two as differing: the same value, as the
+    settings read it. A change of value is still one."""
+    from pipeline.history import differing_settings, settings_changes, settings_values
+
+    before = "[training]\nLEARNING_RATE = 0.1\nWARMUP_RATIO = 3e-4\nCOMPILE = true\n" \
+             "[models]\nMODEL_NAMES = minilm, bow\n"  # fmt: skip
+    same = "[training]\nLEARNING_RATE = .10\nWARMUP_RATIO = 0.0003\nCOMPILE = yes\n" \
+           "[models]\nMODEL_NAMES = minilm,bow\n"  # fmt: skip
+    assert settings_changes(before, same) == []
+    assert differing_settings([settings_values(before), settings_values(same)]) == [{}, {}]
+    other = same.replace(".10", ".01").replace("yes", "no").replace("minilm,bow", "bow,minilm")
+    assert settings_changes(before, other) == [
+        "[models] MODEL_NAMES: minilm, bow -> bow,minilm",
+        "[training] COMPILE: true -> no",
+        "[training] LEARNING_RATE: 0.1 -> .01",
+    ]
+
+
+def test_compare_says_which_run_tested_nothing_and_refuses_runs_with_no_model_in_common():
+    """It said "tested no model (status completed, failed)", both runs' statuses for one that
+    failed; and two runs that tested no model in common printed no metrics with status 0."""
+    from pipeline.history import why_not_comparable
+
+    tested = {"status": "completed", "data_snapshot_hash": "ab" * 32, "data_version": 1}
+    minilm = {**tested, "holdout_performance": {"minilm": {"macro_f1": 0.9}}}
+    bow = {**tested, "holdout_performance": {"bow": {"macro_f1": 0.8}}}
+    failed = {"status": "failed"}
+    assert (
+        why_not_comparable((1, minilm), (2, failed), [])
+        == "run 0002 tested no model (it is failed)"
+    )
+    assert why_not_comparable((1, {"status": "interrupted"}), (2, failed), []) == (
+        "runs 0001 and 0002 tested no model (they are interrupted and failed)")  # fmt: skip
+    assert why_not_comparable((1, minilm), (2, bow), []) == (
+        "runs 0001 and 0002 tested no model in common (run 0001: minilm; run 0002: bow)")  # fmt: skip
+    assert why_not_comparable((1, minilm), (2, minilm), []) is None
