@@ -376,6 +376,38 @@ def remember(
     return earlier
 
 
+def reconciled_as(
+    store: Store, tree: ExperimentTree, upstream: CacheEntry | None, snapshot: str | None
+) -> list[str | None]:
+    """What prepare's key says of the data it reads, each way an earlier prepare of the same
+    snapshot may have been keyed, the one this run indexes first: the key of the reconcile
+    that makes it in the same run (its snapshot is not known before it runs), or the snapshot
+    reused by --steps. A prepare keyed one way is found the other: `--steps train,inference`
+    reuses the prepare of a whole run of the same data and settings, and the reverse."""
+    if upstream is not None:
+        reused = upstream.status == "reused" and upstream.data_version is not None
+        made = reused and _snapshot_of(store, tree, upstream.data_version)
+        return [upstream.key, *([f"snapshot {made}"] if made else [])]
+    if snapshot is None:
+        return [None]
+    folder = tree.cache_folder("reconcile")
+    keys = [entry[len(folder) :].removesuffix(".json") for entry in store.list_keys(folder)]
+    makers = [
+        key
+        for key in sorted(keys)
+        if (version := lookup(store, tree, "reconcile", key)) is not None
+        and _snapshot_of(store, tree, version) == snapshot
+    ]
+    return [f"snapshot {snapshot}", *makers]
+
+
+def _snapshot_of(store: Store, tree: ExperimentTree, version: int) -> str | None:
+    try:
+        return json.loads(store.get_bytes(tree.data(version).snapshot_info))["snapshot_hash"]
+    except (NotFound, KeyError, ValueError):
+        return None
+
+
 def plan(
     store: Store,
     tree: ExperimentTree,
@@ -391,7 +423,7 @@ def plan(
         reconcile  the raw data (every data file's path and content hash: `raw_digest`), what
                    the user's `reconcile` can reach, the step's own code, its arguments
         prepare    the reconcile key it reads (or the snapshot's hash when that was reused by
-                   --steps), what `load_tokenizer`, `encode`, `ordered_input_keys` can reach,
+                   --steps; either finds a prepare keyed the other way: `reconciled_as`), what `load_tokenizer`, `encode`, `ordered_input_keys` can reach,
                    the step's own code, its arguments (models, MAX_SEQUENCE_LENGTH, split
                    fractions, seed)
 
@@ -422,12 +454,12 @@ def plan(
         )
     if "prepare" in steps:
         upstream = entries.get("reconcile")
-        reconciled = (upstream.key if upstream else None) or (
-            f"snapshot {snapshot_hash}" if snapshot_hash and not upstream else None
-        )
-        entries["prepare"] = decide(
-            store, tree, "prepare", {"reconciled": reconciled, **inputs("prepare")}, use_cache
-        )
+        decisions = [
+            decide(store, tree, "prepare", {"reconciled": read, **inputs("prepare")}, use_cache)
+            for read in reconciled_as(store, tree, upstream, snapshot_hash)
+        ]
+        reused = [d for d in decisions if d.status == "reused"]
+        entries["prepare"] = (reused or decisions)[0]
     for step, note in notes.items():
         entries[step].note = "; ".join(filter(None, [entries[step].note, note]))
     return entries

@@ -93,9 +93,13 @@ class ExperimentTree:
         """The approval changes of one version (`smpipe approve`), each an object of its own."""
         return f"{self.registry(group)}{version:0{RUN_NUM_WIDTH}d}/"
 
+    def cache_folder(self, step: str) -> str:
+        """Every cache entry of a data step."""
+        return f"{self.experiment}/cache/{step}/"
+
     def cache_entry(self, step: str, key: str) -> str:
         """The data version a data step computed from the inputs whose digest is `key`."""
-        return f"{self.experiment}/cache/{step}/{key}.json"
+        return f"{self.cache_folder(step)}{key}.json"
 
     def registry_change(self, group: str, version: int, change: int) -> str:
         """Change `change` (1, 2, ...) of a version's approval, created once and never rewritten."""

@@ -126,6 +126,26 @@ def test_unchanged_inputs_reuse_and_each_change_recomputes(tmp_path, caplog, mon
     assert "--no-cache" in sixth["data_steps"]["prepare"]["note"]
 
 
+def test_a_prepare_is_found_whether_its_run_made_its_snapshot_or_reused_one(tmp_path):
+    """A whole run keys prepare by the reconcile that makes its snapshot in the same run;
+    `--steps prepare,...` (and --steps train, which adds prepare when the newest prepared data
+    is cut otherwise) by the snapshot it reuses. Each missed the other's identical prepare and
+    computed it again."""
+    write_module(tmp_path, "reviews_cache", REVIEWS)
+    write_reviews(tmp_path / "raw")
+    whole, store = data_run(tmp_path)
+    data_run(tmp_path, MAX_SEQUENCE_LENGTH="10")  # the newest prepared data: another length
+    alone, _ = data_run(tmp_path, steps="prepare")
+    assert verdicts(alone) == {"prepare": ("reused", whole["data_version"])}
+
+    partial, _ = data_run(tmp_path, steps="prepare", MAX_SEQUENCE_LENGTH="11")
+    assert verdicts(partial) == {"prepare": ("computed", None)}
+    assert planned(tmp_path, MAX_SEQUENCE_LENGTH="11") == {
+        "reconcile": "reused",
+        "prepare": "reused",
+    }
+
+
 @pytest.mark.slow
 def test_two_drivers_with_the_same_key_end_with_one_indexed_complete_output(tmp_path):
     from tests.reliability.test_lifecycle import Driver
