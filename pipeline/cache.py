@@ -423,8 +423,9 @@ def plan(
         reconcile  the raw data (every data file's path and content hash: `raw_digest`), what
                    the user's `reconcile` can reach, the step's own code, its arguments
         prepare    the reconcile key it reads (or the snapshot's hash when that was reused by
-                   --steps; either finds a prepare keyed the other way: `reconciled_as`), what `load_tokenizer`, `encode`, `ordered_input_keys` can reach,
-                   the step's own code, its arguments (models, MAX_SEQUENCE_LENGTH, split
+                   --steps; either finds a prepare keyed the other way: `reconciled_as`),
+                   what `load_tokenizer`, `encode`, `ordered_input_keys` can reach, the
+                   step's own code, its arguments (models, MAX_SEQUENCE_LENGTH, split
                    fractions, seed)
 
     `raw`: where reconcile reads; `snapshot_hash`: the snapshot prepare reads when reconcile is

@@ -45,6 +45,8 @@ def test_an_offline_run_logs_each_tested_model_as_an_artifact_of_its_training_ru
     for key, value in SECRETS.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("WANDB_MODE", "offline")  # never reach wandb's servers from a test
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))  # the user's, here
+    monkeypatch.delenv("WANDB_CACHE_DIR", raising=False)
     _, settings = reviews_settings(
         tmp_path, str(tmp_path / "store"),
         tracking={"WANDB_MODE": "offline", "SECRET_VARIABLES": "MY_DB_PASSWORD"},
@@ -84,6 +86,11 @@ def test_an_offline_run_logs_each_tested_model_as_an_artifact_of_its_training_ru
     assert summary["test/macro_f1"] == record["holdout_performance"]["tiny"]["macro_f1"]
     # No secret anywhere the run wrote: the wandb runs of training and inference included.
     assert files_holding(Path(store.uri_of(run1.prefix)), SECRETS.values()) == []
+    # wandb-core's debug log is the run's (a copy in each job's wandb run), never left in the
+    # user's cache folder: each local job added one to ~/.cache/wandb/logs, never removed.
+    [core_log, *_] = Path(store.uri_of(run1.prefix)).rglob("offline-run-*/logs/debug-core.log")
+    assert not core_log.is_symlink() and "starting server" in core_log.read_text()
+    assert not list((tmp_path / "user-cache").rglob("core-debug-*.log"))
 
 
 def test_links_out_of_a_jobs_output_become_copies_of_what_they_held(tmp_path):

@@ -70,6 +70,12 @@ HOST_VARIABLES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", CPU_BF16_VARIABLE)
 # one (torch/_inductor/runtime/cache_dir_utils.py `default_cache_dir`: <tmp>/torchinductor_<user>),
 # where nothing would remove it. A container's /tmp goes with the container.
 COMPILE_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
+# Where wandb-core writes its debug log: $WANDB_CACHE_DIR/wandb/logs/core-debug-<second>.log,
+# else the user's cache folder (wandb's core, GetLoggerPath: `os.Getenv("WANDB_CACHE_DIR")`,
+# then `os.UserCacheDir()`), where nothing removes it: every local job added a file to
+# ~/.cache/wandb/logs. A container's goes with the container; a local job's with its folder
+# (the run keeps a copy: steps/runtime/step.py `own_logs`).
+WANDB_CACHE_VARIABLE = "WANDB_CACHE_DIR"
 _home: Path | None = None
 _home_lock = threading.Lock()
 
@@ -117,17 +123,20 @@ def user_cache_folder(*parts: str) -> Path:
     return Path(home, "smpipe", *parts)
 
 
-def local_job_env() -> dict[str, str]:
+def local_job_env(root: Path | None = None) -> dict[str, str]:
     """A local job's environment before the image's ENV: this machine's (the local backend
     runs jobs as the user's own processes), with torch's compile cache in the user's cache
     folder unless the user names one: kept between runs, so that a model compiled before
     compiles again in seconds, and out of the system's temporary folder. Where that folder
     could not be made (a read-only home), torch keeps its own default: a compiling job that
-    could not write its cache would fail."""
+    could not write its cache would fail. wandb's cache in the job's folder `root`, unless the
+    user names one (WANDB_CACHE_VARIABLE)."""
     env = dict(os.environ)
     cache = user_cache_folder("torchinductor")
     if COMPILE_CACHE_VARIABLE not in env and can_be_made(cache):
         env[COMPILE_CACHE_VARIABLE] = str(cache)
+    if root is not None and WANDB_CACHE_VARIABLE not in env:
+        env[WANDB_CACHE_VARIABLE] = str(root / "wandb-cache")
     return env
 
 

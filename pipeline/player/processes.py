@@ -125,7 +125,7 @@ class ProcessLauncher:
                 f"cannot play ContainerEntrypoint {entrypoint} as a process: the image's "
                 f"entrypoint is {ENTRYPOINT} (with an image, any entrypoint is played)"
             )
-        base = local_job_env() if self.base_env is None else self.base_env
+        base = local_job_env(root) if self.base_env is None else self.base_env
         full = {**base, **image_env(root), **launch.env}
         # The container ends with this process however it ends (SIGKILL included). A
         # warm-started one is the fork server's child: the starter names the server, which
