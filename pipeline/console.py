@@ -56,6 +56,7 @@ class Display:
         self._lock = threading.Lock()
         self._live = None
         self.closed = False  # the stream failed: nothing more is written to it
+        self._closing = threading.Lock()
         if self.live_mode:
             from rich.console import Console
             from rich.live import Live
@@ -160,8 +161,9 @@ class Display:
             else:
                 print(text, file=self.stream, flush=True)
         except OSError as e:
-            self.closed = True
-            if isinstance(e, BrokenPipeError):
+            with self._closing:  # two threads' lines may fail at once: one stop
+                first, self.closed = not self.closed, True
+            if first and isinstance(e, BrokenPipeError):
                 stop_main(signal.SIGPIPE)
 
     def _render(self):

@@ -121,17 +121,16 @@ def run_pipeline(
             return None
         mark_abandoned(store, tree)
         if resume is None:
-            # The raw version the run names, in the store; held until the run is claimed and
-            # names it, so no prune removes it meanwhile (pipeline/prune.py raw_versions).
-            with raw_version_held(store, sources.local_raw):
-                if sources.local_raw is not None:
-                    upload_version(store, sources.local_raw)
-                run, base = claim_run(settings, store, tree, steps, sources)
-            base.data_steps = {step: entry.record() for step, entry in data_steps.items()}
-        with heartbeat(store, run.heartbeat):
-            return execute(
-                settings, store, run, base, steps, sources, echo or sys.stdout, make_backend
-            )
+            run, base = claim_run(settings, store, tree, steps, sources, data_steps)
+        try:
+            with heartbeat(store, run.heartbeat):
+                return execute(
+                    settings, store, run, base, steps, sources, echo or sys.stdout, make_backend
+                )
+        except KeyboardInterrupt as e:  # before execute's loop began: recorded here
+            if base.status != "running":
+                raise
+            raise stopped_at_start(store, run, base, e) from None
 
 
 def new_run(
@@ -189,39 +188,61 @@ def consult_cache(
 
 
 def claim_run(
-    settings: Settings, store: Store, tree: ExperimentTree, steps: list[str], sources: Sources
+    settings: Settings,
+    store: Store,
+    tree: ExperimentTree,
+    steps: list[str],
+    sources: Sources,
+    data_steps: dict[str, cache.CacheEntry],
 ) -> tuple[RunTree, md.Metadata]:
     """A new run_num, its settings and its first Metadata: written before anything is said
     (a closed stdout stops the run at its next line: pipeline/interrupts.py) and with stops
-    held between the claim and the Metadata, so that no run is left claimed without one."""
+    held between the claim and the Metadata, so that no run is left claimed without one; a
+    stop from then on is recorded. The raw version the run names is uploaded to the store
+    first, and held until the run is claimed and names it, so that no prune removes it
+    meanwhile (pipeline/prune.py raw_versions)."""
     code, packages = md.git_sha(PROJECT_ROOT), md.package_versions()  # the code that runs
-    with interrupts.held() as came:
-        run = tree.run(claim_run_num(store, tree))
-        store.put_bytes(run.settings, settings.applied_ini.encode())
-        base = md.Metadata(
-            run_id=f"{settings.experiment.name}/{run.label}",
-            model_version=run.run_num,
-            experiment_name=settings.experiment.name,
-            artifact_uri=store.uri_of(run.prefix),
-            backend=settings.experiment.backend,
-            start_time=md.iso(time.time()),
-            git_sha=code,
-            package_versions=packages,
-            settings=settings.applied_ini,
-            raw_path=sources.raw,  # a key of this store, or the user's own URI or folder
-            planned_steps=steps,
-            sources=sources.record(),
-        )
-        base.mask(secret_values({**os.environ, **job_env(settings)}))
-        md.merge(store, run, base)
-        if came:  # stopped as it was claimed: recorded as a stopped run is, resumable
-            stop = interrupts.Stopped(came[0])
-            base.status, base.failure_reason = "interrupted", why_stopped(stop)
-            base.end_time = md.iso(time.time())
-            md.merge(store, run, base)
-    if came:
-        raise stop
+    base = None
+    try:
+        with raw_version_held(store, sources.local_raw):
+            if sources.local_raw is not None:
+                upload_version(store, sources.local_raw)
+            with interrupts.held() as came:
+                run = tree.run(claim_run_num(store, tree))
+                store.put_bytes(run.settings, settings.applied_ini.encode())
+                base = md.Metadata(
+                    run_id=f"{settings.experiment.name}/{run.label}",
+                    model_version=run.run_num,
+                    experiment_name=settings.experiment.name,
+                    artifact_uri=store.uri_of(run.prefix),
+                    backend=settings.experiment.backend,
+                    start_time=md.iso(time.time()),
+                    git_sha=code,
+                    package_versions=packages,
+                    settings=settings.applied_ini,
+                    raw_path=sources.raw,  # a key of this store, or the user's URI or folder
+                    planned_steps=steps,
+                    sources=sources.record(),
+                    data_steps={step: entry.record() for step, entry in data_steps.items()},
+                )
+                base.mask(secret_values({**os.environ, **job_env(settings)}))
+                md.merge(store, run, base)
+    except KeyboardInterrupt as e:
+        if base is None:  # nothing claimed, or held out until the record was written
+            raise
+        raise stopped_at_start(store, run, base, e) from None
+    if came:  # stopped as it was claimed: recorded as a stopped run is, resumable
+        raise stopped_at_start(store, run, base, interrupts.stopped(came[0]))
     return run, base
+
+
+def stopped_at_start(store: Store, run: RunTree, base: md.Metadata, stop: BaseException):
+    """`stop`, once a run claimed but not yet in its loop (execute) is recorded as stopped, as
+    the loop records a stop: interrupted, and resumable."""
+    base.status, base.failure_reason = "interrupted", why_stopped(stop)
+    base.end_time = md.iso(time.time())
+    md.merge(store, run, base)
+    return stop
 
 
 def execute(
@@ -375,6 +396,7 @@ def ended(ctx: RunContext, started: float, status: str, reason: str | None) -> d
         earlier = (base.time_taken or 0) if base.resumed_at else 0  # the parts before --resume
         base.end_time, base.time_taken = md.iso(now), round(earlier + now - started, 3)
         record = md.merge(ctx.store, ctx.run, base).model_dump()
+    interrupts.outcome_recorded()  # what the run prints from now on is not worth a stop
     if status == "failed":
         write_run_report(ctx.store, ctx.run, ctx.settings.source)
     return record

@@ -33,7 +33,10 @@ STILL_STOPPING = (
     "work folder are removed"
 )
 
-_pending: list[int] = []  # the stop `stop_main` sent the main thread, as the signal it names
+# What `stop_main` sent the main thread as its SIGINT (the signal it names), and whether the
+# command's outcome is recorded (`outcome_recorded`): a closed output then only goes quiet.
+_state: dict = {"pending": None, "recorded": False}
+_lock = threading.RLock()  # a handler may run in the main thread while it holds the lock
 
 
 class Stopped(KeyboardInterrupt):
@@ -53,36 +56,57 @@ def why_stopped(error: BaseException) -> str:
 def stop_on_signals() -> None:
     """From now on in this process, each of SIGNALS stops it once (`Stopped`), and any after
     it is said (STILL_STOPPING). SIGHUP's default would kill the driver outright, leaving the
-    run `running`, its jobs' folders in the temporary folder and no checkpoint to resume from."""
+    run `running`, its jobs' folders in the temporary folder and no checkpoint to resume from.
+    A signal the command was started with ignored (`nohup`, a script's background job) stays
+    ignored."""
+    _state.update(pending=None, recorded=False)
     for each in SIGNALS:
-        signal.signal(each, _stop)
+        if signal.getsignal(each) is not signal.SIG_IGN:
+            signal.signal(each, _stop)
+
+
+def stopped(signum: int) -> Stopped:
+    """The stop `signum` makes, from the main thread (a handler, or a caller that held the
+    signals): a SIGINT `stop_main` sent is named as what it sent; from now on every signal is
+    said, not obeyed."""
+    with _lock:
+        pending, _state["pending"] = _state["pending"], None
+    for each in SIGNALS:
+        if signal.getsignal(each) is _stop:
+            signal.signal(each, _still_stopping)
+    return Stopped(pending if signum == signal.SIGINT and pending is not None else signum)
 
 
 def _stop(signum, _frame) -> None:
-    for each in SIGNALS:
-        signal.signal(each, _still_stopping)
-    raise Stopped(_pending.pop() if _pending else signum)
+    raise stopped(signum)
 
 
 def _still_stopping(_signum, _frame) -> None:
     log.warning(STILL_STOPPING)
 
 
+def outcome_recorded() -> None:
+    """The command's outcome is recorded (a run's final Metadata, a predict's OUTPUT): what
+    it still prints is not worth a stop, and an output closed now only goes quiet."""
+    _state["recorded"] = True
+
+
 def stop_main(signum: int) -> None:
     """Stop the command as `signum` would, from whichever thread found the reason: raised here
-    in the main thread, else handed to it as its SIGINT (`_thread.interrupt_main`), named
-    `signum`."""
-    import _thread
-
+    in the main thread, else sent to it as a real SIGINT (`signal.pthread_kill`: it wakes a
+    main thread that waits, which `_thread.interrupt_main` does not), named `signum`. Nothing
+    once the outcome is recorded, or while it is stopping."""
+    handler = signal.getsignal(signal.SIGINT)
+    if _state["recorded"] or handler is _still_stopping:
+        return
     if threading.current_thread() is threading.main_thread():
-        if signal.getsignal(signal.SIGINT) is _still_stopping:
-            return  # stopping already
-        for each in SIGNALS:
-            if signal.getsignal(each) is _stop:
-                signal.signal(each, _still_stopping)
-        raise Stopped(signum)
-    _pending.append(signum)
-    _thread.interrupt_main(signal.SIGINT)
+        raise stopped(signum)
+    with _lock:
+        if _state["pending"] is not None:  # one is on its way
+            return
+        _state["pending"] = signum
+    if callable(handler):  # one of Python's: SIG_DFL would kill, SIG_IGN ignore
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
 
 @contextmanager

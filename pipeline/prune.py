@@ -141,10 +141,16 @@ def prune_plan(
         )
     rows = run_rows(store, tree)
     completed = [int(r["run"]) for r in rows if r["status"] == "completed"]
-    if len(completed) <= keep:
+    oldest_kept = completed[-keep] if len(completed) > keep else 0
+    # A run a stopped prune left half pruned is finished, whatever is kept now: nothing reads
+    # it as whole any more (its record says it is pruned).
+    pruned = [
+        r
+        for r in rows
+        if (int(r["run"]) < oldest_kept or r.get("half_pruned")) and r["status"] not in LIVE
+    ]
+    if not pruned:
         return []
-    oldest_kept = completed[-keep]
-    pruned = [r for r in rows if int(r["run"]) < oldest_kept and r["status"] not in LIVE]
     staying = [tree.run(int(r["run"])) for r in rows if r not in pruned]
     runs = [tree.run(int(r["run"])) for r in pruned]
     references = [
@@ -239,8 +245,14 @@ def _remove(store: Store, removal: Removal, keep: int) -> None:
     run = removal.run
     record = json.loads(store.get_bytes(run.metadata))
     before = record.get("pruned") or {}
+    # What a stopped prune set out to remove (it removed some of it): counted once, now.
+    going = before.get("unfinished") or {}
+    files = max(len(removal.files), going.get("files", 0))
+    size = max(removal.bytes, going.get("bytes", 0))
+    groups = {**removal.groups, **(going.get("removed") or {})}
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    record["pruned"] = {**before, "time": now, "keep": keep, "unfinished": True}
+    unfinished = {"files": files, "bytes": size, "removed": groups}
+    record["pruned"] = {**before, "time": now, "keep": keep, "unfinished": unfinished}
     store.put_bytes(run.metadata, json.dumps(record, indent=2).encode())
     for key in sorted(removal.files, key=lambda k: not k.endswith(MANIFEST)):
         store.delete(key)
@@ -248,15 +260,15 @@ def _remove(store: Store, removal: Removal, keep: int) -> None:
     # folder store: removed with the files above).
     elsewhere = remove_kept_jobs(store, run)
     removed = dict(before.get("removed") or {})
-    for where, size in removal.groups.items():
-        removed[where] = removed.get(where, 0) + size
+    for where, n in groups.items():
+        removed[where] = removed.get(where, 0) + n
     if elsewhere:
         removed["failed-jobs/ (this machine)"] = elsewhere
     record["pruned"] = {
         "time": now,
         "keep": keep,
-        "removed_files": before.get("removed_files", 0) + len(removal.files),
-        "removed_bytes": before.get("removed_bytes", 0) + removal.bytes,
+        "removed_files": before.get("removed_files", 0) + files,
+        "removed_bytes": before.get("removed_bytes", 0) + size,
         "removed": removed,
         "kept": removal.why,  # a folder of the run -> why it stayed, at this prune
     }

@@ -251,10 +251,12 @@ def test_a_prune_stopped_half_way_leaves_the_run_marked_and_the_next_finishes_it
     assert cli.main(["runs", str(path)]) == 0
     assert "completed, half pruned (`smpipe prune` finishes it)" in capsys.readouterr().out
 
+    # Finished by the next prune, whatever it keeps; what the stopped one removed counted.
     monkeypatch.setattr(LocalStore, "delete", delete)
-    assert cli.main(["prune", str(path), "--keep", "1", "--yes"]) == 0
+    assert cli.main(["prune", str(path), "--keep", "5", "--yes"]) == 0
     done = json.loads(store.get_bytes(runs[0].metadata))["pruned"]
-    assert "unfinished" not in done and done["keep"] == 1
+    assert "unfinished" not in done and done["keep"] == 5
+    assert done["removed_files"] == len(BULKY) and done["removed_bytes"] == sum(BULKY.values())
     assert not [k for k in store.list_keys(runs[0].prefix) if k[len(runs[0].prefix) :] in BULKY]
 
 

@@ -99,6 +99,7 @@ def predict(
         text = json.dumps(record, indent=2, ensure_ascii=False)
         store.put_bytes(prediction.record, text.encode())
         came = placed(output, written, text + "\n", previous)
+        interrupts.outcome_recorded()  # what it prints from now on is not worth a stop
     except BaseException as e:
         if written is not None:
             written.unlink(missing_ok=True)
