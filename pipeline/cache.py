@@ -55,8 +55,8 @@ class CacheEntry:
 
 def digest(*parts: str) -> str:
     h = hashlib.sha256()
-    for part in parts:
-        h.update(part.encode())
+    for part in parts:  # a name read from a folder may hold bytes that are not UTF-8: as read
+        h.update(part.encode("utf-8", "surrogateescape"))
         h.update(b"\0")
     return h.hexdigest()
 

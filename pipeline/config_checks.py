@@ -12,12 +12,11 @@ and the ranges its own section sets (`own`); a section with problems of its own 
 from __future__ import annotations
 
 import math
-import os
 import shlex
 
 from pydantic import BaseModel
 
-from pipeline.errors import log
+from pipeline.errors import NOT_UTF8, as_bytes, log, not_utf8
 from pipeline.search_space import SECTION as HP
 from pipeline.search_space import Categorical, Interval, Tunable
 from pipeline.service_model import check_value, shape
@@ -334,22 +333,3 @@ def paths_not_utf8(settings) -> list[str]:
         if not_utf8(path):
             problems.append(f"{key}: {as_bytes(path)} {NOT_UTF8}")
     return problems
-
-
-NOT_UTF8 = (
-    "holds bytes that are not UTF-8, and a run's records, S3 keys and SageMaker's requests "
-    "are UTF-8: rename it (or the folder it is in)"
-)
-
-
-def not_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
-
-
-def as_bytes(path: str) -> str:
-    """A path as its bytes read, each that is not UTF-8 escaped: /tmp/caf\\xe9."""
-    return os.fsencode(path).decode("utf-8", "backslashreplace")

@@ -7,6 +7,7 @@ Job output streams separately, through the backend's `echo`.
 from __future__ import annotations
 
 import logging
+import os
 
 log = logging.getLogger("smpipe")
 # A line that says what a run produced (its summary, its report, its registered version): `extra`
@@ -26,3 +27,22 @@ class Refused(PipelineError):
 def counted(number: int, noun: str) -> str:
     """'1 file', '3 files': a count said to the user as a sentence says it."""
     return f"{number:,} {noun}{'' if number == 1 else 's'}"
+
+
+NOT_UTF8 = (
+    "holds bytes that are not UTF-8, and a run's records, S3 keys and SageMaker's requests "
+    "are UTF-8: rename it (or the folder it is in)"
+)
+
+
+def not_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def as_bytes(path: str) -> str:
+    """A path as its bytes read, each that is not UTF-8 escaped: /tmp/caf\\xe9."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")

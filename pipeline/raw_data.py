@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.errors import PipelineError, counted, log
+from pipeline.errors import NOT_UTF8, PipelineError, as_bytes, counted, log, not_utf8
 from pipeline.paths import ExperimentTree, RawVersion
 from pipeline.runs import held
 from pipeline.store import MANIFEST, NotFound, Store, file_sha256, is_complete
@@ -63,7 +63,14 @@ def data_files(folder: Path) -> tuple[dict[str, Path], list[str]]:
     (no side follows one), anything that is not a readable file (a broken link)."""
     files: dict[str, Path] = {}
     problems: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(folder):  # links to folders: listed, not entered
+
+    def unreadable(error: OSError) -> None:  # os.walk skips such a folder without a word
+        rel = Path(error.filename).relative_to(folder).as_posix()
+        if not is_hidden(rel):
+            problems.append(f"{rel}: its folder cannot be read ({error.strerror})")
+
+    # Links to folders: listed, not entered.
+    for dirpath, dirnames, filenames in os.walk(folder, onerror=unreadable):
         here = Path(dirpath)
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in dirnames:
@@ -75,7 +82,9 @@ def data_files(folder: Path) -> tuple[dict[str, Path], list[str]]:
                 continue
             path = here / name
             rel = path.relative_to(folder).as_posix()
-            if name in RESERVED:
+            if not_utf8(rel):
+                problems.append(f"{as_bytes(rel)} {NOT_UTF8}")
+            elif name in RESERVED:
                 problems.append(
                     f"{rel}: the store names its own manifests {name} and would take this file "
                     "for one; rename it"

@@ -4,13 +4,16 @@ markup are printed as they are, and run numbers that name no run are refused by 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from pipeline import cli
 from pipeline.paths import ExperimentTree
 from pipeline.store import LocalStore
-from tests.conftest import write_settings
+from tests.conftest import ROOT, write_settings
 
 LABELS = ["[bold red]sports", "tech[/x]", "plain"]
 
@@ -169,3 +172,28 @@ def test_a_runs_metadata_cut_short_is_named_never_a_traceback(two_runs, capsys):
     assert (
         f"error: run 0001 of 'test-exp': its Metadata {store.uri_of(key)} cannot be read (" in err
     )
+
+
+def test_a_command_started_with_stdout_closed_or_stopped_in_its_imports_says_no_traceback(
+    tmp_path, monkeypatch, capsys
+):
+    """`smpipe init p >&-` wrote its files, then ended in a traceback (Python sets a closed
+    stdout to None); a Ctrl-C in the second a command imports what it needs printed a
+    traceback through those imports."""
+    folder = tmp_path / "p"
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "init", str(folder)],
+                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True, pass_fds=(), close_fds=True,
+                          preexec_fn=lambda: os.close(1))  # fmt: skip
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert (folder / "settings.ini").exists()
+
+    from pipeline.cli import parser
+
+    def stopped():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(parser, "build_parser", stopped)
+    monkeypatch.setattr(cli, "build_parser", stopped)
+    assert cli.main(["runs", "settings.ini"]) == 130
+    assert capsys.readouterr().err == "interrupted: stopped by the user (Ctrl-C)\n"

@@ -170,3 +170,26 @@ def test_a_local_store_leaves_no_empty_folders_behind(tmp_path):
     assert not (tmp_path / "store/a/b").exists() and (tmp_path / "store/a/keep.txt").exists()
     store.delete("a/keep.txt")
     assert (tmp_path / "store").is_dir() and not (tmp_path / "store/a").exists()
+
+
+def test_a_name_near_the_file_systems_limit_is_stored_and_a_stopped_write_leaves_nothing(
+    tmp_path, monkeypatch
+):
+    """The hidden temporary was `.<name>.<random>`: a name of 247 bytes or more, which the file
+    system allows, could not be stored ("File name too long") and failed every retry. And a
+    write stopped by Ctrl-C or SIGTERM left its temporary in the store for good."""
+    store = LocalStore(tmp_path / "store")
+    long = "a" * 251 + ".csv"
+    source = tmp_path / long
+    source.write_bytes(b"id,text\n")
+    store.upload_file(source, f"raw/{long}")
+    assert store.get_bytes(f"raw/{long}") == b"id,text\n"
+
+    def stopped(self, source, tmp):
+        Path(tmp).write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LocalStore, "_copy", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        store.upload_file(source, "raw/other.csv")
+    assert sorted(p.name for p in (tmp_path / "store/raw").iterdir()) == [long]

@@ -17,6 +17,18 @@ __all__ = ["main", "open_experiment"]
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command's exit status. A Ctrl-C before the command has begun (its imports take a
+    second) ends it as one during it does, without a traceback through them."""
+    for name in ("stdout", "stderr"):  # started with one closed (`>&-`): Python sets None
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 - the process's own
+    try:
+        return command(argv)
+    except KeyboardInterrupt as e:
+        return interrupted("", e)
+
+
+def command(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         # No command: the commands and examples, on stderr with status 2, as argparse answers

@@ -11,7 +11,7 @@ import shlex
 import sys
 from contextlib import contextmanager
 
-from pipeline.interrupts import stop_on_signals
+from pipeline.interrupts import outcome_recorded, stop_on_signals
 
 
 def open_experiment(
@@ -112,6 +112,8 @@ def run_command(args) -> int:
     from pipeline.store import Unreached
 
     stop_on_signals()
+    if args.dry_run:  # a plan records nothing: its output closed early ends it quietly
+        outcome_recorded()
     settings, store = open_experiment(args.settings, args.backend, args.image, args.dry_run)
     steps = parse_steps(args.steps)
     with displayed(args.verbose, args.quiet) as echo:

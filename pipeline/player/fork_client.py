@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from pipeline.player import fork_server
+from pipeline.player.environment import WANDB_CACHE_VARIABLE
 from pipeline.player.fork_server import MESSAGE_LIMIT, READY
 from steps.runtime import names
 
@@ -59,6 +60,7 @@ def per_job_variables() -> frozenset[str]:
             names.STEP_VARIABLE,
             names.PROCESSES_VARIABLE,
             names.TRIAL_CHECKPOINTS_VARIABLE,
+            WANDB_CACHE_VARIABLE,  # a local job's own folder (environment.local_job_env)
         }
     )
 

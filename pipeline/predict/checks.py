@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config import ConfigError, Settings
-from pipeline.config_checks import NOT_UTF8, as_bytes, not_utf8
 from pipeline.config_file import ini_parser
+from pipeline.errors import NOT_UTF8, as_bytes, not_utf8
 from pipeline.paths import DataTree, ExperimentTree, RunTree, run_label
 from pipeline.predict.files import (
     FOLDER,

@@ -63,18 +63,22 @@ class LocalStore:
 
     @contextmanager
     def _writing(self, path: Path):
-        """A hidden temporary beside `path` to write; removed, and the error said naming the
-        store and the key, when writing it fails."""
+        """A hidden temporary beside `path` to write; removed when writing it fails or is
+        stopped (Ctrl-C, SIGTERM), and a failure said naming the store and the key. Its name
+        holds at most the first 64 characters of `path`'s, so that a name near the file
+        system's limit (255 bytes) still has one."""
         tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:64]}.")
             os.fchmod(fd, FILE_MODE)
             os.close(fd)
             yield tmp
-        except OSError as e:
+        except BaseException as e:
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
+            if not isinstance(e, OSError):
+                raise
             full = " (the disk is full)" if e.errno == errno.ENOSPC else ""
             raise StoreError(
                 f"cannot write {path} in the store {self.root}: {e.strerror or e}{full}"

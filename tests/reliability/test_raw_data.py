@@ -120,6 +120,37 @@ def test_a_file_named_as_the_store_names_its_own_is_refused(store, tmp_path, cap
     assert f"articles/{MANIFEST}" in capsys.readouterr().err
 
 
+def test_a_name_that_is_not_utf8_or_a_folder_that_cannot_be_read_is_refused(
+    store, tmp_path, capsys, monkeypatch
+):
+    """`caf\xe9.csv` (latin-1, as old zips name files) was uploaded, and every plan and run of
+    the experiment then failed with a traceback, and an upload without it was refused. A
+    subfolder that cannot be read was left out without a word, the upload recorded
+    complete. Both refused by name, before anything is written."""
+    import os
+
+    raw = small_raw(tmp_path / "raw")
+    (raw / os.fsdecode(b"caf\xe9.csv")).write_text("id,label\n")
+    settings = write_settings(tmp_path / "s.ini", store.uri)
+    code, said = upload(settings, raw, capsys)
+    assert code == 1 and "caf\\xe9.csv holds bytes that are not UTF-8" in said, said
+    assert "Traceback" not in said and stored(store, TREE.raw) == []
+
+    (raw / os.fsdecode(b"caf\xe9.csv")).unlink()
+    (raw / "more").mkdir()
+    scandir = os.scandir
+
+    def denied(path="."):  # root reads any folder: what a user's mode-000 folder does to them
+        if Path(path).name == "more":
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", denied)
+    code, said = upload(settings, raw, capsys)
+    assert code == 1 and "more: its folder cannot be read (Permission denied)" in said, said
+    assert stored(store, TREE.raw) == []
+
+
 def retitled(folder: Path, ids: list[str], label: str) -> None:
     """labels.csv with the articles `ids` given `label`."""
     lines = (folder / "labels.csv").read_text().splitlines()
