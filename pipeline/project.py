@@ -102,7 +102,9 @@ def project_name(folder: Path) -> str:
 
 
 def check_folder(folder: Path) -> None:
-    """A project starts in a new or empty folder: whatever is there is named, and refused. A
+    """A project starts in a new or empty folder: whatever is there is named, and refused.
+    Hidden entries the template does not write are not the user's work in the way (`.git/` of
+    a repository just cloned, `.DS_Store`, an editor's folder): they stay, as they are. A
     link on the way that leads nowhere (DIR itself or a folder above it) is named too: the
     folders cannot be made through it."""
     for path in (folder, *folder.parents):
@@ -114,7 +116,12 @@ def check_folder(folder: Path) -> None:
             )
     if folder.exists() and not folder.is_dir():
         raise ProjectError(f"{folder} is a file, not a folder")
-    entries = sorted(entry_name(p) for p in folder.iterdir()) if folder.exists() else []
+    written = {relative.parts[0] for relative in template_files()}
+    entries = sorted(
+        entry_name(p)
+        for p in (folder.iterdir() if folder.exists() else ())
+        if not p.name.startswith(".") or p.name in written
+    )
     if entries:
         raise ProjectError(
             f"{folder} is not empty ({', '.join(entries)}): a project starts in a new or "

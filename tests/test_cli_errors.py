@@ -197,3 +197,15 @@ def test_a_command_started_with_stdout_closed_or_stopped_in_its_imports_says_no_
     monkeypatch.setattr(cli, "build_parser", stopped)
     assert cli.main(["runs", "settings.ini"]) == 130
     assert capsys.readouterr().err == "interrupted: stopped by the user (Ctrl-C)\n"
+
+
+@pytest.mark.parametrize("typed", ["+1", "1_0", "\u0661", "\uff14", "0", "-2"])
+def test_every_command_reads_a_number_alike(typed, capsys):
+    """`report +1` reported run 1 and `report 1_0` run 10, as int() reads them; `approve`
+    refused both (isdigit()); both took non-ASCII digits. One rule for every number: ASCII
+    digits, 1 and up."""
+    for argv in (["report", "s.ini", typed], ["approve", "s.ini", typed],
+                 ["prune", "s.ini", "--keep", typed], ["run", "s.ini", "--resume", typed]):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        assert exit_.value.code == 2 and repr(typed) in capsys.readouterr().err

@@ -199,6 +199,26 @@ def test_init_refuses_a_folder_that_is_not_empty_and_changes_nothing(tmp_path, c
     assert f"{tmp_path / 'file'} is a file, not a folder" in capsys.readouterr().err
 
 
+def test_init_fills_a_just_cloned_repository_and_refuses_an_empty_name(tmp_path, capsys):
+    """A repository cloned empty holds `.git/` alone: refused as "not empty", so a new
+    project could not start in it. A `.gitignore` of the user's is named, as the template
+    writes one. `smpipe init "$DIR"` with DIR unset made the project in the current folder."""
+    repo = tmp_path / "repo"
+    (repo / ".git").mkdir(parents=True)
+    (repo / ".DS_Store").write_text("")
+    assert main(["init", str(repo)]) == 0, capsys.readouterr().err
+    assert (repo / "settings.ini").exists() and (repo / ".git").is_dir()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / ".gitignore").write_text("*.log\n")
+    assert main(["init", str(mine)]) == 2
+    assert f"{mine} is not empty (.gitignore)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["init", ""])
+    assert exit_.value.code == 2
+    assert "'': an empty path (a variable not set?)" in capsys.readouterr().err
+
+
 def test_init_fills_an_empty_folder_and_names_the_experiment_after_it(tmp_path, capsys):
     folder = tmp_path / "News topics (v2)"
     folder.mkdir()

@@ -147,6 +147,7 @@ def upload_command(args) -> int:
     from pipeline.paths import ExperimentTree
     from pipeline.raw_data import unfinished_upload, upload_raw
 
+    stop_on_signals()  # SIGTERM and SIGHUP too: what was half sent is said, its files go
     settings, store = open_experiment(args.settings)
     tree = ExperimentTree(settings.experiment.name)
     try:
@@ -163,6 +164,12 @@ def upload_command(args) -> int:
     else:
         print(
             f"uploaded {counted(uploaded, 'file')} from {args.folder} to {store.uri_of(tree.raw)}"
+        )
+    if settings.raw_data_uri():  # the upload stands, and no run of these settings reads it
+        print(
+            f"warning: [data] RAW_DATA = {settings.data.raw_data} in {args.settings}: runs read "
+            f"that, not {store.uri_of(tree.raw)}; empty RAW_DATA to run on what was uploaded",
+            file=sys.stderr,
         )
     return 0
 
@@ -280,6 +287,7 @@ def prune_command(args) -> int:
     because something still reads it, and why."""
     from pipeline.prune import prune_experiment
 
+    stop_on_signals()  # SIGTERM and SIGHUP too: a run half pruned is said (interrupted())
     settings, store = open_experiment(args.settings)
     print("\n".join(prune_experiment(settings, store, args.keep, remove=args.yes)))
     return 0

@@ -7,6 +7,7 @@ answers before anything heavy is imported.
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 EXAMPLES = """\
@@ -31,37 +32,45 @@ examples:
 """
 
 
+def counted_as(text: str) -> int:
+    """A number as a user types one: ASCII digits only, so that every command reads `+1`,
+    `1_0` and `４` alike (refused; int() took the first two, and isdigit() the last); 0 when
+    it is not one."""
+    return int(text) if re.fullmatch(r"[0-9]+", text) else 0
+
+
 def run_number(text: str) -> int:
     """A run_num as the run tree numbers them: 1 and up (0001 is 1)."""
-    try:
-        number = int(text)
-    except ValueError:
-        number = 0
-    if number < 1:
+    if counted_as(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a run number (1, 2, ...; 0003 is 3)")
-    return number
+    return counted_as(text)
 
 
 def version_number(text: str) -> int:
     """A model package version, as the registry numbers them: 1 and up."""
-    number = int(text) if text.isdigit() else 0
-    if number < 1:
+    if counted_as(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a version (1, 2, ...)")
-    return number
+    return counted_as(text)
 
 
 def at_least_one(text: str) -> int:
     """--keep: how many completed runs stay whole; 0 would leave no model at all."""
-    try:
-        number = int(text)
-    except ValueError:
-        number = 0
-    if number < 1:
+    if counted_as(text) < 1:
         raise argparse.ArgumentTypeError(
             f"{text!r}: keep at least 1 completed run (the newest N completed runs, and every "
             "run after them, are left whole)"
         )
-    return number
+    return counted_as(text)
+
+
+def a_path(text: str) -> Path:
+    """A path argument, never empty: `smpipe init "$DIR"` with DIR unset would have made the
+    project in the current folder, and `upload` sent it, without a word."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: an empty path (a variable not set?); name it, `.` for this folder"
+        )
+    return Path(text)
 
 
 class ShowVersion(argparse.Action):
@@ -218,12 +227,12 @@ def init_options(commands) -> None:
         "settings.ini, every key commented; user_functions/ with the five functions, TODO where "
         "your data differs; data/ with a small sample. Nothing is ever overwritten.",
     )
-    init.add_argument("folder", type=Path, metavar="DIR", help="a new or empty folder")
+    init.add_argument("folder", type=a_path, metavar="DIR", help="a new or empty folder")
 
 
 def upload_options(upload: argparse.ArgumentParser) -> None:
     """`smpipe upload settings.ini FOLDER`: pipeline/raw_data.py."""
-    upload.add_argument("folder", type=Path, help="the raw data: a folder on this machine")
+    upload.add_argument("folder", type=a_path, help="the raw data: a folder on this machine")
     upload.add_argument(
         "--if-empty",
         action="store_true",
@@ -263,13 +272,13 @@ def predict_options(predict: argparse.ArgumentParser) -> None:
     """`smpipe predict settings.ini INPUT OUTPUT`: pipeline/predict/."""
     predict.add_argument(
         "input",
-        type=Path,
+        type=a_path,
         help="the texts: .csv, .tsv, .jsonl (.json, .ndjson), .parquet with the text column(s) "
         "of the run's data and an optional id column, or a folder of .txt files (one text each)",
     )
     predict.add_argument(
         "output",
-        type=Path,
+        type=a_path,
         help="the predictions, in the format its suffix names (.csv, .tsv, .jsonl, .parquet): "
         "id, predicted, probability_<label> per label, error; OUTPUT.json says what they came "
         "from. Never a file of yours: an existing OUTPUT is replaced only with the OUTPUT.json "
@@ -301,7 +310,6 @@ def predict_options(predict: argparse.ArgumentParser) -> None:
 
 
 def at_least_one_instance(text: str) -> int:
-    number = int(text) if text.isdigit() else 0
-    if number < 1:
+    if counted_as(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of instances (1, 2, ...)")
-    return number
+    return counted_as(text)

@@ -151,6 +151,16 @@ def test_a_name_that_is_not_utf8_or_a_folder_that_cannot_be_read_is_refused(
     assert stored(store, TREE.raw) == []
 
 
+def test_an_upload_the_settings_do_not_read_says_so(store, tmp_path, capsys):
+    """A new project's settings name RAW_DATA = data: `upload` said "uploaded", and no run read
+    what it sent."""
+    raw = small_raw(tmp_path / "raw")
+    settings = write_settings(tmp_path / "s.ini", store.uri, data={"RAW_DATA": str(raw)})
+    code, said = upload(settings, raw, capsys)
+    assert code == 0 and "uploaded 3 files" in said, said
+    assert f"warning: [data] RAW_DATA = {raw} in {settings}: runs read that, not " in said
+
+
 def retitled(folder: Path, ids: list[str], label: str) -> None:
     """labels.csv with the articles `ids` given `label`."""
     lines = (folder / "labels.csv").read_text().splitlines()
