@@ -29,7 +29,7 @@ from pipeline.raw_data import (
 )
 from pipeline.raw_data import upload_raw as upload_raw  # `smpipe upload`'s, named here too
 from pipeline.runs import checkpoint_files, existing_run_nums, never_started, silent_driver
-from pipeline.store import NotFound, Store, artifact_key, is_complete
+from pipeline.store import NotFound, Store, artifact_key, files_gone, is_complete
 from steps.prepared_files import ENCODING, parse_encoding
 
 
@@ -476,21 +476,6 @@ def check_models_whole(store: Store, run: RunTree, models: list[str]) -> None:
             f"--resume {run.run_num}: a model run {run.label} completed lost files its "
             f"manifest lists ({'; '.join(problems)}); put them back to resume, or start a new run"
         )
-
-
-def files_gone(store: Store, prefix: str) -> list[str]:
-    """The files a complete prefix's manifest lists that are no longer there; none where it is
-    not complete (made again by whoever makes it)."""
-    from pipeline.store import read_manifest
-
-    if not is_complete(store, prefix):
-        return []
-    try:
-        listed = read_manifest(store, prefix)["files"]
-    except (ValueError, UnicodeDecodeError, KeyError, TypeError):
-        return []  # a manifest that cannot be read: named by whatever reads the folder
-    there = {key[len(prefix) :] for key in store.list_keys(prefix)}
-    return sorted(set(listed) - there)
 
 
 def check_checkpoints(

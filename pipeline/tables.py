@@ -20,15 +20,16 @@ def console() -> Console:
 
 
 def fit(console: Console, table: Table):
-    """`table` as it is where the console is wide enough for every cell whole; else each of
-    its rows as a block of lines, a cell a line under its column's name. Squeezed, rich cut
-    every cell short (`0.91…`, `comp…`) and dropped some columns' text entirely."""
+    """`table` as it is where the console is wide enough for every word of every cell (rich
+    wraps a long cell between its words); else each of its rows as a block of lines, a cell a
+    line under its column's name. Squeezed further, rich cut cells short (`0.91…`, `comp…`)
+    and dropped some columns' text entirely: what it would cut is what tells."""
     from rich.console import Group
-    from rich.measure import Measurement
     from rich.text import Text
 
-    unbounded = console.options.update(max_width=10_000)  # its width with nothing cut
-    if Measurement.get(console, unbounded, table).maximum <= console.width:
+    with console.capture() as drawn:
+        console.print(table)
+    if "…" not in drawn.get():
         return table
     cells = [list(column.cells) for column in table.columns]
     blocks = [Text(str(table.title), style="bold")] if table.title else []
@@ -89,7 +90,12 @@ def versions_table(title: str, rows: list[dict]) -> Table:
     """One row per version of a model package group (registry.versions)."""
     table = Table(title=title)
     for column in ("version", "status", "registered", "what"):
-        table.add_column(column, justify="right" if column == "version" else "left")
+        # What a version is may name a long path: folded, whole, rather than cut short.
+        table.add_column(
+            column,
+            justify="right" if column == "version" else "left",
+            overflow="fold" if column == "what" else "ellipsis",
+        )
     for row in rows:
         when = age(row["registered_at"])
         table.add_row(str(row["version"]), row["approval_status"], when, row["description"])

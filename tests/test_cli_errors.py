@@ -45,7 +45,7 @@ def test_labels_that_look_like_markup_are_printed_as_they_are(two_runs, capsys):
 def test_an_experiment_without_runs_has_no_page_to_show(tmp_path, capsys):
     """`smpipe report` on a new experiment: said, and nothing written into its store."""
     path = write_settings(tmp_path / "settings.ini", str(tmp_path / "store"))
-    assert cli.main(["report", str(path)]) == 1
+    assert cli.main(["report", str(path)]) == 2
     assert "no runs of 'test-exp'" in capsys.readouterr().err
     assert not any(p.is_file() for p in (tmp_path / "store").rglob("*"))
 
@@ -55,13 +55,13 @@ def test_run_numbers_that_name_no_run_are_refused(two_runs, capsys):
         cli.main(["report", str(two_runs), "0"])
     assert exited.value.code == 2
     assert "'0' is not a run number" in capsys.readouterr().err
-    assert cli.main(["report", str(two_runs), "99"]) == 1
+    assert cli.main(["report", str(two_runs), "99"]) == 2
     err = capsys.readouterr().err
     assert "no run 0099 of 'test-exp'" in err and "(runs 0001-0002)" in err
-    assert cli.main(["compare", str(two_runs), "1", "7"]) == 1
+    assert cli.main(["compare", str(two_runs), "1", "7"]) == 2
     err = capsys.readouterr().err
     assert "no run 0007 of 'test-exp'" in err and "(runs 0001-0002)" in err
-    assert cli.main(["compare", str(two_runs), "7", "9"]) == 1  # both named at once
+    assert cli.main(["compare", str(two_runs), "7", "9"]) == 2  # both named at once
     err = capsys.readouterr().err
     assert "no runs 0007 and 0009 of 'test-exp'" in err and "(runs 0001-0002)" in err
     assert cli.main(["run", str(two_runs), "--resume", "9"]) == 2  # refused, as settings are
@@ -167,7 +167,7 @@ def test_a_runs_metadata_cut_short_is_named_never_a_traceback(two_runs, capsys):
     assert cli.main(["runs", str(two_runs)]) == 0
     out = capsys.readouterr().out
     assert "0001" in out and "0.7500" in out  # run 2's row, with its metrics
-    assert cli.main(["report", str(two_runs), "1"]) == 1
+    assert cli.main(["report", str(two_runs), "1"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert (
         f"error: run 0001 of 'test-exp': its Metadata {store.uri_of(key)} cannot be read (" in err

@@ -169,6 +169,24 @@ def test_an_emulated_run_registers_its_winner_once_even_resumed(tmp_path, bucket
     ]
 
 
+def test_a_model_whose_weights_were_removed_by_hand_is_no_model_to_approve(tmp_path):
+    """Its manifest left, the weights gone: approved, since only the manifest was looked for."""
+    from pipeline.registry.records import LocalRegistry
+    from pipeline.store import upload_dir
+
+    store, tree = LocalStore(tmp_path / "store"), ExperimentTree("test-exp")
+    (tmp_path / "model").mkdir()
+    for name in ("model.safetensors", "id2label.json"):
+        (tmp_path / "model" / name).write_text(name)
+    model = tree.run(1).final_model("tiny")
+    upload_dir(store, tmp_path / "model", model)
+    registry = LocalRegistry(store, tree, "group", "PendingManualApproval")
+    row = {"model_artifact": store.uri_of(model)}
+    assert registry.missing_model(row) is None
+    store.delete(model + "model.safetensors")
+    assert registry.missing_model(row) == f"{store.uri_of(model)} lost model.safetensors"
+
+
 def test_the_local_registry_lists_and_approves(tmp_path, capsys):
     path, settings = reviews_settings(tmp_path, str(tmp_path / "store"), models="tiny, small")
     store, group = LocalStore(settings.store_uri()), settings.registry.model_package_group
@@ -203,14 +221,14 @@ def test_the_local_registry_lists_and_approves(tmp_path, capsys):
         "Approved",
         "Rejected",
     ]
-    assert cli.main(["approve", str(path), "7"]) == 1
+    assert cli.main(["approve", str(path), "7"]) == 2
     assert (
         f"no version 7 in model package group {group!r} (versions 1-1)" in capsys.readouterr().err
     )
     # Its model pruned away (its manifest gone with it): approving it is refused, naming where.
     model = artifact_key(store, registered["model_artifact"])
     store.delete(model + MANIFEST)
-    assert cli.main(["approve", str(path), "1"]) == 1
+    assert cli.main(["approve", str(path), "1"]) == 2
     said = " ".join(capsys.readouterr().err.split())
     assert f"has no model that can be served ({store.uri_of(model)} is no longer complete)" in said
 
@@ -312,7 +330,7 @@ def test_an_emulated_accounts_registry_outlives_each_command(tmp_path, aws_env):
     # The stand-in names no model: it is never approved.
     refused = smpipe("approve", str(path), "1", cwd=tmp_path)
     said = " ".join(refused.stderr.split())
-    assert refused.returncode == 1 and "has no model that can be served" in said
+    assert refused.returncode == 2 and "has no model that can be served" in said
     assert "it names no model (no ModelDataUrl): its record" in said
     assert store.get_bytes(version) == b'{"request": '
     local = smpipe("registry", str(path), "--backend", "local", cwd=tmp_path)

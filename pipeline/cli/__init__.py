@@ -55,10 +55,10 @@ def command(argv: list[str] | None) -> int:
         if not stdout_closed():
             raise
         return quiet_exit()
-    except (ConfigError, UserFunctionError, ProjectError, Refused) as e:
+    except (ConfigError, UserFunctionError, ProjectError, Refused, HistoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (PipelineError, StoreError, HistoryError, PruneError) as e:
+    except (PipelineError, StoreError, PruneError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:

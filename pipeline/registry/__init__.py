@@ -13,7 +13,7 @@ import uuid
 
 from pipeline import metadata as md
 from pipeline.config import ConfigError, Settings
-from pipeline.errors import RESULT, PipelineError, log
+from pipeline.errors import RESULT, PipelineError, Refused, log
 from pipeline.paths import ExperimentTree, RunTree, model_folder
 from pipeline.registry.packages import ModelPackages
 from pipeline.registry.protocol import APPROVED, PENDING, REJECTED, Registry
@@ -145,16 +145,14 @@ def set_status(settings: Settings, store: Store, version: int, status: str, clie
     row = next((r for r in rows if r["version"] == version), None)
     if row is None:
         there = f"versions 1-{rows[-1]['version']}" if rows else "no versions yet"
-        raise PipelineError(
-            f"registry: no version {version} in model package group {group!r} ({there})"
-        )
+        raise Refused(f"registry: no version {version} in model package group {group!r} ({there})")
     if row["approval_status"] == status:  # nothing to change: no record, no call
         return {**row, "changed": False}
     gone = registry.missing_model(row) if status == APPROVED else None
     if gone is not None:
-        raise PipelineError(
+        raise Refused(
             f"approve: version {version} of {group!r} has no model that can be served "
-            f"({gone}): approving it would approve what cannot be deployed. --reject it, or "
-            "register the model again"
+            f"({gone}): approving it would approve what cannot be deployed. --reject it; a run "
+            "that trains the model again registers a new version"
         )
     return {**registry.set_status(row, status), "changed": True}

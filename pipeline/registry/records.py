@@ -17,7 +17,7 @@ from pipeline import metadata as md
 from pipeline.errors import PipelineError, log
 from pipeline.paths import REGISTRY_CHANGE, REGISTRY_RECORD, ExperimentTree, RunTree
 from pipeline.registry.protocol import STATUSES, description, version_line
-from pipeline.store import NotFound, Store, artifact_key, is_complete
+from pipeline.store import NotFound, Store, artifact_key, files_gone, is_complete
 
 # What a record must hold to be listed, approved and kept from prune: what register writes.
 RECORD_FIELDS = {"experiment": str, "run": str, "model": str, "model_artifact": str}
@@ -51,9 +51,11 @@ class LocalRegistry:
 
     def missing_model(self, row: dict) -> str | None:
         model = artifact_key(self.store, row["model_artifact"])
-        if model and is_complete(self.store, model):
-            return None
-        return f"{self.store.uri_of(model or '')} is no longer complete"
+        if not model or not is_complete(self.store, model):
+            return f"{self.store.uri_of(model or '')} is no longer complete"
+        if gone := files_gone(self.store, model):  # removed by hand: the manifest stayed
+            return f"{self.store.uri_of(model)} lost {', '.join(gone)}"
+        return None
 
     def set_status(self, row: dict, status: str) -> dict:
         change = {"approval_status": status, "time": md.iso(time.time())}

@@ -102,6 +102,20 @@ def is_complete(store: Store, prefix: str) -> bool:
     return store.exists(_prefix(prefix) + MANIFEST)
 
 
+def files_gone(store: Store, prefix: str) -> list[str]:
+    """The files a complete prefix's manifest lists that are no longer there (removed by hand,
+    or by a lifecycle rule); none where it is not complete (made again by whoever makes it)."""
+    prefix = _prefix(prefix)
+    if not is_complete(store, prefix):
+        return []
+    try:
+        listed = read_manifest(store, prefix)["files"]
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError):
+        return []  # a manifest that cannot be read: named by whatever reads the folder
+    there = {key[len(prefix) :] for key in store.list_keys(prefix)}
+    return sorted(set(listed) - there)
+
+
 def verify_dir(local_dir: str | os.PathLike) -> None:
     """Check every manifested directory inside a downloaded folder against its manifest."""
     for manifest_path in Path(local_dir).rglob(MANIFEST):

@@ -142,7 +142,7 @@ def test_prune_keeps_a_registered_model_and_approve_refuses_one_gone(store_at, t
 
     # A version whose model went otherwise (by hand) is not approved; it can be rejected.
     register_version(store, settings, runs[1])
-    assert cli.main(["approve", str(path), "2"]) == 1
+    assert cli.main(["approve", str(path), "2"]) == 2
     err = capsys.readouterr().err
     assert "version 2 of 'news' has no model that can be served (" in err
     assert "is no longer complete)" in err  # pruned whole: its manifest too
@@ -181,7 +181,7 @@ def test_prune_keeps_what_a_sagemaker_model_package_points_at(bucket, tmp_path, 
     assert not store.list_keys(runs[1].training_output) and not weights(store, runs[1])
 
     store.delete(archive)  # gone otherwise: approving it is refused
-    assert cli.main(["approve", str(path), "1"]) == 1
+    assert cli.main(["approve", str(path), "1"]) == 2
     err = capsys.readouterr().err
     assert "has no model that can be served (" in err and f"{store.uri_of(archive)} is gone" in err
 
