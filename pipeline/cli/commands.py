@@ -15,11 +15,16 @@ from pipeline.interrupts import outcome_recorded, stop_on_signals
 
 
 def open_experiment(
-    path: str, backend: str | None = None, image: str | None = None, planning: bool = False
+    path: str,
+    backend: str | None = None,
+    image: str | None = None,
+    planning: bool = False,
+    writing: bool = True,
 ):
     """The settings (environment overrides applied) and the store they name, checked.
     `planning`: a store that cannot be reached is said in a note, and the plan goes on as for
-    an experiment with nothing in it yet (`smpipe plan` needs no AWS)."""
+    an experiment with nothing in it yet (`smpipe plan` needs no AWS). Not `writing` (`runs`,
+    `compare`, `registry`): a store this user may read and not write is theirs to list."""
     from pipeline.backends.choose import open_backend_store
     from pipeline.config import ConfigError, load_settings
     from pipeline.store import S3Store, Unreached
@@ -59,7 +64,7 @@ def open_experiment(
         unreached = store.problems(quick=True)
         if unreached:
             return settings, Unreached(store, "; ".join(unreached))
-    unreachable = store.problems()  # checked before anything is written
+    unreachable = store.problems(writing)  # checked before anything is written
     if unreachable:
         raise ConfigError(unreachable, settings.source)
     return settings, store
@@ -179,7 +184,7 @@ def runs_command(args) -> int:
     from pipeline.paths import ExperimentTree
     from pipeline.tables import console, fit, runs_table
 
-    settings, store = open_experiment(args.settings)
+    settings, store = open_experiment(args.settings, writing=False)
     rows = run_rows(store, ExperimentTree(settings.experiment.name))
     what = f"runs of {settings.experiment.name!r} in {store.uri}"
     shown = console()
@@ -192,7 +197,7 @@ def compare_command(args) -> int:
     from pipeline.history import compare_runs
     from pipeline.paths import ExperimentTree
 
-    settings, store = open_experiment(args.settings)
+    settings, store = open_experiment(args.settings, writing=False)
     result = compare_runs(store, ExperimentTree(settings.experiment.name), args.first, args.second)
     a, b = result["runs"]
     console = tables.console()
@@ -225,7 +230,7 @@ def registry_command(args) -> int:
     from pipeline.registry import versions
     from pipeline.tables import console, fit, versions_table
 
-    settings, store = open_experiment(args.settings, backend=args.backend)
+    settings, store = open_experiment(args.settings, backend=args.backend, writing=False)
     group = settings.registry.model_package_group
     rows = versions(settings, store)
     if not rows:

@@ -25,8 +25,9 @@ class LocalStore:
         self.root = Path(root).resolve()
         self.uri = str(self.root)
 
-    def problems(self) -> list[str]:
-        """Why nothing could be written here, found without leaving anything behind."""
+    def problems(self, writing: bool = True) -> list[str]:
+        """Why nothing could be written here (or, not `writing`, read), found without leaving
+        anything behind."""
         existing = self.root
         while not existing.exists() and existing != existing.parent:
             existing = existing.parent
@@ -34,6 +35,8 @@ class LocalStore:
             if existing == self.root:
                 return [f"[experiment] STORE: {self.root} is a file, not a folder"]
             return [f"[experiment] STORE: {self.root} cannot be made: {existing} is a file"]
+        if not writing:
+            return []
         try:  # a real write: permissions, a read-only mount, /proc or /sys all answer it
             fd, probe = tempfile.mkstemp(dir=existing, prefix=".smpipe-probe-")
             os.close(fd)

@@ -47,7 +47,9 @@ class Store(Protocol):
     # Where `key` lies on this machine when uri_of names somewhere else (the emulated bucket
     # over a local folder: pipeline/backends/emulated/account.py S3View); None when it says it all.
     def folder_of(self, key: str) -> str | None: ...
-    def problems(self) -> list[str]: ...
+    # Why the store cannot be used, before anything is done; `writing`: to be written to (a
+    # command that only lists reads a store it may not write).
+    def problems(self, writing: bool = True) -> list[str]: ...
 
 
 def check_key(key: str) -> str:

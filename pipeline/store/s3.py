@@ -71,10 +71,12 @@ class S3Store:
         except (BotoCoreError, S3UploadFailedError, S3TransferFailedError) as e:
             raise StoreError(f"S3 {operation} of {self.uri_of(key)} failed: {e}") from None
 
-    def problems(self, quick: bool = False) -> list[str]:
-        """A bucket that does not exist or cannot be reached, before anything is written.
-        `quick`: one attempt, 5 s to connect (a plan, which goes on without the store), not
-        the retries a run's writes deserve (made-up keys with no route to AWS took 22 s)."""
+    def problems(self, writing: bool = True, quick: bool = False) -> list[str]:
+        """A bucket that does not exist or cannot be reached, before anything is written (or
+        read: `writing` asks nothing more of it here; a write it may not make is said by S3
+        when made). `quick`: one attempt, 5 s to connect (a plan, which goes on without the
+        store), not the retries a run's writes deserve (made-up keys with no route to AWS took
+        22 s)."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         client = self.client

@@ -23,7 +23,7 @@ class Unreached:
     def folder_of(self, key: str) -> str | None:
         return self._store.folder_of(key)
 
-    def problems(self) -> list[str]:
+    def problems(self, writing: bool = True) -> list[str]:
         return []
 
     def get_bytes(self, key: str) -> bytes:

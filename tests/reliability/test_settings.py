@@ -268,3 +268,23 @@ def test_the_shipped_settings_still_validate():
         SECRET_KEY_RE.search(line.split(":")[0]) and line.endswith("-> <redacted>")
         for line in changed
     ), changed
+
+
+def test_a_store_this_user_may_read_and_not_write_is_theirs_to_list(tmp_path):
+    """A teammate's store, read-only to this user: `runs` and `registry` were refused ("is not
+    writable") though they only read. The same read-only mount as above."""
+    store = tmp_path / "store"
+    store.mkdir()
+    settings = write_settings(tmp_path / "s.ini", str(store),
+                              registry={"MODEL_PACKAGE_GROUP": "news"})  # fmt: skip
+    user_namespace = [] if os.geteuid() == 0 else ["--map-root-user"]
+    script = 'mount -t tmpfs -o ro smpipe-read-only "$1" || exit 99; shift; exec "$@"'
+    for command, status in (("runs", 0), ("registry", 0), ("report", 2)):
+        done = subprocess.run(
+            ["unshare", "--mount", *user_namespace, "sh", "-c", script, "sh", str(store),
+             sys.executable, "-m", "pipeline.cli", command, str(settings)],
+            capture_output=True, text=True, cwd=ROOT, timeout=120,
+        )  # fmt: skip
+        assert done.returncode != 99, f"no read-only mount could be made here: {done.stderr}"
+        assert done.returncode == status, (command, done.stdout + done.stderr)
+        assert ("is not writable" in done.stderr) == (command == "report"), done.stderr
