@@ -12,6 +12,7 @@ and the ranges its own section sets (`own`); a section with problems of its own 
 from __future__ import annotations
 
 import math
+import re
 import shlex
 
 from pydantic import BaseModel
@@ -146,6 +147,8 @@ def _sagemaker_needs(parsed: dict[str, BaseModel], source: str) -> list[str]:
             "; to try the sagemaker backend's requests and jobs here first, with no AWS: "
             f"`smpipe run {source} --backend emulated`"
         )
+    for warning in names_aws_does_not_know(e):
+        log.warning(f"warning: {warning}")
     tracking = parsed.get("tracking")
     if tracking and tracking.wandb_mode == "online" and not tracking.wandb_secret_id:
         problems.append(
@@ -154,6 +157,44 @@ def _sagemaker_needs(parsed: dict[str, BaseModel], source: str) -> list[str]:
             "WANDB_MODE = offline)"
         )
     return problems
+
+
+# S3's rules for a general purpose bucket's name (docs.aws.amazon.com/AmazonS3/latest/userguide/
+# bucketnamingrules.html): 3 to 63 lowercase letters, digits, dots and hyphens, a letter or digit
+# at each end, no two dots side by side, not an IP address. Said, not refused: a bucket made in
+# us-east-1 before March 2018 may have an older name (capitals, '_'), which S3 still serves.
+BUCKET_NAME = re.compile(r"(?!\d+\.\d+\.\d+\.\d+$)(?!.*\.\.)[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+def names_aws_does_not_know(e) -> list[str]:
+    """A REGION botocore knows no SageMaker in (every partition's), with the nearest it knows;
+    a STORE whose bucket name S3's naming rules do not allow. Warnings: botocore's list grows
+    with its releases, and an old bucket may have an old name."""
+    import difflib
+
+    import boto3
+
+    session, warnings = boto3.session.Session(), []
+    regions = {
+        region
+        for partition in session.get_available_partitions()
+        for region in session.get_available_regions("sagemaker", partition_name=partition)
+    }
+    if e.region not in regions:
+        near = difflib.get_close_matches(e.region, sorted(regions), n=3)
+        mean = f" (did you mean {' or '.join(near)}?)" if near else ""
+        warnings.append(
+            f"[experiment] REGION = {e.region}: botocore knows no SageMaker there{mean}; "
+            "every request would fail to reach it"
+        )
+    bucket = e.store.removeprefix("s3://").split("/", 1)[0]
+    if e.store.startswith("s3://") and not BUCKET_NAME.fullmatch(bucket):
+        warnings.append(
+            f"[experiment] STORE: {bucket!r} is not a bucket name S3's naming rules allow (3-63 "
+            "lowercase letters, digits, '.' and '-'); only a bucket made before March 2018 may "
+            "have such a name"
+        )
+    return warnings
 
 
 def _tuning_needs(

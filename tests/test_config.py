@@ -502,3 +502,24 @@ def test_an_override_in_lower_case_applies_and_two_of_one_key_are_refused(tmp_pa
         "environment SMPIPE__TRAINING__EPOCHS and smpipe__training__epochs both set [training] "
         "EPOCHS: unset one"
     ]
+
+
+def test_a_region_or_bucket_name_aws_does_not_know_is_said(tmp_path, caplog):
+    """`REGION = us-esat-1` and `STORE = s3://My_Bucket/x` passed `plan` and `iam` (whose
+    policies named the region) without a word; every request would then fail."""
+    caplog.set_level("WARNING", logger="smpipe")
+    sagemaker = {"BACKEND": "sagemaker", "REGION": "us-esat-1",
+                 "ROLE_ARN": "arn:aws:iam::123456789012:role/smpipe-jobs",
+                 "IMAGE_URI": "123456789012.dkr.ecr.us-east-1.amazonaws.com/smpipe:latest"}  # fmt: skip
+    path = write_settings(tmp_path / "s.ini", "s3://My_Bucket/x", experiment=sagemaker,
+                          tracking={"WANDB_MODE": "offline"})  # fmt: skip
+    load_settings(path, env={})
+    said = caplog.text
+    assert "REGION = us-esat-1: botocore knows no SageMaker there (did you mean " in said
+    assert " or us-east-1 or " in said
+    assert "STORE: 'My_Bucket' is not a bucket name S3's naming rules allow" in said
+    caplog.clear()
+    fixed = {**sagemaker, "REGION": "eu-west-1"}
+    load_settings(write_settings(tmp_path / "s2.ini", "s3://my-bucket/x", experiment=fixed,
+                                 tracking={"WANDB_MODE": "offline"}), env={})  # fmt: skip
+    assert "botocore knows no" not in caplog.text and "naming rules" not in caplog.text
