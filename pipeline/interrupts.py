@@ -53,16 +53,32 @@ def why_stopped(error: BaseException) -> str:
     return STOPS[error.signum] if isinstance(error, Stopped) else STOPS[signal.SIGINT]
 
 
-def stop_on_signals() -> None:
-    """From now on in this process, each of SIGNALS stops it once (`Stopped`), and any after
-    it is said (STILL_STOPPING). SIGHUP's default would kill the driver outright, leaving the
-    run `running`, its jobs' folders in the temporary folder and no checkpoint to resume from.
-    A signal the command was started with ignored (`nohup`, a script's background job) stays
-    ignored."""
+def stop_on_signals(once: bool = True) -> None:
+    """From now on in this process, each of SIGNALS stops it as Ctrl-C does (`Stopped`): once,
+    any after it said (STILL_STOPPING) while jobs are stopped; or, not `once` (a command with
+    no jobs to wait for: `upload`, `prune`), every time. SIGHUP's default would kill the
+    driver outright, leaving the run `running`, its jobs' folders in the temporary folder and
+    no checkpoint to resume from. A signal the command was started with ignored (`nohup`, a
+    script's background job) stays ignored. `main()` puts the handlers back (`restored`)."""
     _state.update(pending=None, recorded=False)
     for each in SIGNALS:
         if signal.getsignal(each) is not signal.SIG_IGN:
-            signal.signal(each, _stop)
+            signal.signal(each, _stop if once else _stop_every_time)
+
+
+@contextmanager
+def restored() -> Iterator[None]:
+    """The signal handlers as they were before the block: a command sets its own, and the
+    process it ran in (a test's) may go on to another."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {each: signal.getsignal(each) for each in SIGNALS}
+    try:
+        yield
+    finally:
+        for each, handler in before.items():
+            signal.signal(each, signal.SIG_DFL if handler is None else handler)
 
 
 def stopped(signum: int) -> Stopped:
@@ -79,6 +95,10 @@ def stopped(signum: int) -> Stopped:
 
 def _stop(signum, _frame) -> None:
     raise stopped(signum)
+
+
+def _stop_every_time(signum, _frame) -> None:
+    raise Stopped(signum)
 
 
 def _still_stopping(_signum, _frame) -> None:

@@ -66,7 +66,7 @@ def data_files(folder: Path) -> tuple[dict[str, Path], list[str]]:
 
     def unreadable(error: OSError) -> None:  # os.walk skips such a folder without a word
         rel = Path(error.filename).relative_to(folder).as_posix()
-        if not is_hidden(rel):
+        if rel == "." or not is_hidden(rel):  # "." is the folder itself
             problems.append(f"{rel}: its folder cannot be read ({error.strerror})")
 
     # Links to folders: listed, not entered.

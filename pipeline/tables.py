@@ -27,11 +27,16 @@ def fit(console: Console, table: Table):
     from rich.console import Group
     from rich.text import Text
 
+    cells = [list(column.cells) for column in table.columns]
     with console.capture() as drawn:
         console.print(table)
-    if "…" not in drawn.get():
+    said = [table.title, *(c.header for c in table.columns), *(x for col in cells for x in col)]
+    cut = drawn.get().count("…") > sum(str(text or "").count("…") for text in said)
+    # A column squeezed to a character or two (its padding aside) shows nothing of its text,
+    # not even a "…" (rich's own widths: the table's layout is rich's to say).
+    widths = table._calculate_column_widths(console, console.options)
+    if not cut and min(widths, default=3) - 2 >= 3:
         return table
-    cells = [list(column.cells) for column in table.columns]
     blocks = [Text(str(table.title), style="bold")] if table.title else []
     for row in range(table.row_count):
         block = Table.grid(padding=(0, 2))

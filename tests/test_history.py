@@ -310,3 +310,22 @@ def test_compare_says_which_run_tested_nothing_and_refuses_runs_with_no_model_in
     assert why_not_comparable((1, minilm), (2, bow), []) == (
         "runs 0001 and 0002 tested no model in common (run 0001: minilm; run 0002: bow)")  # fmt: skip
     assert why_not_comparable((1, minilm), (2, minilm), []) is None
+
+
+def test_a_narrow_table_with_a_column_squeezed_to_nothing_or_a_cell_holding_an_ellipsis():
+    """rich squeezed a column to no width without a "…" (the table kept, its values gone); and
+    a label named with a "…" is no cut."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from pipeline.tables import fit
+
+    table = Table(title="runs")
+    for column in ("run", "status", "test macro-F1", "size"):
+        table.add_column(column)
+    table.add_row("0001", "completed", "minilm 0.9123", "1.2 GB")
+    assert not isinstance(fit(Console(width=20, markup=False), table), Table)
+    labelled = Table(title="per-label F1 of minilm")
+    labelled.add_column("label")
+    labelled.add_row("sport…")
+    assert fit(Console(width=200, markup=False), labelled) is labelled

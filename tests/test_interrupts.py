@@ -125,3 +125,18 @@ def test_a_stop_between_the_claim_and_the_loop_is_recorded(tmp_path, demo_raw, w
     record = json.loads(metadata.read_text())
     assert record["status"] == "interrupted", record
     assert record["failure_reason"] == "stopped by the user (Ctrl-C)"
+
+
+def test_a_command_puts_back_the_signal_handlers_it_found(tmp_path):
+    """A command sets its own (`stop_on_signals`), and the process it ran in may go on: a test
+    worker's next test met a Ctrl-C handler left by an earlier test's `smpipe upload`, which
+    said "still stopping" and raised nothing."""
+    out = run_snippet(f"""
+        import signal
+        from pipeline import cli
+        before = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)]
+        cli.main(["upload", {str(tmp_path / 'none.ini')!r}, {str(tmp_path)!r}])
+        print([signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)]
+              == before)
+    """)  # fmt: skip
+    assert out.endswith("True\n"), out

@@ -193,3 +193,21 @@ def test_a_name_near_the_file_systems_limit_is_stored_and_a_stopped_write_leaves
     with pytest.raises(KeyboardInterrupt):
         store.upload_file(source, "raw/other.csv")
     assert sorted(p.name for p in (tmp_path / "store/raw").iterdir()) == [long]
+
+
+def test_a_store_read_only_to_this_user_lists_and_one_it_cannot_read_is_named(
+    tmp_path, monkeypatch
+):
+    """`runs` on a store this user may not read failed with a PermissionError traceback once
+    listing no longer asked for a write. (Root reads any folder: os.access answers as a user
+    whose mode bits forbid it would be answered.)"""
+    store = LocalStore(tmp_path / "store")
+    store.put_bytes("exp/runs/0001/CLAIM", b"{}")
+    assert store.problems(writing=False) == []
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    assert store.problems(writing=False) == [
+        f"[experiment] STORE: {store.root} cannot be read (Permission denied)"
+    ]
+    emoji = "\U0001f600" * 62  # 248 bytes: a name the file system allows
+    store.put_bytes(f"raw/{emoji}", b"x")
+    assert store.get_bytes(f"raw/{emoji}") == b"x"

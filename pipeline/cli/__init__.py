@@ -22,10 +22,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("stdout", "stderr"):  # started with one closed (`>&-`): Python sets None
         if getattr(sys, name) is None:
             setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 - the process's own
-    try:
-        return command(argv)
-    except KeyboardInterrupt as e:
-        return interrupted("", e)
+    from pipeline.interrupts import restored
+
+    with restored():
+        try:
+            return command(argv)
+        except KeyboardInterrupt as e:
+            return interrupted("", e)
 
 
 def command(argv: list[str] | None) -> int:

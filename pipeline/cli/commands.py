@@ -152,7 +152,7 @@ def upload_command(args) -> int:
     from pipeline.paths import ExperimentTree
     from pipeline.raw_data import unfinished_upload, upload_raw
 
-    stop_on_signals()  # SIGTERM and SIGHUP too: what was half sent is said, its files go
+    stop_on_signals(once=False)  # SIGTERM, SIGHUP too: what was half sent is said
     settings, store = open_experiment(args.settings)
     tree = ExperimentTree(settings.experiment.name)
     try:
@@ -292,7 +292,7 @@ def prune_command(args) -> int:
     because something still reads it, and why."""
     from pipeline.prune import prune_experiment
 
-    stop_on_signals()  # SIGTERM and SIGHUP too: a run half pruned is said (interrupted())
+    stop_on_signals(once=False)  # SIGTERM, SIGHUP too: a run half pruned is said
     settings, store = open_experiment(args.settings)
     print("\n".join(prune_experiment(settings, store, args.keep, remove=args.yes)))
     return 0

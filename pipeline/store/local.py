@@ -35,7 +35,9 @@ class LocalStore:
             if existing == self.root:
                 return [f"[experiment] STORE: {self.root} is a file, not a folder"]
             return [f"[experiment] STORE: {self.root} cannot be made: {existing} is a file"]
-        if not writing:
+        if not writing:  # one that lists: the folder read as a listing reads it
+            if existing == self.root and not os.access(self.root, os.R_OK | os.X_OK):
+                return [f"[experiment] STORE: {self.root} cannot be read (Permission denied)"]
             return []
         try:  # a real write: permissions, a read-only mount, /proc or /sys all answer it
             fd, probe = tempfile.mkstemp(dir=existing, prefix=".smpipe-probe-")
@@ -68,12 +70,13 @@ class LocalStore:
     def _writing(self, path: Path):
         """A hidden temporary beside `path` to write; removed when writing it fails or is
         stopped (Ctrl-C, SIGTERM), and a failure said naming the store and the key. Its name
-        holds at most the first 64 characters of `path`'s, so that a name near the file
-        system's limit (255 bytes) still has one."""
+        holds at most the first 64 bytes of `path`'s, so that a name near the file system's
+        limit (255 bytes) still has one."""
         tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:64]}.")
+            short = os.fsdecode(os.fsencode(path.name)[:64])  # bytes: a character may be 4
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{short}.")
             os.fchmod(fd, FILE_MODE)
             os.close(fd)
             yield tmp
