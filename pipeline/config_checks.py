@@ -328,7 +328,7 @@ def sagemaker_limits(
         checks.append((f"[tuning.metric_definitions] {name.upper()}", "MetricName", name))
         checks.append((f"[tuning.metric_definitions] {name.upper()}", "MetricRegex", regex))
     problems = [
-        f"{where}: {v.value!r} {_as_sentence(v.constraint, kind)}"
+        f"{where}: {v.value!r} {_as_sentence(v.constraint, kind, v.value)}"
         for where, kind, value in checks
         for v in check_value(kind, value, where)
     ]
@@ -350,15 +350,16 @@ def sagemaker_limits(
     return list(dict.fromkeys(problems))
 
 
-def _as_sentence(constraint: str, shape_name: str) -> str:
-    """SageMaker's "Member must ..." as a sentence about a setting."""
+def _as_sentence(constraint: str, shape_name: str, value: object = None) -> str:
+    """SageMaker's "Member must ..." as a sentence about a setting (`value`: a string's length
+    is in characters, a list's in values)."""
     if constraint.startswith("Member must satisfy enum value set"):
         # The close match and the botocore release whose list it was checked against.
         tail = constraint[constraint.rindex("]") + 1 :].strip()
         return f"is not a value SageMaker accepts for {shape_name} {tail}".rstrip()
-    return constraint.replace("Member must", "must", 1).replace(
-        "have length less than or equal to", "have at most"
-    )
+    said = constraint.replace("Member must", "must", 1)
+    unit = "characters" if isinstance(value, str) else "values"
+    return re.sub(r"have length less than or equal to (\d+)", rf"have at most \1 {unit}", said)
 
 
 def paths_not_utf8(settings) -> list[str]:

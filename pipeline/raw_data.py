@@ -90,7 +90,8 @@ def data_files(folder: Path) -> tuple[dict[str, Path], list[str]]:
                     "for one; rename it"
                 )
             elif not path.is_file():
-                problems.append(f"{rel} is not a file that can be read (a broken link?)")
+                what = "a link that leads nowhere" if path.is_symlink() else "a pipe or device"
+                problems.append(f"{rel} is not a file that can be read ({what})")
             else:
                 files[rel] = path
     return dict(sorted(files.items())), problems

@@ -306,10 +306,10 @@ def test_sagemaker_settings_aws_would_refuse_are_refused_by_key(tmp_path):
         "[experiment] ROLE_ARN: 'arn:aws:iam::123:role/x' must satisfy regular expression pattern"
         in said
     )
-    assert "[experiment] IMAGE_URI:" in said and "have at most 255" in said
+    assert "[experiment] IMAGE_URI:" in said and "have at most 255 characters" in said
     assert "[models] MODEL_NAMES: 319 characters with the commas" in said
     assert "[hub] TOKEN_SECRET_ID:" in said
-    assert "[tuning.hyperparameters] BATCH_SIZE:" in said and "have at most 30" in said
+    assert "[tuning.hyperparameters] BATCH_SIZE:" in said and "have at most 30 values" in said
 
 
 def test_max_wait_is_a_spot_setting(tmp_path):

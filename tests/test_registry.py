@@ -57,7 +57,7 @@ def test_bad_registry_settings_are_named_before_anything_runs(tmp_path):
         ({"SMPIPE__REGISTRY__MODEL_PACKAGE_GROUP": "my_models"}, "[registry] MODEL_PACKAGE_GROUP: "
          "'my_models' must satisfy regular expression pattern"),
         ({"SMPIPE__REGISTRY__MODEL_PACKAGE_GROUP": "m" * 64}, "[registry] MODEL_PACKAGE_GROUP: "
-         f"'{'m' * 64}' must have at most 63"),
+         f"'{'m' * 64}' must have at most 63 characters"),
         ({"SMPIPE__REGISTRY__APPROVAL_STATUS": "Approve"}, "[registry] APPROVAL_STATUS: must be "
          "'PendingManualApproval', 'Approved' or 'Rejected' (got 'Approve')"),
     ]:  # fmt: skip

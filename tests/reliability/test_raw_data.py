@@ -540,3 +540,18 @@ def test_a_resume_whose_code_or_completed_model_lost_a_file_is_refused_naming_it
     said = str(info.value)
     assert "--resume 1: a model run 0001 completed lost files its manifest lists" in said
     assert weights.rsplit("/", 1)[-1] in said and "put them back to resume" in said
+
+
+def test_a_link_to_nothing_and_a_pipe_are_each_named_for_what_they_are(tmp_path):
+    """Both were "not a file that can be read (a broken link?)", a named pipe too."""
+    import os
+
+    from pipeline.raw_data import folder_problems
+
+    raw = small_raw(tmp_path / "raw")
+    (raw / "gone.csv").symlink_to(tmp_path / "nowhere.csv")
+    os.mkfifo(raw / "feed.csv")
+    assert folder_problems(raw) == [
+        f"{raw}/feed.csv is not a file that can be read (a pipe or device)",
+        f"{raw}/gone.csv is not a file that can be read (a link that leads nowhere)",
+    ]
