@@ -242,7 +242,16 @@ def stopped_at_start(store: Store, run: RunTree, base: md.Metadata, stop: BaseEx
     base.status, base.failure_reason = "interrupted", why_stopped(stop)
     base.end_time = md.iso(time.time())
     md.merge(store, run, base)
+    said_stopped(run, stop)
     return stop
+
+
+def said_stopped(run: RunTree, stop: BaseException) -> None:
+    """A stopped run's last word: in the log, and on the stop, which `smpipe` says on stderr
+    (the log's stdout may be what closed: pipeline/cli/__init__.py `interrupted`)."""
+    resume = f"--resume {run.run_num} continues it"
+    log.info(f"run {run.label} interrupted: its jobs were stopped and their logs kept; {resume}")
+    stop.add_note(f"run {run.label}: {resume}")
 
 
 def execute(
@@ -286,10 +295,7 @@ def execute(
     except KeyboardInterrupt as e:  # Ctrl-C, or another stop (pipeline/interrupts.py)
         with undisturbed():
             ended(ctx, started, "interrupted", why_stopped(e))
-        log.info(
-            f"run {run.label} interrupted: its jobs were stopped and their logs kept; "
-            f"--resume {run.run_num} continues it"
-        )
+        said_stopped(run, e)
         raise
     except StoreError as e:  # the store refused a write (full, gone, denied): one paragraph
         said = ended_if_possible(ctx, started, e)

@@ -58,8 +58,9 @@ def run_rows(store: Store, tree: ExperimentTree) -> list[dict]:
         size = sum(store.list_sizes(tree.run(run_num).prefix).values())
         try:
             record = read_record(store, tree, run_num)
-        except HistoryError:  # claimed, Metadata not written yet (or lost)
-            record = None
+        except HistoryError:  # claimed, Metadata not written yet (or lost); or cut short
+            there = store.exists(tree.run(run_num).metadata)
+            record = {"status": "unreadable"} if there else None
         rows.append(_row(store, tree, run_num, record) | {"bytes": size})
         texts.append(_settings(store, tree, run_num, record) if record else "")
     values = [_readable(text) for text in texts]

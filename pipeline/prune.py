@@ -81,6 +81,11 @@ class Removal:
     # The bulky folders kept because something reads them: folder -> bytes, and why.
     kept: dict[str, int] = field(default_factory=dict)
     why: dict[str, list[str]] = field(default_factory=dict)
+    finishing: bool = False  # a prune stopped half way left it: its record is finished too
+
+    @property
+    def to_do(self) -> bool:
+        return bool(self.files) or self.finishing
 
     @property
     def bytes(self) -> int:
@@ -147,7 +152,8 @@ def prune_plan(
     pruned = [
         r
         for r in rows
-        if (int(r["run"]) < oldest_kept or r.get("half_pruned")) and r["status"] not in LIVE
+        if (int(r["run"]) < oldest_kept or r.get("half_pruned"))
+        and r["status"] not in (*LIVE, "unreadable")  # what it is, and reads, is not known
     ]
     if not pruned:
         return []
@@ -162,7 +168,8 @@ def prune_plan(
     removals = []
     for row, run in zip(pruned, runs, strict=True):
         removal = bulky_files(store, run, row["status"], references)
-        if removal.files or removal.kept:
+        removal.finishing = bool(row.get("half_pruned"))
+        if removal.to_do or removal.kept:
             removals.append(removal)
     return removals
 
@@ -423,7 +430,7 @@ def prune_experiment(settings, store: Store, keep: int, remove: bool) -> list[st
     verb = "removed" if remove else "would remove"
     removals = prune_plan(store, tree, keep, packages)
     for removal in list(removals):
-        why_not = prune_run(store, removal, keep) if remove and removal.files else None
+        why_not = prune_run(store, removal, keep) if remove and removal.to_do else None
         if why_not:
             lines.append(f"run {removal.run.label}: not pruned: {why_not}")
             removals.remove(removal)
@@ -434,11 +441,11 @@ def prune_experiment(settings, store: Store, keep: int, remove: bool) -> list[st
         )
         lines.append(
             f"run {removal.run.label} ({removal.status}, {human_bytes(removal.run_bytes)}): "
-            + (did if removal.files else "nothing to remove")
+            + (did if removal.to_do else "nothing to remove")
         )
         for where, why in removal.why.items():
             lines.append(f"  kept {where} ({human_bytes(removal.kept[where])}): {'; '.join(why)}")
-    pruned = [r for r in removals if r.files]
+    pruned = [r for r in removals if r.to_do]
     raw = prune_raw_versions(settings, store, tree, [r.run for r in pruned], remove, lines)
     if not pruned and not raw:
         lines.append(

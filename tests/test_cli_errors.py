@@ -167,6 +167,7 @@ def test_a_runs_metadata_cut_short_is_named_never_a_traceback(two_runs, capsys):
     assert cli.main(["runs", str(two_runs)]) == 0
     out = capsys.readouterr().out
     assert "0001" in out and "0.7500" in out  # run 2's row, with its metrics
+    assert "unreadable" in out and "claimed" not in out  # not a run still being started
     assert cli.main(["report", str(two_runs), "1"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert (

@@ -421,3 +421,32 @@ def test_a_completed_run_says_its_size_and_keep_runs_prunes_the_older_ones(tmp_p
     assert json.loads(store.get_bytes(runs[0].metadata))["pruned"]["keep"] == 2
     for kept in runs[1:]:
         assert store.list_keys(kept.checkpoints_root)
+
+
+def test_a_run_whose_record_cannot_be_read_is_not_pruned(tmp_path):
+    """A Metadata cut short (a partial copy of the store): `runs` called the run `claimed`; what
+    it is, and what it reads, is not known, so prune leaves it whole."""
+    store = LocalStore(tmp_path / "store")
+    runs = [write_run(store, n, "completed") for n in (1, 2, 3)]
+    store.put_bytes(runs[0].metadata, store.get_bytes(runs[0].metadata)[:20])
+    from pipeline.history import run_rows
+
+    assert [r["status"] for r in run_rows(store, TREE)] == ["unreadable", "completed", "completed"]
+    assert [r.run.run_num for r in prune_plan(store, TREE, keep=1)] == [2]
+
+
+def test_a_prune_stopped_after_its_last_removal_is_finished_by_the_next(tmp_path, capsys):
+    """Stopped between its last removal and its final record: nothing left to remove, and the
+    next prune skipped the run, which stayed "half pruned" for good."""
+    store = LocalStore(tmp_path / "store")
+    path = write_settings(tmp_path / "settings.ini", str(store.root))
+    runs = [write_run(store, n, "completed") for n in (1, 2)]
+    record = json.loads(store.get_bytes(runs[0].metadata))
+    going = {"files": len(BULKY), "bytes": sum(BULKY.values()), "removed": {}}
+    record["pruned"] = {"time": "2026-11-29T00:00:00Z", "keep": 1, "unfinished": going}
+    store.put_bytes(runs[0].metadata, json.dumps(record).encode())
+    for rel in BULKY:
+        store.delete(runs[0].prefix + rel)
+    assert cli.main(["prune", str(path), "--keep", "1", "--yes"]) == 0
+    done = json.loads(store.get_bytes(runs[0].metadata))["pruned"]
+    assert "unfinished" not in done and done["removed_files"] == len(BULKY), done

@@ -71,7 +71,7 @@ def command(argv: list[str] | None) -> int:
 # What each command that writes leaves when it is stopped (pipeline/interrupts.py).
 STOPPED = {
     "run": "its jobs were stopped; a run it had begun is marked interrupted and its completed "
-    "outputs stay (--resume continues it)",
+    "outputs stay",
     "predict": "its job was stopped; OUTPUT and OUTPUT.json are as they were (the run keeps the "
     "job's log, if it started, with a record saying so)",
     "prune": "a run it had begun to prune is marked pruned (`smpipe prune` again finishes it); "
@@ -86,9 +86,10 @@ def interrupted(command: str, error: KeyboardInterrupt) -> int:
 
     if stdout_closed():
         quiet_exit()
+    notes = "".join(f" ({note})" for note in getattr(error, "__notes__", []))  # the run's
     try:
         left = f"; {STOPPED[command]}" if command in STOPPED else ""
-        print(f"interrupted: {why_stopped(error)}{left}", file=sys.stderr, flush=True)
+        print(f"interrupted: {why_stopped(error)}{left}{notes}", file=sys.stderr, flush=True)
     except OSError:
         pass
     return 130

@@ -194,6 +194,7 @@ def test_a_closed_output_stops_the_run_as_its_sigpipe_would_and_resume_completes
     err = proc.stderr.read()
     assert proc.wait(300) == 130, err
     assert "interrupted: the reader of its output went away; its jobs were stopped" in err
+    assert err.rstrip().endswith("(run 0001: --resume 1 continues it)"), err  # stdout is gone
     assert "Traceback" not in err and "Exception ignored" not in err, err
     first = record(tmp_path)
     assert first["status"] == "interrupted", first
