@@ -66,6 +66,14 @@ def stop_on_signals(once: bool = True) -> None:
             signal.signal(each, _stop if once else _stop_every_time)
 
 
+def done() -> None:
+    """The command has ended, and says how: a signal now changes nothing (`restored` puts the
+    handlers back once it has returned)."""
+    if threading.current_thread() is threading.main_thread():
+        for each in SIGNALS:
+            signal.signal(each, signal.SIG_IGN)
+
+
 @contextmanager
 def restored() -> Iterator[None]:
     """The signal handlers as they were before the block: a command sets its own, and the

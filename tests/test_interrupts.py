@@ -140,3 +140,19 @@ def test_a_command_puts_back_the_signal_handlers_it_found(tmp_path):
               == before)
     """)  # fmt: skip
     assert out.endswith("True\n"), out
+
+
+def test_once_a_command_says_how_it_ended_a_further_ctrl_c_changes_nothing():
+    """A Ctrl-C after the final "interrupted: ..." line printed "still stopping: each job has
+    up to 120 s to save", with nothing left to stop."""
+    out = run_snippet("""
+        import signal
+        from pipeline import cli, interrupts
+        interrupts.stop_on_signals()
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except interrupts.Stopped as e:
+            print(cli.interrupted("run", e))
+        print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
+    """)  # fmt: skip
+    assert out == "130\nTrue\n"

@@ -82,8 +82,9 @@ STOPPED = {
 def interrupted(command: str, error: KeyboardInterrupt) -> int:
     """Status 130, once it is said on stderr why and what is left: said where it can be (a
     stop because stdout's reader went away may have taken stderr with it)."""
-    from pipeline.interrupts import why_stopped
+    from pipeline.interrupts import done, why_stopped
 
+    done()  # all that is left is to say so: a further Ctrl-C is not "still stopping" anything
     if stdout_closed():
         quiet_exit()
     notes = "".join(f" ({note})" for note in getattr(error, "__notes__", []))  # the run's
