@@ -148,7 +148,9 @@ def blocking_demo(gate: Path) -> str:
             if not any(k.startswith("SM_PROCESSING_INPUT_") for k in os.environ):
                 return _demo_load_tokenizer(model_name)
             starter = psutil.Process().parent().parent().cmdline()
-            Path({str(gate)!r}).write_text(json.dumps(starter))
+            partial = Path({str(gate) + ".part"!r})  # whole or absent: the test reads it
+            partial.write_text(json.dumps(starter))
+            partial.replace({str(gate)!r})
             _time.sleep(600)
     """)
     )
