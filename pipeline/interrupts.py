@@ -75,18 +75,22 @@ def done() -> None:
 
 
 @contextmanager
-def restored() -> Iterator[None]:
-    """The signal handlers as they were before the block: a command sets its own, and the
-    process it ran in (a test's) may go on to another."""
+def restored(handler=None) -> Iterator[None]:
+    """The signal handlers as they were before the block (`handler` handles SIGNALS in it, if
+    given): a command sets its own, and the process it ran in (a test's) may go on to
+    another. Only the main thread can set handlers (signal.signal); elsewhere nothing is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     before = {each: signal.getsignal(each) for each in SIGNALS}
+    if handler is not None:
+        for each in SIGNALS:
+            signal.signal(each, handler)
     try:
         yield
     finally:
-        for each, handler in before.items():
-            signal.signal(each, signal.SIG_DFL if handler is None else handler)
+        for each, was in before.items():  # None: a handler set outside Python
+            signal.signal(each, signal.SIG_DFL if was is None else was)
 
 
 def stopped(signum: int) -> Stopped:
@@ -142,30 +146,14 @@ def undisturbed() -> Iterator[None]:
     """While jobs are stopped and their ending recorded (bounded by the jobs' 120 s grace), a
     further signal is said, not obeyed, however the stop began (an error; a caller of the
     driver that set no handlers, as a test's)."""
-    if threading.current_thread() is not threading.main_thread():
+    with restored(_still_stopping):
         yield
-        return
-    before = {s: signal.signal(s, _still_stopping) for s in SIGNALS}
-    try:
-        yield
-    finally:
-        for signum, handler in before.items():  # None: a handler set outside Python
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 @contextmanager
 def held() -> Iterator[list[int]]:
-    """SIGNALS held for a few renames that must all happen or none: the numbers of
-    those that came are in the list yielded. Only the main thread can set handlers
-    (signal.signal); elsewhere nothing is held."""
+    """SIGNALS held for a few renames that must all happen or none: the numbers of those that
+    came are in the list yielded (in the main thread; elsewhere nothing is held)."""
     came: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
+    with restored(lambda signum, _frame: came.append(signum)):
         yield came
-        return
-    signals = [s for s in SIGNALS if signal.getsignal(s) is not None]
-    before = {s: signal.signal(s, lambda signum, _frame: came.append(signum)) for s in signals}
-    try:
-        yield came
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)

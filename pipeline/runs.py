@@ -80,8 +80,8 @@ def silent_driver(store: Store, run: RunTree, now: float | None = None) -> str |
     """Why the driver of a `running` run is gone, or None while it may be alive: its process
     no longer exists on this machine, or its heartbeat stopped SILENT_FOR seconds ago. Before
     its first beat, its claim of the run is what it last said."""
-    for key, field, what in ((run.heartbeat, "time", "last heartbeat"),
-                             (run.claim, "claimed_at", "claimed")):  # fmt: skip
+    said_last = [(run.heartbeat, "time", "last heartbeat"), (run.claim, "claimed_at", "claimed")]
+    for key, field, what in said_last:
         try:
             said = json.loads(store.get_bytes(key))
         except NotFound:

@@ -149,6 +149,19 @@ def test_every_signature_the_steps_cannot_call_is_refused_quoted_as_written(tmp_
     ) in message
 
 
+def reviews_run(tmp_path, module: str, models: str = "tiny"):
+    """The settings and store of a small run of the reviews task (experiment `reviews`) on
+    tmp_path/raw, with the user functions of `module` (written by the caller)."""
+    path = write_settings(
+        tmp_path / "s.ini", str(tmp_path / "store"),
+        experiment={"USER_FUNCTIONS": module, "NAME": "reviews"},
+        data={"RAW_DATA": str(tmp_path / "raw"), "MAX_SEQUENCE_LENGTH": "12"},
+        models={"MODEL_NAMES": models},
+    )  # fmt: skip
+    settings = load_settings(path, {})
+    return settings, LocalStore(settings.store_uri())
+
+
 def write_reviews(raw, n=90, seed=3):
     rng = random.Random(seed)
     words = {

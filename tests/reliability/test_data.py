@@ -237,23 +237,16 @@ def test_rows_with_no_text_are_named_by_prepare(tmp_path):
     """A pandas `fillna("")` leaves rows with no text: kept (they may be meant), and named by
     id with the column encode reads, since each trains as an empty input and predict refuses
     one."""
-    from tests.test_user_functions import REVIEWS, write_module, write_reviews
+    from tests.test_user_functions import REVIEWS, reviews_run, write_module, write_reviews
 
     write_module(tmp_path, "reviews_empty", REVIEWS)
     write_reviews(tmp_path / "raw")
     with open(tmp_path / "raw/reviews.jsonl", "a") as f:
         for i, text in enumerate(["", "   ", "\t"]):
             f.write(json.dumps({"id": f"blank{i}", "review": text, "stars": 5}) + "\n")
-    path = write_settings(
-        tmp_path / "s.ini", str(tmp_path / "store"),
-        experiment={"USER_FUNCTIONS": "reviews_empty", "NAME": "reviews"},
-        data={"RAW_DATA": str(tmp_path / "raw"), "MAX_SEQUENCE_LENGTH": "12"},
-        models={"MODEL_NAMES": "tiny"},
-    )  # fmt: skip
-    settings = load_settings(path, {})
+    settings, store = reviews_run(tmp_path, "reviews_empty")
     echo = io.StringIO()
-    run_pipeline(settings, LocalStore(settings.store_uri()), parse_steps("reconcile,prepare"),
-                 echo=echo)  # fmt: skip
+    run_pipeline(settings, store, parse_steps("reconcile,prepare"), echo=echo)
     said = " ".join(echo.getvalue().split())
     assert (
         "warning: 3 row(s) with no text in column 'review' (blank0, blank1, blank2): each is "

@@ -459,7 +459,7 @@ def test_a_resume_after_the_raw_folder_was_edited_is_refused(tmp_path):
     its snapshot under the key of what the run started with (a later run of the original
     data would then reuse the edited one). Refused, as edited code is; a new run reconciles."""
     from pipeline.errors import PipelineError
-    from tests.test_user_functions import REVIEWS, write_module, write_reviews
+    from tests.test_user_functions import REVIEWS, reviews_run, write_module, write_reviews
 
     kept = '    kept = [r for r in rows if r.get("stars") is not None]'
     assert kept in REVIEWS
@@ -473,14 +473,7 @@ def test_a_resume_after_the_raw_folder_was_edited_is_refused(tmp_path):
     reviews = tmp_path / "raw/reviews.jsonl"
     original = reviews.read_text()
     reviews.write_text(original + json.dumps({"id": "x", "review": "broken", "stars": 5}) + "\n")
-    path = write_settings(
-        tmp_path / "s.ini", str(tmp_path / "store"),
-        experiment={"USER_FUNCTIONS": "strict_reviews", "NAME": "reviews"},
-        data={"RAW_DATA": str(tmp_path / "raw"), "MAX_SEQUENCE_LENGTH": "12"},
-        models={"MODEL_NAMES": "tiny"},
-    )  # fmt: skip
-    settings = load_settings(path, {})
-    store = LocalStore(settings.store_uri())
+    settings, store = reviews_run(tmp_path, "strict_reviews")
     with pytest.raises(PipelineError, match="a broken review"):
         run_pipeline(settings, store, parse_steps(None), echo=io.StringIO())
     reviews.write_text(original)  # the fix
@@ -499,7 +492,7 @@ def test_a_resume_whose_code_or_completed_model_lost_a_file_is_refused_naming_it
     completed, lost a file (removed by hand, a lifecycle rule). The resume takes both as they
     are, so a job would fail on every resume: it is refused before any job, naming the file."""
     from pipeline.errors import PipelineError
-    from tests.test_user_functions import REVIEWS, write_module, write_reviews
+    from tests.test_user_functions import REVIEWS, reviews_run, write_module, write_reviews
 
     breaking = REVIEWS.replace(
         "def load_model(model_name, id2label, label2id):\n",
@@ -511,14 +504,7 @@ def test_a_resume_whose_code_or_completed_model_lost_a_file_is_refused_naming_it
     assert breaking != REVIEWS
     write_module(tmp_path, "breaking_reviews", breaking)
     write_reviews(tmp_path / "raw")
-    path = write_settings(
-        tmp_path / "s.ini", str(tmp_path / "store"),
-        experiment={"USER_FUNCTIONS": "breaking_reviews", "NAME": "reviews"},
-        data={"RAW_DATA": str(tmp_path / "raw"), "MAX_SEQUENCE_LENGTH": "12"},
-        models={"MODEL_NAMES": "tiny, bad"},
-    )  # fmt: skip
-    settings = load_settings(path, {})
-    store = LocalStore(settings.store_uri())
+    settings, store = reviews_run(tmp_path, "breaking_reviews", models="tiny, bad")
     with pytest.raises(PipelineError, match="bad fails in its job"):
         run_pipeline(settings, store, parse_steps(None), echo=io.StringIO())
     run = ExperimentTree("reviews").run(1)
