@@ -325,6 +325,8 @@ def test_a_narrow_table_with_a_column_squeezed_to_nothing_or_a_cell_holding_an_e
         table.add_column(column)
     table.add_row("0001", "completed", "minilm 0.9123", "1.2 GB")
     assert not isinstance(fit(Console(width=20, markup=False), table), Table)
+    # At 12 columns rich draws no "…" at all: every cell is blank.
+    assert not isinstance(fit(Console(width=12, markup=False), table), Table)
     labelled = Table(title="per-label F1 of minilm")
     labelled.add_column("label")
     labelled.add_row("sport…")
