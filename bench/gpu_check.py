@@ -32,7 +32,7 @@ result and figures, and the exit status is 1 if any failed (0 if all passed or w
              test split, each saying what it computed in, with the same labels row for row
 
 --device cpu (the default without CUDA) runs the same checks on the CPU: gloo for two
-processes, workers without pinning. The jobs are started as tests/test_resume.py starts them
+processes, workers without pinning. The jobs are started as tests/jobs/training_job.py starts them
 (a job root laid out by the local backend's own function, the entrypoint as the image runs it)
 and stopped where tests/jobs/gate.py stops them: at a named optimizer step, whatever the speed.
 Nothing here asserts a time.

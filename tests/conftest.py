@@ -231,6 +231,15 @@ def demo_raw(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def channels(tmp_path_factory) -> dict[str, Path]:
+    """Small prepared splits for a training job (tests/jobs/training_job.py): the label is
+    given away by which marker token a row holds."""
+    from tests.jobs.prepared import write_small_splits
+
+    return write_small_splits(tmp_path_factory.mktemp("prepared"))
+
+
 def ship_code(store, prefix: str = "code/") -> str:
     """The code a job runs, in the store as a run ships it: steps/, the demo's user functions,
     and the probe jobs of tests/jobs."""
@@ -334,7 +343,7 @@ def warm(tmp_path):
     """Starts jobs as the local backend does, forked by a fork server (fork_client.WarmStart:
     each job exactly its own environment, root and code, tests/test_warm_start.py), for tests
     of what a step does, where a cold start of each job would cost seconds of imports
-    (tests/test_resume.py `start`). Their baselines start cold, so that a resumed warm job is
+    (tests/jobs/training_job.py `start`). Their baselines start cold, so that a resumed warm job is
     compared with a cold one. One starter a test, as a run has one backend: it takes the
     server an earlier test or run of this worker left (fork_client.IDLE) and leaves it to the
     next, the local backends of other tests included. Where there is none, it starts beside

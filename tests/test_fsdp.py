@@ -18,7 +18,7 @@ from steps.finetuning import FinetuningError, check_models
 from steps.hyperparameters import DEFAULTS
 from steps.user_code import load_user_functions
 from tests.jobs.prepared import write_small_splits
-from tests.test_resume import HPS, Gated, job_root, result, run_to_end, start
+from tests.jobs.training_job import HPS, Gated, job_root, result, run_to_end, start
 
 FSDP = {**HPS, "distributed_strategy": "fsdp"}
 TINY_BERT = {"SMPIPE_USER_FUNCTIONS": "tests.jobs.tiny_bert"}

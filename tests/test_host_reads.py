@@ -18,7 +18,7 @@ import torch
 from steps.train import read_loss
 from steps.training_blocks import Diverged, EpochLoss
 from tests.jobs.prepared import write_small_splits
-from tests.test_resume import HPS, Gated, job_root, start
+from tests.jobs.training_job import HPS, Gated, job_root, start
 
 # 64 rows, 2 a step: one epoch of 32 optimizer steps, a progress line every 3.
 SMALL_STEPS = {**HPS, "epochs": "1", "batch_size": "2", "max_per_device_batch_size": "1",

@@ -240,7 +240,7 @@ def test_a_job_whose_model_was_built_in_bf16_says_how_it_trains_it(tmp_path, cpu
     CPU without, MIXED_PRECISION = auto applies none, and the job says what that costs and
     what to do. Either way it trains."""
     from tests.jobs.prepared import write_small_splits
-    from tests.test_resume import HPS, job_root, run_to_end
+    from tests.jobs.training_job import HPS, job_root, run_to_end
 
     (tmp_path / "code").mkdir()
     (tmp_path / "code/bf16_functions.py").write_text(BF16_FUNCTIONS)

@@ -29,8 +29,8 @@ from pipeline.store import LocalStore, is_complete, upload_dir
 from steps import checkpointing as ckpt
 from steps.sampler import ResumableBatchSampler
 from tests.conftest import ROOT, ship_code, write_settings
+from tests.jobs.training_job import HPS
 from tests.reliability.test_lifecycle import Driver
-from tests.test_resume import HPS, channels  # noqa: F401 - small prepared splits
 from tests.test_user_functions import REVIEWS, write_module, write_reviews
 
 TREE = ExperimentTree("reviews")

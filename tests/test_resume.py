@@ -18,150 +18,18 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from pipeline.backends.local import LocalBackend
 from pipeline.jobs import TrainingJob
 from pipeline.paths import ExperimentTree
-from pipeline.player.environment import image_env
-from pipeline.player.fork_client import WarmProcess, WarmStart
-from pipeline.player.job_root import lay_out_training
-from pipeline.player.processes import free_port
+from pipeline.player.fork_client import WarmStart
 from pipeline.store import LocalStore, upload_dir
 from steps import checkpointing as ckpt
 from steps.hyperparameters import TUNABLE
-from steps.runtime.names import (
-    ENTRYPOINT,
-    MASTER_ADDR_VARIABLE,
-    MASTER_PORT_VARIABLE,
-    PROCESSES_VARIABLE,
-)
 from steps.sampler import ResumableBatchSampler
-from tests.conftest import ROOT, SignalAtStep, gated, ship_code, wait_at_gate
+from tests.conftest import ROOT, SignalAtStep, ship_code, wait_at_gate
 from tests.jobs.checkpoint_writer import CRASHES, new_state, save
-from tests.jobs.prepared import write_small_splits
-
-HPS = {
-    "model_name": "bow", "epochs": "3", "learning_rate": "0.01",
-    "batch_size": "8", "max_per_device_batch_size": "4", "warmup_ratio": "0.1",
-    "weight_decay": "0.01", "seed": "5", "checkpoint_every_steps": "3", "keep_checkpoints": "2",
-    "wandb_project": "t", "wandb_mode": "disabled", "max_steps": "0",
-}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def channels(tmp_path_factory) -> dict[str, Path]:
-    """Small prepared splits: the label is given away by which marker token a row holds."""
-    return write_small_splits(tmp_path_factory.mktemp("prepared"))
-
-
-def job_root(tmp: Path, channels: dict[str, Path], hps: dict = HPS) -> tuple[Path, dict[str, str]]:
-    """A job root laid out as the backends lay it out, and the environment the image's
-    entrypoint starts in (the code is this checkout)."""
-    request = {
-        "InputDataConfig": [
-            {"ChannelName": name, "DataSource": {"S3DataSource": {"S3Uri": str(src)}}}
-            for name, src in channels.items()
-        ],
-        "ResourceConfig": {"InstanceType": "local", "InstanceCount": 1},
-    }
-
-    def link(uri: str, local: Path) -> None:
-        if not local.exists():
-            local.parent.mkdir(parents=True, exist_ok=True)
-            local.symlink_to(uri, target_is_directory=True)
-
-    lay_out_training(request, tmp, "algo-1", ["algo-1"], link, hps)
-    return tmp, {
-        **os.environ,
-        **image_env(tmp),
-        "TRAINING_JOB_NAME": "resume-test",
-        "SMPIPE_USER_FUNCTIONS": "user_functions",
-        "PYTHONPATH": str(ROOT),
-    }
-
-
-class Forked:
-    """A job a fork server started (fork_client.WarmProcess), read as a Popen(text=True)."""
-
-    def __init__(self, process: WarmProcess) -> None:
-        self.process, self.pid, self.args = process, process.pid, process.args
-        self.stdout = io.TextIOWrapper(process.stdout)
-
-    @property
-    def returncode(self) -> int | None:
-        return self.process.returncode
-
-    def poll(self) -> int | None:
-        return self.process.poll()
-
-    def wait(self, timeout: float | None = None) -> int:
-        return self.process.wait(timeout)
-
-    def send_signal(self, sig: int) -> None:
-        if self.process.poll() is None:  # as Popen: never to a pid the job no longer holds
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
-        out = self.stdout.read()
-        self.process.wait(timeout)
-        return out, None
-
-
-def start(env: dict, processes: int, warm: WarmStart | None = None) -> subprocess.Popen | Forked:
-    """The image's entrypoint for a training job, in a new interpreter or forked by `warm`'s
-    server (cold all the same for the first job of an environment it has no server for)."""
-    env = {**env, PROCESSES_VARIABLE: str(processes), MASTER_ADDR_VARIABLE: "127.0.0.1",
-           MASTER_PORT_VARIABLE: str(free_port())}  # fmt: skip
-    command = [sys.executable, *ENTRYPOINT[1:], "train"]
-    forked = warm.start(command, env, ROOT) if warm is not None else None
-    if forked is not None:
-        return Forked(forked)
-    return subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def run_to_end(env: dict, processes: int = 1, warm: WarmStart | None = None) -> str:
-    proc = start(env, processes, warm)
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-3000:]
-    return out
-
-
-class Gated:
-    """The job started (or resumed), its output read aside, once it waits in optimizer step
-    `step` for a signal (tests/jobs/gate.py)."""
-
-    def __init__(self, env: dict, gates: Path, step: int, processes: int = 1, warm=None):
-        functions = env.get("SMPIPE_USER_FUNCTIONS", "user_functions")
-        functions = "tests.jobs.gated" if functions == "user_functions" else functions
-        self.proc = start({**env, **gated(gates, step, functions)}, processes, warm)
-        self.lines: list[str] = []
-        self.reader = threading.Thread(
-            target=lambda: self.lines.extend(self.proc.stdout), daemon=True
-        )
-        self.reader.start()
-        try:
-            wait_at_gate(gates, step, lambda: self.proc.poll() is None)
-        except AssertionError as e:
-            self.proc.kill()
-            raise AssertionError(f"{e}:\n{self.output()}") from None
-
-    def output(self) -> str:
-        """Everything it printed, once it has ended."""
-        self.proc.wait(timeout=120)
-        self.reader.join(timeout=60)
-        return "".join(self.lines)
+from tests.jobs.training_job import HPS, Gated, job_root, result, run_to_end, start
 
 
 def kill_at(
@@ -184,15 +52,6 @@ def checkpointed_before(step: int) -> int:
     """The newest checkpoint a job killed in `step` leaves (HPS: every 3 optimizer steps, and
     at the end of each epoch of 8)."""
     return max(s for s in range(1, step) if s % 3 == 0 or s % 8 == 0)
-
-
-def result(root: Path) -> tuple[dict, list]:
-    weights = load_file(str(root / "model/model.safetensors"))
-    history = [
-        {k: v for k, v in h.items() if k != "seconds"}
-        for h in json.loads((root / "model/history.json").read_text())
-    ]
-    return weights, history
 
 
 def assert_same(a, b):
@@ -532,140 +391,6 @@ def test_every_tunable_hyperparameter_changes_what_training_does(
         before = lora_baseline if name.startswith("lora_") else baseline
         assert weights.keys() == before[0].keys()
         assert any(not torch.equal(weights[k], before[0][k]) for k in weights), name
-
-
-NO_DROPOUT = """
-from user_functions import encode, load_tokenizer, ordered_input_keys, reconcile  # noqa: F401
-from user_functions import load_model as _load_model
-
-
-def load_model(model_name, id2label, label2id):
-    model = _load_model(model_name, id2label, label2id)
-    model.dropout.p = 0.0  # nothing random in the forward pass
-    return model
-"""
-
-
-def test_compile_trains_the_same_model_and_exports_it(tmp_path, channels, warm):
-    """torch.compile changes how the forward pass is computed, not what it computes: without
-    dropout (whose compiled kernel draws random numbers of its own), the compiled job ends
-    with the eager job's weights and metrics, up to float rounding, and its exports pass."""
-    (tmp_path / "code").mkdir()
-    (tmp_path / "code/no_dropout.py").write_text(NO_DROPOUT)
-    jobs = {}
-    for compiled, exports in (("false", "torchscript"), ("true", "torchscript,exported")):
-        root, env = job_root(
-            tmp_path / compiled, channels, {**HPS, "compile": compiled, "exports": exports}
-        )
-        env = {**env, "SMPIPE_USER_FUNCTIONS": "no_dropout",
-               "PYTHONPATH": f"{tmp_path / 'code'}{os.pathsep}{ROOT}"}  # fmt: skip
-        jobs[compiled] = (root, start(env, processes=1, warm=warm))  # both at once
-    for _, proc in jobs.values():
-        out, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, out[-3000:]
-    report = json.loads((jobs["true"][0] / "output/data/step_metadata.json").read_text())
-    assert report["compile"] is True
-    assert report["exports"]["torchscript"]["passed"] and report["exports"]["exported"]["passed"]
-    (eager, eager_history), (compiled, history) = (result(root) for root, _ in jobs.values())
-    assert eager.keys() == compiled.keys()
-    for name in eager:
-        torch.testing.assert_close(compiled[name], eager[name], rtol=1e-4, atol=1e-5)
-    assert [h["epoch"] for h in history] == [h["epoch"] for h in eager_history] == [1, 2, 3]
-    for ours, theirs in zip(history, eager_history, strict=True):
-        assert (ours["accuracy"], ours["f1"]) == (theirs["accuracy"], theirs["f1"])
-        assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-4)
-        assert ours["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-4)
-
-
-def test_compile_options_name_inductor_settings_this_torch_has():
-    """COMPILE's Inductor options (steps/train.py `compile_options`): on the lock's torch, the
-    mix-order reduction off, under the name Inductor's config gives it; a misspelt name would
-    be dropped as "not in this torch", silently."""
-    from torch._inductor import config
-
-    from steps.train import compile_options
-
-    options = compile_options()
-    assert options == {"triton.mix_order_reduction": False}
-    # Inductor's default on GPUs (TORCHINDUCTOR_MIX_ORDER_REDUCTION may say otherwise here)
-    with config.patch({"triton.mix_order_reduction": True}), config.patch(options):
-        assert config.triton.mix_order_reduction is False  # as torch.compile applies them
-
-
-WIDE = """
-from user_functions import encode, load_tokenizer, ordered_input_keys, reconcile
-from user_functions.baseline import BagOfEmbeddings
-
-
-def load_model(model_name, id2label, label2id):
-    return BagOfEmbeddings(30522, len(id2label) + 5)  # ten outputs for five labels, say
-"""
-
-
-def test_a_model_with_the_wrong_number_of_outputs_is_refused_before_training(
-    tmp_path, channels, warm
-):
-    """load_model with more outputs than labels: refused by name before the first step, not
-    trained and saved to fail in inference."""
-    (tmp_path / "code").mkdir()
-    (tmp_path / "code/wide_functions.py").write_text(WIDE)
-    root, env = job_root(tmp_path / "root", channels)
-    env = {
-        **env,
-        "SMPIPE_USER_FUNCTIONS": "wide_functions",
-        "PYTHONPATH": f"{tmp_path / 'code'}:{ROOT}",
-    }
-    proc = start(env, 1, warm)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 1
-    reason = (root / "output/failure").read_text()
-    assert reason == ("train: ValueError: wide_functions.load_model returned a model with 8 outputs "
-                      "for 3 labels: give it one output per label (num_labels=len(id2label))")  # fmt: skip
-    assert "step=1/" not in out and not list((root / "model").iterdir())
-
-
-# A transformers model built as its docs build one for a new head, with num_labels alone.
-NUM_LABELS_ONLY = """
-from user_functions import encode, load_tokenizer, ordered_input_keys, reconcile  # noqa: F401
-
-
-def load_model(model_name, id2label, label2id):
-    from transformers import BertConfig, BertForSequenceClassification
-
-    config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=64, num_labels=len(id2label))
-    return BertForSequenceClassification(config)
-"""
-
-
-# The transformers tutorial's way: a class map of the user's own, here in another order.
-OWN_NAMES = NUM_LABELS_ONLY.replace(
-    "num_labels=len(id2label))",
-    "id2label={0: 'c', 1: 'b', 2: 'a'}, label2id={'c': 0, 'b': 1, 'a': 2})",
-)
-
-
-@pytest.mark.parametrize("source", [NUM_LABELS_ONLY, OWN_NAMES], ids=["num-labels", "own-map"])
-def test_a_model_built_with_num_labels_alone_is_saved_naming_the_datas_labels(
-    tmp_path, channels, warm, source
-):
-    """Its config says LABEL_0, LABEL_1...: the config.json the job saves names the classes
-    as id2label.json does, for transformers' pipeline and whoever else reads it. A map of the
-    user's own that differs is replaced so too, and said."""
-    (tmp_path / "code").mkdir()
-    (tmp_path / "code/plain_head.py").write_text(source)
-    root, env = job_root(tmp_path / "root", channels, {**HPS, "epochs": "1", "max_steps": "2"})
-    env = {**env, "SMPIPE_USER_FUNCTIONS": "plain_head",
-           "PYTHONPATH": f"{tmp_path / 'code'}:{ROOT}"}  # fmt: skip
-    out = " ".join(run_to_end(env, warm=warm).split())
-    config = json.loads((root / "model/config.json").read_text())
-    assert config["id2label"] == {"0": "a", "1": "b", "2": "c"}
-    assert config["label2id"] == {"a": 0, "b": 1, "c": 2}
-    said = (
-        "warning: plain_head.load_model('bow', ...) built a model whose config names its classes "
-        "{0: 'c', 1: 'b', 2: 'a'}; the data's class ids are {0: 'a', 1: 'b', 2: 'c'}"
-    )
-    assert (said in out) == (source is OWN_NAMES), out[-3000:]
 
 
 # The demo's functions, their model made to fail in the 10th training forward pass of a job

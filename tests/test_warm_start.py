@@ -33,6 +33,7 @@ from pipeline.player.job_root import OWNER, WORK_PREFIX
 from pipeline.store import LocalStore, upload_dir
 from tests import test_resume
 from tests.conftest import ROOT, SignalAtStep, ship_code, write_settings
+from tests.jobs.training_job import HPS, result
 from tests.reliability.test_user_code import REST
 
 RUN = ExperimentTree("warm").run(1)
@@ -616,8 +617,7 @@ def test_the_server_and_its_jobs_end_when_the_driver_is_killed(shipped, tmp_path
         driver.wait()
 
 
-# The resume tests' small prepared splits and their uninterrupted, cold-started result.
-channels = test_resume.channels
+# The resume tests' uninterrupted, cold-started job on the small prepared splits (`channels`).
 baseline = test_resume.baseline
 
 
@@ -649,7 +649,7 @@ def test_sigterm_to_a_warm_training_step_checkpoints_and_the_restart_trains_the_
             step="train",
             code="code/",
             channels={c: f"data/{c}/" for c in channels},
-            hyperparameters={**test_resume.HPS, **hyperparameters},
+            hyperparameters={**HPS, **hyperparameters},
             model_prefix=f"{name}/model/",
             output_prefix=f"{name}/output/",
             checkpoint_prefix=f"{name}/checkpoints/",
@@ -672,4 +672,4 @@ def test_sigterm_to_a_warm_training_step_checkpoints_and_the_restart_trains_the_
     (tmp_path / "final/model").mkdir(parents=True)
     for name in ("model.safetensors", "history.json"):
         store.download_file(f"sigterm-test/model/{name}", tmp_path / "final/model" / name)
-    test_resume.assert_same(test_resume.result(tmp_path / "final"), baseline)
+    test_resume.assert_same(result(tmp_path / "final"), baseline)

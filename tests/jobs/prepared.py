@@ -1,6 +1,6 @@
 """Small prepared splits for the bag-of-embeddings model, as prepare writes them: unpadded rows
 of 4 to 16 tokens, the label given away by which marker token a row holds. For training jobs
-started directly (tests/test_resume.py, bench/warm_start.py)."""
+started directly (tests/jobs/training_job.py, bench/warm_start.py)."""
 
 from __future__ import annotations
 

@@ -269,7 +269,7 @@ def test_a_training_job_killed_by_a_signal_is_restarted_from_its_checkpoint(tmp_
     from pipeline.jobs import TrainingJob
     from pipeline.store import LocalStore, upload_dir
     from tests.conftest import SignalAtStep, ship_code
-    from tests.test_resume import HPS
+    from tests.jobs.training_job import HPS
 
     store = LocalStore(tmp_path / "store")
     for name, path in channels.items():

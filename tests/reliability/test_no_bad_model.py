@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.config import ConfigError, load_settings
 from tests.conftest import write_settings
-from tests.test_resume import HPS, job_root, start
+from tests.jobs.training_job import HPS, job_root, start
 
 # Within the table's bounds (a job refuses 1e30 by name before it trains): a step of 10 with a
 # decoupled weight decay of 10 multiplies every weight by -99 a step, until it overflows. The

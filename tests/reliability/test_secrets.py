@@ -12,9 +12,9 @@ import textwrap
 from pipeline.store import upload_dir
 from steps.runtime.names import EXTRA_SECRETS_VARIABLE
 from steps.runtime.secrets import redact, secret_values
+from tests.jobs.training_job import HPS, job_root, start
 from tests.reliability.figures import record
 from tests.test_local_backend import backend, probe_processing
-from tests.test_resume import HPS, job_root, start
 
 SECRETS = {"WANDB_API_KEY": "wandb-secret-0123456789", "MY_DB_PASSWORD": "hunter2-db-password"}
 
