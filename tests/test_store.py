@@ -195,6 +195,29 @@ def test_a_name_near_the_file_systems_limit_is_stored_and_a_stopped_write_leaves
     assert sorted(p.name for p in (tmp_path / "store/raw").iterdir()) == [long]
 
 
+@pytest.mark.parametrize("write", ["put_bytes", "create", "upload_file", "copy"])
+def test_a_write_stopped_just_before_its_rename_leaves_no_temporary(tmp_path, monkeypatch, write):
+    """The rename into place came after the temporary's cleanup: a Ctrl-C between the two left
+    `.<name>.<random>` in the store for good."""
+    store = LocalStore(tmp_path / "store")
+    store.put_bytes("raw/a.csv", b"id,text\n")
+    (tmp_path / "b.csv").write_bytes(b"id,text\n1,x\n")
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", stopped)
+    monkeypatch.setattr(os, "link", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        {
+            "put_bytes": lambda: store.put_bytes("raw/b.csv", b"x"),
+            "create": lambda: store.create("raw/b.csv", b"x"),
+            "upload_file": lambda: store.upload_file(tmp_path / "b.csv", "raw/b.csv"),
+            "copy": lambda: store.copy("raw/a.csv", "raw/b.csv"),
+        }[write]()
+    assert sorted(p.name for p in (tmp_path / "store/raw").iterdir()) == ["a.csv"]
+
+
 def test_a_store_read_only_to_this_user_lists_and_one_it_cannot_read_is_named(
     tmp_path, monkeypatch
 ):

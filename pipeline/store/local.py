@@ -56,20 +56,18 @@ class LocalStore:
     def folder_of(self, key: str) -> None:
         return None  # uri_of is the folder already
 
-    def _write_aside(self, path: Path, data: bytes) -> str:
-        """The body in a hidden temporary beside `path`, flushed to disk; readers skip it.
-        A write that fails (a full disk) leaves no temporary behind."""
-        with self._writing(path) as tmp:
-            with open(tmp, "wb") as f:
-                self._fill(f, data)
-                f.flush()
-                os.fsync(f.fileno())
-        return tmp
+    def _write_body(self, tmp: str, data: bytes) -> None:
+        """The body in the temporary `_writing` gave, flushed to disk before it is renamed."""
+        with open(tmp, "wb") as f:
+            self._fill(f, data)
+            f.flush()
+            os.fsync(f.fileno())
 
     @contextmanager
     def _writing(self, path: Path):
-        """A hidden temporary beside `path` to write; removed when writing it fails or is
-        stopped (Ctrl-C, SIGTERM), and a failure said naming the store and the key. Its name
+        """A hidden temporary beside `path` to write and rename into place within the block;
+        removed when anything in the block fails or is stopped (Ctrl-C, SIGTERM), the rename
+        included, and a failure said naming the store and the key. Its name
         holds at most the first 64 bytes of `path`'s, so that a name near the file system's
         limit (255 bytes) still has one."""
         tmp = None
@@ -98,20 +96,23 @@ class LocalStore:
 
     def put_bytes(self, key: str, data: bytes) -> None:
         path = self._path(key)
-        os.replace(self._write_aside(path, data), path)
+        with self._writing(path) as tmp:
+            self._write_body(tmp, data)
+            os.replace(tmp, path)
 
     def create(self, key: str, data: bytes) -> bool:
         # Write the body aside, then link it in: O_EXCL semantics without a window in which
         # the key exists but is empty.
         path = self._path(key)
-        tmp = self._write_aside(path, data)
-        try:
-            os.link(tmp, path)
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            os.unlink(tmp)
+        with self._writing(path) as tmp:
+            self._write_body(tmp, data)
+            try:
+                os.link(tmp, path)
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
 
     def get_bytes(self, key: str) -> bytes:
         try:
@@ -159,7 +160,7 @@ class LocalStore:
         dest = self._path(key)
         with self._writing(dest) as tmp:
             self._copy(path, tmp)
-        os.replace(tmp, dest)
+            os.replace(tmp, dest)
 
     def copy(self, source: str, key: str) -> None:
         """A hard link where the folder allows one: no key's file is ever written in place
