@@ -334,6 +334,29 @@ def test_a_tuning_job_name_used_before_is_refused_in_aws_words(emulator):
     )
 
 
+def test_the_trials_of_a_tuning_job_the_account_does_not_hold_are_resource_not_found(emulator):
+    """A resumed run asks what an earlier driver's tuning job billed: that account is gone, and
+    the emulator raised a KeyError from its hook, which failed every `--resume` of an
+    interrupted emulated tuning run. SageMaker answers the error its service model lists,
+    which the driver says and goes on from."""
+    from botocore.exceptions import ClientError
+
+    from pipeline.backends.resuming import bill_of
+    from pipeline.service_model import service_model
+
+    operation = "ListTrainingJobsForHyperParameterTuningJob"
+    listed = [e.name for e in service_model().operation_model(operation).error_shapes]
+    with pytest.raises(ClientError) as refused:
+        emulator.client.list_training_jobs_for_hyper_parameter_tuning_job(
+            HyperParameterTuningJobName="p-0004-tune-bow-053057"
+        )
+    assert listed == ["ResourceNotFound"]
+    assert refused.value.response["Error"]["Code"] == "ResourceNotFound"
+    echo = io.StringIO()
+    assert bill_of(backend(emulator, echo), "tuning", "p-0004-tune-bow-053057", set()) is None
+    assert "could not read what it billed" in echo.getvalue()
+
+
 def test_a_tuning_job_described_while_its_create_is_answered_is_not_moto_s_fake(emulator, store):
     """moto makes a tuning job Completed, one trial counted, and the emulator sets it going
     once the create is answered. A Describe from another thread in between waits for that:

@@ -274,7 +274,13 @@ class Emulator:
         return ok({})
 
     def _list_trials(self, params, **_):
+        """A tuning job the account does not hold (one an earlier driver's account ran) is
+        ResourceNotFound, the one error botocore's sagemaker service-2.json lists for
+        ListTrainingJobsForHyperParameterTuningJob; the message is this emulator's words."""
         name = _body(params)["HyperParameterTuningJobName"]
+        if name not in self.account.jobs.hyper_parameter_tuning_jobs:
+            message = f"Amazon SageMaker can't find a tuning job named {name}"
+            return error_response(400, "ResourceNotFound", message)
         return ok({"TrainingJobSummaries": self.tuning.summaries(name)})
 
     def _same_client_token(self, params, **_):
