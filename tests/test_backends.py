@@ -79,7 +79,10 @@ KILLED_9 = KILLED_15.replace("SIGTERM", "SIGKILL").replace(
     "exits,stop_requested,capacity_lost,expected",
     [
         ([exit_(0), exit_(0)], False, False, ("Completed", None)),
-        ([exit_(0)], True, False, ("Completed", None)),  # it finished before the stop reached it
+        # Asked to stop, a job is Stopped whatever its containers exit with ("After SageMaker
+        # stops the job, it sets the status to Stopped": StopTrainingJob); and so at its limit.
+        ([exit_(0)], True, False, ("Stopped", None)),
+        ([exit_(0, timed_out=True, end=3.2)], False, False, ("Stopped", RAN_OUT)),
         ([exit_(1, reason="train: no")], False, False, ("Failed", "train: no")),
         ([exit_(0), exit_(-9)], False, False, ("Failed", f"exit status -9: {KILLED_9}")),
         ([exit_(143)], False, False, ("Failed", f"exit status 143: {KILLED_15}")),

@@ -32,6 +32,7 @@ from pipeline.player.job_root import OWNER, WORK_PREFIX, gathered
 from pipeline.player.transfers import fetch_input
 from pipeline.search_space import Categorical
 from pipeline.store import S3Store, upload_dir
+from pipeline.store.protocol import key_of
 from steps.runtime.names import MODEL_DIR, TRIAL_CHECKPOINTS_VARIABLE, host_path
 from tests.conftest import ship_code
 
@@ -497,6 +498,50 @@ def test_a_job_whose_status_cannot_be_read_is_given_up_and_stopped(store, emulat
         "aws sagemaker describe-processing-job --processing-job-name lost" in result.failure_reason
     )
     assert "stop requested" in echo.getvalue()
+
+
+def until(check, seconds: float = 60):
+    """`check()`'s first true answer within `seconds`, polled as a driver polls."""
+    deadline = time.time() + seconds
+    while not (answer := check()) and time.time() < deadline:
+        time.sleep(0.1)
+    assert answer, f"not within {seconds} s"
+    return answer
+
+
+@pytest.mark.parametrize("how", ["StopTrainingJob", "MaxRuntimeInSeconds"])
+def test_a_stopped_training_job_is_stopping_then_stopped_and_keeps_what_it_saved(
+    store, emulator, inputs, how
+):
+    """Its status stayed InProgress until the container exited; a container that exited 0
+    within the grace made it Completed; its SecondaryStatus said Stopped at its limit; and
+    nothing it saved was uploaded. StopTrainingJob: "SageMaker changes the status of the job
+    to Stopping. After SageMaker stops the job, it sets the status to Stopped", and the grace
+    is there to "save the model artifacts, so the results of the training is not lost";
+    SecondaryStatus: under Stopped, "MaxRuntimeExceeded" (botocore's sagemaker service-2.json)."""
+    job = probe_training(f"stop-{how.lower()}")
+    job.hyperparameters = {"epochs": "1", "sleep": "60", "finish_on_stop": "1"}
+    request = backend(emulator).request(job)
+    if how == "MaxRuntimeInSeconds":
+        request["StoppingCondition"]["MaxRuntimeInSeconds"] = 2
+    emulator.client.create_training_job(**request)
+    name = request["TrainingJobName"]
+    until(lambda: list(emulator.work_root.glob(f"{name}/**/seen-rank0.json")))  # in its sleep
+    describe = emulator.client.describe_training_job
+    if how == "StopTrainingJob":
+        emulator.client.stop_training_job(TrainingJobName=name)
+        asked = describe(TrainingJobName=name)
+        assert (asked["TrainingJobStatus"], asked["SecondaryStatus"]) == ("Stopping", "Stopping")
+    ended = until(
+        lambda: (
+            (d := describe(TrainingJobName=name))["TrainingJobStatus"] != "Stopping"
+            and d["TrainingJobStatus"] != "InProgress"
+            and d
+        )
+    )
+    why = "Stopped" if how == "StopTrainingJob" else "MaxRuntimeExceeded"
+    assert (ended["TrainingJobStatus"], ended["SecondaryStatus"]) == ("Stopped", why)
+    assert store.exists(key_of(store, ended["ModelArtifacts"]["S3ModelArtifacts"]))
 
 
 def test_a_container_that_ignores_its_stop_is_killed_after_the_grace(store, tmp_path, inputs):

@@ -54,17 +54,18 @@ def status_after(
     reports them through here, as DescribeTrainingJob reports a job (TrainingJobStatus and
     SecondaryStatus in botocore's sagemaker service-2.json).
 
-    Completed when every container exited 0. Stopped when it was stopped on request (Stop*,
-    the driver stopping, a pruned trial: no reason, as SageMaker gives none), at its
-    MaxRuntimeInSeconds (SecondaryStatus MaxRuntimeExceeded) or when its spot capacity was
+    Stopped when it was stopped on request (Stop*, the driver stopping, a pruned trial: no
+    reason, as SageMaker gives none) or at its MaxRuntimeInSeconds (SecondaryStatus
+    MaxRuntimeExceeded), whatever its containers exited with: "When it receives a
+    StopTrainingJob request, SageMaker changes the status of the job to Stopping. After
+    SageMaker stops the job, it sets the status to Stopped" (StopTrainingJob in the service
+    model). Else Completed when every container exited 0; Stopped when its spot capacity was
     taken back and MaxWaitTimeInSeconds ran out (MaxWaitTimeExceeded). Otherwise Failed, with
     the container's own reason (its failure file) or its exit status. A container that was
     interrupted and checkpointed (exit 75) is Failed too if it was neither stopped nor
     restarted: SageMaker's Interrupted is a job still InProgress, about to restart, and whether
     to restart is the backend's rule, asked before this (local_restart; the emulator's spot
     rule)."""
-    if all(e.code == 0 for e in exits):
-        return "Completed", None
     if stop_requested:
         return "Stopped", None
     if any(e.timed_out for e in exits):
@@ -72,6 +73,8 @@ def status_after(
         return "Stopped", (
             f"MaxRuntimeExceeded: the job was stopped after {seconds} s, its MaxRuntimeInSeconds"
         )
+    if all(e.code == 0 for e in exits):
+        return "Completed", None
     if capacity_lost:
         lost = "the job lost its spot capacity and its MaxWaitTimeInSeconds ran out"
         return "Stopped", f"MaxWaitTimeExceeded: {lost}"

@@ -60,9 +60,13 @@ def main():
         # A trial's objective, where a tuning job searches it as a hyperparameter.
         print(f"validation:f1={float(env.hyperparameters.get('f1', 0.75)):.6f}")
     if env.hyperparameters.get("sleep"):  # a trial that a tuning job may be stopped in
-        import time
+        import signal
+        import threading
 
-        time.sleep(float(env.hyperparameters["sleep"]))
+        stopped = threading.Event()
+        if env.hyperparameters.get("finish_on_stop"):  # ends well (0) within its stop's grace
+            signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+        stopped.wait(float(env.hyperparameters["sleep"]))
     if world > 1:
         dist.destroy_process_group()
     if env.hyperparameters.get("fail"):

@@ -203,7 +203,10 @@ class Instances:
             metrics.update(e.metrics)
         records.final_metrics(name, metrics)
         status, reason = self._status_after(name, played.exits)
-        if status == "Completed":
+        # A stopped job's artifacts are uploaded too: "Algorithms might use this 120-second
+        # window to save the model artifacts, so the results of the training is not lost"
+        # (StopTrainingJob in the service model). A failed one's: the sources are silent.
+        if status in ("Completed", "Stopped"):
             records.secondary(name, "Uploading")
             base = request["OutputDataConfig"]["S3OutputPath"].rstrip("/") + f"/{name}/output/"
             # Every host's model/ and output/data/, in one tarball each (job_root.gathered).

@@ -51,7 +51,25 @@ class JobRecords:
         self._trials.add(name)
 
     def stop_asked(self, *names: str) -> None:
-        self._stopping.update(names)
+        """A Stop* call for `names`: each one still in progress is Stopping from now on, as
+        "When it receives a StopTrainingJob request, SageMaker changes the status of the job
+        to Stopping" (StopTrainingJob in botocore's sagemaker service-2.json; Stopping is in
+        ProcessingJobStatus and HyperParameterTuningJobStatus too)."""
+        with self._lock:
+            self._stopping.update(names)
+            for name in names:
+                if name in self.jobs.training_jobs:
+                    job = self.jobs.training_jobs[name]
+                    if job.training_job_status == "InProgress":
+                        job.training_job_status = job.secondary_status = "Stopping"
+                elif name in self.jobs.processing_jobs:
+                    job = self.jobs.processing_jobs[name]
+                    if job.processing_job_status == "InProgress":
+                        job.processing_job_status = "Stopping"
+                elif name in self.jobs.hyper_parameter_tuning_jobs:
+                    job = self.jobs.hyper_parameter_tuning_jobs[name]
+                    if job.hyper_parameter_tuning_job_status == "InProgress":
+                        job.hyper_parameter_tuning_job_status = "Stopping"
 
     def stop_requested(self, name: str) -> bool:
         return name in self._stopping
@@ -111,8 +129,11 @@ class JobRecords:
     # -- while it runs ---------------------------------------------------------------------------
 
     def secondary(self, name: str, status: str) -> None:
-        """A training job's SecondaryStatus: Training, Interrupted, Uploading."""
-        self.jobs.training_jobs[name].secondary_status = status
+        """A training job's SecondaryStatus: Training, Interrupted, Uploading; Stopping, once
+        asked to stop, until it has stopped."""
+        job = self.jobs.training_jobs[name]
+        if job.training_job_status != "Stopping":
+            job.secondary_status = status
 
     def final_metrics(self, name: str, metrics: dict[str, float]) -> None:
         """A training job's FinalMetricDataList, each metric's last value."""
@@ -161,6 +182,11 @@ class JobRecords:
             job.training_end_time = now()
             bill(job)  # before its status: whoever sees it ended sees what it billed
             job.training_job_status, job.secondary_status = status, status
+            # Stopped's secondary statuses say why: MaxRuntimeExceeded, MaxWaitTimeExceeded or
+            # Stopped (SecondaryStatus in the service model); status_after's reason names it.
+            for why in ("MaxRuntimeExceeded", "MaxWaitTimeExceeded"):
+                if status == "Stopped" and (reason or "").startswith(why):
+                    job.secondary_status = why
         else:
             job = self.jobs.hyper_parameter_tuning_jobs[name]
             job.hyper_parameter_tuning_job_status = status
