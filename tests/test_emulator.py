@@ -544,6 +544,27 @@ def test_a_stopped_training_job_is_stopping_then_stopped_and_keeps_what_it_saved
     assert store.exists(key_of(store, ended["ModelArtifacts"]["S3ModelArtifacts"]))
 
 
+def test_a_reclaimed_spot_job_restarts_on_a_new_instance_with_only_its_checkpoints(
+    store, emulator, inputs
+):
+    """The restart ran in the folders the first attempt left: its model/ files, and a hidden
+    checkpoint file the emulator never uploads, were there again, and the first attempt's
+    files reached model.tar.gz. An interruption restarts the job "on a new instance, with
+    checkpoints restored from S3" (model-managed-spot-training)."""
+    job = probe_training("spot-restart", use_spot=True, max_wait_seconds=86400)
+    job.hyperparameters = {"epochs": "1", "sleep": "60", "sleep_once": "1"}
+    result = []
+    thread = threading.Thread(target=lambda: result.append(backend(emulator).run_training(job)))
+    thread.start()
+    until(lambda: list(emulator.work_root.glob("*spot-restart*/**/seen-rank0.json")))
+    assert len(emulator.reclaim()) == 1
+    thread.join(timeout=120)
+    assert result[0].status == "Completed", result[0].failure_reason
+    seen = json.loads(store.get_bytes(job.model_prefix + "seen-rank0.json"))
+    assert seen["checkpoints_at_start"] == ["ckpt-rank0.txt"]  # from S3, and nothing else
+    assert seen["model_at_start"] == []
+
+
 def test_a_container_that_ignores_its_stop_is_killed_after_the_grace(store, tmp_path, inputs):
     """StopTrainingJob / StopProcessingJob: the signal, then SIGKILL when the grace is over
     (120 s on SageMaker; 1 s here)."""

@@ -257,6 +257,18 @@ def lay_out_training(
         host_path(root, folder).mkdir(parents=True, exist_ok=True)
 
 
+def new_instance(root: Path) -> None:
+    """A restarted training job's host as the new instance it runs on finds it: model/,
+    output/ and checkpoints/ empty, the checkpoints then copied back from S3 (CheckpointSync),
+    nothing else of the attempt before. "An interruption gives Interrupted -> Starting -> ...
+    on a new instance, with checkpoints restored from S3" (model-managed-spot-training); the
+    model and output folders are read from no S3 at a restart (model-train-storage's table)."""
+    for folder in (names.MODEL_DIR, names.OUTPUT_DIR, names.CHECKPOINT_DIR):
+        shutil.rmtree(host_path(root, folder), ignore_errors=True)
+    for folder in (names.MODEL_DIR, names.OUTPUT_DATA_DIR, names.CHECKPOINT_DIR):
+        host_path(root, folder).mkdir(parents=True, exist_ok=True)
+
+
 def write_json(path: Path, value: dict) -> None:
     """A config file SageMaker writes, its folder made first."""
     path.parent.mkdir(parents=True, exist_ok=True)

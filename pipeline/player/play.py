@@ -18,6 +18,7 @@ from pipeline.player.job_root import (
     InputMissing,
     lay_out_processing,
     lay_out_training,
+    new_instance,
     processing_hosts,
     processing_roots,
     training_hosts,
@@ -159,5 +160,7 @@ def play_training(
         if stopped or all(e.code == 0 for e in exits) or not restart(exits, restarts):
             return Played(exits, roots, restarts)
         restarts += 1
+        for root in roots.values():
+            new_instance(root)
         if on_restart is not None:
             on_restart(restarts)

@@ -30,6 +30,7 @@ def main():
         ).rglob("*")
         if p.is_file()
     )
+    model_at_start = sorted(p.name for p in env.model_dir.iterdir())
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     total = torch.tensor([rank + 1.0])
     if world > 1:
@@ -52,14 +53,18 @@ def main():
         "sm_env": sorted(k for k in os.environ if k.startswith("SM_")),
         "env_names": sorted(os.environ),
         "checkpoints_at_start": at_start,
+        "model_at_start": model_at_start,
     }
     (env.model_dir / f"seen-rank{rank}.json").write_text(json.dumps(seen))
     (env.checkpoint_dir / f"ckpt-rank{rank}.txt").write_text("state")
+    (env.checkpoint_dir / f".hidden-rank{rank}").write_text("not uploaded")
     if rank == 0:
         (env.output_data_dir / "report.json").write_text(json.dumps({"ok": True}))
         # A trial's objective, where a tuning job searches it as a hyperparameter.
         print(f"validation:f1={float(env.hyperparameters.get('f1', 0.75)):.6f}")
-    if env.hyperparameters.get("sleep"):  # a trial that a tuning job may be stopped in
+    # A trial that a tuning job may be stopped in; a spot job reclaimed in its first attempt.
+    restarted = env.hyperparameters.get("sleep_once") and at_start
+    if env.hyperparameters.get("sleep") and not restarted:
         import signal
         import threading
 
