@@ -544,6 +544,27 @@ def test_a_stopped_training_job_is_stopping_then_stopped_and_keeps_what_it_saved
     assert store.exists(key_of(store, ended["ModelArtifacts"]["S3ModelArtifacts"]))
 
 
+def test_a_training_job_without_checkpoint_config_runs(store, emulator, inputs):
+    """CheckpointConfig is optional in CreateTrainingJob (botocore's service model); the
+    emulator failed such a job with "could not run the job: 'CheckpointConfig'"."""
+    from pipeline.service_model import service_model
+
+    create = service_model().operation_model("CreateTrainingJob").input_shape
+    assert "CheckpointConfig" not in create.required_members
+    request = backend(emulator).request(probe_training("no-checkpoints"))
+    del request["CheckpointConfig"]
+    emulator.client.create_training_job(**request)
+    describe = emulator.client.describe_training_job
+    ended = until(
+        lambda: (
+            (d := describe(TrainingJobName="no-checkpoints"))["TrainingJobStatus"]
+            not in ("InProgress", "Stopping")
+            and d
+        )
+    )
+    assert ended["TrainingJobStatus"] == "Completed", ended.get("FailureReason")
+
+
 def test_a_reclaimed_spot_job_restarts_on_a_new_instance_with_only_its_checkpoints(
     store, emulator, inputs
 ):

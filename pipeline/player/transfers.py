@@ -68,8 +68,8 @@ class CheckpointSync:
     one) stay as they are. Played when the container exits, where SageMaker also syncs while it
     runs; temporary files of a checkpoint cut short are not uploaded."""
 
-    def __init__(self, store: Store, prefix: str, folders: list[Path]) -> None:
-        self.store, self.prefix, self.folders = store, prefix, folders
+    def __init__(self, store: Store, prefix: str | None, folders: list[Path]) -> None:
+        self.store, self.prefix, self.folders = store, prefix, folders  # None: no checkpoints
         self.had: dict[Path, dict[str, tuple[int, int]]] = {}
 
     def _files(self, folder: Path) -> dict[str, tuple[int, int]]:
@@ -82,13 +82,15 @@ class CheckpointSync:
         return found
 
     def down(self) -> None:
-        keys = self.store.list_keys(self.prefix)
+        keys = self.store.list_keys(self.prefix) if self.prefix is not None else []
         for folder in self.folders:
             for key in keys:
                 self.store.download_file(key, folder / key[len(self.prefix) :])
             self.had[folder] = self._files(folder)
 
     def up(self) -> None:
+        if self.prefix is None:
+            return
         # A file several hosts wrote: the first host's (which one SageMaker's sync keeps is
         # undocumented).
         written: dict[str, Path] = {}
@@ -108,7 +110,11 @@ class CheckpointSync:
             self.had[folder] = self._files(folder)
 
 
-def checkpoint_prefix(request: dict, store: Store) -> str:
+def checkpoint_prefix(request: dict, store: Store) -> str | None:
+    """Where CheckpointConfig keeps the job's checkpoints in the store; None without one
+    (CheckpointConfig is optional in CreateTrainingJob: nothing is synced)."""
+    if not request.get("CheckpointConfig"):
+        return None
     uri = request["CheckpointConfig"]["S3Uri"]
     base = key_of(store, uri)
     if base is None:
