@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 
 import torch
 
@@ -15,10 +16,13 @@ from steps.export import check_batches, check_exports, check_programs, logits_of
 from steps.finetuning import final_model, load_trained_state
 from steps.metrics import metric_line, plot_curves
 from steps.model_files import CURVES, HISTORY, read_record, write_card, write_record
+from steps.prepared_files import capped, read_encoding, tokenizer_identity
+from steps.runtime import names
 from steps.tracking import wandb_run_of
 from steps.training_blocks import save_final_model
 from steps.training_job import Job
 from steps.training_report import timed
+from steps.user_code import call, load_user_functions
 
 
 def best_model(job: Job) -> torch.nn.Module | None:
@@ -150,3 +154,29 @@ def save_model(job: Job, final: torch.nn.Module) -> None:
     save_final_model(final, model_dir, record)
     labels = {str(k): v for k, v in job.id2label.items()}
     (model_dir / "id2label.json").write_text(json.dumps(labels, indent=2))
+    if hasattr(final, "save_pretrained"):
+        save_tokenizer(job)
+
+
+def save_tokenizer(job: Job) -> None:
+    """The tokenizer that encoded the rows, beside a Hugging Face model, as the Trainer saves
+    its processing class with the model: the folder is whole for `AutoTokenizer` and
+    `pipeline("text-classification", model=folder)`, and for a later run whose functions
+    load from it (without it, AutoTokenizer built a vocabulary of special tokens alone there,
+    and every word became [UNK], without an error). Not saved, and said: one load_tokenizer
+    now returns that is not the one encoding.json records, or that cannot be saved."""
+    name = job.hp["model_name"]
+    functions = load_user_functions(os.environ[names.USER_FUNCTIONS_VARIABLE])
+    recorded = read_encoding(job.env.channels["labels"])["models"][name]["tokenizer"]
+    try:
+        tokenizer = call(functions, "load_tokenizer", name)
+        if not callable(getattr(tokenizer, "save_pretrained", None)):
+            return
+        now = tokenizer_identity(tokenizer).get("sha256")
+        if recorded.get("sha256") and now != recorded["sha256"]:
+            was = recorded["sha256"]
+            raise ValueError(f"it is not the one that encoded the rows ({now}, not {was})")
+        # As encode had it: cut at MAX_SEQUENCE_LENGTH, as the model trained and was tested.
+        capped(tokenizer, job.max_length).save_pretrained(job.env.model_dir)
+    except Exception as e:  # noqa: BLE001 - the model stands without it
+        print(f"warning: the tokenizer of model {name!r} is not saved with it: {e}", flush=True)

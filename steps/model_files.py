@@ -1,6 +1,7 @@
 """The files of a trained model's folder, named once: training writes them, inference reads them.
 
     model.safetensors (or a Hugging Face save)  the weights; adapter/ with FINETUNING = lora
+    tokenizer.json, tokenizer_config.json ...   a Hugging Face model's tokenizer (save_tokenizer)
     model.torchscript.pt, model.pt2             the exports (EXPORTS), each checked
     smpipe.json                                 the model's record (RECORD)
     history.json, curves.png, README.md         each epoch's metrics, their curves, the card

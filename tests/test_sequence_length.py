@@ -12,7 +12,13 @@ import pyarrow as pa
 import pytest
 
 from steps.batching import Batches, read_split
-from steps.prepared_files import ENCODING, encoding_record, parse_encoding, read_encoding
+from steps.prepared_files import (
+    ENCODING,
+    encoding_record,
+    parse_encoding,
+    read_encoding,
+    tokenizer_identity,
+)
 from user_functions import load_tokenizer
 
 INPUTS = {"keys": ["input_ids"], "pad": {"input_ids": 0}, "sequence": ["input_ids"]}
@@ -69,7 +75,7 @@ def test_prepare_records_the_length_and_each_tokenizer_beside_the_data(tmp_path,
     # The same tokenizer, before or after a call sets its truncation: the same identity.
     loaded = load_tokenizer("minilm")
     loaded(["a b c"], truncation=True, max_length=4)
-    assert prepare.tokenizer_identity(loaded) == tokenizer
+    assert tokenizer_identity(loaded) == tokenizer
     split = read_split(tmp_path / "train")
     assert max(split.column("minilm__length").to_pylist()) == 16  # cut here, once
     Batches(split, "minilm", ["input_ids"], {**INPUTS, "pad": {"input_ids": 0}}, max_length=16)
