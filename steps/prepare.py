@@ -96,6 +96,40 @@ def stratified_split(
     return {"train": np.sort(train), "validation": np.sort(validation), "test": np.sort(test)}
 
 
+def same_inputs(dataset: datasets.Dataset, columns: list[str]) -> np.ndarray | None:
+    """Each row's group, rows whose every column in `columns` (what encode reads) holds the
+    same value sharing one (numbered by first appearance); None where no two rows do. By
+    Arrow's dictionary encoding, column by column: no text is copied into Python."""
+    if not columns:
+        return None
+    table = dataset.with_format("arrow")
+    codes = []
+    for column in columns:
+        encoded = pc.dictionary_encode(table[column].combine_chunks())
+        codes.append(np.asarray(pc.fill_null(encoded.indices, -1)))
+    _, first, groups = np.unique(
+        np.stack(codes, axis=1), axis=0, return_index=True, return_inverse=True
+    )
+    if len(first) == len(groups):
+        return None
+    order = np.argsort(np.argsort(first))  # group numbers by first appearance, not by value
+    return order[groups.reshape(-1)]
+
+
+def grouped_split(
+    labels: list[int], groups: np.ndarray, id2label: dict[int, str], args: argparse.Namespace
+) -> dict[str, np.ndarray]:
+    """The stratified split of the groups (each by its first row's label), every row going
+    where its group went: a text in train and in test would score the model's memory of it.
+    Stratified group splitting, as scikit-learn's StratifiedGroupKFold does for folds."""
+    first = np.unique(groups, return_index=True)[1]  # group g's first row: first[g]
+    try:
+        chosen = stratified_split([labels[i] for i in first], id2label, args)
+    except ValueError as e:
+        raise ValueError(f"{e} (rows with the same inputs counted once)") from None
+    return {name: np.flatnonzero(np.isin(groups, picked)) for name, picked in chosen.items()}
+
+
 def cannot_split(
     labels: list[int], id2label: dict[int, str], args: argparse.Namespace, why: str
 ) -> str:
@@ -482,6 +516,15 @@ def main() -> None:
     read = {c for record in encoded.values() for c in record["reads"] if c not in record["kinds"]}
     for line in empty_texts(snapshot, sorted(read)):
         print(f"warning: {line}")
+    inputs_read = sorted({c for record in encoded.values() for c in record["reads"]})
+    groups = same_inputs(snapshot, inputs_read)
+    if groups is not None:
+        splits = grouped_split(dataset["label_id"], groups, id2label, args)
+        print(
+            f"{len(groups) - groups.max() - 1} rows repeat the {', '.join(inputs_read)} of "
+            "another row: each such group is kept in one split, so that no validation or test "
+            "row is a training row again (reconcile may drop the duplicates)"
+        )
     sizes = {}
     for name, indices in splits.items():
         part = dataset.select(indices)
