@@ -26,7 +26,7 @@ from steps.arguments import RECONCILE, parse
 from steps.runtime import names
 from steps.runtime.environment import processing_input, processing_output
 from steps.runtime.step import end_process, run_step, write_step_metadata
-from steps.user_code import call, load_user_functions
+from steps.user_code import call, innermost_cause, load_user_functions
 
 
 def content_hash(dataset: datasets.Dataset) -> str:
@@ -84,6 +84,16 @@ def named_labels(dataset: datasets.Dataset) -> datasets.Dataset:
     return dataset.remove_columns("label").add_column("label", names)
 
 
+def returned(dataset, result) -> str:
+    """What reconcile returned instead, and the way to what it must."""
+    if isinstance(result, list) and len(result) == 2:
+        return "a list of two: return a tuple, `return dataset, dropped`"
+    kind = type(dataset)
+    if kind.__module__.startswith("pandas") and kind.__name__ == "DataFrame":
+        return "a pandas DataFrame: datasets.Dataset.from_pandas(df, preserve_index=False)"
+    return kind.__name__
+
+
 def check_result(result, module: str, labelled: bool = True) -> tuple[datasets.Dataset, dict]:
     """reconcile's return value as the contract has it, or an error naming the function. Rows
     to predict (`labelled` False) need no label."""
@@ -101,7 +111,8 @@ def check_result(result, module: str, labelled: bool = True) -> tuple[datasets.D
             "the pipeline makes its own splits ([data] TRAIN_FRACTION, VALIDATION_FRACTION)"
         )
     if not isinstance(dataset, datasets.Dataset):
-        raise TypeError(f"{where} must return a datasets.Dataset, got {type(dataset).__name__}")
+        wanted = "a datasets.Dataset, or (dataset, {reason: [ids dropped]})"
+        raise TypeError(f"{where} must return {wanted}; got {returned(dataset, result)}")
     if labelled and "label" not in dataset.column_names:
         hint = (
             ": rename it, dataset.rename_column('labels', 'label')"
@@ -175,7 +186,11 @@ def reconcile_snapshot() -> None:
         raise RuntimeError(f"the raw data folder is empty: {raw_dir}")
     formats = collections.Counter(p.suffix.lstrip(".") or "none" for p in files)
 
-    dataset, dropped = check_result(call(functions, "reconcile", raw_dir), functions.module)
+    try:
+        result = call(functions, "reconcile", raw_dir)
+    except RuntimeError as e:  # the user's error (steps/user_code.py `call`)
+        raise RuntimeError(f"{e}{read_elsewhere(e, raw_dir)}") from e
+    dataset, dropped = check_result(result, functions.module)
     feature = dataset.features["label"]
     declared = feature.names if isinstance(feature, datasets.ClassLabel) else None
     dataset = named_labels(dataset)
@@ -223,6 +238,20 @@ def reconcile_snapshot() -> None:
             "raw_files": len(files),
             "raw_format": ",".join(f"{ext}:{n}" for ext, n in sorted(formats.items())),
         },
+    )
+
+
+def read_elsewhere(error: RuntimeError, raw_dir) -> str:
+    """Where reconcile looked for a file in the job's own folder (a relative path: the
+    project's folder on this machine, `data/news.csv`, is no job's), the way to the raw data."""
+    missing, here = innermost_cause(error), os.getcwd()
+    said = f"{missing} {getattr(missing, 'filename', '') or ''}"
+    if not isinstance(missing, FileNotFoundError) or here not in said or str(raw_dir) in said:
+        return ""
+    return (
+        f"; a relative path is read from the job's own folder ({here}), not your project's: "
+        f"read the raw data under the folder reconcile is given ({raw_dir}, a SageMaker "
+        "job's copy of RAW_DATA)"
     )
 
 

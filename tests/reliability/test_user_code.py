@@ -199,6 +199,42 @@ def test_a_list_of_dropped_ids_where_the_contract_has_a_dict_is_named(store, tmp
     assert "its second value is list" in result.failure_reason
 
 
+@pytest.mark.parametrize(
+    ("returns", "said"),
+    [
+        ("[rows, {}]", "got a list of two: return a tuple, `return dataset, dropped`"),
+        ("rows.to_pandas()", "got a pandas DataFrame: datasets.Dataset.from_pandas(df, "),
+    ],
+)
+def test_a_reconcile_that_returns_a_list_or_a_dataframe_is_told_the_way(
+    store, tmp_path, returns, said
+):
+    """It said "must return a datasets.Dataset, got list" of `[dataset, dropped]`, and "got
+    DataFrame" of a pandas frame, without the fix."""
+    job, result = reconcile_job(store, tmp_path, f"""
+        import datasets
+
+        def reconcile(raw_dir):
+            rows = datasets.Dataset.from_dict({{"text": ["u", "v"], "label": ["a", "b"]}})
+            return {returns}
+    """)  # fmt: skip
+    assert result.status == "Failed" and said in result.failure_reason, result.failure_reason
+
+
+def test_a_relative_path_in_reconcile_is_said_to_be_read_in_the_jobs_folder(store, tmp_path):
+    """`data_files="data/news.csv"`, the project's file on this machine, failed with datasets'
+    "Unable to find '/tmp/smpipe-jobs-.../data/news.csv'" and nothing about raw_dir."""
+    job, result = reconcile_job(store, tmp_path, """
+        import datasets
+
+        def reconcile(raw_dir):
+            return datasets.load_dataset("csv", data_files="data/news.csv", split="train"), {}
+    """)  # fmt: skip
+    assert result.status == "Failed"
+    assert "a relative path is read from the job's own folder" in result.failure_reason
+    assert "read the raw data under the folder reconcile is given" in result.failure_reason
+
+
 def test_a_reconcile_that_drops_every_row_says_what_it_dropped(store, tmp_path):
     job, result = reconcile_job(store, tmp_path, """
         import datasets
