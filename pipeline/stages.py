@@ -149,8 +149,16 @@ class Reconcile:
     def run(self, ctx: RunContext, jobs: list[Job]) -> None:
         (job,) = jobs
         details = {"raw_path": ctx.base.raw_path, "snapshot": job.outputs["snapshot"]}
-        run_processing(ctx, job, details)
+        details = run_processing(ctx, job, details)
         ctx.base.data_snapshot_hash = snapshot_hash(ctx.store, ctx.sources.reconciled)
+        if details.get("read_outside_raw_data"):
+            # Files the cache key never saw: neither this snapshot nor the prepare of it (keyed
+            # by this reconcile's key) is reused by a later run.
+            for step in ("reconcile", "prepare"):
+                if entry := ctx.base.data_steps.get(step):
+                    entry["key"] = None
+                    said = "not reused later: reconcile read files outside the raw data"
+                    entry["note"] = "; ".join(filter(None, [entry.get("note"), said]))
         index_in_cache(ctx, self.name)
 
 
@@ -455,9 +463,10 @@ def launched(job: Job, run_job) -> JobResult:
     return result
 
 
-def run_processing(ctx: RunContext, job: ProcessingJob, details: dict) -> None:
+def run_processing(ctx: RunContext, job: ProcessingJob, details: dict) -> dict:
     """Run a stage's processing job and write its section: the job's own report (its
-    step_metadata.json) with the stage's `details`; raise JobFailed when it did not complete."""
+    step_metadata.json) with the stage's `details`, which it returns; raise JobFailed when it
+    did not complete."""
     result = launched(job, ctx.backend.run_processing)
     if result.status == "Completed":
         details = {**read_report(ctx.store, job.outputs["report"]), **details}
@@ -466,6 +475,7 @@ def run_processing(ctx: RunContext, job: ProcessingJob, details: dict) -> None:
     md.write_section(ctx.store, ctx.run, section(job.step, [result], details))
     if result.status != "Completed":
         raise JobFailed(result, job.step)
+    return details
 
 
 def index_in_cache(ctx: RunContext, step: str) -> None:

@@ -16,7 +16,9 @@ import json
 import math
 import os
 import re
+import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -187,9 +189,19 @@ def reconcile_snapshot() -> None:
     formats = collections.Counter(p.suffix.lstrip(".") or "none" for p in files)
 
     try:
-        result = call(functions, "reconcile", raw_dir)
+        with files_read_outside(raw_dir) as outside:
+            result = call(functions, "reconcile", raw_dir)
     except RuntimeError as e:  # the user's error (steps/user_code.py `call`)
         raise RuntimeError(f"{e}{read_elsewhere(e, raw_dir)}") from e
+    if outside:
+        shown = ", ".join(outside[:SHOWN_OUTSIDE]) + (
+            " ..." if len(outside) > SHOWN_OUTSIDE else ""
+        )
+        print(
+            f"warning: {functions.module}.reconcile read files outside the raw data it was "
+            f"given ({shown}): a SageMaker job cannot read them, and no later run reuses this "
+            f"snapshot, since their changes are not seen: read the raw data under {raw_dir}"
+        )
     dataset, dropped = check_result(result, functions.module)
     feature = dataset.features["label"]
     declared = feature.names if isinstance(feature, datasets.ClassLabel) else None
@@ -237,8 +249,57 @@ def reconcile_snapshot() -> None:
             "raw_file_size": sum(p.stat().st_size for p in files),
             "raw_files": len(files),
             "raw_format": ",".join(f"{ext}:{n}" for ext, n in sorted(formats.items())),
+            "read_outside_raw_data": outside[:SHOWN_OUTSIDE],  # the driver indexes no such
         },
     )
+
+
+SHOWN_OUTSIDE = 5  # files named of those reconcile read outside its raw data
+
+# What Python and its libraries read on their own: system folders, below the installs and the
+# caches (sys.prefix and sys.path are added where the job runs).
+SYSTEM = ("/proc/", "/sys/", "/dev/", "/etc/", "/usr/", "/lib/", "/lib64/", "/bin/", "/opt/ml/")
+
+
+@contextlib.contextmanager
+def files_read_outside(raw_dir: Path):
+    """The files the block opens to read that were there before it, outside `raw_dir`, the
+    job's own folder, Python's installs and paths and the caches (a list, filled as they are
+    opened): Python's "open" audit event, which io.open and os.open raise (sys.addaudithook,
+    PEP 578) and datasets' readers go through (fsspec's local files). Such a file is no input
+    the driver keys a reconcile by: on this machine its edits went unseen by the next run,
+    which reused the snapshot; on SageMaker the job cannot read it."""
+    here = os.getcwd()
+    within = [raw_dir, datasets.config.HF_DATASETS_CACHE, os.environ.get("HF_HOME")]
+    within += [Path.home() / ".cache", sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path]
+    within += [here] if here != os.sep else []  # a container's "/" would hold everything
+    skipped = (*SYSTEM, *(os.path.join(os.path.realpath(p), "") for p in within if p))
+    found: list[str] = []
+    active, started = [True], time.time()
+
+    def opened(event: str, args: tuple) -> None:
+        if event == "open" and active[0] and isinstance(args[0], str | os.PathLike):
+            with contextlib.suppress(Exception):  # never the user's open's error
+                noted(*args)
+
+    def noted(file, mode, flags) -> None:
+        if isinstance(mode, str):  # io.open's mode; os.open's flags
+            reads = not any(c in mode for c in "wax+")
+        else:
+            reads = flags & os.O_ACCMODE == os.O_RDONLY
+        path = os.path.realpath(os.fsdecode(file))
+        if not reads or path.startswith(skipped) or path in found or not os.path.isfile(path):
+            return
+        # A file the block made (an archive of the raw data unpacked to a temporary folder)
+        # is no input: its inode changed since the block started (a ctime no tool sets back).
+        if os.stat(path).st_ctime < started:
+            found.append(path)
+
+    sys.addaudithook(opened)  # for good (PEP 578): it stops listening when the block ends
+    try:
+        yield found
+    finally:
+        active[0] = False
 
 
 def read_elsewhere(error: RuntimeError, raw_dir) -> str:

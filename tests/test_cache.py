@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -176,3 +177,56 @@ def test_two_drivers_with_the_same_key_end_with_one_indexed_complete_output(tmp_
     assert third.finish() == 0 and "(cache: same inputs" in third.output
     record = json.loads(store.get_bytes(TREE.run(3).metadata))
     assert record["data_steps"]["prepare"]["data_version"] == indexed
+
+
+def test_a_reconcile_that_reads_files_outside_its_raw_data_is_never_reused(tmp_path, capfd):
+    """A reconcile that loads an absolute path of its own (not under raw_dir): the cache key
+    never saw that file, and the next run reused the snapshot after it was edited, training
+    and testing on the rows it no longer held. Said, and neither its snapshot nor its prepare
+    is indexed for reuse."""
+    outside = tmp_path / "elsewhere"
+    write_reviews(outside)
+    source = REVIEWS.replace(
+        '(Path(raw_dir) / "reviews.jsonl")', f"Path({str(outside / 'reviews.jsonl')!r})"
+    )
+    write_module(tmp_path, "reads_outside", source)
+    write_reviews(tmp_path / "raw")
+    first, _ = data_run(tmp_path, module="reads_outside")
+    said = " ".join(capfd.readouterr().out.split())
+    assert (
+        f"reads_outside.reconcile read files outside the raw data it was given ({outside}" in said
+    )
+    lines = (outside / "reviews.jsonl").read_text().splitlines()
+    (outside / "reviews.jsonl").write_text("\n".join(lines[:60]) + "\n")  # an edit: 30 rows gone
+    second, _ = data_run(tmp_path, module="reads_outside")
+    assert verdicts(second) == {"reconcile": ("computed", None), "prepare": ("computed", None)}
+    rows = [r["steps"]["reconcile"]["details"]["rows"] for r in (first, second)]
+    assert rows == [90, 60]
+    assert "not reused later" in second["data_steps"]["reconcile"]["note"]
+
+
+def test_files_the_reconcile_made_or_wrote_are_not_read_outside(tmp_path):
+    """An archive of the raw data unpacked to a temporary folder and read from there is the
+    job's own making, not an input the cache misses; a file written is not read."""
+    import tarfile
+    import tempfile
+
+    from steps.reconcile import files_read_outside
+
+    raw, old = tmp_path / "raw", tmp_path / "old.csv"
+    raw.mkdir()
+    (raw / "rows.csv").write_text("id,text\n")
+    old.write_text("id,text\n")
+    with tarfile.open(raw / "rows.tar", "w") as tar:
+        tar.add(raw / "rows.csv", arcname="unpacked.csv")  # its mtime kept on extraction
+    with files_read_outside(raw) as outside:
+        with tempfile.TemporaryDirectory() as unpacked:
+            with tarfile.open(raw / "rows.tar") as tar:
+                tar.extractall(unpacked, filter="data")
+            (Path(unpacked) / "unpacked.csv").read_text()
+        (tmp_path / "written.txt").write_text("out")
+        (raw / "rows.csv").read_text()
+        old.read_text()
+    assert outside == [str(old.resolve())]
+    old.read_text()  # after the block: not listened to
+    assert outside == [str(old.resolve())]
