@@ -147,7 +147,8 @@ class LocalBackend:
         return lambda line: self.say(job_name, line)
 
     def _stop_requested(self, job_name: str) -> bool:
-        return self.containers.stopping or self.containers.was_stopped(job_name)
+        """Whether a stop reached the job while it ran (status_after: it is then Stopped)."""
+        return self.containers.stop_reached(job_name)
 
     def _log_path(self, name: str) -> Path:
         return self.work_root / f"{name}.log"

@@ -264,7 +264,10 @@ def new_instance(root: Path) -> None:
     on a new instance, with checkpoints restored from S3" (model-managed-spot-training); the
     model and output folders are read from no S3 at a restart (model-train-storage's table)."""
     for folder in (names.MODEL_DIR, names.OUTPUT_DIR, names.CHECKPOINT_DIR):
-        shutil.rmtree(host_path(root, folder), ignore_errors=True)
+        # Not ignoring errors: what a container left that this user cannot remove (rootful
+        # docker's root-owned files) would start the restart with the first attempt's files.
+        if host_path(root, folder).exists():
+            shutil.rmtree(host_path(root, folder))
     for folder in (names.MODEL_DIR, names.OUTPUT_DATA_DIR, names.CHECKPOINT_DIR):
         host_path(root, folder).mkdir(parents=True, exist_ok=True)
 

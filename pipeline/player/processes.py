@@ -188,6 +188,7 @@ class Containers:
         self._stopped: set[str] = set()  # jobs stopped on request (a pruned trial)
         self.grace_seconds = STOP_GRACE_SECONDS
         self._timed_out: set[int] = set()  # containers stopped by their MaxRuntimeInSeconds
+        self._reached: set[str] = set()  # jobs a stop's signal reached while one of theirs ran
 
     def stop(
         self, job: str = "", signum: int = signal.SIGTERM, *, restartable: bool = False
@@ -204,26 +205,38 @@ class Containers:
                 self._stopped.add(job)
             pids = [pid for pid, tag in self._running.items() if tag.startswith(job)]
         for pid in pids:
-            self._signal(pid, signum)
+            self._signal(pid, signum, stopping=not restartable)
 
-    def _signal(self, pid: int, signum: int) -> None:
-        """`signum` to a container, and SIGKILL to it `grace_seconds` later if it still runs."""
+    def _signal(self, pid: int, signum: int, stopping: bool = True) -> None:
+        """`signum` to a container, and SIGKILL to it `grace_seconds` later if it still runs;
+        `stopping`: a stop of its job, not a spot reclaim (`stop_reached`)."""
         try:
             self.launcher.signal(pid, signum)
         except ProcessLookupError:
             return
+        if stopping:
+            self._reach(pid)
         timer = threading.Timer(self.grace_seconds, self._kill, args=(pid,))
         timer.daemon = True
         timer.start()
 
     def _time_out(self, pid: int) -> None:
         """MaxRuntimeInSeconds reached: the container is stopped as StopTrainingJob stops one
-        (API_StoppingCondition.html: SIGTERM, and the same 120 s to save the model)."""
+        (API_StoppingCondition.html: SIGTERM, and the same 120 s to save the model). Counted
+        only when the signal reached it: one that ended as its time ran out (waited for, not
+        yet forgotten: `run` joins this before `_forget` reads it) keeps its own exit."""
         with self._lock:
             if pid not in self._running:
                 return
-            self._timed_out.add(pid)
-        self._signal(pid, signal.SIGTERM)
+        try:
+            self.launcher.signal(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        with self._lock:
+            self._timed_out.add(pid)  # not a stop on request (`stop_reached`): its own reason
+        timer = threading.Timer(self.grace_seconds, self._kill, args=(pid,))
+        timer.daemon = True
+        timer.start()
 
     def _kill(self, pid: int) -> None:
         """SIGKILL to a container that outlived its grace: every process in it ends."""
@@ -245,11 +258,25 @@ class Containers:
             try:
                 self.launcher.signal(pid, signal.SIGTERM)
             except ProcessLookupError:  # it has ended already: its exit is read as any other
-                pass
+                return
+            self._reach(pid)
+
+    def _reach(self, pid: int) -> None:
+        with self._lock:
+            if pid in self._running:
+                self._reached.add(self._running[pid])
 
     def was_stopped(self, job: str) -> bool:
         with self._lock:
             return any(job.startswith(prefix) for prefix in self._stopped if prefix)
+
+    def stop_reached(self, job: str) -> bool:
+        """Whether a stop on request (the driver's, Stop*, a pruned trial's) signalled
+        a container of `job` while it ran: its job is Stopped, whatever it exited with
+        (status_after). One that had exited before the stop came, its work done (a trial still
+        uploading its checkpoints), stays what it exited as."""
+        with self._lock:
+            return job in self._reached
 
     def run(
         self,
@@ -320,6 +347,7 @@ class Containers:
                 watcher.join()
             if clock is not None:
                 clock.cancel()
+                clock.join()  # a time-out in progress is counted (or not) before `_forget`
         return {
             "code": code,
             "metrics": metrics,

@@ -276,9 +276,11 @@ class Emulator:
     def _list_trials(self, params, **_):
         """A tuning job the account does not hold (one an earlier driver's account ran) is
         ResourceNotFound, the one error botocore's sagemaker service-2.json lists for
-        ListTrainingJobsForHyperParameterTuningJob; the message is this emulator's words."""
+        ListTrainingJobsForHyperParameterTuningJob; the message is this emulator's words. The
+        account is this emulator's requests: moto's records are the process's, and an earlier
+        emulator's jobs stay in them."""
         name = _body(params)["HyperParameterTuningJobName"]
-        if name not in self.account.jobs.hyper_parameter_tuning_jobs:
+        if name not in self.records.requests:
             message = f"Amazon SageMaker can't find a tuning job named {name}"
             return error_response(400, "ResourceNotFound", message)
         return ok({"TrainingJobSummaries": self.tuning.summaries(name)})

@@ -113,7 +113,7 @@ class Instances:
         for the job (its data), AlgorithmError for what the container did."""
         status, reason = status_after(
             exits,
-            stop_requested=self.records.stop_requested(name),
+            stop_requested=self.containers.stop_reached(name),  # a Stop* that reached it
             capacity_lost=name in self._reclaimed,
         )
         if status == "Failed" and not reason.startswith("ClientError"):

@@ -44,7 +44,8 @@ class JobRecords:
         self.pools = WarmPools(jobs.training_jobs)
         self._trials: set[str] = set()  # a tuning job's trials keep no pools of theirs
         self._stopping: set[str] = set()  # jobs a Stop* call asked to stop
-        self._lock = threading.Lock()  # a tuning job's counters, moved by its trials' threads
+        # Every job's status and a tuning job's counters, moved by the jobs' and trials' threads.
+        self._lock = threading.Lock()
 
     def trial(self, name: str) -> None:
         """The training job `name` is to be a tuning job's trial."""
@@ -131,9 +132,10 @@ class JobRecords:
     def secondary(self, name: str, status: str) -> None:
         """A training job's SecondaryStatus: Training, Interrupted, Uploading; Stopping, once
         asked to stop, until it has stopped."""
-        job = self.jobs.training_jobs[name]
-        if job.training_job_status != "Stopping":
-            job.secondary_status = status
+        with self._lock:  # never over a Stopping that `stop_asked` is writing
+            job = self.jobs.training_jobs[name]
+            if job.training_job_status != "Stopping":
+                job.secondary_status = status
 
     def final_metrics(self, name: str, metrics: dict[str, float]) -> None:
         """A training job's FinalMetricDataList, each metric's last value."""
@@ -169,30 +171,38 @@ class JobRecords:
         # botocore's sagemaker service-2.json): SageMaker returns the first 1,024.
         if reason:
             reason = reason[: shape("FailureReason").metadata["max"]]
-        if name in self.jobs.processing_jobs:
-            job = self.jobs.processing_jobs[name]
-            job.processing_job_status = status
-            job.processing_end_time = now()
-            if exit_message:
-                job.exit_message = exit_message[: shape("ExitMessage").metadata["max"]]
-        elif name in self.jobs.training_jobs:
-            job = self.jobs.training_jobs[name]
-            if name not in self._trials:  # its pool is there when its end is seen
-                self.pools.end(name, self.requests[name])
-            job.training_end_time = now()
-            bill(job)  # before its status: whoever sees it ended sees what it billed
-            job.training_job_status, job.secondary_status = status, status
-            # Stopped's secondary statuses say why: MaxRuntimeExceeded, MaxWaitTimeExceeded or
-            # Stopped (SecondaryStatus in the service model); status_after's reason names it.
-            for why in ("MaxRuntimeExceeded", "MaxWaitTimeExceeded"):
-                if status == "Stopped" and (reason or "").startswith(why):
-                    job.secondary_status = why
-        else:
-            job = self.jobs.hyper_parameter_tuning_jobs[name]
-            job.hyper_parameter_tuning_job_status = status
-            job.hyper_parameter_tuning_end_time = now()
-        if reason:
-            job.failure_reason = reason
+        if name in self.jobs.training_jobs and name not in self._trials:
+            self.pools.end(name, self.requests[name])  # its pool is there when its end is seen
+        # Under the lock: a Stop* call (`stop_asked`) between reading InProgress and writing
+        # Stopping would leave an ended job Stopping for good. Its reason before its status:
+        # whoever sees it ended sees why.
+        with self._lock:
+            if name in self.jobs.processing_jobs:
+                job = self.jobs.processing_jobs[name]
+                if reason:
+                    job.failure_reason = reason
+                if exit_message:
+                    job.exit_message = exit_message[: shape("ExitMessage").metadata["max"]]
+                job.processing_end_time = now()
+                job.processing_job_status = status
+            elif name in self.jobs.training_jobs:
+                job = self.jobs.training_jobs[name]
+                if reason:
+                    job.failure_reason = reason
+                job.training_end_time = now()
+                bill(job)  # before its status: whoever sees it ended sees what it billed
+                # Stopped's secondary statuses say why: MaxRuntimeExceeded, MaxWaitTimeExceeded
+                # or Stopped (SecondaryStatus in the service model); the reason names it.
+                limits = ("MaxRuntimeExceeded", "MaxWaitTimeExceeded")
+                said = (reason or "").split(":", 1)[0] if status == "Stopped" else ""
+                job.secondary_status = said if said in limits else status
+                job.training_job_status = status
+            else:
+                job = self.jobs.hyper_parameter_tuning_jobs[name]
+                if reason:
+                    job.failure_reason = reason
+                job.hyper_parameter_tuning_end_time = now()
+                job.hyper_parameter_tuning_job_status = status
 
     def best(self, tuning: str, summary: dict, overall: dict | None) -> None:
         """A tuning job's BestTrainingJob, and its OverallBestTrainingJob (None: not
