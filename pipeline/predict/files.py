@@ -221,7 +221,10 @@ def _csv_rows(path: Path, columns: list[str], delimiter: str) -> Iterator[dict]:
     # A text may be longer than the csv module's default field limit (131,072 characters).
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
     with open_text(path, "") as f:
-        reader = csv.reader(f, delimiter=delimiter)
+        # strict: a quote left open to the end of the file is an error, not a text holding
+        # every line after it (the csv module's default joins them into one field silently);
+        # so is a quoted field with more after its closing quote. Either is one malformed row.
+        reader = csv.reader(f, delimiter=delimiter, strict=True)
         header = next(reader, [])
         where = {name: i for i, name in enumerate(header)}
         while True:
@@ -309,13 +312,19 @@ ARROW_KINDS = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_()}
 
 
 def write_parts(
-    rows: Iterator[dict], folder: Path, columns: list[str], every=None, kinds=None
+    rows: Iterator[dict],
+    folder: Path,
+    columns: list[str],
+    every=None,
+    kinds=None,
+    named: bool = False,
 ) -> list[int]:
     """The rows as parquet parts of PART_ROWS rows and PART_CHARS characters of text at most in
     `folder` (row, id, error, columns: text, or of their kind in `kinds`); the rows in each
     part. `every(rows so far)` is called after each part. Rows are numbered from 0 in the
     input's order; a row's id is its `id` column's value when the input has one, else that
-    number."""
+    number; where the input `named` its rows (an `id` column), a row whose id cannot be read
+    has none (its number could be another row's id)."""
     kinds = kinds or {}
     schema = pa.schema(
         [("row", pa.int64()), ("id", pa.string()), ("error", pa.string())]
@@ -338,7 +347,8 @@ def write_parts(
         if chunk and chars + size > PART_CHARS:
             flush()
             chars = 0
-        chunk.append({**row, "row": number, "id": str(number) if row["id"] is None else row["id"]})
+        id_ = row["id"] if row["id"] is not None or named else str(number)
+        chunk.append({**row, "row": number, "id": id_})
         chars += size
         if len(chunk) == PART_ROWS:
             flush()

@@ -16,6 +16,7 @@ from pipeline.predict.checks import Chosen
 from pipeline.predict.files import (
     PART,
     OutputWriter,
+    input_columns,
     read_rows,
     write_parts,
 )
@@ -79,7 +80,8 @@ def upload_texts(
 
     with tempfile.TemporaryDirectory(prefix="smpipe-predict-input-") as tmp:
         rows = read_rows(source, kind, columns, kinds)
-        sizes = write_parts(rows, Path(tmp), columns, tell, kinds)
+        named = "id" in input_columns(source, kind)[0]  # the input names its rows
+        sizes = write_parts(rows, Path(tmp), columns, tell, kinds, named)
         if sizes:
             upload_dir(store, tmp, prediction.input)
     return sizes
