@@ -306,9 +306,15 @@ def answer(request: dict) -> None:
     """In the checking process: import and check, write the answer to a file of the check's
     own folder, leave with os._exit: nothing the import started is waited for (a non-daemon
     thread would hold a normal exit forever), and `wait_for` kills its session."""
+    import warnings
+
     from pipeline.cache import step_reaches
     from steps.user_code import load_user_functions
 
+    # What the libraries warn of as the user's code runs here (PEFT calling a transformers
+    # API that warns FutureWarning) reached the terminal of every run and plan; a job's go to
+    # its log. The check has no log, and says what it finds itself.
+    warnings.simplefilter("ignore")
     module = request["module"]
     try:
         functions = load_user_functions(module, request["search_path"])

@@ -522,3 +522,26 @@ def test_the_demos_functions_taken_for_a_project_without_its_own_are_said(tmp_pa
     write_module(tmp_path, "mine", REVIEWS)
     path = write_settings(path, str(tmp_path / "store"), experiment={"USER_FUNCTIONS": "mine"})
     assert demo_in_use(load_settings(path, env={})) is None
+
+
+def test_what_a_library_warns_of_in_the_model_check_stays_off_the_terminal(
+    tmp_path, capfd, monkeypatch
+):
+    """The check before any job runs load_model: a library's FutureWarning in it (PEFT calling
+    a transformers API that warns) was printed on the terminal of every run and plan, where a
+    job's warnings go to its log. The check's own findings are still said."""
+    from pipeline.user_check import check_user_functions
+
+    warns = REVIEWS.replace(
+        "def load_model(model_name, id2label, label2id):",
+        "def load_model(model_name, id2label, label2id):\n"
+        "    import warnings\n"
+        "    warnings.warn('`is_gradient_checkpointing` is deprecated', FutureWarning)",
+    )
+    assert warns != REVIEWS
+    write_module(tmp_path, "warning_functions", warns)
+    settings, _ = reviews_run(tmp_path, "warning_functions")
+    monkeypatch.setenv("SMPIPE_CHECK_AGAIN", "1")  # a pass kept from an earlier test run
+    check_user_functions(settings)
+    said = capfd.readouterr()
+    assert "FutureWarning" not in said.out + said.err and "deprecated" not in said.out + said.err
