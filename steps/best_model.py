@@ -166,9 +166,10 @@ def save_tokenizer(job: Job) -> None:
     and every word became [UNK], without an error). Not saved, and said: one load_tokenizer
     now returns that is not the one encoding.json records, or that cannot be saved."""
     name = job.hp["model_name"]
-    functions = load_user_functions(os.environ[names.USER_FUNCTIONS_VARIABLE])
-    recorded = read_encoding(job.env.channels["labels"])["models"][name]["tokenizer"]
     try:
+        functions = load_user_functions(os.environ[names.USER_FUNCTIONS_VARIABLE])
+        encoding = read_encoding(job.env.channels["labels"])
+        recorded = ((encoding.get("models") or {}).get(name) or {}).get("tokenizer") or {}
         tokenizer = call(functions, "load_tokenizer", name)
         if not callable(getattr(tokenizer, "save_pretrained", None)):
             return
