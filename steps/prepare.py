@@ -116,6 +116,27 @@ def same_inputs(dataset: datasets.Dataset, columns: list[str]) -> np.ndarray | N
     return order[groups.reshape(-1)]
 
 
+def repeats_together(
+    snapshot: datasets.Dataset,
+    columns: list[str],
+    labels: list[int],
+    id2label: dict[int, str],
+    args: argparse.Namespace,
+    splits: dict[str, np.ndarray],
+) -> dict[str, np.ndarray]:
+    """`splits`, or where rows repeat the inputs (`columns`) of another, the split that keeps
+    each such group in one part (`grouped_split`), said."""
+    groups = same_inputs(snapshot, columns)
+    if groups is None:
+        return splits
+    print(
+        f"{len(groups) - groups.max() - 1} rows repeat the {', '.join(columns)} of another "
+        "row: each such group is kept in one split, so that no validation or test row is a "
+        "training row again (reconcile may drop the duplicates)"
+    )
+    return grouped_split(labels, groups, id2label, args)
+
+
 def grouped_split(
     labels: list[int], groups: np.ndarray, id2label: dict[int, str], args: argparse.Namespace
 ) -> dict[str, np.ndarray]:
@@ -295,10 +316,7 @@ def encode_for(dataset: datasets.Dataset, functions, model_name: str, max_length
     )
     dataset = dataset.with_format(None)
     info = padding_info(dataset, tokenizer, keys, model_name)
-    report_and_check(dataset, model_name, keys, max_length, where, dropped)
-    if "input_ids" in keys:
-        ids = dataset.with_format("arrow")[f"{model_name}_input_ids"]
-        check_unknown(ids, tokenizer, model_name, where)
+    report_and_check(dataset, model_name, keys, max_length, where, dropped, tokenizer)
     reads = columns_read(user_encode, dataset, given, limits, keys, where)
     return dataset, info, {"tokenizer": identity, "reads": reads, "kinds": kinds(dataset, reads)}
 
@@ -398,7 +416,7 @@ def fingerprint(dataset: datasets.Dataset, module: str, model_name: str, max_len
 UNKNOWN_SAID, UNKNOWN_REFUSED = 0.25, 0.9
 
 
-def check_unknown(ids: pa.ChunkedArray, tokenizer, model_name: str, where: str) -> None:
+def check_unknown(ids: pa.ChunkedArray, tokenizer, where: str) -> None:
     """How many of the tokens encode gave (special tokens aside) are the unknown token."""
     unknown = getattr(tokenizer, "unk_token_id", None)
     if not isinstance(unknown, int) or not (
@@ -413,7 +431,7 @@ def check_unknown(ids: pa.ChunkedArray, tokenizer, model_name: str, where: str) 
         return
     said = (
         f"{share:.0%} of the tokens {where} gave are the unknown token "
-        f"{tokenizer.unk_token!r} (id {unknown}): load_tokenizer({model_name!r}) may have "
+        f"{tokenizer.unk_token!r} (id {unknown}): the model's load_tokenizer may have "
         "loaded a tokenizer without its vocabulary (a folder holding a model's weights but no "
         "tokenizer files, where AutoTokenizer builds one of special tokens alone)"
     )
@@ -442,8 +460,10 @@ def report_and_check(
     max_length: int,
     where: str,
     dropped: set[str],
+    tokenizer,
 ) -> None:
-    """The encoding's lengths said; a row longer than MAX_SEQUENCE_LENGTH refused."""
+    """The encoding's lengths said; a row longer than MAX_SEQUENCE_LENGTH refused, and rows of
+    words the tokenizer does not know (`check_unknown`)."""
     lengths = np.asarray(dataset.with_format("arrow")[length_column(model_name)])
     print(
         f"encoded {len(dataset)} rows for {model_name}: inputs {keys}, "
@@ -452,6 +472,8 @@ def report_and_check(
     if dropped:
         print(f"{where}: columns {sorted(dropped)} dropped (ordered_input_keys does not name them)")
     check_cut(lengths, max_length, where)
+    if "input_ids" in keys:
+        check_unknown(dataset.with_format("arrow")[f"{model_name}_input_ids"], tokenizer, where)
 
 
 def check_cut(lengths, max_length: int, where: str) -> None:
@@ -517,14 +539,7 @@ def main() -> None:
     for line in empty_texts(snapshot, sorted(read)):
         print(f"warning: {line}")
     inputs_read = sorted({c for record in encoded.values() for c in record["reads"]})
-    groups = same_inputs(snapshot, inputs_read)
-    if groups is not None:
-        splits = grouped_split(dataset["label_id"], groups, id2label, args)
-        print(
-            f"{len(groups) - groups.max() - 1} rows repeat the {', '.join(inputs_read)} of "
-            "another row: each such group is kept in one split, so that no validation or test "
-            "row is a training row again (reconcile may drop the duplicates)"
-        )
+    splits = repeats_together(snapshot, inputs_read, dataset["label_id"], id2label, args, splits)
     sizes = {}
     for name, indices in splits.items():
         part = dataset.select(indices)

@@ -186,22 +186,7 @@ def reconcile_snapshot() -> None:
     files = [p for p in raw_dir.rglob("*") if p.is_file() and p.name != "_MANIFEST.json"]
     if not files:
         raise RuntimeError(f"the raw data folder is empty: {raw_dir}")
-    formats = collections.Counter(p.suffix.lstrip(".") or "none" for p in files)
-
-    try:
-        with files_read_outside(raw_dir) as outside:
-            result = call(functions, "reconcile", raw_dir)
-    except RuntimeError as e:  # the user's error (steps/user_code.py `call`)
-        raise RuntimeError(f"{e}{read_elsewhere(e, raw_dir)}") from e
-    if outside:
-        shown = ", ".join(outside[:SHOWN_OUTSIDE]) + (
-            " ..." if len(outside) > SHOWN_OUTSIDE else ""
-        )
-        print(
-            f"warning: {functions.module}.reconcile read files outside the raw data it was "
-            f"given ({shown}): a SageMaker job cannot read them, and no later run reuses this "
-            f"snapshot, since their changes are not seen: read the raw data under {raw_dir}"
-        )
+    result, outside = called(functions, raw_dir)
     dataset, dropped = check_result(result, functions.module)
     feature = dataset.features["label"]
     declared = feature.names if isinstance(feature, datasets.ClassLabel) else None
@@ -248,7 +233,7 @@ def reconcile_snapshot() -> None:
             "dropped": dropped_counts,
             "raw_file_size": sum(p.stat().st_size for p in files),
             "raw_files": len(files),
-            "raw_format": ",".join(f"{ext}:{n}" for ext, n in sorted(formats.items())),
+            "raw_format": formats_of(files),
             "read_outside_raw_data": outside[:SHOWN_OUTSIDE],  # the driver indexes no such
         },
     )
@@ -300,6 +285,30 @@ def files_read_outside(raw_dir: Path):
         yield found
     finally:
         active[0] = False
+
+
+def formats_of(files: list[Path]) -> str:
+    """The raw files' kinds by extension, counted: `csv:2,txt:2225`."""
+    formats = collections.Counter(p.suffix.lstrip(".") or "none" for p in files)
+    return ",".join(f"{ext}:{n}" for ext, n in sorted(formats.items()))
+
+
+def called(functions, raw_dir: Path) -> tuple[object, list[str]]:
+    """The user's reconcile on `raw_dir`: what it returned, and the files it read outside it
+    (said); a failure that looked for a file in the job's own folder says so."""
+    try:
+        with files_read_outside(raw_dir) as outside:
+            result = call(functions, "reconcile", raw_dir)
+    except RuntimeError as e:  # the user's error (steps/user_code.py `call`)
+        raise RuntimeError(f"{e}{read_elsewhere(e, raw_dir)}") from e
+    if outside:
+        shown = ", ".join(outside[:SHOWN_OUTSIDE]) + " ..." * (len(outside) > SHOWN_OUTSIDE)
+        print(
+            f"warning: {functions.module}.reconcile read files outside the raw data it was "
+            f"given ({shown}): a SageMaker job cannot read them, and no later run reuses this "
+            f"snapshot, since their changes are not seen: read the raw data under {raw_dir}"
+        )
+    return result, outside
 
 
 def read_elsewhere(error: RuntimeError, raw_dir) -> str:

@@ -62,20 +62,26 @@ def main():
         (env.output_data_dir / "report.json").write_text(json.dumps({"ok": True}))
         # A trial's objective, where a tuning job searches it as a hyperparameter.
         print(f"validation:f1={float(env.hyperparameters.get('f1', 0.75)):.6f}")
-    # A trial that a tuning job may be stopped in; a spot job reclaimed in its first attempt.
-    restarted = env.hyperparameters.get("sleep_once") and at_start
-    if env.hyperparameters.get("sleep") and not restarted:
-        import signal
-        import threading
-
-        stopped = threading.Event()
-        if env.hyperparameters.get("finish_on_stop"):  # ends well (0) within its stop's grace
-            signal.signal(signal.SIGTERM, lambda *_: stopped.set())
-        stopped.wait(float(env.hyperparameters["sleep"]))
+    sleep(env.hyperparameters, restarted=bool(at_start))
     if world > 1:
         dist.destroy_process_group()
     if env.hyperparameters.get("fail"):
         raise ValueError("asked to fail")
+
+
+def sleep(hyperparameters: dict, restarted: bool) -> None:
+    """A trial that a tuning job may be stopped in (`sleep` seconds); a spot job reclaimed in
+    its first attempt (`sleep_once`); one that ends well (0) within its stop's grace
+    (`finish_on_stop`)."""
+    if not hyperparameters.get("sleep") or (hyperparameters.get("sleep_once") and restarted):
+        return
+    import signal
+    import threading
+
+    stopped = threading.Event()
+    if hyperparameters.get("finish_on_stop"):
+        signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    stopped.wait(float(hyperparameters["sleep"]))
 
 
 if __name__ == "__main__":
