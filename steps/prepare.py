@@ -96,58 +96,108 @@ def stratified_split(
     return {"train": np.sort(train), "validation": np.sort(validation), "test": np.sort(test)}
 
 
-def same_inputs(dataset: datasets.Dataset, columns: list[str]) -> np.ndarray | None:
-    """Each row's group, rows whose every column in `columns` (what encode reads) holds the
-    same value sharing one (numbered by first appearance); None where no two rows do. By
-    Arrow's dictionary encoding, column by column: no text is copied into Python."""
-    if not columns:
+def same_inputs(
+    dataset: datasets.Dataset, models: list[list[str]], labels: list[int]
+) -> np.ndarray | None:
+    """Each row's group, numbered by first appearance; None where no two rows share one. Rows
+    share a group where a model is given the same (every column of its encoding, in
+    `models`: ids that lower case and spaces made equal included) for the same label,
+    whichever model; rows of one text and another label are not grouped, so that a label
+    whose rows copy another label's texts still reaches every split."""
+    parent = np.arange(len(dataset))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    table, repeated = dataset.with_format("arrow"), False
+    for columns in models:
+        first: dict[tuple, int] = {}
+        keys = zip(*(row_digests(table[c]) for c in columns), labels, strict=True)
+        for row, key in enumerate(keys):
+            earlier = first.setdefault(key, row)
+            if earlier != row:  # joined to the earlier row's group: its root is the smaller
+                a, b = root(earlier), root(row)
+                parent[max(a, b)], repeated = min(a, b), True
+    if not repeated:
         return None
-    table = dataset.with_format("arrow")
-    codes = []
-    for column in columns:
-        encoded = pc.dictionary_encode(table[column].combine_chunks())
-        codes.append(np.asarray(pc.fill_null(encoded.indices, -1)))
-    _, first, groups = np.unique(
-        np.stack(codes, axis=1), axis=0, return_index=True, return_inverse=True
-    )
-    if len(first) == len(groups):
-        return None
-    order = np.argsort(np.argsort(first))  # group numbers by first appearance, not by value
-    return order[groups.reshape(-1)]
+    roots = np.array([root(i) for i in range(len(parent))])
+    return np.unique(roots, return_inverse=True)[1].reshape(-1)  # roots: first rows, in order
+
+
+def row_digests(column: pa.ChunkedArray) -> list:
+    """Each row's value of an encoded column as a key: a list (token ids) by a digest of its
+    values' bytes (memory does not grow with the rows' lengths), anything else as it is."""
+    keys: list = []
+    for chunk in column.chunks:
+        if not (pa.types.is_list(chunk.type) or pa.types.is_large_list(chunk.type)):
+            keys += chunk.to_pylist()
+            continue
+        offsets = np.asarray(chunk.offsets)
+        values = np.asarray(chunk.flatten())
+        offsets = offsets - offsets[0]
+        keys += [
+            hashlib.blake2b(values[a:b].tobytes(), digest_size=16).digest()
+            for a, b in zip(offsets[:-1], offsets[1:], strict=True)
+        ]
+    return keys
+
+
+def fractions_of(args: argparse.Namespace) -> tuple[float, float, float]:
+    """TRAIN_FRACTION, VALIDATION_FRACTION and TEST_FRACTION, in the order of the splits."""
+    return args.train_fraction, args.validation_fraction, args.test_fraction
 
 
 def repeats_together(
-    snapshot: datasets.Dataset,
-    columns: list[str],
+    dataset: datasets.Dataset,
+    models: list[list[str]],
     labels: list[int],
     id2label: dict[int, str],
     args: argparse.Namespace,
     splits: dict[str, np.ndarray],
 ) -> dict[str, np.ndarray]:
-    """`splits`, or where rows repeat the inputs (`columns`) of another, the split that keeps
-    each such group in one part (`grouped_split`), said."""
-    groups = same_inputs(snapshot, columns)
+    """`splits`, or where rows repeat what a model is given of another row of their label,
+    the split that keeps each such group in one part (`grouped_split`), said; and where a
+    large group pulls a part's size far from its fraction, that too."""
+    groups = same_inputs(dataset, models, labels)
     if groups is None:
         return splits
     print(
-        f"{len(groups) - groups.max() - 1} rows repeat the {', '.join(columns)} of another "
-        "row: each such group is kept in one split, so that no validation or test row is a "
-        "training row again (reconcile may drop the duplicates)"
+        f"{len(groups) - groups.max() - 1} rows repeat, for their label, what a model is "
+        "given of another row: each such group is kept in one split, so that no validation "
+        "or test row is a training row again (reconcile may drop the duplicates)"
     )
-    return grouped_split(labels, groups, id2label, args)
+    grouped = grouped_split(labels, groups, id2label, args)
+    asked = dict(zip(grouped, fractions_of(args), strict=True))
+    if max(abs(len(rows) / len(groups) - asked[n]) for n, rows in grouped.items()) > 0.05:
+        sizes = np.bincount(groups)
+        biggest = int(sizes.argmax())
+        row = int(np.flatnonzero(groups == biggest)[0])
+        print(
+            f"warning: the splits hold {', '.join(f'{n} {len(r)}' for n, r in grouped.items())} "
+            f"rows, far from the fractions asked: a group of {sizes[biggest]} rows repeating "
+            f"one input (row {row} and its copies) stays in one split; drop the copies in "
+            "reconcile"
+        )
+    return grouped
 
 
 def grouped_split(
     labels: list[int], groups: np.ndarray, id2label: dict[int, str], args: argparse.Namespace
 ) -> dict[str, np.ndarray]:
-    """The stratified split of the groups (each by its first row's label), every row going
+    """The stratified split of the groups (each of one label), every row going
     where its group went: a text in train and in test would score the model's memory of it.
     Stratified group splitting, as scikit-learn's StratifiedGroupKFold does for folds."""
     first = np.unique(groups, return_index=True)[1]  # group g's first row: first[g]
     try:
         chosen = stratified_split([labels[i] for i in first], id2label, args)
     except ValueError as e:
-        raise ValueError(f"{e} (rows with the same inputs counted once)") from None
+        raise ValueError(
+            f"{e} (counting once the rows of one label that a model is given alike, once "
+            "MAX_SEQUENCE_LENGTH has cut them)"
+        ) from None
     return {name: np.flatnonzero(np.isin(groups, picked)) for name, picked in chosen.items()}
 
 
@@ -538,8 +588,8 @@ def main() -> None:
     read = {c for record in encoded.values() for c in record["reads"] if c not in record["kinds"]}
     for line in empty_texts(snapshot, sorted(read)):
         print(f"warning: {line}")
-    inputs_read = sorted({c for record in encoded.values() for c in record["reads"]})
-    splits = repeats_together(snapshot, inputs_read, dataset["label_id"], id2label, args, splits)
+    seen = [[f"{m}_{k}" for k in inputs[m]["keys"]] for m in model_names]  # what each is given
+    splits = repeats_together(dataset, seen, dataset["label_id"], id2label, args, splits)
     sizes = {}
     for name, indices in splits.items():
         part = dataset.select(indices)

@@ -53,7 +53,8 @@ def test_the_record_is_read_back_or_its_absence_said(tmp_path):
 def test_prepare_records_the_length_and_each_tokenizer_beside_the_data(tmp_path, monkeypatch):
     from steps import prepare
 
-    rows = [{"id": f"r{i}", "text": "word " * (3 + 5 * i), "label": "ab"[i % 2]} for i in range(30)]
+    rows = [{"id": f"r{i}", "text": f"row{i} " + "word " * (3 + 5 * i), "label": "ab"[i % 2]}
+            for i in range(30)]  # fmt: skip
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "snapshot/dataset"))
     monkeypatch.setenv("SM_PROCESSING_INPUT_SNAPSHOT", str(tmp_path / "snapshot"))
     for name in ("train", "validation", "test", "labels", "report"):

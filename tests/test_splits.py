@@ -14,17 +14,19 @@ ARGUMENTS = {"--model-names": "minilm", "--max-length": "16", "--train-fraction"
              "--validation-fraction": "0.2", "--test-fraction": "0.2", "--seed": "3"}  # fmt: skip
 
 
-def prepared(tmp_path, monkeypatch, rows: list[dict]) -> dict[str, list[str]]:
-    """prepare.main on `rows`, as its processing job runs it: each split's texts."""
+def prepared(
+    tmp_path, monkeypatch, rows: list[dict], functions: str = "user_functions", column="text"
+) -> dict[str, list]:
+    """prepare.main on `rows`, as its processing job runs it: each split's `column`."""
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "snapshot/dataset"))
     monkeypatch.setenv("SM_PROCESSING_INPUT_SNAPSHOT", str(tmp_path / "snapshot"))
     for name in ("train", "validation", "test", "labels", "report"):
         monkeypatch.setenv(f"SM_PROCESSING_OUTPUT_{name.upper()}", str(tmp_path / name))
-    monkeypatch.setenv("SMPIPE_USER_FUNCTIONS", "user_functions")
+    monkeypatch.setenv("SMPIPE_USER_FUNCTIONS", functions)
     monkeypatch.setattr(sys, "argv", ["prepare", *(x for kv in ARGUMENTS.items() for x in kv)])
     prepare.main()
     return {
-        name: datasets.load_from_disk(str(tmp_path / name))["text"]
+        name: datasets.load_from_disk(str(tmp_path / name))[column]
         for name in ("train", "validation", "test")
     }
 
@@ -42,7 +44,7 @@ def test_rows_with_the_same_text_are_kept_in_one_split(tmp_path, monkeypatch, ca
     assert not train & set(splits["validation"]) and not train & set(splits["test"])
     assert not set(splits["validation"]) & set(splits["test"])
     said = " ".join(capsys.readouterr().out.split())
-    assert "20 rows repeat the text of another row: each such group is kept in one split" in said
+    assert "20 rows repeat, for their label, what a model is given of another row" in said
 
 
 def test_rows_without_repeats_are_split_as_before(tmp_path, monkeypatch, capsys):
@@ -70,5 +72,88 @@ def test_too_few_distinct_inputs_for_a_label_are_refused_saying_repeats_count_on
     )
     labels = [0] * 10 + [1] * 10
     groups = np.array(list(range(10)) + [10] * 10)  # label 1: one text, ten times
-    with pytest.raises(ValueError, match=r"labels with too few rows \{'b': 1\}.*counted once"):
+    with pytest.raises(
+        ValueError, match=r"too few rows \{'b': 1\}.*counting once the rows of one label"
+    ):
         prepare.grouped_split(labels, groups, {0: "a", 1: "b"}, args)
+
+
+def test_what_the_model_is_given_decides_not_how_the_text_is_written(tmp_path, monkeypatch, capsys):
+    """MiniLM is uncased and splits on spaces: "Shares FELL" and "shares   fell" are one input
+    to it, and grouping on raw text left them in train and test. A label whose rows copy
+    another label's texts (label noise) is not grouped with them: grouped by the first row's
+    label, it never reached train."""
+    texts = [f"article number {i} about {'markets' if i % 2 else 'football'}" for i in range(40)]
+    rows = [{"id": f"r{i}", "text": t, "label": "ab"[i % 2]} for i, t in enumerate(texts)]
+    rows += [{**row, "id": f"loud-{row['id']}", "text": row["text"].upper() + "   "}
+             for row in rows[:20]]  # fmt: skip
+    rows += [{"id": f"d{i}", "text": texts[2 * i], "label": "d"} for i in range(10)]
+    splits = prepared(tmp_path, monkeypatch, rows)
+    copied = {texts[2 * i] for i in range(10)}  # in two labels: no memory would score them
+    seen = {name: {t.lower().strip() for t in texts} for name, texts in splits.items()}
+    assert not (seen["train"] & (seen["validation"] | seen["test"])) - copied
+    labels = {name: datasets.load_from_disk(str(tmp_path / name))["label"] for name in splits}
+    assert [labels[n].count("d") for n in labels] == [6, 2, 2]  # 0.6/0.2/0.2, as any label
+    assert "20 rows repeat" in capsys.readouterr().out
+
+
+WORDS = """
+def reconcile(raw_dir):
+    raise NotImplementedError
+
+
+def load_tokenizer(model_name):
+    from user_functions import load_tokenizer
+
+    return load_tokenizer("minilm")
+
+
+def encode(batch, tokenizer, model_name, max_length):  # words already split, as NER data is
+    return tokenizer(batch["words"], is_split_into_words=True, truncation=True, max_length=max_length)
+
+
+def load_model(model_name, id2label, label2id):
+    raise NotImplementedError
+
+
+def ordered_input_keys(model_name):
+    return ["input_ids", "attention_mask"]
+"""
+
+
+def test_an_encode_that_reads_a_list_column_is_split(tmp_path, monkeypatch, capsys):
+    """Pre-split words, a list per row: grouping by Arrow's dictionary encoding of the column
+    failed prepare ("no kernel matching input types (list<item: string>)")."""
+    (tmp_path / "words_functions.py").write_text(WORDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [{"id": f"r{i}", "words": ["word", str(i), "ab"[i % 2]], "label": "ab"[i % 2]}
+            for i in range(40)]  # fmt: skip
+    rows += [{**rows[0], "id": "again"}]
+    splits = prepared(tmp_path, monkeypatch, rows, "words_functions", column="words")
+    assert sum(len(part) for part in splits.values()) == 41
+    assert "1 rows repeat" in capsys.readouterr().out
+
+
+def test_a_large_group_that_pulls_a_split_far_from_its_fraction_is_said(capsys):
+    """One text repeated 60 times among 90 others stays in one split: where that is validation
+    or test, the split is far from its fraction, and the run says so, naming a row of it."""
+    import argparse
+
+    ids = [[101, i, 102] for i in range(90)] + [[101, 7000, 102]] * 60
+    labels = [i % 3 for i in range(90)] + [0] * 60
+    dataset = datasets.Dataset.from_dict({"m_input_ids": ids})
+    warned = []
+    for seed in range(10):
+        args = argparse.Namespace(
+            train_fraction=0.6, validation_fraction=0.2, test_fraction=0.2, seed=seed
+        )
+        parts = prepare.repeats_together(
+            dataset, [["m_input_ids"]], labels, dict(enumerate("abc")), args, {}
+        )
+        out = " ".join(capsys.readouterr().out.split())
+        sizes = [len(parts[n]) / 150 for n in ("train", "validation", "test")]
+        far = max(abs(a - b) for a, b in zip(sizes, (0.6, 0.2, 0.2), strict=True)) > 0.05
+        assert ("far from the fractions asked: a group of 60 rows" in out) == far, out
+        if far:
+            warned.append(out)
+    assert warned and all("(row 90 and its copies)" in out for out in warned)
