@@ -459,32 +459,55 @@ def fingerprint(dataset: datasets.Dataset, module: str, model_name: str, max_len
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-# The share of a model's words its tokenizer cannot name ([UNK]) from which its rows are said,
+# The share of a model's tokens its tokenizer cannot name ([UNK]) from which its rows are said,
 # and from which they are refused: a tokenizer built without its vocabulary (AutoTokenizer on a
 # folder holding only a model's weights makes one of special tokens alone, without an error)
-# gives a model nothing to learn from, and its run would end with the majority label's scores.
-UNKNOWN_SAID, UNKNOWN_REFUSED = 0.25, 0.9
+# gives a model nothing to learn from, and its run would end with the majority label's scores;
+# so do texts in a script its vocabulary lacks (Amharic for an English BERT).
+UNKNOWN_SAID, UNKNOWN_REFUSED = 0.5, 0.9
+BARE_VOCABULARY = 100  # tokens: special ones alone, no words
 
 
-def check_unknown(ids: pa.ChunkedArray, tokenizer, where: str) -> None:
-    """How many of the tokens encode gave (special tokens aside) are the unknown token."""
+def check_unknown(ids: pa.ChunkedArray, mask: pa.ChunkedArray | None, tokenizer, where: str):
+    """How many of the tokens encode gave are the unknown token: padding (where the attention
+    mask says, or the pad token where it is not the unknown one) and other special tokens
+    aside, counted a chunk at a time."""
     unknown = getattr(tokenizer, "unk_token_id", None)
-    if not isinstance(unknown, int) or not (
-        pa.types.is_list(ids.type) or pa.types.is_large_list(ids.type)
-    ):
-        return
-    tokens = np.asarray(ids.combine_chunks().flatten())
+    listed = pa.types.is_list(ids.type) or pa.types.is_large_list(ids.type)
     special = [i for i in getattr(tokenizer, "all_special_ids", []) if i != unknown]
-    words = tokens[~np.isin(tokens, special)]
-    share = float(np.mean(words == unknown)) if len(words) else 0.0
-    if share < UNKNOWN_SAID:
-        return
-    said = (
-        f"{share:.0%} of the tokens {where} gave are the unknown token "
-        f"{tokenizer.unk_token!r} (id {unknown}): the model's load_tokenizer may have "
-        "loaded a tokenizer without its vocabulary (a folder holding a model's weights but no "
-        "tokenizer files, where AutoTokenizer builds one of special tokens alone)"
-    )
+    if (
+        not isinstance(unknown, int)
+        or not listed
+        or (mask is None and getattr(tokenizer, "pad_token_id", None) == unknown)
+    ):
+        return  # fmt: skip
+    counted = found = 0
+    for i, chunk in enumerate(ids.chunks):
+        tokens = np.asarray(chunk.flatten())
+        kept = ~np.isin(tokens, special)
+        if mask is not None:
+            kept &= np.asarray(mask.chunk(i).flatten()).astype(bool)
+        counted, found = counted + int(kept.sum()), found + int((tokens[kept] == unknown).sum())
+    share = found / counted if counted else 0.0
+    if share >= UNKNOWN_SAID:
+        said_unknown(share, tokenizer, where)
+
+
+def said_unknown(share: float, tokenizer, where: str) -> None:
+    """Rows whose tokens are mostly unknown: why, by the size of the vocabulary; refused from
+    UNKNOWN_REFUSED on."""
+    size = len(tokenizer.get_vocab()) if callable(getattr(tokenizer, "get_vocab", None)) else 0
+    said = f"{share:.0%} of the tokens {where} gave are the unknown token {tokenizer.unk_token!r}"
+    if 0 < size < BARE_VOCABULARY:
+        said += (
+            f": the tokenizer knows {size} tokens, no words (AutoTokenizer on a folder holding "
+            "a model's weights but no tokenizer files builds one of special tokens alone)"
+        )
+    else:
+        said += (
+            f": its vocabulary of {size} tokens lacks most of these texts' words (another "
+            "language or script: a multilingual model's tokenizer may suit them)"
+        )
     if share >= UNKNOWN_REFUSED:
         raise ValueError(f"{said}; the model would learn from next to nothing")
     print(f"warning: {said}")
@@ -523,7 +546,9 @@ def report_and_check(
         print(f"{where}: columns {sorted(dropped)} dropped (ordered_input_keys does not name them)")
     check_cut(lengths, max_length, where)
     if "input_ids" in keys:
-        check_unknown(dataset.with_format("arrow")[f"{model_name}_input_ids"], tokenizer, where)
+        table = dataset.with_format("arrow")
+        mask = table[f"{model_name}_attention_mask"] if "attention_mask" in keys else None
+        check_unknown(table[f"{model_name}_input_ids"], mask, tokenizer, where)
 
 
 def check_cut(lengths, max_length: int, where: str) -> None:

@@ -221,13 +221,20 @@ def test_a_tokenizer_without_its_vocabulary_is_refused_and_one_that_knows_few_wo
     bare = UserFunctions(module="odd", reconcile=None, load_tokenizer=lambda m: empty,
                          encode=by_tokenizer, load_model=None,
                          ordered_input_keys=lambda m: ["input_ids", "attention_mask"])  # fmt: skip
-    with pytest.raises(ValueError, match=r"100% of the tokens odd.encode \(model 'm'\) gave are "):
+    with pytest.raises(ValueError, match=r"100% of the tokens odd.encode \(model 'm'\) gave .*"
+                       r"the tokenizer knows 5 tokens, no words"):  # fmt: skip
         encode_for(rows(), bare, "m", MAX_LENGTH)
+    # Words the vocabulary lacks, padded to the length (the attention mask says where): said,
+    # as a language or script of another tokenizer's.
     unknown = datasets.Dataset.from_dict({
-        "text": ["Shares fell sharply", "🦜 🦖 🪐 markets", "Rates rose"], "label_id": [0, 1, 0],
+        "text": ["Shares fell", "🦜 🦖 🪐 markets", "🦜 🦖"], "label_id": [0, 1, 0],
     })  # fmt: skip
-    encode_for(unknown, functions(by_tokenizer), "m", MAX_LENGTH)
-    said = capsys.readouterr().out
-    assert "warning: " in said and "are the unknown token '[UNK]' (id 100)" in said
+    encode_for(unknown, functions(padded_by_tokenizer), "m", MAX_LENGTH)
+    said = " ".join(capsys.readouterr().out.split())
+    assert "warning: 62% of the tokens" in said and "its vocabulary of 30522 tokens lacks" in said
     encode_for(rows(), functions(by_tokenizer), "m", MAX_LENGTH)
     assert "unknown token" not in capsys.readouterr().out
+
+
+def padded_by_tokenizer(batch, tok, model_name, max_length):
+    return tok(batch["text"], truncation=True, max_length=max_length, padding="max_length")
