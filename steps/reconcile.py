@@ -18,7 +18,6 @@ import os
 import re
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 
@@ -249,35 +248,43 @@ SYSTEM = ("/proc/", "/sys/", "/dev/", "/etc/", "/usr/", "/lib/", "/lib64/", "/bi
 @contextlib.contextmanager
 def files_read_outside(raw_dir: Path):
     """The files the block opens to read that were there before it, outside `raw_dir`, the
-    job's own folder, Python's installs and paths and the caches (a list, filled as they are
-    opened): Python's "open" audit event, which io.open and os.open raise (sys.addaudithook,
-    PEP 578) and datasets' readers go through (fsspec's local files). Such a file is no input
-    the driver keys a reconcile by: on this machine its edits went unseen by the next run,
-    which reused the snapshot; on SageMaker the job cannot read it."""
-    here = os.getcwd()
-    within = [raw_dir, datasets.config.HF_DATASETS_CACHE, os.environ.get("HF_HOME")]
-    within += [Path.home() / ".cache", sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path]
-    within += [here] if here != os.sep else []  # a container's "/" would hold everything
-    skipped = (*SYSTEM, *(os.path.join(os.path.realpath(p), "") for p in within if p))
+    job's own folder, Python's installs and paths, the caches and the user's configuration
+    (a list, filled as they are opened): Python's "open" audit event, which io.open and
+    os.open raise (sys.addaudithook, PEP 578) and datasets' readers go through (fsspec's local
+    files). Such a file is no input the driver keys a reconcile by: on this machine its edits
+    went unseen by the next run, which reused the snapshot; on SageMaker the job cannot read
+    it. Readers that open files in native code (pyarrow's, pandas' read_parquet, sqlite) and
+    worker processes (`num_proc`) raise no event here: they go unseen."""
+    here, home = os.getcwd(), os.path.join(os.path.realpath(Path.home()), "")
+    within = [raw_dir, datasets.config.HF_DATASETS_CACHE, os.environ.get("HF_HOME"), here]
+    within += [Path.home() / "nltk_data", sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path]
+    # "/" (a container's working folder, and so on sys.path under `python -m`) would hold all.
+    roots = {os.path.join(os.path.realpath(p), "") for p in within if p} - {os.sep}
+    skipped = (*SYSTEM, *roots)
     found: list[str] = []
-    active, started = [True], time.time()
+    made: set[str] = set()  # what the block wrote: its own, not an input
+    active, started = [True], reference_time()
 
     def opened(event: str, args: tuple) -> None:
-        if event == "open" and active[0] and isinstance(args[0], str | os.PathLike):
+        if event == "open" and active[0] and isinstance(args[0], str | bytes | os.PathLike):
             with contextlib.suppress(Exception):  # never the user's open's error
                 noted(*args)
 
     def noted(file, mode, flags) -> None:
         if isinstance(mode, str):  # io.open's mode; os.open's flags
-            reads = not any(c in mode for c in "wax+")
+            writes = any(c in mode for c in "wax+")
         else:
-            reads = flags & os.O_ACCMODE == os.O_RDONLY
+            writes = bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
         path = os.path.realpath(os.fsdecode(file))
-        if not reads or path.startswith(skipped) or path in found or not os.path.isfile(path):
+        if writes:
+            made.add(path)
             return
-        # A file the block made (an archive of the raw data unpacked to a temporary folder)
-        # is no input: its inode changed since the block started (a ctime no tool sets back).
-        if os.stat(path).st_ctime < started:
+        config = path.startswith(home) and path[len(home) :].startswith(".")  # ~/.aws, ~/.config
+        if path.startswith(skipped) or config or path in made or path in found:
+            return
+        # One the block made otherwise (an archive unpacked by a native tool) changed since it
+        # started: its ctime, which no tool sets back, is not older than the block.
+        if os.path.isfile(path) and os.stat(path).st_ctime < started:
             found.append(path)
 
     sys.addaudithook(opened)  # for good (PEP 578): it stops listening when the block ends
@@ -285,6 +292,13 @@ def files_read_outside(raw_dir: Path):
         yield found
     finally:
         active[0] = False
+
+
+def reference_time() -> float:
+    """Now, on the clock the file system stamps ctimes with (a coarse one: a file made this
+    instant can read a few milliseconds before time.time())."""
+    with tempfile.NamedTemporaryFile() as probe:
+        return os.fstat(probe.fileno()).st_ctime
 
 
 def formats_of(files: list[Path]) -> str:
@@ -306,7 +320,8 @@ def called(functions, raw_dir: Path) -> tuple[object, list[str]]:
         print(
             f"warning: {functions.module}.reconcile read files outside the raw data it was "
             f"given ({shown}): a SageMaker job cannot read them, and no later run reuses this "
-            f"snapshot, since their changes are not seen: read the raw data under {raw_dir}"
+            "snapshot, since their changes are not seen: read everything under the folder "
+            "reconcile is given (raw_dir: the job's copy of RAW_DATA)"
         )
     return result, outside
 
@@ -315,8 +330,13 @@ def read_elsewhere(error: RuntimeError, raw_dir) -> str:
     """Where reconcile looked for a file in the job's own folder (a relative path: the
     project's folder on this machine, `data/news.csv`, is no job's), the way to the raw data."""
     missing, here = innermost_cause(error), os.getcwd()
-    said = f"{missing} {getattr(missing, 'filename', '') or ''}"
-    if not isinstance(missing, FileNotFoundError) or here not in said or str(raw_dir) in said:
+    if not isinstance(missing, FileNotFoundError):
+        return ""
+    name = missing.filename if isinstance(missing.filename, str) else None
+    # pandas and open() name the path as given; datasets says it absolute, within the job's.
+    relative = name is not None and not os.path.isabs(name)
+    inside = here != os.sep and here in str(missing) and str(raw_dir) not in str(missing)
+    if not (relative or (name is None and inside)):
         return ""
     return (
         f"; a relative path is read from the job's own folder ({here}), not your project's: "

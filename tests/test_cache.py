@@ -205,14 +205,20 @@ def test_a_reconcile_that_reads_files_outside_its_raw_data_is_never_reused(tmp_p
     assert "not reused later" in second["data_steps"]["reconcile"]["note"]
 
 
-def test_files_the_reconcile_made_or_wrote_are_not_read_outside(tmp_path):
+def test_files_the_reconcile_made_or_wrote_are_not_read_outside(tmp_path, monkeypatch):
     """An archive of the raw data unpacked to a temporary folder and read from there is the
-    job's own making, not an input the cache misses; a file written is not read."""
+    job's own making, not an input the cache misses; a file written is not read; nor is the
+    user's configuration (~/.aws/config, which boto3 reads). A "/" on sys.path (`python -m`
+    in a container working in "/") does not hide everything."""
     import tarfile
     import tempfile
 
     from steps.reconcile import files_read_outside
 
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home/.aws").mkdir(parents=True)
+    (tmp_path / "home/.aws/config").write_text("[default]\n")
+    monkeypatch.syspath_prepend("/")
     raw, old = tmp_path / "raw", tmp_path / "old.csv"
     raw.mkdir()
     (raw / "rows.csv").write_text("id,text\n")
@@ -226,6 +232,7 @@ def test_files_the_reconcile_made_or_wrote_are_not_read_outside(tmp_path):
             (Path(unpacked) / "unpacked.csv").read_text()
         (tmp_path / "written.txt").write_text("out")
         (raw / "rows.csv").read_text()
+        (tmp_path / "home/.aws/config").read_text()
         old.read_text()
     assert outside == [str(old.resolve())]
     old.read_text()  # after the block: not listened to

@@ -221,14 +221,19 @@ def test_a_reconcile_that_returns_a_list_or_a_dataframe_is_told_the_way(
     assert result.status == "Failed" and said in result.failure_reason, result.failure_reason
 
 
-def test_a_relative_path_in_reconcile_is_said_to_be_read_in_the_jobs_folder(store, tmp_path):
+@pytest.mark.parametrize(
+    "reads",
+    ['datasets.load_dataset("csv", data_files="data/news.csv", split="train")',
+     'open("data/news.csv").read()'],  # as pandas' read_csv names it: the path as given
+)  # fmt: skip
+def test_a_relative_path_in_reconcile_is_said_to_be_read_in_the_jobs_folder(store, tmp_path, reads):
     """`data_files="data/news.csv"`, the project's file on this machine, failed with datasets'
     "Unable to find '/tmp/smpipe-jobs-.../data/news.csv'" and nothing about raw_dir."""
-    job, result = reconcile_job(store, tmp_path, """
+    job, result = reconcile_job(store, tmp_path, f"""
         import datasets
 
         def reconcile(raw_dir):
-            return datasets.load_dataset("csv", data_files="data/news.csv", split="train"), {}
+            return {reads}, {{}}
     """)  # fmt: skip
     assert result.status == "Failed"
     assert "a relative path is read from the job's own folder" in result.failure_reason
