@@ -221,33 +221,50 @@ def _csv_rows(path: Path, columns: list[str], delimiter: str) -> Iterator[dict]:
     # A text may be longer than the csv module's default field limit (131,072 characters).
     csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
     with open_text(path, "") as f:
+        consumed: list[str] = []  # the lines of the record being read
+
+        def lines() -> Iterator[str]:
+            for line in f:
+                consumed.append(line)
+                yield line
+
         # strict: a quote left open to the end of the file is an error, not a text holding
-        # every line after it (the csv module's default joins them into one field silently);
-        # so is a quoted field with more after its closing quote. Either is one malformed row.
-        reader = csv.reader(f, delimiter=delimiter, strict=True)
+        # every line after it (the csv module's default joins them into one field silently).
+        # Other strictness (text after a closing quote, `"abc" ,x`) is forgiven as pandas and
+        # datasets forgive it: the record is read again, leniently.
+        reader = csv.reader(lines(), delimiter=delimiter, strict=True)
         header = next(reader, [])
         where = {name: i for i, name in enumerate(header)}
         while True:
+            consumed.clear()
+            error = None
             try:
                 fields = next(reader)
             except StopIteration:
                 return
             except csv.Error as e:
-                yield _row(None, f"line {reader.line_num} is not CSV ({e})", {})
-                continue
+                fields = next(csv.reader(consumed, delimiter=delimiter), [])
+                if "unexpected end of data" in str(e):
+                    start = reader.line_num - len(consumed) + 1
+                    error = f"line {start} is not CSV (a quote opened there is never closed)"
             if not fields:  # a blank line: no row, as pandas and datasets read it
                 continue
-            line = reader.line_num
-            values = {c: fields[where[c]] if where[c] < len(fields) else None for c in columns}
-            id_ = fields[where["id"]] if "id" in where and where["id"] < len(fields) else None
-            error = None
-            if len(fields) != len(header):
-                error = f"line {line} has {len(fields)} fields, the header {len(header)}"
-            if any(v is not None and SURROGATE.search(v) for v in values.values()):
-                error, values = f"line {line} is not UTF-8", {}
-            if id_ is not None and SURROGATE.search(id_):
-                id_ = id_.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-            yield _row(id_, error, values)
+            yield _csv_row(fields, header, where, columns, reader.line_num, error)
+
+
+def _csv_row(fields, header, where, columns, line: int, error: str | None) -> dict:
+    """One record of a CSV as read_rows gives it (`error`: why it is not CSV, if it is not)."""
+    values = {c: fields[where[c]] if where[c] < len(fields) else None for c in columns}
+    id_ = fields[where["id"]] if "id" in where and where["id"] < len(fields) else None
+    if error:
+        values = {}
+    elif len(fields) != len(header):
+        error = f"line {line} has {len(fields)} fields, the header {len(header)}"
+    if any(v is not None and SURROGATE.search(v) for v in values.values()):
+        error, values = f"line {line} is not UTF-8", {}
+    if id_ is not None and SURROGATE.search(id_):
+        id_ = id_.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    return _row(id_, error, values)
 
 
 def _jsonl_rows(path: Path, columns: list[str], texts: list[str]) -> Iterator[dict]:
@@ -312,19 +329,14 @@ ARROW_KINDS = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_()}
 
 
 def write_parts(
-    rows: Iterator[dict],
-    folder: Path,
-    columns: list[str],
-    every=None,
-    kinds=None,
-    named: bool = False,
+    rows: Iterator[dict], folder: Path, columns: list[str], every=None, kinds=None
 ) -> list[int]:
     """The rows as parquet parts of PART_ROWS rows and PART_CHARS characters of text at most in
     `folder` (row, id, error, columns: text, or of their kind in `kinds`); the rows in each
     part. `every(rows so far)` is called after each part. Rows are numbered from 0 in the
     input's order; a row's id is its `id` column's value when the input has one, else that
-    number; where the input `named` its rows (an `id` column), a row whose id cannot be read
-    has none (its number could be another row's id)."""
+    number; a row that could not be read, whose id was not read, has none: its number could
+    be another row's id (its error names its line)."""
     kinds = kinds or {}
     schema = pa.schema(
         [("row", pa.int64()), ("id", pa.string()), ("error", pa.string())]
@@ -347,7 +359,7 @@ def write_parts(
         if chunk and chars + size > PART_CHARS:
             flush()
             chars = 0
-        id_ = row["id"] if row["id"] is not None or named else str(number)
+        id_ = row["id"] if row["id"] is not None or row["error"] else str(number)
         chunk.append({**row, "row": number, "id": id_})
         chars += size
         if len(chunk) == PART_ROWS:

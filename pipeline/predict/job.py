@@ -16,7 +16,6 @@ from pipeline.predict.checks import Chosen
 from pipeline.predict.files import (
     PART,
     OutputWriter,
-    input_columns,
     read_rows,
     write_parts,
 )
@@ -80,8 +79,7 @@ def upload_texts(
 
     with tempfile.TemporaryDirectory(prefix="smpipe-predict-input-") as tmp:
         rows = read_rows(source, kind, columns, kinds)
-        named = "id" in input_columns(source, kind)[0]  # the input names its rows
-        sizes = write_parts(rows, Path(tmp), columns, tell, kinds, named)
+        sizes = write_parts(rows, Path(tmp), columns, tell, kinds)
         if sizes:
             upload_dir(store, tmp, prediction.input)
     return sizes
