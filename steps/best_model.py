@@ -16,7 +16,7 @@ from steps.export import check_batches, check_exports, check_programs, logits_of
 from steps.finetuning import final_model, load_trained_state
 from steps.metrics import metric_line, plot_curves
 from steps.model_files import CURVES, HISTORY, read_record, write_card, write_record
-from steps.prepared_files import capped, read_encoding, tokenizer_identity
+from steps.prepared_files import read_encoding, tokenizer_identity
 from steps.runtime import names
 from steps.tracking import wandb_run_of
 from steps.training_blocks import save_final_model
@@ -177,7 +177,9 @@ def save_tokenizer(job: Job) -> None:
         if recorded.get("sha256") and now != recorded["sha256"]:
             was = recorded["sha256"]
             raise ValueError(f"it is not the one that encoded the rows ({now}, not {was})")
-        # As encode had it: cut at MAX_SEQUENCE_LENGTH, as the model trained and was tested.
-        capped(tokenizer, job.max_length).save_pretrained(job.env.model_dir)
+        # As load_tokenizer gives it, not cut at MAX_SEQUENCE_LENGTH: a later run with a longer
+        # one, or a finetuning from this folder, would be cut at this run's without a word.
+        # The card and smpipe.json say the length its rows were cut to.
+        tokenizer.save_pretrained(job.env.model_dir)
     except Exception as e:  # noqa: BLE001 - the model stands without it
         print(f"warning: the tokenizer of model {name!r} is not saved with it: {e}", flush=True)

@@ -18,7 +18,7 @@ import torch
 
 from steps.hyperparameters import asks_of_the_model
 from steps.model_files import ADAPTER
-from steps.user_code import call, input_keys
+from steps.user_code import call, innermost_cause, input_keys
 
 
 class FinetuningError(ValueError):
@@ -425,6 +425,8 @@ def check_models(functions, settings: dict[str, dict]) -> list[str]:
         try:
             with init_empty_weights():
                 model, given = built_for_the_check(functions, name)
+            if model is None:  # a head for labels of its own: its training job checks it
+                continue
             if not isinstance(model, torch.nn.Module):
                 problems.append(
                     f"{functions.module}.load_model({name!r}, ...) must return a torch.nn.Module, "
@@ -446,7 +448,8 @@ def check_models(functions, settings: dict[str, dict]) -> list[str]:
                 )
             if said := problem_type_problem(model, name, functions.module, hp):
                 problems.append(said)
-            if not asks_of_the_model(hp) and not is_peft(model):  # a PEFT model asks FINETUNING
+            peft_trains = is_peft(model) and hp.get("trains", True)  # it asks of FINETUNING
+            if not asks_of_the_model(hp) and not peft_trains:
                 continue
             doing = (
                 f"checking FINETUNING, GRADIENT_CHECKPOINTING and DISTRIBUTED_STRATEGY against "
@@ -486,13 +489,28 @@ def problem_type_problem(model, name: str, module: str, hp: dict) -> str | None:
 def built_for_the_check(functions, name: str) -> tuple[object, int]:
     """What load_model builds for CHECK_LABELS, and how many labels it was given; one that
     refuses three (a head made for two: a binary task's, say) is built for two, as the data
-    may have exactly two."""
+    may have exactly two. None where the stand-in labels cannot fit a head the checkpoint
+    holds for labels of its own (a model this pipeline trained, loaded again with
+    `num_labels=len(id2label)`: transformers refuses the other sizes unless
+    `ignore_mismatched_sizes=True`), said: the data's labels, which reconcile makes, are
+    what it is built for in its training job."""
     try:
         labels = CHECK_LABELS
         return call(functions, "load_model", name, labels, labels_to_ids(labels)), len(labels)
     except RuntimeError:  # the user's error (steps/user_code.py `call`)
         labels = dict(list(CHECK_LABELS.items())[:2])
-        return call(functions, "load_model", name, labels, labels_to_ids(labels)), len(labels)
+        try:
+            return call(functions, "load_model", name, labels, labels_to_ids(labels)), 2
+        except RuntimeError as e:
+            if "ignore_mismatched_sizes" not in str(innermost_cause(e)):
+                raise
+            print(
+                f"note: {functions.module}.load_model({name!r}, ...) loads a head for labels of "
+                "its own, which the stand-in labels of this check do not fit: its training job "
+                "checks it, for the data's labels",
+                flush=True,
+            )
+            return None, 0
 
 
 def labels_to_ids(id2label: dict[int, str]) -> dict[str, int]:

@@ -95,7 +95,10 @@ A text classifier finetuned{from_base} by smpipe: its best epoch by validation m
 {best}, {float(record["best_validation_f1"]):.4f}) is these weights. The exports
 beside them (TorchScript, torch.export) take `{", ".join(record["ordered_input_keys"])}` in that
 order; `smpipe.json` records which passed their check against these weights. The test-set
-metrics are the run's own (its `inference/` folder and report.html).
+metrics are the run's own (its `inference/` folder and report.html). Its rows were cut to
+{record["max_length"]} tokens: give it texts so (`tokenizer(texts, truncation=True,
+max_length={record["max_length"]})`, or transformers' `pipeline` with `truncation=True,
+max_length={record["max_length"]}`).
 
 ## Labels
 

@@ -350,8 +350,8 @@ def test_the_model_folder_holds_its_tokenizer_and_transformers_pipeline_labels_a
 ):
     """The folder held no tokenizer: `AutoTokenizer.from_pretrained(folder)` built one of
     special tokens alone there and made every word [UNK], without an error, so a run that
-    loaded a trained model from it, or transformers' pipeline on it, read nothing. Saved as
-    encode had it (cut at MAX_SEQUENCE_LENGTH), the pipeline gives inference's labels."""
+    loaded a trained model from it, or transformers' pipeline on it, read nothing. Given texts
+    cut as the card says, the pipeline gives inference's labels."""
     from transformers import AutoTokenizer, pipeline
 
     store, run, models, _ = lora_run
@@ -361,7 +361,8 @@ def test_the_model_folder_holds_its_tokenizer_and_transformers_pipeline_labels_a
     reconciled = datasets.load_from_disk(str(store.root / "test-exp/data/0001/reconciled/dataset"))
     texts = dict(zip(reconciled["id"], reconciled["text"], strict=True))
     classify = pipeline("text-classification", model=str(models / "model"), device="cpu")
-    got = classify([texts[i] for i in inferred["id"]], truncation=True)
+    cut = json.loads((models / "model/smpipe.json").read_text())["max_length"]  # as the card says
+    got = classify([texts[i] for i in inferred["id"]], truncation=True, max_length=cut)
     assert [g["label"] for g in got] == list(inferred["predicted"])
 
 
@@ -507,3 +508,32 @@ def test_a_users_peft_model_that_leaves_an_untrained_pooler_frozen_is_said(capsy
         out = " ".join(capsys.readouterr().out.split())
         assert ("leaves bert.pooler frozen" in out) == said, out
         assert ("add 'pooler' to LoraConfig's modules_to_save" in out) == said
+
+
+def test_a_model_this_pipeline_trained_loaded_again_is_checked_by_its_job(tmp_path, capsys):
+    """A trained folder (a head for five labels) given to from_pretrained with
+    num_labels=len(id2label), as a user reuses a model: the check's stand-in labels (three,
+    then two) do not fit its head and transformers refuses them, which refused the run before
+    any job although the data has the five labels. It is said and left to its training job;
+    a data-steps run is not refused for a PEFT model either."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from steps.finetuning import check_models
+    from steps.user_code import UserFunctions
+
+    config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, num_labels=5)  # fmt: skip
+    BertForSequenceClassification(config).save_pretrained(tmp_path / "trained")
+
+    def load(name, id2label, label2id):
+        if name == "peft":
+            return get_peft_model(tiny_bert(), LoraConfig(r=2, target_modules=["query"]))
+        return AutoModelForSequenceClassification.from_pretrained(
+            tmp_path / "trained", num_labels=len(id2label), id2label=id2label, label2id=label2id
+        )
+
+    functions = UserFunctions(module="mine", reconcile=None, load_tokenizer=None, encode=None,
+                              load_model=load, ordered_input_keys=lambda m: ["input_ids"])  # fmt: skip
+    assert check_models(functions, {"again": {**DEFAULTS, "trains": True}}) == []
+    assert "loads a head for labels of its own" in " ".join(capsys.readouterr().out.split())
+    assert check_models(functions, {"peft": {**DEFAULTS, "trains": False}}) == []
