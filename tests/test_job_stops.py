@@ -127,3 +127,34 @@ def test_a_stop_counts_only_where_it_reached_a_running_container(store, tmp_path
     local.containers.stop("hang-stopped")
     thread.join(timeout=60)
     assert local.containers.stop_reached("hang-stopped") and results[0].status == "Stopped"
+
+
+def test_a_trial_in_progress_has_its_objective_pending_and_a_stopped_tuning_job_stops_it(
+    store, emulator, inputs
+):
+    """ListTrainingJobsForHyperParameterTuningJob said Failed of a trial still running (its
+    ObjectiveStatus: "Pending: The training job is in progress and evaluation of its final
+    objective metric is pending", the service model); StopHyperParameterTuningJob then stops
+    the trials: Stopped, with the objective one reported."""
+    from tests.test_emulator import tuning_job
+
+    job = tuning_job("tune-pending")
+    job.trial.hyperparameters = {"model_name": "probe", "epochs": "1", "sleep": "60",
+                                 "finish_on_stop": "1"}  # fmt: skip
+    request = backend(emulator).request(job)
+    emulator.client.create_hyper_parameter_tuning_job(**request)
+    listing = emulator.client.list_training_jobs_for_hyper_parameter_tuning_job
+    name = request["HyperParameterTuningJobName"]
+    until(lambda: list(emulator.work_root.glob(f"{name}*/**/seen-rank0.json")))  # in its sleep
+    running = listing(HyperParameterTuningJobName=name)["TrainingJobSummaries"]
+    assert {s["ObjectiveStatus"] for s in running} == {"Pending"}
+    emulator.client.stop_hyper_parameter_tuning_job(HyperParameterTuningJobName=name)
+    described = emulator.client.describe_hyper_parameter_tuning_job
+    until(lambda: described(HyperParameterTuningJobName=name)["HyperParameterTuningJobStatus"]
+          in ("Stopped", "Completed", "Failed"))  # fmt: skip
+    ended = listing(HyperParameterTuningJobName=name)["TrainingJobSummaries"]
+    assert {s["TrainingJobStatus"] for s in ended} == {"Stopped"}
+    for trial in ended:  # one stopped before it reported an objective has none evaluated
+        reported = "FinalHyperParameterTuningJobObjectiveMetric" in trial
+        assert trial["ObjectiveStatus"] == ("Succeeded" if reported else "Failed")
+    assert any("FinalHyperParameterTuningJobObjectiveMetric" in trial for trial in ended)

@@ -215,5 +215,10 @@ class TuningService:
                 "MetricName": objective["MetricName"],
                 "Value": value,
             }
-        summary["ObjectiveStatus"] = "Succeeded" if value is not None else "Failed"
+        # "Pending: The training job is in progress and evaluation of its final objective
+        # metric is pending" (ObjectiveStatus in botocore's sagemaker service-2.json).
+        ended = job.training_job_status in TERMINAL
+        summary["ObjectiveStatus"] = (
+            "Pending" if not ended else "Succeeded" if value is not None else "Failed"
+        )
         return summary
