@@ -246,6 +246,22 @@ def test_the_players_training_configs_have_the_shapes_sagemaker_writes(tmp_path)
     documented = corpus("training/inputdataconfig.docs.json")["validation"]
     assert json.loads((config / "inputdataconfig.json").read_text()) == {"train": documented}
     assert json.loads((config / "hyperparameters.json").read_text()) == {"epochs": "2"}
+    # A channel's ContentType as the documented example has it; one without InputMode takes
+    # the job's TrainingInputMode (Channel's InputMode in the service model). The player wrote
+    # no ContentType and "File" for such a channel.
+    request["InputDataConfig"][0] |= {"ContentType": "trainingContentType"}
+    request["InputDataConfig"].append({"ChannelName": "evaluation", "ContentType": "evalContentType",
+                                       "DataSource": request["InputDataConfig"][0]["DataSource"]})  # fmt: skip
+    request["AlgorithmSpecification"] = {"TrainingInputMode": "File"}
+    lay_out_training(request, tmp_path, "algo-2", ["algo-1", "algo-2"], lambda uri, local: local.mkdir(parents=True, exist_ok=True), {})  # fmt: skip
+    both = corpus("training/inputdataconfig.docs.json")
+    assert json.loads((config / "inputdataconfig.json").read_text()) == {
+        "train": both["train"], "evaluation": both["evaluation"]}  # fmt: skip
+    request["AlgorithmSpecification"] = {"TrainingInputMode": "FastFile"}
+    lay_out_training(request, tmp_path, "algo-2", ["algo-1", "algo-2"], lambda uri, local: local.mkdir(parents=True, exist_ok=True), {})  # fmt: skip
+    written = json.loads((config / "inputdataconfig.json").read_text())
+    assert (written["train"]["TrainingInputMode"], written["evaluation"]["TrainingInputMode"]) == (
+        "File", "FastFile")  # fmt: skip
 
 
 def test_the_players_list_ten_hosts_as_sagemaker_sorts_them(tmp_path, monkeypatch):

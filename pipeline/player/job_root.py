@@ -241,10 +241,17 @@ def lay_out_training(
             source["S3Uri"],
             host_path(root, names.INPUT_DATA_DIR) / channel["ChannelName"],
         )
+        # A channel without InputMode takes TrainingInputMode's ("If you don't set a value for
+        # InputMode, SageMaker uses the value set for TrainingInputMode": Channel in the service
+        # model); ContentType is there where the channel sets one (your-algorithms-training-
+        # algo-running-container's example; ../shared/aws-container-facts.md).
+        algorithm = request.get("AlgorithmSpecification", {})
+        mode = channel.get("InputMode") or algorithm.get("TrainingInputMode", "File")
         input_config[channel["ChannelName"]] = {
-            "TrainingInputMode": channel.get("InputMode", "File"),
+            **({"ContentType": channel["ContentType"]} if channel.get("ContentType") else {}),
+            "TrainingInputMode": mode,
             "S3DistributionType": source.get("S3DataDistributionType", "FullyReplicated"),
-            "RecordWrapperType": "None",
+            "RecordWrapperType": channel.get("RecordWrapperType", "None"),
         }
     resource = resource_config(request, host, hosts)
     write_json(host_path(root, names.HYPERPARAMETERS_FILE), hyperparameters)
