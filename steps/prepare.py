@@ -100,10 +100,11 @@ def same_inputs(
     dataset: datasets.Dataset, models: list[list[str]], labels: list[int]
 ) -> np.ndarray | None:
     """Each row's group, numbered by first appearance; None where no two rows share one. Rows
-    share a group where a model is given the same (every column of its encoding, in
-    `models`: ids that lower case and spaces made equal included) for the same label,
-    whichever model; rows of one text and another label are not grouped, so that a label
-    whose rows copy another label's texts still reaches every split."""
+    share a group where they hold the same in every column a model's encode reads (`models`:
+    the columns of each) and the same label, whichever model; rows of one text and another
+    label are not grouped, so that a label whose rows copy another label's texts still
+    reaches every split. The columns as reconcile gave them, not as encoded: texts that
+    differ only after MAX_SEQUENCE_LENGTH (a long common header) stay apart."""
     parent = np.arange(len(dataset))
 
     def root(i: int) -> int:
@@ -113,7 +114,7 @@ def same_inputs(
         return i
 
     table, repeated = dataset.with_format("arrow"), False
-    for columns in models:
+    for columns in filter(None, models):  # a model whose encode reads no column: no text
         first: dict[tuple, int] = {}
         keys = zip(*(row_digests(table[c]) for c in columns), labels, strict=True)
         for row, key in enumerate(keys):
@@ -127,22 +128,19 @@ def same_inputs(
     return np.unique(roots, return_inverse=True)[1].reshape(-1)  # roots: first rows, in order
 
 
-def row_digests(column: pa.ChunkedArray) -> list:
-    """Each row's value of an encoded column as a key: a list (token ids) by a digest of its
-    values' bytes (memory does not grow with the rows' lengths), anything else as it is."""
-    keys: list = []
+def row_digests(column: pa.ChunkedArray) -> list[bytes]:
+    """Each row's value of a column as a 16-byte digest (memory does not grow with the texts'
+    lengths), a slice of rows at a time: a text, a list (pre-split words), a number."""
+    keys: list[bytes] = []
     for chunk in column.chunks:
-        if not (pa.types.is_list(chunk.type) or pa.types.is_large_list(chunk.type)):
-            keys += chunk.to_pylist()
-            continue
-        offsets = np.asarray(chunk.offsets)
-        values = np.asarray(chunk.flatten())
-        offsets = offsets - offsets[0]
-        keys += [
-            hashlib.blake2b(values[a:b].tobytes(), digest_size=16).digest()
-            for a, b in zip(offsets[:-1], offsets[1:], strict=True)
-        ]
+        for start in range(0, len(chunk), DIGESTED_ROWS):
+            for value in chunk.slice(start, DIGESTED_ROWS).to_pylist():
+                said = repr(value).encode("utf-8", "surrogatepass")
+                keys.append(hashlib.blake2b(said, digest_size=16).digest())
     return keys
+
+
+DIGESTED_ROWS = 10_000  # rows of a column in Python at once, while their digests are taken
 
 
 def fractions_of(args: argparse.Namespace) -> tuple[float, float, float]:
@@ -158,16 +156,16 @@ def repeats_together(
     args: argparse.Namespace,
     splits: dict[str, np.ndarray],
 ) -> dict[str, np.ndarray]:
-    """`splits`, or where rows repeat what a model is given of another row of their label,
+    """`splits`, or where rows repeat what a model's encode reads of another row of their label,
     the split that keeps each such group in one part (`grouped_split`), said; and where a
     large group pulls a part's size far from its fraction, that too."""
     groups = same_inputs(dataset, models, labels)
     if groups is None:
         return splits
     print(
-        f"{len(groups) - groups.max() - 1} rows repeat, for their label, what a model is "
-        "given of another row: each such group is kept in one split, so that no validation "
-        "or test row is a training row again (reconcile may drop the duplicates)"
+        f"{len(groups) - groups.max() - 1} rows repeat, for their label, what a model's encode "
+        "reads of another row: each such group is kept in one split, so that no validation or "
+        "test row is a training row again (reconcile may drop the duplicates)"
     )
     grouped = grouped_split(labels, groups, id2label, args)
     asked = dict(zip(grouped, fractions_of(args), strict=True))
@@ -195,8 +193,8 @@ def grouped_split(
         chosen = stratified_split([labels[i] for i in first], id2label, args)
     except ValueError as e:
         raise ValueError(
-            f"{e} (counting once the rows of one label that a model is given alike, once "
-            "MAX_SEQUENCE_LENGTH has cut them)"
+            f"{e} (counting once the rows of one label whose text a model's encode reads is "
+            "the same)"
         ) from None
     return {name: np.flatnonzero(np.isin(groups, picked)) for name, picked in chosen.items()}
 
@@ -613,8 +611,8 @@ def main() -> None:
     read = {c for record in encoded.values() for c in record["reads"] if c not in record["kinds"]}
     for line in empty_texts(snapshot, sorted(read)):
         print(f"warning: {line}")
-    seen = [[f"{m}_{k}" for k in inputs[m]["keys"]] for m in model_names]  # what each is given
-    splits = repeats_together(dataset, seen, dataset["label_id"], id2label, args, splits)
+    reads = [encoded[m]["reads"] for m in model_names]  # the columns each model's encode reads
+    splits = repeats_together(snapshot, reads, dataset["label_id"], id2label, args, splits)
     sizes = {}
     for name, indices in splits.items():
         part = dataset.select(indices)
