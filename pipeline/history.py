@@ -226,7 +226,7 @@ def compare_runs(store: Store, tree: ExperimentTree, a: int, b: int) -> dict:
 def why_not_comparable(a: tuple[int, dict], b: tuple[int, dict], changes: list[str]) -> str | None:
     """Why two runs' (number, Metadata) metrics say nothing against each other, or None: a
     run that tested no model, or test sets that differ. The test rows are the snapshot's,
-    split by the SPLIT_SETTINGS (steps/prepare.py `stratified_split`): one snapshot split
+    split by the SPLIT_SETTINGS (steps/splits.py `stratified_split`): one snapshot split
     otherwise is other rows."""
     (n, first), (m, second) = a, b
     untested = [(k, r) for k, r in (a, b) if not r.get("holdout_performance")]

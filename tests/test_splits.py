@@ -9,6 +9,7 @@ import datasets
 import pytest
 
 from steps import prepare
+from steps.splits import grouped_split, repeats_together, stratified_split
 
 ARGUMENTS = {"--model-names": "minilm", "--max-length": "16", "--train-fraction": "0.6",
              "--validation-fraction": "0.2", "--test-fraction": "0.2", "--seed": "3"}  # fmt: skip
@@ -57,7 +58,7 @@ def test_rows_without_repeats_are_split_as_before(tmp_path, monkeypatch, capsys)
         validation_fraction=0.2, test_fraction=0.2, train_fraction=0.6, seed=3
     )
     labels = [i % 3 for i in range(30)]
-    expected = prepare.stratified_split(labels, dict(enumerate("abc")), args)
+    expected = stratified_split(labels, dict(enumerate("abc")), args)
     assert {n: [rows[i]["text"] for i in idx] for n, idx in expected.items()} == splits
     assert "repeat" not in capsys.readouterr().out
 
@@ -75,7 +76,7 @@ def test_too_few_distinct_inputs_for_a_label_are_refused_saying_repeats_count_on
     with pytest.raises(
         ValueError, match=r"too few rows \{'b': 1\}.*counting once the rows of one label"
     ):
-        prepare.grouped_split(labels, groups, {0: "a", 1: "b"}, args)
+        grouped_split(labels, groups, {0: "a", 1: "b"}, args)
 
 
 def test_a_label_copying_another_labels_texts_reaches_every_split_and_cut_texts_stay_apart(
@@ -150,7 +151,7 @@ def test_a_large_group_that_pulls_a_split_far_from_its_fraction_is_said(capsys):
         args = argparse.Namespace(
             train_fraction=0.6, validation_fraction=0.2, test_fraction=0.2, seed=seed
         )
-        parts = prepare.repeats_together(
+        parts = repeats_together(
             dataset, [["m_input_ids"]], labels, dict(enumerate("abc")), args, {}
         )
         out = " ".join(capsys.readouterr().out.split())

@@ -157,7 +157,7 @@ def split_args(train=0.8, validation=0.1, test=0.1, seed=0):
 
 
 def test_a_split_that_cannot_be_made_says_how_many_rows_a_label_needs_and_names_a_few():
-    from steps.prepare import stratified_split
+    from steps.splits import stratified_split
 
     # 200 labels of 4 rows, and one of 12 (enough): 0.8/0.1/0.1 needs 10 rows a label.
     counts = {f"label-{i:03d}": 4 for i in range(200)} | {"label-big": 12, "label-000": 3}
@@ -183,7 +183,7 @@ def test_a_split_that_cannot_be_made_says_how_many_rows_a_label_needs_and_names_
 def test_the_rows_a_label_needs_are_enough_for_every_split_to_hold_it(fractions, labels_count):
     """The figure the message gives is one the split accepts: with that many rows per label
     (a few labels with a row or two more) every label is in train, validation and test."""
-    from steps.prepare import rows_a_label_needs, stratified_split
+    from steps.splits import rows_a_label_needs, stratified_split
 
     need = rows_a_label_needs(*fractions)
     extra = np.random.default_rng(labels_count).integers(0, 3, labels_count)
