@@ -16,7 +16,7 @@ from steps.export import check_batches, check_exports, check_programs, logits_of
 from steps.finetuning import final_model, load_trained_state
 from steps.metrics import metric_line, plot_curves
 from steps.model_files import CURVES, HISTORY, read_record, write_card, write_record
-from steps.prepared_files import read_encoding, tokenizer_identity
+from steps.prepared_files import other_tokenizer, read_encoding
 from steps.runtime import names
 from steps.tracking import wandb_run_of
 from steps.training_blocks import save_final_model
@@ -168,15 +168,12 @@ def save_tokenizer(job: Job) -> None:
     name = job.hp["model_name"]
     try:
         functions = load_user_functions(os.environ[names.USER_FUNCTIONS_VARIABLE])
-        encoding = read_encoding(job.env.channels["labels"])
-        recorded = ((encoding.get("models") or {}).get(name) or {}).get("tokenizer") or {}
         tokenizer = call(functions, "load_tokenizer", name)
         if not callable(getattr(tokenizer, "save_pretrained", None)):
             return
-        now = tokenizer_identity(tokenizer).get("sha256")
-        if recorded.get("sha256") and now != recorded["sha256"]:
-            was = recorded["sha256"]
-            raise ValueError(f"it is not the one that encoded the rows ({now}, not {was})")
+        encoding = read_encoding(job.env.channels["labels"])
+        if differs := other_tokenizer(tokenizer, encoding, name):
+            raise ValueError(f"it is not the one that encoded the rows ({differs})")
         # As load_tokenizer gives it, not cut at MAX_SEQUENCE_LENGTH: a later run with a longer
         # one, or a finetuning from this folder, would be cut at this run's without a word.
         # The card and smpipe.json say the length its rows were cut to.

@@ -32,7 +32,7 @@ from steps.inference import load_program, run_batches
 from steps.model_files import RECORD, read_record
 from steps.precision import Precision, resolve
 from steps.prepare import check_cut, clip_limits, encode_cut
-from steps.prepared_files import capped, read_encoding, recorded_kinds, tokenizer_identity
+from steps.prepared_files import capped, other_tokenizer, read_encoding, recorded_kinds
 from steps.runtime import names
 from steps.runtime.environment import processing_input, processing_output
 from steps.runtime.step import run_step
@@ -109,14 +109,11 @@ def load_encoder(name: str, keys: list[str], encoding: dict) -> Encoder:
     the run's data (encoding.json) would give the model ids it was not trained on."""
     functions = load_user_functions(os.environ[names.USER_FUNCTIONS_VARIABLE])
     tokenizer = call(functions, "load_tokenizer", name)
-    recorded = ((encoding.get("models") or {}).get(name) or {}).get("tokenizer") or {}
-    now = tokenizer_identity(tokenizer)
-    if recorded.get("sha256") and now.get("sha256") and recorded["sha256"] != now["sha256"]:
+    if differs := other_tokenizer(tokenizer, encoding, name):
         raise ValueError(
             f"{functions.module}.load_tokenizer({name!r}) returns another tokenizer than the one "
-            f"that encoded the run's data (sha256 {now['sha256']}, encoding.json records "
-            f"{recorded['sha256']} for {recorded.get('name_or_path')!r}): the model would be "
-            "given ids it was not trained on"
+            f"that encoded the run's data ({differs}): the model would be given ids it was not "
+            "trained on"
         )
     tokenizer = capped(tokenizer, encoding["max_length"])  # as prepare gave it to encode
     where = f"{functions.module}.encode (model {name!r})"

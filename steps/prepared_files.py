@@ -133,6 +133,16 @@ def tokenizer_identity(tokenizer) -> dict:
     return identity
 
 
+def other_tokenizer(tokenizer, encoding: dict, model_name: str) -> str | None:
+    """How `tokenizer` differs from the one that encoded the model's rows (encoding.json), or
+    None: the same, or one of the two without a hash to compare."""
+    recorded = ((encoding.get("models") or {}).get(model_name) or {}).get("tokenizer") or {}
+    now, was = tokenizer_identity(tokenizer).get("sha256"), recorded.get("sha256")
+    if not now or not was or now == was:
+        return None
+    return f"sha256 {now}, encoding.json records {was} for {recorded.get('name_or_path')!r}"
+
+
 def fast_definition(backend) -> str:
     """A fast tokenizer's definition as the tokenizers library serializes it (vocabularies in
     id order), without the truncation and padding each call sets: those are lifted for the

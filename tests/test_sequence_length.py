@@ -80,3 +80,19 @@ def test_prepare_records_the_length_and_each_tokenizer_beside_the_data(tmp_path,
     split = read_split(tmp_path / "train")
     assert max(split.column("minilm__length").to_pylist()) == 16  # cut here, once
     Batches(split, "minilm", ["input_ids"], {**INPUTS, "pad": {"input_ids": 0}}, max_length=16)
+
+
+def test_another_tokenizer_than_the_one_that_encoded_the_rows_is_told_apart():
+    """predict refuses, and the training job does not save, a tokenizer load_tokenizer returns
+    now that is not the one encoding.json records; one of the two without a hash is not
+    compared (steps/prepared_files.py `other_tokenizer`, their one check)."""
+    from steps.prepared_files import other_tokenizer
+    from user_functions import load_tokenizer
+
+    tokenizer = load_tokenizer("minilm")
+    record = {"models": {"m": {"tokenizer": tokenizer_identity(tokenizer)}}}
+    assert other_tokenizer(tokenizer, record, "m") is None
+    record["models"]["m"]["tokenizer"]["sha256"] = "0" * 16
+    assert other_tokenizer(tokenizer, record, "m").endswith(f"records {'0' * 16} for " + repr(
+        tokenizer.name_or_path))  # fmt: skip
+    assert other_tokenizer(tokenizer, {"models": {}}, "m") is None

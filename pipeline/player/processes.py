@@ -207,18 +207,19 @@ class Containers:
         for pid in pids:
             self._signal(pid, signum, stopping=not restartable)
 
-    def _signal(self, pid: int, signum: int, stopping: bool = True) -> None:
+    def _signal(self, pid: int, signum: int, stopping: bool = True) -> bool:
         """`signum` to a container, and SIGKILL to it `grace_seconds` later if it still runs;
-        `stopping`: a stop of its job, not a spot reclaim (`stop_reached`)."""
+        `stopping`: a stop of its job on request (`stop_reached`). Whether it reached one."""
         try:
             self.launcher.signal(pid, signum)
         except ProcessLookupError:
-            return
+            return False
         if stopping:
             self._reach(pid)
         timer = threading.Timer(self.grace_seconds, self._kill, args=(pid,))
         timer.daemon = True
         timer.start()
+        return True
 
     def _time_out(self, pid: int) -> None:
         """MaxRuntimeInSeconds reached: the container is stopped as StopTrainingJob stops one
@@ -228,15 +229,10 @@ class Containers:
         with self._lock:
             if pid not in self._running:
                 return
-        try:
-            self.launcher.signal(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        with self._lock:
-            self._timed_out.add(pid)  # not a stop on request (`stop_reached`): its own reason
-        timer = threading.Timer(self.grace_seconds, self._kill, args=(pid,))
-        timer.daemon = True
-        timer.start()
+        # Not a stop on request (`stop_reached`): its own reason, MaxRuntimeExceeded.
+        if self._signal(pid, signal.SIGTERM, stopping=False):
+            with self._lock:
+                self._timed_out.add(pid)
 
     def _kill(self, pid: int) -> None:
         """SIGKILL to a container that outlived its grace: every process in it ends."""
